@@ -1,0 +1,1 @@
+//! vessel benchmarks live in `benches/`; this library is empty.

@@ -1,0 +1,279 @@
+//! vesseld's configuration file (TOML). `vesseld config default` prints [`DEFAULT_CONFIG`],
+//! which documents every key; a test keeps it equal to `Config::default()`.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use vessel_images::RegistryConfig;
+
+/// The documented defaults, as `vesseld config default` prints them.
+pub const DEFAULT_CONFIG: &str = r#"# vessel configuration (vesseld --config FILE).
+# Every key is optional; the values below are the defaults.
+
+[daemon]
+# CRI endpoint. kubelet: --container-runtime-endpoint=unix:///run/vessel/vessel.sock
+socket = "/run/vessel/vessel.sock"
+# Group (name or gid) given the socket, which is created with mode 0660. Empty: root's group.
+socket_group = ""
+# Persistent state: the image store, pod and container records.
+root_dir = "/var/lib/vessel"
+# Runtime state that a reboot clears: sockets, netns pins, mounts.
+state_dir = "/run/vessel"
+# trace, debug, info, warn or error; the RUST_LOG environment variable overrides it.
+log_level = "info"
+# "text" or "json".
+log_format = "text"
+# Prometheus metrics over HTTP at this TCP address (GET /metrics). Empty disables them.
+metrics_address = "127.0.0.1:9654"
+
+[images]
+# The platform picked from multi-platform images (os/arch[/variant]).
+platform = "linux/amd64"
+# Layer downloads running at once, across all pulls.
+max_concurrent_downloads = 3
+# Seconds to wait for a TCP/TLS connection to a registry.
+connect_timeout_secs = 10
+
+# Per-registry settings, keyed by registry host as it appears in image names
+# ("docker.io", "quay.io", "registry.local:5000"), like containerd's hosts.toml:
+#
+# [images.registries."docker.io"]
+# mirrors = ["https://mirror.example.com"]  # tried in order before the registry itself
+# mirrors_only = false                      # true: never fall back to the registry itself
+# insecure = false                          # plain HTTP and unverified TLS allowed
+# ca_file = "/etc/vessel/certs/registry.pem"  # extra CA to trust
+#
+# Loopback registries (localhost, 127.0.0.0/8) are treated as insecure, as Docker does.
+"#;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub daemon: DaemonConfig,
+    pub images: ImagesConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DaemonConfig {
+    pub socket: PathBuf,
+    pub socket_group: String,
+    pub root_dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub log_level: String,
+    pub log_format: LogFormat,
+    pub metrics_address: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ImagesConfig {
+    pub platform: String,
+    pub max_concurrent_downloads: usize,
+    pub connect_timeout_secs: u64,
+    pub registries: BTreeMap<String, RegistryConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            daemon: DaemonConfig::default(),
+            images: ImagesConfig::default(),
+        }
+    }
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            socket: "/run/vessel/vessel.sock".into(),
+            socket_group: String::new(),
+            root_dir: "/var/lib/vessel".into(),
+            state_dir: "/run/vessel".into(),
+            log_level: "info".into(),
+            log_format: LogFormat::Text,
+            metrics_address: "127.0.0.1:9654".into(),
+        }
+    }
+}
+
+impl Default for ImagesConfig {
+    fn default() -> Self {
+        ImagesConfig {
+            platform: "linux/amd64".into(),
+            max_concurrent_downloads: 3,
+            connect_timeout_secs: 10,
+            registries: BTreeMap::new(),
+        }
+    }
+}
+
+/// Why a configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("parsing config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Loads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let c: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        c.validate(path)?;
+        Ok(c)
+    }
+
+    pub fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
+        if vessel_images::oci::Platform::parse(&self.images.platform).is_none() {
+            return Err(invalid(format!(
+                "images.platform {:?} is not os/arch[/variant]",
+                self.images.platform
+            )));
+        }
+        if self.images.max_concurrent_downloads == 0 {
+            return Err(invalid(
+                "images.max_concurrent_downloads must be at least 1".into(),
+            ));
+        }
+        for (k, v) in [
+            ("daemon.socket", &self.daemon.socket),
+            ("daemon.root_dir", &self.daemon.root_dir),
+            ("daemon.state_dir", &self.daemon.state_dir),
+        ] {
+            if !v.is_absolute() {
+                return Err(invalid(format!("{k} must be an absolute path, not {v:?}")));
+            }
+        }
+        // A unix socket path is limited to 107 bytes.
+        if self.daemon.socket.as_os_str().len() > 107 {
+            return Err(invalid(format!(
+                "daemon.socket {:?} is longer than a unix socket path may be (107 bytes)",
+                self.daemon.socket
+            )));
+        }
+        if !matches!(
+            self.daemon.log_level.as_str(),
+            "trace" | "debug" | "info" | "warn" | "error"
+        ) {
+            return Err(invalid(format!(
+                "daemon.log_level {:?} is not one of trace, debug, info, warn, error",
+                self.daemon.log_level
+            )));
+        }
+        if !self.daemon.metrics_address.is_empty()
+            && self
+                .daemon
+                .metrics_address
+                .parse::<std::net::SocketAddr>()
+                .is_err()
+        {
+            return Err(invalid(format!(
+                "daemon.metrics_address {:?} is not host:port",
+                self.daemon.metrics_address
+            )));
+        }
+        for (host, r) in &self.images.registries {
+            for m in &r.mirrors {
+                if m.trim().is_empty() {
+                    return Err(invalid(format!("images.registries.{host:?}: empty mirror")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The image store lives here.
+    pub fn image_root(&self) -> PathBuf {
+        self.daemon.root_dir.join("images")
+    }
+
+    pub fn pull_config(&self) -> vessel_images::PullConfig {
+        vessel_images::PullConfig {
+            platform: vessel_images::oci::Platform::parse(&self.images.platform)
+                .unwrap_or_else(|| vessel_images::PullConfig::default().platform),
+            registries: self.images.registries.clone(),
+            max_concurrent_downloads: self.images.max_concurrent_downloads,
+            connect_timeout: std::time::Duration::from_secs(self.images.connect_timeout_secs),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        let c = Config::parse(DEFAULT_CONFIG, Path::new("default")).unwrap();
+        assert_eq!(c, Config::default());
+    }
+
+    #[test]
+    fn empty_file_is_defaults() {
+        assert_eq!(
+            Config::parse("", Path::new("x")).unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn registries_parse() {
+        let c = Config::parse(
+            r#"
+[images.registries."docker.io"]
+mirrors = ["https://m1", "http://m2:5000"]
+[images.registries."r.local:5000"]
+insecure = true
+ca_file = "/etc/ca.pem"
+"#,
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(c.images.registries["docker.io"].mirrors.len(), 2);
+        assert!(c.images.registries["r.local:5000"].insecure);
+    }
+
+    #[test]
+    fn rejects_typos_and_bad_values() {
+        for bad in [
+            "[daemon]\nsocket_path = \"/x\"",
+            "[images]\nplatform = \"amd64\"",
+            "[daemon]\nroot_dir = \"relative\"",
+            "[daemon]\nlog_level = \"loud\"",
+            "[images]\nmax_concurrent_downloads = 0",
+            "[images.registries.\"x\"]\nmirror = [\"a\"]",
+        ] {
+            assert!(Config::parse(bad, Path::new("x")).is_err(), "{bad}");
+        }
+    }
+}

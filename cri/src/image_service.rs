@@ -1,0 +1,237 @@
+//! CRI ImageService over vessel's image store.
+
+use crate::errors::image_status;
+use crate::metrics::Metrics;
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+use tonic::{Request, Response, Status};
+use vessel_images::store::ImageRecord;
+use vessel_images::{Credentials, ImageStore, Puller};
+
+pub struct ImageService {
+    puller: Arc<Puller>,
+    metrics: Arc<Metrics>,
+}
+
+impl ImageService {
+    pub fn new(puller: Arc<Puller>, metrics: Arc<Metrics>) -> Self {
+        ImageService { puller, metrics }
+    }
+
+    fn store(&self) -> Arc<ImageStore> {
+        self.puller.store().clone()
+    }
+}
+
+/// Runs blocking store work off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("image store task failed: {e}")))?
+}
+
+/// uid or username from an image's `User` (`1000`, `1000:1000`, `name`, `name:group`), as
+/// kubelet expects them for runAsNonRoot checks.
+pub fn user_fields(user: Option<&str>) -> (Option<i64>, String) {
+    let user = user.unwrap_or("").trim();
+    if user.is_empty() {
+        return (None, String::new());
+    }
+    let u = user.split(':').next().unwrap_or("");
+    match u.parse::<i64>() {
+        Ok(uid) => (Some(uid), String::new()),
+        Err(_) => (None, u.to_string()),
+    }
+}
+
+pub fn to_cri_image(r: &ImageRecord) -> cri::Image {
+    let (uid, username) = user_fields(r.run_config.user.as_deref());
+    cri::Image {
+        id: r.id.to_string(),
+        repo_tags: r.repo_tags.clone(),
+        repo_digests: r.repo_digests.clone(),
+        size: r.size,
+        uid: uid.map(|value| cri::Int64Value { value }),
+        username,
+        spec: Some(cri::ImageSpec {
+            image: r.id.to_string(),
+            ..Default::default()
+        }),
+        pinned: r.pinned,
+    }
+}
+
+fn image_name(spec: Option<&cri::ImageSpec>) -> Result<String, Status> {
+    let name = spec.map(|s| s.image.trim()).unwrap_or("");
+    if name.is_empty() {
+        return Err(Status::invalid_argument("image spec has no image name"));
+    }
+    Ok(name.to_string())
+}
+
+#[tonic::async_trait]
+impl cri::image_service_server::ImageService for ImageService {
+    async fn list_images(
+        &self,
+        req: Request<cri::ListImagesRequest>,
+    ) -> Result<Response<cri::ListImagesResponse>, Status> {
+        let filter = req
+            .into_inner()
+            .filter
+            .and_then(|f| f.image)
+            .map(|s| s.image)
+            .filter(|s| !s.trim().is_empty());
+        let store = self.store();
+        let images = blocking(move || match filter {
+            Some(q) => store
+                .find(&q)
+                .map(|r| r.into_iter().collect::<Vec<_>>())
+                .map_err(|e| image_status(&e)),
+            None => store.list().map_err(|e| image_status(&e)),
+        })
+        .await?;
+        Ok(Response::new(cri::ListImagesResponse {
+            images: images.iter().map(to_cri_image).collect(),
+        }))
+    }
+
+    async fn image_status(
+        &self,
+        req: Request<cri::ImageStatusRequest>,
+    ) -> Result<Response<cri::ImageStatusResponse>, Status> {
+        let req = req.into_inner();
+        let name = image_name(req.image.as_ref())?;
+        let store = self.store();
+        let rec = blocking(move || store.find(&name).map_err(|e| image_status(&e))).await?;
+        // The CRI contract: an image that is not present is a nil image, not an error
+        // (kubelet asks this before every pull).
+        let Some(rec) = rec else {
+            return Ok(Response::new(cri::ImageStatusResponse::default()));
+        };
+        let mut info = HashMap::new();
+        if req.verbose {
+            let store = self.store();
+            let cfg = rec.config.digest.clone();
+            let config = blocking(move || store.read_blob(&cfg).map_err(|e| image_status(&e)))
+                .await
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+            let v = serde_json::json!({
+                "manifest": rec.manifest,
+                "platform": rec.platform,
+                "layers": rec.layers,
+                "pulledAt": rec.pulled_at,
+                "imageConfig": config,
+            });
+            info.insert("info".to_string(), v.to_string());
+        }
+        Ok(Response::new(cri::ImageStatusResponse {
+            image: Some(to_cri_image(&rec)),
+            info,
+        }))
+    }
+
+    async fn pull_image(
+        &self,
+        req: Request<cri::PullImageRequest>,
+    ) -> Result<Response<cri::PullImageResponse>, Status> {
+        let req = req.into_inner();
+        let name = image_name(req.image.as_ref())?;
+        let creds = req
+            .auth
+            .map(|a| {
+                Credentials::from_cri(
+                    &a.username,
+                    &a.password,
+                    &a.auth,
+                    &a.identity_token,
+                    &a.registry_token,
+                )
+            })
+            .unwrap_or_default();
+        let t = Instant::now();
+        let res = self.puller.pull(&name, &creds).await;
+        self.metrics.record_pull(res.is_ok(), t.elapsed());
+        match res {
+            Ok(rep) => {
+                self.metrics.add_pulled_bytes(rep.bytes_downloaded);
+                Ok(Response::new(cri::PullImageResponse {
+                    image_ref: rep.image.id.to_string(),
+                }))
+            }
+            Err(e) => {
+                tracing::warn!(image = %name, error = %e, "PullImage failed");
+                Err(image_status(&e))
+            }
+        }
+    }
+
+    async fn remove_image(
+        &self,
+        req: Request<cri::RemoveImageRequest>,
+    ) -> Result<Response<cri::RemoveImageResponse>, Status> {
+        let name = image_name(req.into_inner().image.as_ref())?;
+        let store = self.store();
+        let deleted = blocking(move || {
+            let users = store.clone();
+            store
+                .remove(&name, &|id| {
+                    let u = users.snapshot_users(id);
+                    (!u.is_empty()).then(|| format!("container snapshots {}", u.join(", ")))
+                })
+                .map_err(|e| image_status(&e))
+        })
+        .await?;
+        for id in deleted {
+            tracing::info!(image = %id, "image removed");
+        }
+        Ok(Response::new(cri::RemoveImageResponse {}))
+    }
+
+    async fn image_fs_info(
+        &self,
+        _req: Request<cri::ImageFsInfoRequest>,
+    ) -> Result<Response<cri::ImageFsInfoResponse>, Status> {
+        let store = self.store();
+        let (root, (bytes, inodes)) = blocking(move || {
+            let u = store.usage().map_err(|e| image_status(&e))?;
+            Ok((store.root().to_path_buf(), u))
+        })
+        .await?;
+        let now = chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0);
+        let usage = cri::FilesystemUsage {
+            timestamp: now,
+            fs_id: Some(cri::FilesystemIdentifier {
+                mountpoint: root.display().to_string(),
+            }),
+            used_bytes: Some(cri::UInt64Value { value: bytes }),
+            inodes_used: Some(cri::UInt64Value { value: inodes }),
+        };
+        Ok(Response::new(cri::ImageFsInfoResponse {
+            image_filesystems: vec![usage],
+            container_filesystems: vec![],
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_field_mapping() {
+        assert_eq!(user_fields(None), (None, String::new()));
+        assert_eq!(user_fields(Some("1000")), (Some(1000), String::new()));
+        assert_eq!(user_fields(Some("1000:1000")), (Some(1000), String::new()));
+        assert_eq!(user_fields(Some("0")), (Some(0), String::new()));
+        assert_eq!(user_fields(Some("vessel")), (None, "vessel".to_string()));
+        assert_eq!(
+            user_fields(Some("nobody:nogroup")),
+            (None, "nobody".to_string())
+        );
+    }
+}

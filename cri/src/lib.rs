@@ -1,0 +1,13 @@
+//! vesseld: vessel's CRI `runtime.v1` server.
+//!
+//! - [`config`]: the TOML configuration and its documented defaults.
+//! - [`server`]: directories, state lock, the CRI socket, metrics.
+//! - [`image_service`]: the CRI ImageService over `vessel-images`.
+//! - [`runtime_service`]: the CRI RuntimeService.
+
+pub mod config;
+pub mod errors;
+pub mod image_service;
+pub mod metrics;
+pub mod runtime_service;
+pub mod server;

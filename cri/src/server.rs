@@ -1,0 +1,190 @@
+//! Starting and stopping vesseld: directories, the store, the CRI socket, metrics.
+
+use crate::config::Config;
+use crate::image_service::ImageService;
+use crate::metrics::Metrics;
+use crate::runtime_service::RuntimeService;
+use k8s_cri::v1::image_service_server::ImageServiceServer;
+use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use vessel_images::{ImageStore, Puller};
+
+/// Largest CRI message accepted or sent (kubelet's own limit is 16 MiB).
+const MAX_MESSAGE: usize = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("another vesseld holds {path} (state dir in use)")]
+    AlreadyRunning { path: PathBuf },
+    #[error("opening the image store: {0}")]
+    Store(#[from] vessel_images::ImageError),
+    #[error("socket group {0:?} does not exist")]
+    NoSuchGroup(String),
+    #[error("serving CRI: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ServeError {
+    let path = path.to_path_buf();
+    move |source| ServeError::Io { op, path, source }
+}
+
+/// A running daemon's shared parts.
+pub struct Daemon {
+    pub config: Config,
+    pub store: Arc<ImageStore>,
+    pub puller: Arc<Puller>,
+    pub metrics: Arc<Metrics>,
+    _lock: File,
+}
+
+impl Daemon {
+    /// Prepares directories and state; takes the state dir lock.
+    pub fn open(config: Config) -> Result<Daemon, ServeError> {
+        for d in [&config.daemon.root_dir, &config.daemon.state_dir] {
+            fs::create_dir_all(d).map_err(io("create", d))?;
+            fs::set_permissions(d, fs::Permissions::from_mode(0o711)).map_err(io("chmod", d))?;
+        }
+        let lock_path = config.daemon.state_dir.join("vesseld.lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io("open", &lock_path))?;
+        if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+            return Err(ServeError::AlreadyRunning { path: lock_path });
+        }
+        let store = Arc::new(ImageStore::open(config.image_root())?);
+        let puller = Arc::new(Puller::new(store.clone(), config.pull_config()));
+        Ok(Daemon {
+            config,
+            store,
+            puller,
+            metrics: Metrics::new(),
+            _lock: lock,
+        })
+    }
+
+    fn bind_socket(&self) -> Result<tokio::net::UnixListener, ServeError> {
+        let path = &self.config.daemon.socket;
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(io("create", dir))?;
+        }
+        // The state lock says no other vesseld runs with our state; a socket file left at our
+        // path is debris of a crash.
+        match fs::symlink_metadata(path) {
+            Ok(_) => fs::remove_file(path).map_err(io("remove stale socket", path))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("stat", path)(e)),
+        }
+        let l = tokio::net::UnixListener::bind(path).map_err(io("bind", path))?;
+        fs::set_permissions(path, fs::Permissions::from_mode(0o660)).map_err(io("chmod", path))?;
+        let group = self.config.daemon.socket_group.trim();
+        if !group.is_empty() {
+            let gid = resolve_group(group).ok_or_else(|| ServeError::NoSuchGroup(group.into()))?;
+            std::os::unix::fs::chown(path, None, Some(gid)).map_err(io("chown", path))?;
+        }
+        Ok(l)
+    }
+
+    /// Serves CRI until `shutdown` resolves, then removes the socket.
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let listener = self.bind_socket()?;
+        let socket = self.config.daemon.socket.clone();
+        let metrics_task = if self.config.daemon.metrics_address.is_empty() {
+            None
+        } else {
+            let addr = &self.config.daemon.metrics_address;
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(io("bind metrics address", Path::new(addr)))?;
+            tracing::info!(address = %addr, "metrics: serving GET /metrics");
+            Some(tokio::spawn(crate::metrics::serve(
+                l,
+                self.metrics.clone(),
+                self.store.clone(),
+            )))
+        };
+        let runtime = RuntimeService::new(&self.config);
+        let images = ImageService::new(self.puller.clone(), self.metrics.clone());
+        tracing::info!(
+            socket = %socket.display(),
+            root = %self.config.daemon.root_dir.display(),
+            version = env!("CARGO_PKG_VERSION"),
+            "vesseld: serving CRI runtime.v1"
+        );
+        let res = tonic::transport::Server::builder()
+            .add_service(
+                RuntimeServiceServer::new(runtime)
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .max_encoding_message_size(MAX_MESSAGE),
+            )
+            .add_service(
+                ImageServiceServer::new(images)
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .max_encoding_message_size(MAX_MESSAGE),
+            )
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                shutdown,
+            )
+            .await;
+        if let Some(t) = metrics_task {
+            t.abort();
+        }
+        let _ = fs::remove_file(&socket);
+        tracing::info!("vesseld: stopped");
+        res.map_err(ServeError::from)
+    }
+}
+
+fn resolve_group(g: &str) -> Option<u32> {
+    if let Ok(gid) = g.parse::<u32>() {
+        return Some(gid);
+    }
+    let groups = fs::read_to_string("/etc/group").ok()?;
+    groups.lines().find_map(|l| {
+        let mut it = l.split(':');
+        let name = it.next()?;
+        let _ = it.next();
+        let gid = it.next()?;
+        (name == g).then(|| gid.parse().ok()).flatten()
+    })
+}
+
+/// Resolves when SIGTERM or SIGINT arrives.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM");
+            return std::future::pending().await;
+        }
+    };
+    let mut int = match signal(SignalKind::interrupt()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGINT");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("vesseld: SIGTERM, shutting down"),
+        _ = int.recv() => tracing::info!("vesseld: SIGINT, shutting down"),
+    }
+}

@@ -1,0 +1,198 @@
+//! A real `vesseld` process on a temporary socket, root and state dir.
+
+use crate::client::CriClient;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A vesseld under test. Drop kills it and removes its directories (after unmounting
+/// anything left below them, which a test should also assert never happens).
+pub struct Vesseld {
+    pub binary: PathBuf,
+    pub dir: tempfile::TempDir,
+    pub config_path: PathBuf,
+    pub socket: PathBuf,
+    child: Option<Child>,
+}
+
+impl Vesseld {
+    /// Writes a config with `extra` TOML appended (e.g. registry settings) and starts vesseld.
+    pub fn start(binary: &Path, extra_config: &str) -> std::io::Result<Vesseld> {
+        let dir = tempfile::Builder::new().prefix("vessel-test-").tempdir()?;
+        let socket = dir.path().join("vessel.sock");
+        let config_path = dir.path().join("config.toml");
+        let config = format!(
+            "[daemon]\nsocket = \"{sock}\"\nroot_dir = \"{root}\"\nstate_dir = \"{state}\"\nlog_level = \"debug\"\nmetrics_address = \"\"\n{extra_config}\n",
+            sock = socket.display(),
+            root = dir.path().join("root").display(),
+            state = dir.path().join("state").display(),
+        );
+        fs::write(&config_path, config)?;
+        let mut v = Vesseld {
+            binary: binary.to_path_buf(),
+            dir,
+            config_path,
+            socket,
+            child: None,
+        };
+        v.spawn()?;
+        Ok(v)
+    }
+
+    pub fn root_dir(&self) -> PathBuf {
+        self.dir.path().join("root")
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("vesseld.log")
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())?;
+        let child = Command::new(&self.binary)
+            .arg("--config")
+            .arg(&self.config_path)
+            .arg("serve")
+            .env(
+                "RUST_LOG",
+                "debug,h2=info,hyper=info,tower=info,reqwest=info,rustls=info,hyper_util=info",
+            )
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        self.wait_ready(Duration::from_secs(20))
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> std::io::Result<()> {
+        let start = Instant::now();
+        loop {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return Ok(());
+            }
+            if let Some(c) = self.child.as_mut() {
+                if let Some(status) = c.try_wait()? {
+                    return Err(std::io::Error::other(format!(
+                        "vesseld exited with {status} before serving; log:\n{}",
+                        self.log()
+                    )));
+                }
+            }
+            if start.elapsed() > timeout {
+                return Err(std::io::Error::other(format!(
+                    "vesseld did not serve {} within {timeout:?}; log:\n{}",
+                    self.socket.display(),
+                    self.log()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub async fn client(&self) -> CriClient {
+        CriClient::connect(&self.socket)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.socket.display()))
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit; returns the exit status.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped) and a valid signal.
+        unsafe {
+            libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(s)) = c.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        c.wait().ok()
+    }
+
+    /// Starts the daemon again on the same config and state (after `kill9` or `stop`).
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        if self.child.is_some() {
+            self.kill9();
+        }
+        self.spawn()
+    }
+
+    /// Runs a `vesseld` subcommand with this daemon's config; returns (success, stdout+stderr).
+    pub fn run_cli(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(&self.binary)
+            .arg("--config")
+            .arg(&self.config_path)
+            .args(args)
+            .output()
+            .expect("running vesseld subcommand");
+        let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+        s.push_str(&String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), s)
+    }
+}
+
+impl Drop for Vesseld {
+    fn drop(&mut self) {
+        self.kill9();
+        // Never follow a mount into the host: unmount whatever is left under our dir first.
+        if let Ok(info) = fs::read_to_string("/proc/self/mountinfo") {
+            let prefix = self.dir.path().to_string_lossy().to_string();
+            let mut mps: Vec<&str> = info
+                .lines()
+                .filter_map(|l| l.split(' ').nth(4))
+                .filter(|m| m.starts_with(&prefix))
+                .collect();
+            mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
+            for m in mps {
+                if let Ok(c) = std::ffi::CString::new(m) {
+                    // SAFETY: umount2 with a valid NUL-terminated path; failure is ignored.
+                    unsafe {
+                        libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Mount points below `dir` (for leak checks).
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    let prefix = dir.to_string_lossy().to_string();
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| m.starts_with(&prefix))
+        .map(str::to_string)
+        .collect()
+}

@@ -1,0 +1,175 @@
+//! Small filesystem helpers: atomic writes and crash-debris names.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A unique temporary name inside `dir` that records the owning pid, so that a later start
+/// can tell debris of dead processes from work in progress of live ones.
+pub fn temp_path(dir: &Path, tag: &str) -> PathBuf {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    dir.join(format!(
+        "{}.{}.{:x}{:x}.tmp",
+        std::process::id(),
+        tag,
+        n,
+        nanos
+    ))
+}
+
+/// The pid that created a temp entry made by [`temp_path`] or [`atomic_write`], if any.
+pub fn temp_owner(name: &str) -> Option<i32> {
+    if !name.ends_with(".tmp") {
+        return None;
+    }
+    name.split('.').next()?.parse().ok()
+}
+
+/// Whether a process with this pid exists.
+pub fn pid_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// fsyncs a directory, making renames and creations inside it durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Writes `data` to `path` atomically: temp file in the same directory, fsync, rename,
+/// fsync of the directory. A crash leaves either the old or the new content.
+pub fn atomic_write(path: &Path, data: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = temp_path(dir, "w");
+    let res = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        sync_dir(dir)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Removes temp entries in `dir` left by processes that no longer exist.
+pub fn clean_dead_temps(dir: &Path) -> io::Result<usize> {
+    let mut n = 0;
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    for entry in rd {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(pid) = temp_owner(name) {
+            if pid != std::process::id() as i32 && !pid_alive(pid) {
+                remove_any(&entry.path())?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// Removes a file or a whole directory tree; a missing path is fine.
+pub fn remove_any(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => match fs::remove_dir_all(path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            r => r,
+        },
+        Ok(_) => match fs::remove_file(path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            r => r,
+        },
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Bytes (allocated blocks) and inodes used below `root`, counting hard-linked inodes once.
+pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
+    use std::collections::HashSet;
+    use std::os::unix::fs::MetadataExt;
+    let mut seen: HashSet<(u64, u64)> = HashSet::new();
+    let mut bytes = 0u64;
+    let mut inodes = 0u64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let m = match fs::symlink_metadata(&p) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
+            continue;
+        }
+        bytes += m.blocks() * 512;
+        inodes += 1;
+        if m.is_dir() {
+            match fs::read_dir(&p) {
+                Ok(rd) => {
+                    for e in rd.flatten() {
+                        stack.push(e.path());
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok((bytes, inodes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temp() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.json");
+        atomic_write(&p, b"one").unwrap();
+        atomic_write(&p, b"two").unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"two");
+        assert_eq!(fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn cleans_only_dead_owners() {
+        let d = tempfile::tempdir().unwrap();
+        let mine = temp_path(d.path(), "x");
+        fs::write(&mine, b"").unwrap();
+        // pid 0x7fff_fff0 does not exist
+        let dead = d.path().join("2147483632.x.1.tmp");
+        fs::create_dir(&dead).unwrap();
+        fs::write(dead.join("inner"), b"").unwrap();
+        assert_eq!(clean_dead_temps(d.path()).unwrap(), 1);
+        assert!(mine.exists());
+        assert!(!dead.exists());
+    }
+
+    #[test]
+    fn du_counts_hardlinks_once() {
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join("a"), vec![1u8; 8192]).unwrap();
+        fs::hard_link(d.path().join("a"), d.path().join("b")).unwrap();
+        let (bytes, inodes) = disk_usage(d.path()).unwrap();
+        assert_eq!(inodes, 2); // the dir and one file
+        assert!(bytes >= 8192);
+    }
+}

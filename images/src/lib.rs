@@ -1,0 +1,28 @@
+//! vessel's image store.
+//!
+//! - [`reference`]: image references normalised the way kubelet and containerd do.
+//! - [`store`]: the content-addressed blob store, image records and unpacked layers.
+//! - [`registry`]: pulls over the OCI distribution API (auth, mirrors, platforms).
+//! - [`unpack`]: applying a layer tarball to a directory, safely.
+//! - [`snapshot`]: container root filesystems as overlayfs mounts over shared layers.
+//! - [`import`]: offline import of OCI layouts and docker-archive tarballs.
+//! - [`push`] and [`testimages`]: building and pushing the deterministic test images.
+
+pub mod digest;
+pub mod error;
+pub mod fsutil;
+pub mod import;
+pub mod oci;
+pub mod push;
+pub mod reference;
+pub mod registry;
+pub mod snapshot;
+pub mod store;
+pub mod testimages;
+pub mod unpack;
+
+pub use digest::Digest;
+pub use error::ImageError;
+pub use reference::Reference;
+pub use registry::{Credentials, PullConfig, Puller, RegistryConfig};
+pub use store::{ImageRecord, ImageStore};

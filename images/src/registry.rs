@@ -1,0 +1,1136 @@
+//! Pulls over the OCI distribution API.
+//!
+//! Endpoints for a registry host are its configured mirrors, in order, then the host itself
+//! (`registry-1.docker.io` for `docker.io`). A host marked `insecure` (and loopback hosts, as
+//! Docker does) is tried over HTTPS without certificate checks first and then over plain HTTP.
+//! Authentication follows the registry's `WWW-Authenticate` challenge: Basic, or Bearer tokens
+//! from the realm it names (anonymous, with username/password, with an identity token, or a
+//! registry token given directly). Every blob is verified against its digest and size before
+//! it enters the store; concurrent pulls share one download per blob.
+
+use crate::digest::Digest;
+use crate::error::{ImageError, Result};
+use crate::oci::{self, Descriptor, ImageConfig, Index, Manifest, Platform};
+use crate::reference::Reference;
+use crate::store::{ImageRecord, ImageStore, LayerInfo};
+use base64::Engine as _;
+use futures::StreamExt as _;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Largest manifest or index we accept (registries cap them at 4 MiB too).
+const MAX_MANIFEST: usize = 4 << 20;
+/// Largest image config we accept.
+const MAX_CONFIG: usize = 16 << 20;
+
+/// Settings for one registry host, like containerd's hosts.toml, in vessel's TOML:
+///
+/// ```toml
+/// [images.registries."docker.io"]
+/// mirrors = ["https://mirror.example.com"]
+/// [images.registries."registry.local:5000"]
+/// insecure = true
+/// ```
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// Endpoints tried before the registry itself, in order: `https://host[:port][/prefix]`
+    /// or `http://...`.
+    #[serde(default)]
+    pub mirrors: Vec<String>,
+    /// Accept plain HTTP and TLS certificates that do not verify, for this host and its mirrors.
+    #[serde(default)]
+    pub insecure: bool,
+    /// Extra CA certificate (PEM) to trust for this host and its mirrors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// Do not fall back to the registry itself when every mirror failed.
+    #[serde(default)]
+    pub mirrors_only: bool,
+}
+
+/// Pull settings.
+#[derive(Debug, Clone)]
+pub struct PullConfig {
+    pub platform: Platform,
+    pub registries: BTreeMap<String, RegistryConfig>,
+    pub max_concurrent_downloads: usize,
+    pub connect_timeout: Duration,
+}
+
+impl Default for PullConfig {
+    fn default() -> Self {
+        PullConfig {
+            platform: Platform::parse("linux/amd64").expect("static platform"),
+            registries: BTreeMap::new(),
+            max_concurrent_downloads: 3,
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Credentials for a pull, as CRI's `AuthConfig` carries them.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    pub username: String,
+    pub password: String,
+    /// An OAuth2 refresh token, exchanged at the token realm.
+    pub identity_token: String,
+    /// A bearer token to send as is.
+    pub registry_token: String,
+}
+
+impl Credentials {
+    /// From CRI fields; `auth` is base64 `user:password` and fills in missing user/password.
+    pub fn from_cri(
+        username: &str,
+        password: &str,
+        auth: &str,
+        identity_token: &str,
+        registry_token: &str,
+    ) -> Credentials {
+        let mut c = Credentials {
+            username: username.to_string(),
+            password: password.to_string(),
+            identity_token: identity_token.to_string(),
+            registry_token: registry_token.to_string(),
+        };
+        if c.username.is_empty() && !auth.is_empty() {
+            if let Ok(raw) = base64::engine::general_purpose::STANDARD.decode(auth.trim()) {
+                if let Ok(s) = String::from_utf8(raw) {
+                    if let Some((u, p)) = s.split_once(':') {
+                        c.username = u.to_string();
+                        c.password = p.to_string();
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    fn has_basic(&self) -> bool {
+        !self.username.is_empty()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Endpoint {
+    /// `https://host:port` (no trailing slash) plus an optional path prefix.
+    base: String,
+    insecure: bool,
+    ca_file: Option<PathBuf>,
+    /// For messages: the host as the user knows it.
+    name: String,
+}
+
+#[derive(Debug, Clone)]
+enum Auth {
+    None,
+    Basic(String),
+    Bearer(String),
+}
+
+#[derive(Debug, Clone)]
+struct Challenge {
+    scheme: String,
+    params: HashMap<String, String>,
+}
+
+fn parse_challenge(h: &str) -> Option<Challenge> {
+    let h = h.trim();
+    let (scheme, rest) = h.split_once(' ').unwrap_or((h, ""));
+    let mut params = HashMap::new();
+    let mut s = rest.trim();
+    while !s.is_empty() {
+        let Some((k, v)) = s.split_once('=') else {
+            break;
+        };
+        let k = k.trim().to_ascii_lowercase();
+        let v = v.trim_start();
+        let (val, remainder) = if let Some(q) = v.strip_prefix('"') {
+            let mut out = String::new();
+            let mut chars = q.char_indices();
+            let mut end = q.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, n)) = chars.next() {
+                            out.push(n);
+                        }
+                    }
+                    '"' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => out.push(c),
+                }
+            }
+            (out, &q[end.min(q.len())..])
+        } else {
+            let end = v.find(',').unwrap_or(v.len());
+            (v[..end].trim().to_string(), &v[end..])
+        };
+        params.insert(k, val);
+        s = remainder.trim_start().trim_start_matches(',').trim_start();
+    }
+    Some(Challenge {
+        scheme: scheme.to_ascii_lowercase(),
+        params,
+    })
+}
+
+fn registry_error_message(body: &[u8]) -> String {
+    #[derive(Deserialize)]
+    struct Errs {
+        errors: Vec<Err1>,
+    }
+    #[derive(Deserialize)]
+    struct Err1 {
+        #[serde(default)]
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    if let Ok(e) = serde_json::from_slice::<Errs>(body) {
+        let parts: Vec<String> = e
+            .errors
+            .iter()
+            .map(|e| match (e.code.is_empty(), e.message.is_empty()) {
+                (false, false) => format!("{}: {}", e.code, e.message),
+                (false, true) => e.code.clone(),
+                _ => e.message.clone(),
+            })
+            .collect();
+        if !parts.is_empty() {
+            return parts.join("; ");
+        }
+    }
+    let s = String::from_utf8_lossy(body);
+    let s = s.trim();
+    if s.is_empty() {
+        "(no message)".to_string()
+    } else {
+        s.chars().take(512).collect()
+    }
+}
+
+fn is_loopback_host(host: &str) -> bool {
+    let h = host
+        .rsplit_once(':')
+        .map(|(h, p)| {
+            if p.bytes().all(|c| c.is_ascii_digit()) {
+                h
+            } else {
+                host
+            }
+        })
+        .unwrap_or(host);
+    h == "localhost" || h.starts_with("127.") || h == "[::1]" || h == "::1"
+}
+
+/// What one pull did, for logs and tests.
+#[derive(Debug, Clone)]
+pub struct PullReport {
+    pub image: ImageRecord,
+    pub bytes_downloaded: u64,
+    pub layers_downloaded: usize,
+    pub elapsed: Duration,
+}
+
+/// The pull engine: endpoints, auth, HTTP clients and the store.
+pub struct Puller {
+    store: Arc<ImageStore>,
+    config: PullConfig,
+    clients: Mutex<HashMap<(bool, Option<PathBuf>), reqwest::Client>>,
+    tokens: Mutex<HashMap<(String, String), (String, Instant)>>,
+    /// Endpoints that answered over HTTP when HTTPS failed, so later pulls go straight there.
+    plain_http: Mutex<HashMap<String, bool>>,
+    ref_locks: crate::store::KeyedLocks,
+    downloads: tokio::sync::Semaphore,
+}
+
+impl Puller {
+    pub fn new(store: Arc<ImageStore>, config: PullConfig) -> Puller {
+        let n = config.max_concurrent_downloads.max(1);
+        Puller {
+            store,
+            config,
+            clients: Mutex::new(HashMap::new()),
+            tokens: Mutex::new(HashMap::new()),
+            plain_http: Mutex::new(HashMap::new()),
+            ref_locks: Default::default(),
+            downloads: tokio::sync::Semaphore::new(n),
+        }
+    }
+
+    pub fn store(&self) -> &Arc<ImageStore> {
+        &self.store
+    }
+
+    pub fn config(&self) -> &PullConfig {
+        &self.config
+    }
+
+    fn client(&self, insecure: bool, ca: &Option<PathBuf>) -> Result<reqwest::Client> {
+        let key = (insecure, ca.clone());
+        let mut m = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = m.get(&key) {
+            return Ok(c.clone());
+        }
+        let mut b = reqwest::Client::builder()
+            .connect_timeout(self.config.connect_timeout)
+            .user_agent(concat!("vessel/", env!("CARGO_PKG_VERSION")))
+            .pool_idle_timeout(Duration::from_secs(30))
+            .danger_accept_invalid_certs(insecure);
+        if let Some(ca) = ca {
+            let pem = std::fs::read(ca).map_err(ImageError::io("read CA file", ca))?;
+            let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| ImageError::Io {
+                op: "parse CA file",
+                path: ca.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            b = b.add_root_certificate(cert);
+        }
+        let c = b.build().map_err(|e| ImageError::Io {
+            op: "build HTTP client",
+            path: PathBuf::new(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        m.insert(key, c.clone());
+        Ok(c)
+    }
+
+    fn endpoints(&self, r: &Reference) -> Vec<Endpoint> {
+        let cfg = self
+            .config
+            .registries
+            .get(&r.domain)
+            .cloned()
+            .unwrap_or_default();
+        let insecure = cfg.insecure || is_loopback_host(&r.domain);
+        let mut v = Vec::new();
+        for m in &cfg.mirrors {
+            let m = m.trim().trim_end_matches('/');
+            let m = m.strip_suffix("/v2").unwrap_or(m);
+            let base = if m.starts_with("http://") || m.starts_with("https://") {
+                m.to_string()
+            } else {
+                format!("https://{m}")
+            };
+            v.push(Endpoint {
+                name: base.clone(),
+                base,
+                insecure: cfg.insecure,
+                ca_file: cfg.ca_file.clone(),
+            });
+        }
+        if !cfg.mirrors_only || cfg.mirrors.is_empty() {
+            let host = if r.domain == "docker.io" {
+                "registry-1.docker.io".to_string()
+            } else {
+                r.domain.clone()
+            };
+            let https = Endpoint {
+                base: format!("https://{host}"),
+                insecure,
+                ca_file: cfg.ca_file.clone(),
+                name: r.domain.clone(),
+            };
+            let http = Endpoint {
+                base: format!("http://{host}"),
+                insecure,
+                ca_file: None,
+                name: r.domain.clone(),
+            };
+            let known_plain = self
+                .plain_http
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&host)
+                .copied()
+                .unwrap_or(false);
+            if insecure && known_plain {
+                v.push(http);
+            } else {
+                v.push(https);
+                if insecure {
+                    v.push(http);
+                }
+            }
+        }
+        v
+    }
+
+    fn auth_for(&self, ep: &Endpoint, scope: &str, creds: &Credentials) -> Auth {
+        if !creds.registry_token.is_empty() {
+            return Auth::Bearer(creds.registry_token.clone());
+        }
+        let t = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((tok, exp)) = t.get(&(ep.base.clone(), scope.to_string())) {
+            if Instant::now() < *exp {
+                return Auth::Bearer(tok.clone());
+            }
+        }
+        Auth::None
+    }
+
+    async fn fetch_token(
+        &self,
+        client: &reqwest::Client,
+        ep: &Endpoint,
+        ch: &Challenge,
+        scope: &str,
+        creds: &Credentials,
+        reference: &Reference,
+    ) -> Result<String> {
+        let realm = ch
+            .params
+            .get("realm")
+            .cloned()
+            .ok_or_else(|| ImageError::Unauthorized {
+                reference: reference.to_string(),
+                registry: ep.name.clone(),
+                message: "bearer challenge without realm".into(),
+            })?;
+        let service = ch.params.get("service").cloned().unwrap_or_default();
+        let scope_q = ch
+            .params
+            .get("scope")
+            .cloned()
+            .unwrap_or_else(|| scope.to_string());
+        let transport = |e: reqwest::Error| ImageError::Transport {
+            reference: reference.to_string(),
+            registry: realm.clone(),
+            message: e.to_string(),
+        };
+        let resp = if !creds.identity_token.is_empty() {
+            let form = [
+                ("grant_type", "refresh_token"),
+                ("refresh_token", creds.identity_token.as_str()),
+                ("service", service.as_str()),
+                ("scope", scope_q.as_str()),
+                ("client_id", "vessel"),
+            ];
+            let body = form
+                .iter()
+                .map(|(k, v)| format!("{k}={}", urlencode(v)))
+                .collect::<Vec<_>>()
+                .join("&");
+            client
+                .post(&realm)
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(body)
+                .send()
+                .await
+                .map_err(transport)?
+        } else {
+            let mut q: Vec<(&str, &str)> = Vec::new();
+            if !service.is_empty() {
+                q.push(("service", &service));
+            }
+            q.push(("scope", &scope_q));
+            let url = format!(
+                "{realm}{}{}",
+                if realm.contains('?') { "&" } else { "?" },
+                q.iter()
+                    .map(|(k, v)| format!("{k}={}", urlencode(v)))
+                    .collect::<Vec<_>>()
+                    .join("&")
+            );
+            let mut rb = client.get(url);
+            if creds.has_basic() {
+                rb = rb.basic_auth(&creds.username, Some(&creds.password));
+            }
+            rb.send().await.map_err(transport)?
+        };
+        let status = resp.status();
+        let body = resp.bytes().await.map_err(transport)?;
+        if !status.is_success() {
+            return Err(ImageError::Unauthorized {
+                reference: reference.to_string(),
+                registry: ep.name.clone(),
+                message: format!(
+                    "token server {realm} answered {}: {}",
+                    status.as_u16(),
+                    registry_error_message(&body)
+                ),
+            });
+        }
+        #[derive(Deserialize)]
+        struct Tok {
+            #[serde(default)]
+            token: String,
+            #[serde(default)]
+            access_token: String,
+            #[serde(default)]
+            expires_in: Option<u64>,
+        }
+        let t: Tok = serde_json::from_slice(&body).map_err(|e| ImageError::Unauthorized {
+            reference: reference.to_string(),
+            registry: ep.name.clone(),
+            message: format!("token server {realm} sent an unreadable answer: {e}"),
+        })?;
+        let tok = if !t.token.is_empty() {
+            t.token
+        } else {
+            t.access_token
+        };
+        if tok.is_empty() {
+            return Err(ImageError::Unauthorized {
+                reference: reference.to_string(),
+                registry: ep.name.clone(),
+                message: format!("token server {realm} sent no token"),
+            });
+        }
+        let life = Duration::from_secs(t.expires_in.unwrap_or(60).clamp(10, 3600));
+        self.tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                (ep.base.clone(), scope.to_string()),
+                (tok.clone(), Instant::now() + life - Duration::from_secs(5)),
+            );
+        Ok(tok)
+    }
+
+    /// GET with the registry's auth dance. Returns the response of a non-401 answer.
+    async fn get(
+        &self,
+        ep: &Endpoint,
+        path: &str,
+        accept: Option<&str>,
+        r: &Reference,
+        creds: &Credentials,
+    ) -> Result<reqwest::Response> {
+        let client = self.client(ep.insecure, &ep.ca_file)?;
+        let scope = format!("repository:{}:pull", r.path);
+        let url = format!("{}{}", ep.base, path);
+        let mut auth = self.auth_for(ep, &scope, creds);
+        for attempt in 0..2 {
+            let mut rb = client.get(&url);
+            if let Some(a) = accept {
+                rb = rb.header("accept", a);
+            }
+            rb = match &auth {
+                Auth::None => rb,
+                Auth::Basic(h) | Auth::Bearer(h) if h.is_empty() => rb,
+                Auth::Basic(h) => rb.header("authorization", format!("Basic {h}")),
+                Auth::Bearer(t) => rb.bearer_auth(t),
+            };
+            let resp = rb.send().await.map_err(|e| ImageError::Transport {
+                reference: r.to_string(),
+                registry: ep.name.clone(),
+                message: error_chain(&e),
+            })?;
+            if resp.status() != reqwest::StatusCode::UNAUTHORIZED {
+                return Ok(resp);
+            }
+            let challenge = resp
+                .headers()
+                .get_all("www-authenticate")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .filter_map(parse_challenge)
+                .find(|c| c.scheme == "bearer" || c.scheme == "basic");
+            let body = resp.bytes().await.unwrap_or_default();
+            let denied = |message: String| ImageError::Unauthorized {
+                reference: r.to_string(),
+                registry: ep.name.clone(),
+                message,
+            };
+            if attempt == 1 {
+                return Err(denied(registry_error_message(&body)));
+            }
+            auth = match challenge {
+                Some(c) if c.scheme == "basic" => {
+                    if !creds.has_basic() {
+                        return Err(denied(format!(
+                            "credentials required: {}",
+                            registry_error_message(&body)
+                        )));
+                    }
+                    Auth::Basic(
+                        base64::engine::general_purpose::STANDARD
+                            .encode(format!("{}:{}", creds.username, creds.password)),
+                    )
+                }
+                Some(c) => Auth::Bearer(self.fetch_token(&client, ep, &c, &scope, creds, r).await?),
+                None => return Err(denied(registry_error_message(&body))),
+            };
+        }
+        unreachable!("the loop returns on its second attempt")
+    }
+
+    /// Fetches a manifest or index by tag or digest; verifies it when asked by digest.
+    async fn fetch_manifest(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        what: &str,
+        creds: &Credentials,
+    ) -> Result<(Vec<u8>, String, Digest)> {
+        let resp = self
+            .get(
+                ep,
+                &format!("/v2/{}/manifests/{}", r.path, what),
+                Some(oci::MANIFEST_ACCEPT),
+                r,
+                creds,
+            )
+            .await?;
+        let status = resp.status();
+        let ctype = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = read_limited(resp, MAX_MANIFEST, r, &ep.name).await?;
+        if !status.is_success() {
+            return Err(ImageError::Registry {
+                reference: r.to_string(),
+                registry: ep.name.clone(),
+                status: status.as_u16(),
+                message: registry_error_message(&body),
+            });
+        }
+        let digest = Digest::of(&body);
+        if let Ok(want) = what.parse::<Digest>() {
+            if want != digest {
+                return Err(ImageError::DigestMismatch {
+                    what: format!("manifest of {r}"),
+                    expected: want,
+                    actual: digest,
+                });
+            }
+        }
+        let mt = oci::sniff_media_type(ctype.as_deref(), &body).ok_or_else(|| {
+            ImageError::UnsupportedMediaType {
+                reference: r.to_string(),
+                media_type: ctype.clone().unwrap_or_default(),
+            }
+        })?;
+        Ok((body, mt, digest))
+    }
+
+    /// Downloads a blob into the store unless present; shared between concurrent pulls.
+    async fn fetch_blob(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        desc: &Descriptor,
+        creds: &Credentials,
+        what: &str,
+    ) -> Result<u64> {
+        let _g = self.store.blob_locks.lock(desc.digest.as_str()).await;
+        if self.store.has_blob(&desc.digest) {
+            return Ok(0);
+        }
+        let _permit = self
+            .downloads
+            .acquire()
+            .await
+            .map_err(|_| ImageError::Transport {
+                reference: r.to_string(),
+                registry: ep.name.clone(),
+                message: "puller shut down".into(),
+            })?;
+        let resp = self
+            .get(
+                ep,
+                &format!("/v2/{}/blobs/{}", r.path, desc.digest),
+                None,
+                r,
+                creds,
+            )
+            .await?;
+        let status = resp.status();
+        if !status.is_success() {
+            let body = resp.bytes().await.unwrap_or_default();
+            return Err(ImageError::Registry {
+                reference: r.to_string(),
+                registry: ep.name.clone(),
+                status: status.as_u16(),
+                message: format!("{what} {}: {}", desc.digest, registry_error_message(&body)),
+            });
+        }
+        let mut w = self.store.blob_writer()?;
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| ImageError::Transport {
+                reference: r.to_string(),
+                registry: ep.name.clone(),
+                message: format!("reading {what} {}: {}", desc.digest, error_chain(&e)),
+            })?;
+            w.write_chunk(&chunk)?;
+            if w.written() > desc.size {
+                return Err(ImageError::SizeMismatch {
+                    what: format!("{what} {}", desc.digest),
+                    expected: desc.size,
+                    actual: w.written(),
+                });
+            }
+        }
+        let n = w.written();
+        let d = desc.digest.clone();
+        let size = desc.size;
+        let label = format!("{what} {} of {r}", desc.digest.short());
+        tokio::task::spawn_blocking(move || w.commit(&label, &d, Some(size)))
+            .await
+            .map_err(|e| {
+                ImageError::io("commit blob", PathBuf::new())(std::io::Error::other(e))
+            })??;
+        self.store
+            .stats
+            .blobs_committed
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Pulls `reference`, resolving indexes to the configured platform, and records the image.
+    pub async fn pull(&self, reference: &str, creds: &Credentials) -> Result<PullReport> {
+        let r = Reference::parse(reference)?;
+        // Concurrent pulls of one reference run one after the other; the second finds every
+        // blob in place and downloads nothing.
+        let _g = self.ref_locks.lock(&r.to_string()).await;
+        let start = Instant::now();
+        tracing::info!(image = %r, "pull: start");
+        let res = self.pull_endpoints(&r, creds, start).await;
+        if res.is_err() {
+            // Nothing half-pulled stays: blobs of a failed pull that no image uses go.
+            let store = self.store.clone();
+            let _ = tokio::task::spawn_blocking(move || store.gc()).await;
+        }
+        res
+    }
+
+    async fn pull_endpoints(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        start: Instant,
+    ) -> Result<PullReport> {
+        let r = r.clone();
+        let mut last_err = None;
+        for ep in self.endpoints(&r) {
+            match self.pull_from(&ep, &r, creds, start).await {
+                Ok(rep) => {
+                    if ep.base.starts_with("http://") {
+                        if let Some(host) = ep.base.strip_prefix("http://") {
+                            self.plain_http
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .insert(host.to_string(), true);
+                        }
+                    }
+                    return Ok(rep);
+                }
+                Err(e) => {
+                    let next = matches!(
+                        e,
+                        ImageError::Transport { .. } | ImageError::Registry { .. }
+                    );
+                    tracing::warn!(image = %r, endpoint = %ep.base, error = %e, "pull: endpoint failed");
+                    if !next {
+                        return Err(e);
+                    }
+                    // Keep the most telling error: a registry's answer beats a refused connection
+                    // of a fallback endpoint.
+                    last_err = match (&last_err, &e) {
+                        (Some(ImageError::Registry { .. }), ImageError::Transport { .. }) => {
+                            last_err
+                        }
+                        _ => Some(e),
+                    };
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| ImageError::Transport {
+            reference: r.to_string(),
+            registry: r.domain.clone(),
+            message: "no endpoint configured".into(),
+        }))
+    }
+
+    async fn pull_from(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        creds: &Credentials,
+        start: Instant,
+    ) -> Result<PullReport> {
+        let (body, mt, top_digest) = self.fetch_manifest(ep, r, &r.manifest_ref(), creds).await?;
+        let mut docs: Vec<(Vec<u8>, Digest)> = Vec::new();
+        let (manifest_body, manifest_desc) = if oci::is_index(&mt) {
+            let index: Index = serde_json::from_slice(&body).map_err(|e| ImageError::BadImage {
+                reference: r.to_string(),
+                reason: format!("unreadable index: {e}"),
+            })?;
+            let want = &self.config.platform;
+            let chosen = index
+                .manifests
+                .iter()
+                .find(|d| {
+                    d.platform.as_ref().is_some_and(|p| want.matches(p))
+                        && oci::is_manifest(&d.media_type)
+                })
+                .cloned()
+                .ok_or_else(|| ImageError::NoMatchingPlatform {
+                    reference: r.to_string(),
+                    platform: want.to_string(),
+                    available: index
+                        .manifests
+                        .iter()
+                        .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })?;
+            docs.push((body, top_digest.clone()));
+            let (mbody, mmt, mdigest) = self
+                .fetch_manifest(ep, r, chosen.digest.as_str(), creds)
+                .await?;
+            if !oci::is_manifest(&mmt) {
+                return Err(ImageError::UnsupportedMediaType {
+                    reference: r.to_string(),
+                    media_type: mmt,
+                });
+            }
+            let desc = Descriptor {
+                media_type: mmt,
+                digest: mdigest,
+                size: mbody.len() as u64,
+                platform: chosen.platform.clone(),
+                annotations: Default::default(),
+                urls: vec![],
+            };
+            (mbody, desc)
+        } else if oci::is_manifest(&mt) {
+            let desc = Descriptor::new(&mt, &body);
+            (body, desc)
+        } else {
+            return Err(ImageError::UnsupportedMediaType {
+                reference: r.to_string(),
+                media_type: mt,
+            });
+        };
+        let manifest: Manifest =
+            serde_json::from_slice(&manifest_body).map_err(|e| ImageError::BadImage {
+                reference: r.to_string(),
+                reason: format!("unreadable manifest: {e}"),
+            })?;
+        for l in &manifest.layers {
+            if !oci::is_layer(&l.media_type) {
+                return Err(ImageError::UnsupportedMediaType {
+                    reference: r.to_string(),
+                    media_type: l.media_type.clone(),
+                });
+            }
+        }
+        if manifest.config.size as usize > MAX_CONFIG {
+            return Err(ImageError::BadImage {
+                reference: r.to_string(),
+                reason: format!("config of {} bytes is too large", manifest.config.size),
+            });
+        }
+        // Keep everything this pull touches from a concurrent GC (RemoveImage of another image).
+        let mut keys: Vec<String> = vec![
+            manifest.config.digest.hex().to_string(),
+            manifest_desc.digest.hex().to_string(),
+            top_digest.hex().to_string(),
+        ];
+        keys.extend(manifest.layers.iter().map(|l| l.digest.hex().to_string()));
+        let _pins = self.store.pin(keys);
+        // Config first: it holds the diff IDs that say whether layers are already unpacked.
+        let mut downloaded = self
+            .fetch_blob(ep, r, &manifest.config, creds, "config")
+            .await?;
+        let store = self.store.clone();
+        let cfg_digest = manifest.config.digest.clone();
+        let config_bytes = tokio::task::spawn_blocking(move || store.read_blob(&cfg_digest))
+            .await
+            .map_err(|e| {
+                ImageError::io("read config", PathBuf::new())(std::io::Error::other(e))
+            })??;
+        let config: ImageConfig =
+            serde_json::from_slice(&config_bytes).map_err(|e| ImageError::BadImage {
+                reference: r.to_string(),
+                reason: format!("unreadable image config: {e}"),
+            })?;
+        let _layer_pins = self
+            .store
+            .pin(config.rootfs.diff_ids.iter().map(|d| d.hex().to_string()));
+        if config.rootfs.diff_ids.len() != manifest.layers.len() {
+            return Err(ImageError::BadImage {
+                reference: r.to_string(),
+                reason: format!(
+                    "manifest has {} layers but config lists {} diff IDs",
+                    manifest.layers.len(),
+                    config.rootfs.diff_ids.len()
+                ),
+            });
+        }
+        let total: u64 = manifest.layers.iter().map(|l| l.size).sum();
+        tracing::info!(image = %r, layers = manifest.layers.len(), bytes = total, "pull: fetching layers");
+
+        // Layers: download (shared per blob) and unpack (shared per diff ID), concurrently.
+        let mut jobs = Vec::new();
+        for (i, (desc, diff_id)) in manifest
+            .layers
+            .iter()
+            .zip(&config.rootfs.diff_ids)
+            .enumerate()
+        {
+            let lowers: Vec<PathBuf> = config.rootfs.diff_ids[..i]
+                .iter()
+                .rev()
+                .map(|d| self.store.layer_path(d))
+                .collect();
+            jobs.push(self.fetch_layer(
+                ep,
+                r,
+                desc,
+                diff_id,
+                lowers,
+                creds,
+                i,
+                manifest.layers.len(),
+            ));
+        }
+        let mut layers_downloaded = 0;
+        for res in futures::future::join_all(jobs).await {
+            let n = res?;
+            if n > 0 {
+                layers_downloaded += 1;
+            }
+            downloaded += n;
+        }
+
+        // Documents last, once everything they point to is in place.
+        let store = self.store.clone();
+        let manifest_digest = manifest_desc.digest.clone();
+        let mb = manifest_body.clone();
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            store.put_blob("manifest", &mb, Some(&manifest_digest))?;
+            for (b, d) in &docs {
+                store.put_blob("index", b, Some(d))?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| {
+            ImageError::io("store manifest", PathBuf::new())(std::io::Error::other(e))
+        })??;
+
+        let mut platform = format!("{}/{}", config.os, config.architecture);
+        if let Some(v) = &config.variant {
+            platform.push('/');
+            platform.push_str(v);
+        }
+        let rec = ImageRecord {
+            id: manifest.config.digest.clone(),
+            repo_tags: r.repo_tag().into_iter().collect(),
+            repo_digests: vec![r.repo_digest(&top_digest)],
+            manifest: manifest_desc,
+            config: manifest.config.clone(),
+            layers: manifest
+                .layers
+                .iter()
+                .zip(&config.rootfs.diff_ids)
+                .map(|(b, d)| LayerInfo {
+                    diff_id: d.clone(),
+                    blob: b.clone(),
+                })
+                .collect(),
+            platform,
+            run_config: config.config.clone().unwrap_or_default(),
+            size: manifest.config.size + total,
+            pulled_at: chrono::Utc::now().timestamp(),
+            pinned: false,
+        };
+        let store = self.store.clone();
+        let rec = tokio::task::spawn_blocking(move || store.commit_image(rec))
+            .await
+            .map_err(|e| {
+                ImageError::io("record image", PathBuf::new())(std::io::Error::other(e))
+            })??;
+        let elapsed = start.elapsed();
+        tracing::info!(
+            image = %r,
+            id = %rec.id,
+            bytes_downloaded = downloaded,
+            layers_downloaded,
+            ms = elapsed.as_millis() as u64,
+            "pull: done"
+        );
+        Ok(PullReport {
+            image: rec,
+            bytes_downloaded: downloaded,
+            layers_downloaded,
+            elapsed,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn fetch_layer(
+        &self,
+        ep: &Endpoint,
+        r: &Reference,
+        desc: &Descriptor,
+        diff_id: &Digest,
+        lowers: Vec<PathBuf>,
+        creds: &Credentials,
+        i: usize,
+        n: usize,
+    ) -> Result<u64> {
+        let _g = self.store.layer_locks.lock(diff_id.as_str()).await;
+        if self.store.has_layer(diff_id) {
+            tracing::debug!(image = %r, layer = %diff_id.short(), "pull: layer already unpacked");
+            return Ok(0);
+        }
+        let bytes = self.fetch_blob(ep, r, desc, creds, "layer").await?;
+        let store = self.store.clone();
+        let blob = desc.digest.clone();
+        let d = diff_id.clone();
+        let t = Instant::now();
+        let res = tokio::task::spawn_blocking(move || store.unpack_layer_blob(&blob, &d, lowers))
+            .await
+            .map_err(|e| {
+                ImageError::io("unpack layer", PathBuf::new())(std::io::Error::other(e))
+            })?;
+        if let Err(e) = res {
+            // A blob that does not unpack (bad diff ID, path escape) is not worth keeping.
+            let p = self.store.blob_path(&desc.digest);
+            let _ = std::fs::remove_file(&p);
+            return Err(e);
+        }
+        tracing::info!(
+            image = %r,
+            layer = format!("{}/{}", i + 1, n),
+            digest = %desc.digest.short(),
+            bytes,
+            unpack_ms = t.elapsed().as_millis() as u64,
+            "pull: layer ready"
+        );
+        Ok(bytes)
+    }
+}
+
+async fn read_limited(
+    resp: reqwest::Response,
+    limit: usize,
+    r: &Reference,
+    registry: &str,
+) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut s = resp.bytes_stream();
+    while let Some(c) = s.next().await {
+        let c = c.map_err(|e| ImageError::Transport {
+            reference: r.to_string(),
+            registry: registry.to_string(),
+            message: error_chain(&e),
+        })?;
+        if out.len() + c.len() > limit {
+            return Err(ImageError::BadImage {
+                reference: r.to_string(),
+                reason: format!("{registry} sent a manifest larger than {limit} bytes"),
+            });
+        }
+        out.extend_from_slice(&c);
+    }
+    Ok(out)
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let cs = c.to_string();
+        if !s.contains(&cs) {
+            s.push_str(": ");
+            s.push_str(&cs);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_bearer_challenge() {
+        let c = parse_challenge(
+            r#"Bearer realm="https://auth.docker.io/token",service="registry.docker.io",scope="repository:library/busybox:pull""#,
+        )
+        .unwrap();
+        assert_eq!(c.scheme, "bearer");
+        assert_eq!(c.params["realm"], "https://auth.docker.io/token");
+        assert_eq!(c.params["service"], "registry.docker.io");
+        assert_eq!(c.params["scope"], "repository:library/busybox:pull");
+        let b = parse_challenge(r#"Basic realm="basic-realm""#).unwrap();
+        assert_eq!(b.scheme, "basic");
+        assert_eq!(b.params["realm"], "basic-realm");
+    }
+
+    #[test]
+    fn registry_errors_keep_message() {
+        let m = registry_error_message(
+            br#"{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest unknown","detail":{}}]}"#,
+        );
+        assert_eq!(m, "MANIFEST_UNKNOWN: manifest unknown");
+        assert_eq!(registry_error_message(b"  plain text "), "plain text");
+    }
+
+    #[test]
+    fn credentials_from_auth_field() {
+        let auth = base64::engine::general_purpose::STANDARD.encode("bob:s3:cret");
+        let c = Credentials::from_cri("", "", &auth, "", "");
+        assert_eq!(c.username, "bob");
+        assert_eq!(c.password, "s3:cret");
+    }
+
+    #[test]
+    fn endpoints_order_and_loopback() {
+        let store = Arc::new(ImageStore::open(tempfile::tempdir().unwrap().keep()).unwrap());
+        let mut cfg = PullConfig::default();
+        cfg.registries.insert(
+            "docker.io".into(),
+            RegistryConfig {
+                mirrors: vec!["mirror.local:5000/".into(), "http://m2/v2".into()],
+                ..Default::default()
+            },
+        );
+        let p = Puller::new(store.clone(), cfg);
+        let eps = p.endpoints(&Reference::parse("busybox").unwrap());
+        let bases: Vec<_> = eps.iter().map(|e| e.base.as_str()).collect();
+        assert_eq!(
+            bases,
+            [
+                "https://mirror.local:5000",
+                "http://m2",
+                "https://registry-1.docker.io"
+            ]
+        );
+        let eps = p.endpoints(&Reference::parse("127.0.0.1:5000/x").unwrap());
+        let bases: Vec<_> = eps.iter().map(|e| e.base.as_str()).collect();
+        assert_eq!(bases, ["https://127.0.0.1:5000", "http://127.0.0.1:5000"]);
+        assert!(eps[0].insecure);
+        let _ = std::fs::remove_dir_all(store.root());
+    }
+}

@@ -1,0 +1,713 @@
+//! The on-disk image store.
+//!
+//! ```text
+//! <root>/blobs/sha256/<hex>   content-addressed blobs (manifests, configs, compressed layers)
+//! <root>/layers/<hex>         unpacked layers, named by diff ID, used as overlayfs lower dirs
+//! <root>/records/<hex>.json   one record per image, named by image ID (config digest)
+//! <root>/snapshots/<id>/      container root filesystems (see `snapshot`)
+//! <root>/tmp/                 work in progress: `<pid>.<tag>.<n>.tmp`, removed at start if the pid is gone
+//! <root>/lock                 flock taken for every change of records, so `vesseld image import`
+//!                             and a running `vesseld` can share the store
+//! ```
+//! Every blob is verified against its digest before it is renamed into place; every layer is
+//! unpacked into `tmp/` and renamed into place only when its diff ID matched; records are written
+//! atomically. A crash at any point leaves debris only in `tmp/`, which the next start removes.
+
+use crate::digest::{Digest, Hashing};
+use crate::error::{ImageError, Result};
+use crate::fsutil;
+use crate::oci::{Descriptor, RunConfig};
+use crate::reference::Reference;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+/// One layer of an image: the diff ID names the unpacked directory, the blob the bytes it
+/// came from (absent for layers imported from an uncompressed archive and then dropped).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LayerInfo {
+    pub diff_id: Digest,
+    pub blob: Descriptor,
+}
+
+/// What the store knows about one image.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ImageRecord {
+    /// The image ID: the digest of its config blob.
+    pub id: Digest,
+    /// Fully qualified tags, `docker.io/library/busybox:latest`.
+    pub repo_tags: Vec<String>,
+    /// Fully qualified digests, `docker.io/library/busybox@sha256:...` (manifest or index).
+    pub repo_digests: Vec<String>,
+    /// The platform manifest this image was resolved to.
+    pub manifest: Descriptor,
+    /// The config blob.
+    pub config: Descriptor,
+    pub layers: Vec<LayerInfo>,
+    /// `os/arch[/variant]` of the image config.
+    pub platform: String,
+    /// The runtime defaults of the image config (user, env, entrypoint, cmd, ...).
+    #[serde(default)]
+    pub run_config: RunConfig,
+    /// Bytes of the image's content: config plus layer blobs, as a registry counts it.
+    pub size: u64,
+    /// Unix seconds of the last pull or import.
+    pub pulled_at: i64,
+    #[serde(default)]
+    pub pinned: bool,
+}
+
+impl ImageRecord {
+    /// Whether `reference` (already normalised) names this image by tag or digest.
+    pub fn matches(&self, r: &Reference) -> bool {
+        if let Some(d) = &r.digest {
+            return self.repo_digests.contains(&r.repo_digest(d));
+        }
+        match r.repo_tag() {
+            Some(t) => self.repo_tags.contains(&t),
+            None => false,
+        }
+    }
+}
+
+/// Counters for tests and metrics.
+#[derive(Debug, Default)]
+pub struct StoreStats {
+    /// Blobs fetched and committed (a blob already present is not counted).
+    pub blobs_committed: AtomicU64,
+    /// Layers unpacked (a layer already present is not counted).
+    pub layers_unpacked: AtomicU64,
+}
+
+/// Async locks keyed by name, so that concurrent pulls share one download of each blob.
+#[derive(Default)]
+pub struct KeyedLocks {
+    map: Mutex<HashMap<String, Weak<tokio::sync::Mutex<()>>>>,
+}
+
+impl KeyedLocks {
+    pub async fn lock(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = {
+            let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+            if map.len() > 256 {
+                map.retain(|_, w| w.strong_count() > 0);
+            }
+            match map.get(key).and_then(Weak::upgrade) {
+                Some(m) => m,
+                None => {
+                    let m = Arc::new(tokio::sync::Mutex::new(()));
+                    map.insert(key.to_string(), Arc::downgrade(&m));
+                    m
+                }
+            }
+        };
+        m.lock_owned().await
+    }
+}
+
+pub struct ImageStore {
+    root: PathBuf,
+    /// Blob digests and diff IDs that in-flight work (pulls) holds; GC keeps them.
+    pins: Arc<Mutex<HashMap<String, usize>>>,
+    /// Serialises record changes within this process (the flock covers other processes).
+    records_mutex: Mutex<()>,
+    pub(crate) blob_locks: KeyedLocks,
+    pub(crate) layer_locks: KeyedLocks,
+    pub stats: StoreStats,
+}
+
+/// A blob being written: hashed as it goes, renamed into place by [`BlobWriter::commit`].
+pub struct BlobWriter {
+    file: Option<Hashing<File>>,
+    tmp: PathBuf,
+    final_dir: PathBuf,
+    done: bool,
+}
+
+impl BlobWriter {
+    pub fn write_chunk(&mut self, data: &[u8]) -> Result<()> {
+        match &mut self.file {
+            Some(f) => f
+                .write_all(data)
+                .map_err(ImageError::io("write blob", &self.tmp)),
+            None => Err(ImageError::io("write blob", &self.tmp)(
+                std::io::Error::other("blob writer already finished"),
+            )),
+        }
+    }
+
+    pub fn written(&self) -> u64 {
+        self.file.as_ref().map(|f| f.count()).unwrap_or(0)
+    }
+
+    /// Verifies size and digest, makes the blob durable and moves it into the store.
+    pub fn commit(mut self, what: &str, expected: &Digest, size: Option<u64>) -> Result<()> {
+        let tmp = self.tmp.clone();
+        let Some(file) = self.file.take() else {
+            return Err(ImageError::io("commit blob", &tmp)(std::io::Error::other(
+                "blob writer already finished",
+            )));
+        };
+        let (actual, n, f) = file.finish();
+        if let Some(size) = size {
+            if size != n {
+                return Err(ImageError::SizeMismatch {
+                    what: what.to_string(),
+                    expected: size,
+                    actual: n,
+                });
+            }
+        }
+        if &actual != expected {
+            return Err(ImageError::DigestMismatch {
+                what: what.to_string(),
+                expected: expected.clone(),
+                actual,
+            });
+        }
+        f.sync_all().map_err(ImageError::io("fsync blob", &tmp))?;
+        let dest = self.final_dir.join(expected.hex());
+        fs::rename(&tmp, &dest).map_err(ImageError::io("commit blob", &dest))?;
+        self.done = true;
+        fsutil::sync_dir(&self.final_dir).map_err(ImageError::io("fsync", &self.final_dir))?;
+        Ok(())
+    }
+}
+
+impl Drop for BlobWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Keeps pinned digests from GC while alive.
+pub struct PinGuard {
+    pins: Arc<Mutex<HashMap<String, usize>>>,
+    keys: Vec<String>,
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        let mut m = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        for k in &self.keys {
+            if let Some(c) = m.get_mut(k) {
+                *c -= 1;
+                if *c == 0 {
+                    m.remove(k);
+                }
+            }
+        }
+    }
+}
+
+/// Holds the store's cross-process lock until dropped.
+struct StoreLock {
+    _file: File,
+}
+
+/// Which compression a layer blob uses, from its first bytes (media types lie sometimes).
+pub fn layer_reader<'a, R: Read + 'a>(r: R) -> std::io::Result<Box<dyn Read + 'a>> {
+    let mut br = BufReader::with_capacity(256 * 1024, r);
+    let head = std::io::BufRead::fill_buf(&mut br)?;
+    if head.len() >= 2 && head[0] == 0x1f && head[1] == 0x8b {
+        Ok(Box::new(flate2::read::MultiGzDecoder::new(br)))
+    } else if head.len() >= 4 && head[..4] == [0x28, 0xb5, 0x2f, 0xfd] {
+        Ok(Box::new(zstd::stream::read::Decoder::with_buffer(br)?))
+    } else {
+        Ok(Box::new(br))
+    }
+}
+
+impl ImageStore {
+    /// Opens (creating if needed) the store at `root` and removes debris of dead processes.
+    pub fn open(root: impl Into<PathBuf>) -> Result<ImageStore> {
+        let root = root.into();
+        for d in ["blobs/sha256", "layers", "records", "snapshots", "tmp"] {
+            let p = root.join(d);
+            fs::create_dir_all(&p).map_err(ImageError::io("create", &p))?;
+        }
+        let store = ImageStore {
+            root,
+            pins: Arc::default(),
+            records_mutex: Mutex::new(()),
+            blob_locks: KeyedLocks::default(),
+            layer_locks: KeyedLocks::default(),
+            stats: StoreStats::default(),
+        };
+        let tmp = store.root.join("tmp");
+        let n = fsutil::clean_dead_temps(&tmp).map_err(ImageError::io("clean", &tmp))?;
+        let recs = store.root.join("records");
+        let n2 = fsutil::clean_dead_temps(&recs).map_err(ImageError::io("clean", &recs))?;
+        if n + n2 > 0 {
+            tracing::info!(
+                removed = n + n2,
+                "image store: removed debris of interrupted work"
+            );
+        }
+        Ok(store)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn lock(&self) -> Result<(std::sync::MutexGuard<'_, ()>, StoreLock)> {
+        let g = self.records_mutex.lock().unwrap_or_else(|p| p.into_inner());
+        let p = self.root.join("lock");
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .map_err(ImageError::io("open", &p))?;
+        rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive)
+            .map_err(|e| ImageError::io("flock", &p)(e.into()))?;
+        Ok((g, StoreLock { _file: f }))
+    }
+
+    /// Keeps the named blobs/layers (hex digests) from GC until the guard drops.
+    pub fn pin<I: IntoIterator<Item = String>>(&self, keys: I) -> PinGuard {
+        let keys: Vec<String> = keys.into_iter().collect();
+        let mut m = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        for k in &keys {
+            *m.entry(k.clone()).or_default() += 1;
+        }
+        PinGuard {
+            pins: self.pins.clone(),
+            keys,
+        }
+    }
+
+    fn pinned(&self) -> HashSet<String> {
+        self.pins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Deletes those of `candidates` (blob digests) that no image record references.
+    pub fn remove_unreferenced_blobs(&self, candidates: &[Digest]) -> Result<usize> {
+        let _l = self.lock()?;
+        let (blobs, _) = self.referenced()?;
+        let pinned = self.pinned();
+        let mut n = 0;
+        for d in candidates {
+            if !blobs.contains(d.hex()) && !pinned.contains(d.hex()) && self.has_blob(d) {
+                let p = self.blob_path(d);
+                fsutil::remove_any(&p).map_err(ImageError::io("remove", &p))?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
+    // ---- blobs ----
+
+    pub fn blob_path(&self, d: &Digest) -> PathBuf {
+        self.root.join("blobs/sha256").join(d.hex())
+    }
+
+    pub fn has_blob(&self, d: &Digest) -> bool {
+        self.blob_path(d).exists()
+    }
+
+    pub fn read_blob(&self, d: &Digest) -> Result<Vec<u8>> {
+        let p = self.blob_path(d);
+        fs::read(&p).map_err(ImageError::io("read blob", &p))
+    }
+
+    /// Starts writing a blob; nothing is visible in the store until `commit`.
+    pub fn blob_writer(&self) -> Result<BlobWriter> {
+        let tmp = fsutil::temp_path(&self.tmp_dir(), "blob");
+        let f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(ImageError::io("create", &tmp))?;
+        Ok(BlobWriter {
+            file: Some(Hashing::new(f)),
+            tmp,
+            final_dir: self.root.join("blobs/sha256"),
+            done: false,
+        })
+    }
+
+    /// Stores a small blob held in memory, verified against `expected` when given.
+    pub fn put_blob(&self, what: &str, data: &[u8], expected: Option<&Digest>) -> Result<Digest> {
+        let d = Digest::of(data);
+        if let Some(e) = expected {
+            if e != &d {
+                return Err(ImageError::DigestMismatch {
+                    what: what.to_string(),
+                    expected: e.clone(),
+                    actual: d,
+                });
+            }
+        }
+        if self.has_blob(&d) {
+            return Ok(d);
+        }
+        let mut w = self.blob_writer()?;
+        w.write_chunk(data)?;
+        w.commit(what, &d, Some(data.len() as u64))?;
+        Ok(d)
+    }
+
+    // ---- layers ----
+
+    pub fn layer_path(&self, diff_id: &Digest) -> PathBuf {
+        self.root.join("layers").join(diff_id.hex())
+    }
+
+    pub fn has_layer(&self, diff_id: &Digest) -> bool {
+        self.layer_path(diff_id).is_dir()
+    }
+
+    /// Unpacks an uncompressed/gzip/zstd layer stream into `layers/<diff_id>`, checking the
+    /// diff ID. Blocking: call from a blocking thread. `lowers` are the image's lower layers,
+    /// top-most first, for hard links into them.
+    pub fn unpack_layer_from<R: Read>(
+        &self,
+        reader: R,
+        diff_id: &Digest,
+        lowers: Vec<PathBuf>,
+    ) -> Result<()> {
+        let dest = self.layer_path(diff_id);
+        if dest.is_dir() {
+            return Ok(());
+        }
+        let tmp = fsutil::temp_path(&self.tmp_dir(), "layer");
+        fs::create_dir(&tmp).map_err(ImageError::io("create", &tmp))?;
+        let res = (|| {
+            let r = layer_reader(reader).map_err(|e| ImageError::Unpack {
+                layer: diff_id.clone(),
+                source: crate::unpack::UnpackError::Read(e),
+            })?;
+            let opts = crate::unpack::UnpackOptions {
+                lowers,
+                same_owner: rustix::process::geteuid().is_root(),
+            };
+            let stats = crate::unpack::unpack_layer(r, &tmp, &opts).map_err(|source| {
+                ImageError::Unpack {
+                    layer: diff_id.clone(),
+                    source,
+                }
+            })?;
+            if &stats.diff_id != diff_id {
+                return Err(ImageError::DigestMismatch {
+                    what: "uncompressed layer (diff ID)".to_string(),
+                    expected: diff_id.clone(),
+                    actual: stats.diff_id,
+                });
+            }
+            match fs::rename(&tmp, &dest) {
+                Ok(()) => {}
+                // Another process finished the same layer first: theirs is as good as ours.
+                Err(_) if dest.is_dir() => {
+                    let _ = fsutil::remove_any(&tmp);
+                }
+                Err(e) => return Err(ImageError::io("commit layer", &dest)(e)),
+            }
+            let layers = self.root.join("layers");
+            fsutil::sync_dir(&layers).map_err(ImageError::io("fsync", &layers))?;
+            self.stats.layers_unpacked.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })();
+        if res.is_err() {
+            let _ = fsutil::remove_any(&tmp);
+        }
+        res
+    }
+
+    /// Unpacks a stored layer blob. Blocking.
+    pub fn unpack_layer_blob(
+        &self,
+        blob: &Digest,
+        diff_id: &Digest,
+        lowers: Vec<PathBuf>,
+    ) -> Result<()> {
+        let p = self.blob_path(blob);
+        let f = File::open(&p).map_err(ImageError::io("open blob", &p))?;
+        self.unpack_layer_from(f, diff_id, lowers)
+    }
+
+    /// The unpacked layer directories of an image, bottom-most first.
+    pub fn layer_dirs(&self, rec: &ImageRecord) -> Vec<PathBuf> {
+        rec.layers
+            .iter()
+            .map(|l| self.layer_path(&l.diff_id))
+            .collect()
+    }
+
+    // ---- records ----
+
+    fn record_path(&self, id: &Digest) -> PathBuf {
+        self.root.join("records").join(format!("{}.json", id.hex()))
+    }
+
+    /// Every image record, sorted by ID.
+    pub fn list(&self) -> Result<Vec<ImageRecord>> {
+        let dir = self.root.join("records");
+        let mut out = Vec::new();
+        for e in fs::read_dir(&dir).map_err(ImageError::io("list", &dir))? {
+            let e = e.map_err(ImageError::io("list", &dir))?;
+            let name = e.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if !name.ends_with(".json") {
+                continue;
+            }
+            let p = e.path();
+            let data = match fs::read(&p) {
+                Ok(d) => d,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(ImageError::io("read", &p)(e)),
+            };
+            match serde_json::from_slice::<ImageRecord>(&data) {
+                Ok(r) => out.push(r),
+                Err(err) => {
+                    tracing::warn!(path = %p.display(), %err, "image store: skipping unreadable record")
+                }
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    pub fn get(&self, id: &Digest) -> Result<Option<ImageRecord>> {
+        let p = self.record_path(id);
+        match fs::read(&p) {
+            Ok(d) => serde_json::from_slice(&d)
+                .map(Some)
+                .map_err(|e| ImageError::BadImage {
+                    reference: id.to_string(),
+                    reason: format!("unreadable record {}: {e}", p.display()),
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ImageError::io("read", &p)(e)),
+        }
+    }
+
+    /// Finds an image by ID (`sha256:<hex>` or bare hex), by tag, or by repo digest.
+    pub fn find(&self, query: &str) -> Result<Option<ImageRecord>> {
+        let q = query.trim();
+        if let Ok(d) = q.parse::<Digest>() {
+            return self.get(&d);
+        }
+        if q.len() == 64 && q.bytes().all(|c| c.is_ascii_hexdigit()) {
+            if let Ok(d) = format!("sha256:{}", q.to_ascii_lowercase()).parse::<Digest>() {
+                if let Some(r) = self.get(&d)? {
+                    return Ok(Some(r));
+                }
+            }
+        }
+        let r = Reference::parse(q)?;
+        Ok(self.list()?.into_iter().find(|rec| rec.matches(&r)))
+    }
+
+    fn write_record(&self, rec: &ImageRecord) -> Result<()> {
+        let p = self.record_path(&rec.id);
+        let data = serde_json::to_vec_pretty(rec).map_err(|e| ImageError::BadImage {
+            reference: rec.id.to_string(),
+            reason: format!("serialising record: {e}"),
+        })?;
+        fsutil::atomic_write(&p, &data).map_err(ImageError::io("write", &p))
+    }
+
+    /// Records a pulled or imported image: merges its names into an existing record of the
+    /// same ID and moves each tag away from whatever image had it before.
+    pub fn commit_image(&self, mut rec: ImageRecord) -> Result<ImageRecord> {
+        let _l = self.lock()?;
+        for other in self.list()? {
+            if other.id == rec.id {
+                for t in other.repo_tags {
+                    if !rec.repo_tags.contains(&t) {
+                        rec.repo_tags.push(t);
+                    }
+                }
+                for d in other.repo_digests {
+                    if !rec.repo_digests.contains(&d) {
+                        rec.repo_digests.push(d);
+                    }
+                }
+                rec.pinned |= other.pinned;
+                continue;
+            }
+            let before = other.repo_tags.len();
+            let mut o = other.clone();
+            o.repo_tags.retain(|t| !rec.repo_tags.contains(t));
+            if o.repo_tags.len() != before {
+                tracing::info!(image = %o.id.short(), "tag moved to image {}", rec.id.short());
+                self.write_record(&o)?;
+            }
+        }
+        rec.repo_tags.sort();
+        rec.repo_digests.sort();
+        self.write_record(&rec)?;
+        Ok(rec)
+    }
+
+    /// Removes an image name, or the whole image.
+    ///
+    /// - by ID: the image and every tag and digest of it;
+    /// - by tag: that tag; the image goes when it has no tag left;
+    /// - by repo digest: that digest; the image goes when it has no tag and no digest left.
+    ///
+    /// Returns the IDs of images deleted. A name that matches nothing is not an error.
+    pub fn remove(
+        &self,
+        query: &str,
+        in_use: &dyn Fn(&Digest) -> Option<String>,
+    ) -> Result<Vec<Digest>> {
+        let q = query.trim();
+        let by_id = q.parse::<Digest>().ok().or_else(|| {
+            (q.len() == 64)
+                .then(|| format!("sha256:{q}").parse::<Digest>().ok())
+                .flatten()
+        });
+        let mut deleted = Vec::new();
+        {
+            let _l = self.lock()?;
+            let victims: Vec<(ImageRecord, bool)> = if let Some(id) = &by_id {
+                self.get(id)?.map(|r| vec![(r, true)]).unwrap_or_default()
+            } else {
+                let r = Reference::parse(q)?;
+                let mut v = Vec::new();
+                for mut rec in self.list()?.into_iter().filter(|x| x.matches(&r)) {
+                    if let Some(d) = &r.digest {
+                        let rd = r.repo_digest(d);
+                        rec.repo_digests.retain(|x| x != &rd);
+                    } else if let Some(t) = r.repo_tag() {
+                        rec.repo_tags.retain(|x| x != &t);
+                    }
+                    let gone = if r.digest.is_some() {
+                        rec.repo_tags.is_empty() && rec.repo_digests.is_empty()
+                    } else {
+                        rec.repo_tags.is_empty()
+                    };
+                    v.push((rec, gone));
+                }
+                v
+            };
+            for (rec, gone) in victims {
+                if gone {
+                    if let Some(users) = in_use(&rec.id) {
+                        return Err(ImageError::InUse {
+                            reference: q.to_string(),
+                            users,
+                        });
+                    }
+                    let p = self.record_path(&rec.id);
+                    fs::remove_file(&p).map_err(ImageError::io("remove", &p))?;
+                    deleted.push(rec.id.clone());
+                } else {
+                    self.write_record(&rec)?;
+                }
+            }
+            if !deleted.is_empty() {
+                let recs = self.root.join("records");
+                fsutil::sync_dir(&recs).map_err(ImageError::io("fsync", &recs))?;
+            }
+        }
+        if !deleted.is_empty() {
+            self.gc()?;
+        }
+        Ok(deleted)
+    }
+
+    /// The layer diff IDs that snapshots still use (their lower dirs), from snapshot metadata.
+    fn layers_in_snapshots(&self) -> HashSet<String> {
+        let mut used = HashSet::new();
+        let dir = self.root.join("snapshots");
+        if let Ok(rd) = fs::read_dir(&dir) {
+            for e in rd.flatten() {
+                if let Ok(data) = fs::read(e.path().join("snapshot.json")) {
+                    if let Ok(meta) = serde_json::from_slice::<crate::snapshot::SnapshotMeta>(&data)
+                    {
+                        used.extend(meta.layers.iter().map(|d| d.hex().to_string()));
+                    }
+                }
+            }
+        }
+        used
+    }
+
+    /// Hex digests of blobs and layers that records and snapshots reference.
+    fn referenced(&self) -> Result<(HashSet<String>, HashSet<String>)> {
+        let recs = self.list()?;
+        let mut blobs: HashSet<String> = HashSet::new();
+        let mut layers = self.layers_in_snapshots();
+        for r in &recs {
+            blobs.insert(r.config.digest.hex().to_string());
+            blobs.insert(r.manifest.digest.hex().to_string());
+            for l in &r.layers {
+                blobs.insert(l.blob.digest.hex().to_string());
+                layers.insert(l.diff_id.hex().to_string());
+            }
+            for d in &r.repo_digests {
+                if let Some((_, d)) = d.rsplit_once('@') {
+                    if let Ok(d) = d.parse::<Digest>() {
+                        blobs.insert(d.hex().to_string());
+                    }
+                }
+            }
+        }
+        Ok((blobs, layers))
+    }
+
+    /// Removes blobs and layers that no image record, snapshot or in-flight pull references.
+    pub fn gc(&self) -> Result<(usize, usize)> {
+        let _l = self.lock()?;
+        let (mut blobs, mut layers) = self.referenced()?;
+        let pinned = self.pinned();
+        blobs.extend(pinned.iter().cloned());
+        layers.extend(pinned);
+        let mut nb = 0;
+        let bdir = self.root.join("blobs/sha256");
+        for e in fs::read_dir(&bdir)
+            .map_err(ImageError::io("list", &bdir))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !blobs.contains(&name) {
+                fsutil::remove_any(&e.path()).map_err(ImageError::io("remove", e.path()))?;
+                nb += 1;
+            }
+        }
+        let mut nl = 0;
+        let ldir = self.root.join("layers");
+        for e in fs::read_dir(&ldir)
+            .map_err(ImageError::io("list", &ldir))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !layers.contains(&name) {
+                // Rename first so that a crash mid-delete never leaves a half layer under its name.
+                let tmp = fsutil::temp_path(&self.tmp_dir(), "rmlayer");
+                fs::rename(e.path(), &tmp).map_err(ImageError::io("remove", e.path()))?;
+                fsutil::remove_any(&tmp).map_err(ImageError::io("remove", &tmp))?;
+                nl += 1;
+            }
+        }
+        if nb + nl > 0 {
+            tracing::info!(blobs = nb, layers = nl, "image store: garbage collected");
+        }
+        Ok((nb, nl))
+    }
+
+    /// Bytes and inodes the store uses on disk.
+    pub fn usage(&self) -> Result<(u64, u64)> {
+        fsutil::disk_usage(&self.root).map_err(ImageError::io("measure", &self.root))
+    }
+}

@@ -1,0 +1,1 @@
+//! vessel-shim: the per-VM host process. Built by the vmm issue; empty until then.
