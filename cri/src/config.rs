@@ -43,10 +43,11 @@ connect_timeout_secs = 10
 # insecure = false                          # plain HTTP and unverified TLS allowed
 # ca_file = "/etc/vessel/certs/registry.pem"  # extra CA to trust
 #
-# Loopback registries (localhost, 127.0.0.0/8) are treated as insecure, as Docker does.
+# Registries on loopback (localhost, 127.0.0.0/8) that have no section here are treated as
+# insecure, as Docker does; a section for them applies as written.
 "#;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub daemon: DaemonConfig,
@@ -79,15 +80,6 @@ pub struct ImagesConfig {
     pub max_concurrent_downloads: usize,
     pub connect_timeout_secs: u64,
     pub registries: BTreeMap<String, RegistryConfig>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            daemon: DaemonConfig::default(),
-            images: ImagesConfig::default(),
-        }
-    }
 }
 
 impl Default for DaemonConfig {

@@ -19,11 +19,26 @@ pub struct Vesseld {
 impl Vesseld {
     /// Writes a config with `extra` TOML appended (e.g. registry settings) and starts vesseld.
     pub fn start(binary: &Path, extra_config: &str) -> std::io::Result<Vesseld> {
+        Self::start_with(binary, "", extra_config)
+    }
+
+    /// Like [`Vesseld::start`], with `daemon_keys` added to the `[daemon]` table (metrics
+    /// are off unless `daemon_keys` sets `metrics_address`).
+    pub fn start_with(
+        binary: &Path,
+        daemon_keys: &str,
+        extra_config: &str,
+    ) -> std::io::Result<Vesseld> {
         let dir = tempfile::Builder::new().prefix("vessel-test-").tempdir()?;
         let socket = dir.path().join("vessel.sock");
         let config_path = dir.path().join("config.toml");
+        let metrics = if daemon_keys.contains("metrics_address") {
+            ""
+        } else {
+            "metrics_address = \"\"\n"
+        };
         let config = format!(
-            "[daemon]\nsocket = \"{sock}\"\nroot_dir = \"{root}\"\nstate_dir = \"{state}\"\nlog_level = \"debug\"\nmetrics_address = \"\"\n{extra_config}\n",
+            "[daemon]\nsocket = \"{sock}\"\nroot_dir = \"{root}\"\nstate_dir = \"{state}\"\nlog_level = \"debug\"\n{metrics}{daemon_keys}\n{extra_config}\n",
             sock = socket.display(),
             root = dir.path().join("root").display(),
             state = dir.path().join("state").display(),

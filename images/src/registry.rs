@@ -305,13 +305,13 @@ impl Puller {
     }
 
     fn endpoints(&self, r: &Reference) -> Vec<Endpoint> {
-        let cfg = self
-            .config
-            .registries
-            .get(&r.domain)
-            .cloned()
-            .unwrap_or_default();
-        let insecure = cfg.insecure || is_loopback_host(&r.domain);
+        let explicit = self.config.registries.get(&r.domain).cloned();
+        // Loopback registries are insecure by default, as in Docker, unless configured.
+        let insecure = match &explicit {
+            Some(c) => c.insecure,
+            None => is_loopback_host(&r.domain),
+        };
+        let cfg = explicit.unwrap_or_default();
         let mut v = Vec::new();
         for m in &cfg.mirrors {
             let m = m.trim().trim_end_matches('/');

@@ -240,6 +240,13 @@ impl ImageStore {
             layer_locks: KeyedLocks::default(),
             stats: StoreStats::default(),
         };
+        let lock = store.root.join("lock");
+        OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock)
+            .map_err(ImageError::io("create", &lock))?;
         let tmp = store.root.join("tmp");
         let n = fsutil::clean_dead_temps(&tmp).map_err(ImageError::io("clean", &tmp))?;
         let recs = store.root.join("records");

@@ -1,0 +1,788 @@
+//! End to end: a real vesseld on a temporary socket, driven over CRI, pulling deterministic
+//! busybox images from a real docker-registry on 127.0.0.1.
+
+use k8s_cri::v1 as cri;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tonic::Code;
+use vessel_critest::daemon::{mounts_under, Vesseld};
+use vessel_critest::registry::{Registry, RegistryOptions};
+use vessel_images::push::{push_artifact, push_image, PushTarget};
+use vessel_images::testimages::{self, Compression, EscapeKind};
+
+fn vesseld(extra: &str) -> Vesseld {
+    Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), extra).expect("starting vesseld")
+}
+
+fn registry(opts: RegistryOptions) -> Registry {
+    Registry::start(opts).expect("starting docker-registry")
+}
+
+fn target(reg: &Registry, repo: &str) -> PushTarget {
+    let mut t = PushTarget::new(&reg.url(), repo);
+    t.insecure_tls = true;
+    t
+}
+
+fn spec(image: &str) -> Option<cri::ImageSpec> {
+    Some(cri::ImageSpec {
+        image: image.to_string(),
+        ..Default::default()
+    })
+}
+
+async fn pull(
+    c: &mut vessel_critest::client::CriClient,
+    image: &str,
+    auth: Option<cri::AuthConfig>,
+) -> Result<String, tonic::Status> {
+    c.images
+        .pull_image(cri::PullImageRequest {
+            image: spec(image),
+            auth,
+            sandbox_config: None,
+        })
+        .await
+        .map(|r| r.into_inner().image_ref)
+}
+
+async fn status(c: &mut vessel_critest::client::CriClient, image: &str) -> Option<cri::Image> {
+    c.images
+        .image_status(cri::ImageStatusRequest {
+            image: spec(image),
+            verbose: false,
+        })
+        .await
+        .expect("ImageStatus")
+        .into_inner()
+        .image
+}
+
+async fn list(c: &mut vessel_critest::client::CriClient) -> Vec<cri::Image> {
+    c.images
+        .list_images(cri::ListImagesRequest { filter: None })
+        .await
+        .expect("ListImages")
+        .into_inner()
+        .images
+}
+
+async fn remove(c: &mut vessel_critest::client::CriClient, image: &str) {
+    c.images
+        .remove_image(cri::RemoveImageRequest { image: spec(image) })
+        .await
+        .unwrap_or_else(|e| panic!("RemoveImage {image}: {e}"));
+}
+
+async fn fs_used(c: &mut vessel_critest::client::CriClient) -> (u64, u64) {
+    let r = c
+        .images
+        .image_fs_info(cri::ImageFsInfoRequest {})
+        .await
+        .expect("ImageFsInfo")
+        .into_inner();
+    let fs = &r.image_filesystems[0];
+    (
+        fs.used_bytes.as_ref().unwrap().value,
+        fs.inodes_used.as_ref().unwrap().value,
+    )
+}
+
+fn dir_entries(p: &Path) -> Vec<String> {
+    std::fs::read_dir(p)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The store holds no blob, layer, record, snapshot or temp file.
+fn assert_store_empty(v: &Vesseld) {
+    let root = v.root_dir().join("images");
+    for d in ["blobs/sha256", "layers", "records", "snapshots", "tmp"] {
+        let e = dir_entries(&root.join(d));
+        assert!(e.is_empty(), "{d} should be empty, has {e:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_status_and_unbuilt_rpcs() {
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let ver = c
+        .runtime
+        .version(cri::VersionRequest {
+            version: "0.1.0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ver.runtime_name, "vessel");
+    assert_eq!(ver.runtime_api_version, "v1");
+    assert_eq!(ver.version, "0.1.0");
+    assert!(!ver.runtime_version.is_empty());
+
+    let st = c
+        .runtime
+        .status(cri::StatusRequest { verbose: true })
+        .await
+        .unwrap()
+        .into_inner();
+    let conds = st.status.unwrap().conditions;
+    let types: Vec<_> = conds.iter().map(|c| c.r#type.as_str()).collect();
+    assert!(types.contains(&"RuntimeReady") && types.contains(&"NetworkReady"));
+    assert!(conds
+        .iter()
+        .all(|c| !c.reason.is_empty() && !c.message.is_empty()));
+    assert!(st.info.contains_key("config"));
+
+    let e = c
+        .runtime
+        .run_pod_sandbox(cri::RunPodSandboxRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented);
+    assert!(e.message().contains("RunPodSandbox"), "{}", e.message());
+
+    // The socket is 0660.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&v.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_by_tag_digest_and_without_tag() {
+    let reg = registry(RegistryOptions::default());
+    let img = testimages::busybox_image(Compression::Gzip);
+    let t = target(&reg, "library/busybox");
+    push_image(&t, &img, Some("latest")).await.unwrap();
+    push_image(&t, &img, Some("1.35")).await.unwrap();
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let host = reg.host();
+
+    // Without a tag: latest.
+    let id = pull(&mut c, &format!("{host}/library/busybox"), None)
+        .await
+        .unwrap();
+    assert_eq!(id, img.id().to_string());
+    let s = status(&mut c, &format!("{host}/library/busybox:latest"))
+        .await
+        .unwrap();
+    assert_eq!(s.id, id);
+    assert_eq!(s.repo_tags, vec![format!("{host}/library/busybox:latest")]);
+    assert_eq!(
+        s.repo_digests,
+        vec![format!("{host}/library/busybox@{}", img.manifest_digest())]
+    );
+    let layer_bytes: u64 = img.layers.iter().map(|l| l.size()).sum();
+    assert_eq!(s.size, layer_bytes + img.config.size());
+
+    // By another tag: same image, both tags.
+    pull(&mut c, &format!("{host}/library/busybox:1.35"), None)
+        .await
+        .unwrap();
+    // By digest.
+    let by_digest = format!("{host}/library/busybox@{}", img.manifest_digest());
+    assert_eq!(pull(&mut c, &by_digest, None).await.unwrap(), id);
+    let all = list(&mut c).await;
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert_eq!(all[0].repo_tags.len(), 2);
+    assert!(status(&mut c, &by_digest).await.is_some());
+    assert!(status(&mut c, &id).await.is_some());
+    assert!(status(&mut c, id.trim_start_matches("sha256:"))
+        .await
+        .is_some());
+
+    // The layer is unpacked once, busybox applets as hard links of one inode.
+    let layer = v
+        .root_dir()
+        .join("images/layers")
+        .join(img.diff_ids[0].hex());
+    use std::os::unix::fs::MetadataExt;
+    let bb = std::fs::metadata(layer.join("bin/busybox")).unwrap();
+    let sh = std::fs::metadata(layer.join("bin/sh")).unwrap();
+    assert_eq!(bb.ino(), sh.ino());
+    assert!(bb.nlink() > 250, "busybox has {} links", bb.nlink());
+    let home = std::fs::metadata(layer.join("home/vessel")).unwrap();
+    assert_eq!((home.uid(), home.gid()), (1000, 1000));
+    assert_eq!(
+        std::fs::metadata(layer.join("tmp")).unwrap().mode() & 0o7777,
+        0o1777
+    );
+    assert_eq!(dir_entries(&v.root_dir().join("images/layers")).len(), 1);
+
+    // ListImages with a filter.
+    let filtered = c
+        .images
+        .list_images(cri::ListImagesRequest {
+            filter: Some(cri::ImageFilter {
+                image: spec(&format!("{host}/library/busybox:1.35")),
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .images;
+    assert_eq!(filtered.len(), 1);
+    let none = c
+        .images
+        .list_images(cri::ListImagesRequest {
+            filter: Some(cri::ImageFilter {
+                image: spec(&format!("{host}/library/other")),
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .images;
+    assert!(none.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multiarch_index_resolves_to_configured_platform() {
+    let reg = registry(RegistryOptions::default());
+    let art = testimages::multiarch_index();
+    push_artifact(&target(&reg, "multi"), &art, Some("v1"))
+        .await
+        .unwrap();
+    let amd64 = art.images()[0].id();
+    let arm64 = art.images()[1].id();
+    let name = format!("{}/multi:v1", reg.host());
+
+    let v = vesseld("");
+    let mut c = v.client().await;
+    assert_eq!(pull(&mut c, &name, None).await.unwrap(), amd64.to_string());
+    let s = status(&mut c, &name).await.unwrap();
+    // The repo digest is the index's, as containerd records it.
+    assert_eq!(
+        s.repo_digests,
+        vec![format!("{}/multi@{}", reg.host(), art.top_digest())]
+    );
+    drop(c);
+    drop(v);
+
+    let v = vesseld("[images]\nplatform = \"linux/arm64\"\n");
+    let mut c = v.client().await;
+    assert_eq!(pull(&mut c, &name, None).await.unwrap(), arm64.to_string());
+    drop(c);
+    drop(v);
+
+    let v = vesseld("[images]\nplatform = \"linux/s390x\"\n");
+    let mut c = v.client().await;
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    assert!(e.message().contains("linux/s390x"), "{}", e.message());
+    assert_store_empty(&v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zstd_whiteouts_and_user_fields() {
+    let reg = registry(RegistryOptions::default());
+    let z = testimages::busybox_image(Compression::Zstd);
+    let w = testimages::whiteout_image();
+    push_image(&target(&reg, "zstd"), &z, Some("v1"))
+        .await
+        .unwrap();
+    push_image(&target(&reg, "whiteout"), &w, Some("v1"))
+        .await
+        .unwrap();
+    let users = [
+        ("1000", Some(1000), ""),
+        ("1000:1000", Some(1000), ""),
+        ("vessel", None, "vessel"),
+        ("nobody", None, "nobody"),
+    ];
+    for (i, (u, _, _)) in users.iter().enumerate() {
+        push_image(
+            &target(&reg, "user"),
+            &testimages::user_image(u),
+            Some(&format!("u{i}")),
+        )
+        .await
+        .unwrap();
+    }
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let h = reg.host();
+    assert_eq!(
+        pull(&mut c, &format!("{h}/zstd:v1"), None).await.unwrap(),
+        z.id().to_string()
+    );
+    assert_eq!(
+        pull(&mut c, &format!("{h}/whiteout:v1"), None)
+            .await
+            .unwrap(),
+        w.id().to_string()
+    );
+    for (i, (u, uid, name)) in users.iter().enumerate() {
+        let r = format!("{h}/user:u{i}");
+        pull(&mut c, &r, None).await.unwrap();
+        let s = status(&mut c, &r).await.unwrap();
+        assert_eq!(s.uid.map(|x| x.value), *uid, "user {u}");
+        assert_eq!(s.username, *name, "user {u}");
+    }
+    let plain = status(&mut c, &format!("{h}/zstd:v1")).await.unwrap();
+    assert!(plain.uid.is_none() && plain.username.is_empty());
+
+    // Whiteouts are overlay whiteouts; a snapshot over the layers shows the merged view.
+    let store = vessel_images::ImageStore::open(v.root_dir().join("images")).unwrap();
+    let upper_layer = store.layer_path(&w.diff_ids[1]);
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let gone = std::fs::symlink_metadata(upper_layer.join("data/gone")).unwrap();
+    assert!(gone.file_type().is_char_device() && gone.rdev() == 0);
+    let rec = store.find(&format!("{h}/whiteout:v1")).unwrap().unwrap();
+    let snap = store.prepare_snapshot("e2e-whiteout", &rec).unwrap();
+    let root = snap.mount_overlay().unwrap();
+    assert!(root.join("data/keep").exists());
+    assert!(!root.join("data/gone").exists());
+    assert!(!root.join("opaque/old").exists());
+    assert!(root.join("opaque/new").exists());
+    assert!(root.join("bin/busybox").exists());
+    // An image in use by a snapshot cannot be removed.
+    let e = c
+        .images
+        .remove_image(cri::RemoveImageRequest {
+            image: spec(&rec.id.to_string()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    store.remove_snapshot("e2e-whiteout").unwrap();
+    assert!(mounts_under(v.dir.path()).is_empty());
+    remove(&mut c, &rec.id.to_string()).await;
+    assert!(status(&mut c, &format!("{h}/whiteout:v1")).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn basic_auth_ok_wrong_and_missing() {
+    let reg = registry(RegistryOptions {
+        htpasswd: Some(("alice".into(), "s3cret".into())),
+        ..Default::default()
+    });
+    let mut t = target(&reg, "private/app");
+    t.basic_auth = Some(("alice".into(), "s3cret".into()));
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&t, &img, Some("v1")).await.unwrap();
+    let name = format!("{}/private/app:v1", reg.host());
+
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+    let wrong = cri::AuthConfig {
+        username: "alice".into(),
+        password: "wrong".into(),
+        ..Default::default()
+    };
+    let e = pull(&mut c, &name, Some(wrong)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+    assert!(e.message().contains(&reg.host()), "{}", e.message());
+    assert_store_empty(&v);
+    // The `auth` field form (base64 user:password) works as well as username/password.
+    use base64::Engine as _;
+    let ok = cri::AuthConfig {
+        auth: base64::engine::general_purpose::STANDARD.encode("alice:s3cret"),
+        ..Default::default()
+    };
+    assert_eq!(
+        pull(&mut c, &name, Some(ok)).await.unwrap(),
+        img.id().to_string()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bearer_token_auth() {
+    let reg = registry(RegistryOptions {
+        htpasswd: Some(("bob".into(), "hunter2".into())),
+        token_auth: true,
+        ..Default::default()
+    });
+    let mut t = target(&reg, "tok/app");
+    t.basic_auth = Some(("bob".into(), "hunter2".into()));
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&t, &img, Some("v1")).await.unwrap();
+    let name = format!("{}/tok/app:v1", reg.host());
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+    let before = reg.tokens_issued();
+    let creds = cri::AuthConfig {
+        username: "bob".into(),
+        password: "hunter2".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        pull(&mut c, &name, Some(creds)).await.unwrap(),
+        img.id().to_string()
+    );
+    assert!(reg.tokens_issued() > before, "no token was issued");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_registry_verified_with_ca_file() {
+    let reg = registry(RegistryOptions {
+        tls: true,
+        ..Default::default()
+    });
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&target(&reg, "tls/app"), &img, Some("v1"))
+        .await
+        .unwrap();
+    let name = format!("{}/tls/app:v1", reg.host());
+    let ca = reg.dir().join("vessel-ca.pem");
+    std::fs::write(&ca, reg.ca_pem().unwrap()).unwrap();
+
+    // Configured, not insecure, no CA: certificate verification fails.
+    let v = vesseld(&format!(
+        "[images.registries.\"{}\"]\ninsecure = false\n",
+        reg.host()
+    ));
+    let mut c = v.client().await;
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    drop(c);
+    drop(v);
+
+    // With the registry's CA: verified and pulled over HTTPS.
+    let v = vesseld(&format!(
+        "[images.registries.\"{}\"]\nca_file = \"{}\"\n",
+        reg.host(),
+        ca.display()
+    ));
+    let mut c = v.client().await;
+    assert_eq!(
+        pull(&mut c, &name, None).await.unwrap(),
+        img.id().to_string()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_invalid_images() {
+    let reg = registry(RegistryOptions::default());
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let name = format!("{}/does/not-exist:v9", reg.host());
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    assert!(e.message().contains("does/not-exist"), "{}", e.message());
+    assert!(
+        e.message().contains("MANIFEST_UNKNOWN") || e.message().contains("NAME_UNKNOWN"),
+        "{}",
+        e.message()
+    );
+    // Not present: nil image, no error (kubelet asks before every pull).
+    assert!(status(&mut c, &name).await.is_none());
+    let e = pull(&mut c, "Not A Reference!", None).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    let e = pull(&mut c, "", None).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    // Unreachable registry: Unavailable, naming it.
+    let e = pull(&mut c, "127.0.0.1:1/x:y", None).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    assert!(e.message().contains("127.0.0.1:1"), "{}", e.message());
+    // Removing what is not there is fine.
+    remove(&mut c, &name).await;
+    remove(&mut c, &format!("sha256:{}", "0".repeat(64))).await;
+    assert_store_empty(&v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_blob_is_rejected_and_nothing_stored() {
+    let reg = registry(RegistryOptions::default());
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&target(&reg, "corrupt"), &img, Some("v1"))
+        .await
+        .unwrap();
+    // Serve different bytes of the same length under the layer's digest.
+    let layer = img.layers[0].digest();
+    let p = reg.blob_path(&layer);
+    let mut data = std::fs::read(&p).unwrap();
+    let mid = data.len() / 2;
+    data[mid] ^= 0xff;
+    std::fs::write(&p, &data).unwrap();
+
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let e = pull(&mut c, &format!("{}/corrupt:v1", reg.host()), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("digest mismatch"), "{}", e.message());
+    assert!(e.message().contains(layer.as_str()), "{}", e.message());
+    assert!(list(&mut c).await.is_empty());
+    assert_store_empty(&v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_escapes_are_rejected_and_nothing_left() {
+    let reg = registry(RegistryOptions::default());
+    let v = vesseld("");
+    let mut c = v.client().await;
+    for (i, kind) in [
+        EscapeKind::DotDot,
+        EscapeKind::SymlinkParent,
+        EscapeKind::AbsoluteSymlinkParent,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let img = testimages::escape_image(kind);
+        push_image(&target(&reg, "escape"), &img, Some(&format!("e{i}")))
+            .await
+            .unwrap();
+        let e = pull(&mut c, &format!("{}/escape:e{i}", reg.host()), None)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+        assert!(e.message().contains("escapes"), "{}", e.message());
+        assert_store_empty(&v);
+    }
+    // Nothing was written outside the store either.
+    let mut stack = vec![v.dir.path().to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            assert!(
+                !e.file_name().to_string_lossy().contains("escaped"),
+                "{:?}",
+                e.path()
+            );
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    assert!(!Path::new("/tmp/escaped").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_pulls_share_one_download() {
+    let reg = registry(RegistryOptions::default());
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&target(&reg, "shared"), &img, Some("v1"))
+        .await
+        .unwrap();
+    let v = vesseld("");
+    let name = format!("{}/shared:v1", reg.host());
+    let mut c1 = v.client().await;
+    let mut c2 = v.client().await;
+    let (a, b) = tokio::join!(pull(&mut c1, &name, None), pull(&mut c2, &name, None));
+    assert_eq!(a.unwrap(), img.id().to_string());
+    assert_eq!(b.unwrap(), img.id().to_string());
+    let layer = img.layers[0].digest();
+    // The access log is written after each response; give it a moment, then count.
+    let n = reg.wait_blob_get_count(&layer, 1, Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(reg.blob_get_count(&layer), 1, "layer fetched {n} times");
+    assert_eq!(reg.blob_get_count(&img.config.digest()), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_semantics_and_fs_info() {
+    let reg = registry(RegistryOptions::default());
+    let img = testimages::busybox_image(Compression::Gzip);
+    let t = target(&reg, "rm");
+    push_image(&t, &img, Some("a")).await.unwrap();
+    push_image(&t, &img, Some("b")).await.unwrap();
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let h = reg.host();
+    let (empty_bytes, empty_inodes) = fs_used(&mut c).await;
+
+    let id = pull(&mut c, &format!("{h}/rm:a"), None).await.unwrap();
+    pull(&mut c, &format!("{h}/rm:b"), None).await.unwrap();
+    let (bytes, inodes) = fs_used(&mut c).await;
+    let layer_bytes: u64 = img.layers.iter().map(|l| l.size()).sum();
+    // Compressed blob plus the unpacked busybox (~2 MB).
+    assert!(
+        bytes > empty_bytes + layer_bytes + 1_500_000,
+        "{bytes} vs {empty_bytes}"
+    );
+    assert!(inodes > empty_inodes + 10, "{inodes} vs {empty_inodes}");
+
+    // By tag: only that tag goes while another remains.
+    remove(&mut c, &format!("{h}/rm:a")).await;
+    let s = status(&mut c, &id).await.unwrap();
+    assert_eq!(s.repo_tags, vec![format!("{h}/rm:b")]);
+    assert!(status(&mut c, &format!("{h}/rm:a")).await.is_none());
+    // The last tag: the image goes.
+    remove(&mut c, &format!("{h}/rm:b")).await;
+    assert!(status(&mut c, &id).await.is_none());
+    assert_store_empty(&v);
+    assert_eq!(fs_used(&mut c).await.1, empty_inodes);
+
+    // By ID: every tag at once.
+    pull(&mut c, &format!("{h}/rm:a"), None).await.unwrap();
+    pull(&mut c, &format!("{h}/rm:b"), None).await.unwrap();
+    remove(&mut c, &id).await;
+    assert!(list(&mut c).await.is_empty());
+    assert_store_empty(&v);
+
+    // By digest: that name goes; the image stays while tags remain.
+    pull(&mut c, &format!("{h}/rm:a"), None).await.unwrap();
+    remove(&mut c, &format!("{h}/rm@{}", img.manifest_digest())).await;
+    let s = status(&mut c, &id).await.unwrap();
+    assert!(s.repo_digests.is_empty());
+    assert_eq!(s.repo_tags, vec![format!("{h}/rm:a")]);
+    remove(&mut c, &format!("{h}/rm:a")).await;
+    assert_store_empty(&v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_survives_kill9_restart() {
+    let reg = registry(RegistryOptions::default());
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&target(&reg, "keep"), &img, Some("v1"))
+        .await
+        .unwrap();
+    let mut v = vesseld("");
+    let name = format!("{}/keep:v1", reg.host());
+    {
+        let mut c = v.client().await;
+        pull(&mut c, &name, None).await.unwrap();
+    }
+    let before = {
+        let mut c = v.client().await;
+        list(&mut c).await
+    };
+    // Debris a crash could leave: a half-written blob of a dead process.
+    let debris = v.root_dir().join("images/tmp/2147483632.blob.1.tmp");
+    std::fs::write(&debris, b"partial").unwrap();
+    v.kill9();
+    v.restart().unwrap();
+    let mut c = v.client().await;
+    let after = list(&mut c).await;
+    assert_eq!(before, after);
+    assert!(status(&mut c, &name).await.is_some());
+    assert!(!debris.exists(), "crash debris was not cleaned at start");
+    // Pulling again downloads nothing new.
+    pull(&mut c, &name, None).await.unwrap();
+    assert_eq!(reg.blob_get_count(&img.layers[0].digest()), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offline_import_oci_layout_and_docker_archive() {
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let work = tempfile::tempdir().unwrap();
+
+    // OCI layout tarball of a multi-arch index, named by its ref.name annotation.
+    let art = testimages::multiarch_index();
+    let oci = work.path().join("multi.oci.tar");
+    std::fs::write(
+        &oci,
+        testimages::oci_layout_tar(&art, "registry.local/multi:v1"),
+    )
+    .unwrap();
+    let (ok, out) = v.run_cli(&["image", "import", oci.to_str().unwrap()]);
+    assert!(ok, "{out}");
+    let s = status(&mut c, "registry.local/multi:v1")
+        .await
+        .expect("imported image");
+    assert_eq!(s.id, art.images()[0].id().to_string());
+    assert_eq!(
+        s.repo_digests,
+        vec![format!("registry.local/multi@{}", art.top_digest())]
+    );
+
+    // docker save archive, gzip-compressed as `docker save | gzip` makes it.
+    let img = testimages::user_image("vessel");
+    let raw = testimages::docker_archive_tar(&img, &["myapp:1.0"]);
+    let gz = testimages::compress(&raw, Compression::Gzip);
+    let arch = work.path().join("app.tar.gz");
+    std::fs::write(&arch, &gz.data).unwrap();
+    let (ok, out) = v.run_cli(&[
+        "image",
+        "import",
+        arch.to_str().unwrap(),
+        "--tag",
+        "registry.local/extra:tag",
+    ]);
+    assert!(ok, "{out}");
+    let s = status(&mut c, "myapp:1.0")
+        .await
+        .expect("imported docker archive");
+    assert_eq!(s.id, img.id().to_string());
+    assert_eq!(s.username, "vessel");
+    assert!(s
+        .repo_tags
+        .contains(&"docker.io/library/myapp:1.0".to_string()));
+    assert!(s
+        .repo_tags
+        .contains(&"registry.local/extra:tag".to_string()));
+    assert!(s.repo_digests.is_empty());
+
+    // A garbage file is refused and leaves nothing.
+    let junk = work.path().join("junk.tar");
+    std::fs::write(&junk, b"not a tarball at all").unwrap();
+    let (ok, out) = v.run_cli(&["image", "import", junk.to_str().unwrap()]);
+    assert!(!ok, "{out}");
+    assert_eq!(list(&mut c).await.len(), 2);
+    let tmp = dir_entries(&v.root_dir().join("images/tmp"));
+    assert!(tmp.is_empty(), "{tmp:?}");
+
+    // Everything the imports brought is removable, down to an empty store.
+    for i in list(&mut c).await {
+        remove(&mut c, &i.id).await;
+    }
+    assert_store_empty(&v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_cli_and_metrics() {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_vesseld"));
+    let out = std::process::Command::new(&bin)
+        .args(["config", "default"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("socket = \"/run/vessel/vessel.sock\""));
+    // A config with a typo is refused with the key named.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[daemon]\nsokcet = \"/x\"\n").unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["--config", bad.to_str().unwrap(), "config", "check"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sokcet"));
+
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let reg = registry(RegistryOptions::default());
+    push_image(
+        &target(&reg, "m"),
+        &testimages::busybox_image(Compression::Gzip),
+        Some("v1"),
+    )
+    .await
+    .unwrap();
+    let v = Vesseld::start_with(&bin, &format!("metrics_address = \"127.0.0.1:{port}\""), "")
+        .expect("starting vesseld with metrics");
+    let mut c = v.client().await;
+    pull(&mut c, &format!("{}/m:v1", reg.host()), None)
+        .await
+        .unwrap();
+    let body = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        body.contains("vessel_image_pulls_total{result=\"ok\"} 1"),
+        "{body}"
+    );
+    assert!(body.contains("vessel_images 1"), "{body}");
+    let missing = reqwest::get(format!("http://127.0.0.1:{port}/nope"))
+        .await
+        .unwrap();
+    assert_eq!(missing.status().as_u16(), 404);
+}
