@@ -9,6 +9,7 @@ PKGS=(
   busybox-static      # test images are built from Debian's busybox
   docker-registry     # the real OCI registry the tests pull from (127.0.0.1 only)
   erofs-utils         # mkfs.erofs: per-layer block images for VM pods
+  libseccomp-dev      # seccomp for containers (youki libcontainer)
   iproute2
   ca-certificates
 )
