@@ -26,6 +26,10 @@ log_format = "text"
 # Prometheus metrics over HTTP at this TCP address (GET /metrics). Empty disables them.
 metrics_address = "127.0.0.1:9654"
 
+[runtime]
+# The pod agent binary. Empty: vessel-agent next to the vesseld binary.
+agent_binary = ""
+
 [images]
 # The platform picked from multi-platform images (os/arch[/variant]).
 platform = "linux/amd64"
@@ -51,7 +55,14 @@ connect_timeout_secs = 10
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub daemon: DaemonConfig,
+    pub runtime: RuntimeConfig,
     pub images: ImagesConfig,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeConfig {
+    pub agent_binary: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -202,6 +213,18 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The pod agent binary to run.
+    pub fn agent_binary(&self) -> PathBuf {
+        if !self.runtime.agent_binary.is_empty() {
+            return PathBuf::from(&self.runtime.agent_binary);
+        }
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.join("vessel-agent")))
+            .filter(|p| p.exists())
+            .unwrap_or_else(|| PathBuf::from("/usr/local/bin/vessel-agent"))
     }
 
     /// The image store lives here.

@@ -7,7 +7,11 @@
 
 pub mod config;
 pub mod errors;
+pub mod flat;
 pub mod image_service;
 pub mod metrics;
+pub mod runtime;
 pub mod runtime_service;
 pub mod server;
+pub mod spec;
+pub mod state;

@@ -1,10 +1,10 @@
-//! CRI RuntimeService. This build answers `Version` and `Status`; pod and container RPCs
-//! answer `Unimplemented` with a message saying so, until the sandbox backends land.
+//! CRI RuntimeService over [`crate::runtime::Runtime`].
 
-use crate::config::Config;
 use crate::errors::not_built;
+use crate::runtime::Runtime;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
+use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 /// The CRI API version kubelet negotiates.
@@ -13,39 +13,54 @@ pub const RUNTIME_NAME: &str = "vessel";
 pub const RUNTIME_API_VERSION: &str = "v1";
 
 pub struct RuntimeService {
+    rt: Arc<Runtime>,
     root_dir: String,
 }
 
 impl RuntimeService {
-    pub fn new(config: &Config) -> Self {
-        RuntimeService {
-            root_dir: config.daemon.root_dir.display().to_string(),
-        }
+    pub fn new(rt: Arc<Runtime>, root_dir: String) -> Self {
+        RuntimeService { rt, root_dir }
     }
 
-    /// Runtime conditions. Pods cannot run in this build, and no CNI is wired yet: both
-    /// conditions say so rather than pretend.
+    /// Runtime conditions, from what can be checked now.
     fn conditions(&self) -> Vec<cri::RuntimeCondition> {
-        vec![
-            cri::RuntimeCondition {
+        use std::os::unix::fs::PermissionsExt;
+        let agent = self.rt.agent_binary();
+        let runtime_ready = match std::fs::metadata(agent) {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => cri::RuntimeCondition {
+                r#type: "RuntimeReady".into(),
+                status: true,
+                reason: String::new(),
+                message: String::new(),
+            },
+            Ok(_) => cri::RuntimeCondition {
                 r#type: "RuntimeReady".into(),
                 status: false,
-                reason: "SandboxBackendMissing".into(),
-                message: "vessel: this build serves images only; pod sandboxes (flat and vm) are not implemented yet".into(),
+                reason: "AgentNotExecutable".into(),
+                message: format!("pod agent {} is not an executable file", agent.display()),
             },
+            Err(e) => cri::RuntimeCondition {
+                r#type: "RuntimeReady".into(),
+                status: false,
+                reason: "AgentMissing".into(),
+                message: format!("pod agent {}: {e}", agent.display()),
+            },
+        };
+        vec![
+            runtime_ready,
             cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: false,
                 reason: "NetworkPluginNotReady".into(),
-                message: "vessel: CNI support is not implemented yet".into(),
+                message: "vessel: CNI is not implemented yet; pods get a private network namespace with loopback only".into(),
             },
         ]
     }
 }
 
-type EventStream = std::pin::Pin<
-    Box<dyn futures::Stream<Item = Result<cri::ContainerEventResponse, Status>> + Send + 'static>,
->;
+fn st(e: crate::runtime::RuntimeError) -> Status {
+    e.to_status()
+}
 
 #[tonic::async_trait]
 impl cri::runtime_service_server::RuntimeService for RuntimeService {
@@ -73,7 +88,9 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                     "runtime": RUNTIME_NAME,
                     "version": env!("CARGO_PKG_VERSION"),
                     "rootDir": self.root_dir,
-                    "sandboxBackends": [],
+                    "agentBinary": self.rt.agent_binary(),
+                    "sandboxBackends": ["flat"],
+                    "podCIDR": self.rt.pod_cidr(),
                 })
                 .to_string(),
             );
@@ -89,79 +106,130 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn run_pod_sandbox(
         &self,
-        _req: Request<cri::RunPodSandboxRequest>,
+        req: Request<cri::RunPodSandboxRequest>,
     ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
-        Err(not_built("RunPodSandbox"))
+        let r = req.into_inner();
+        let id = self
+            .rt
+            .run_pod_sandbox(r.config, &r.runtime_handler)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::RunPodSandboxResponse {
+            pod_sandbox_id: id,
+        }))
     }
 
     async fn stop_pod_sandbox(
         &self,
-        _req: Request<cri::StopPodSandboxRequest>,
+        req: Request<cri::StopPodSandboxRequest>,
     ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
-        Err(not_built("StopPodSandbox"))
+        self.rt
+            .stop_pod_sandbox(&req.into_inner().pod_sandbox_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::StopPodSandboxResponse {}))
     }
 
     async fn remove_pod_sandbox(
         &self,
-        _req: Request<cri::RemovePodSandboxRequest>,
+        req: Request<cri::RemovePodSandboxRequest>,
     ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
-        Err(not_built("RemovePodSandbox"))
+        self.rt
+            .remove_pod_sandbox(&req.into_inner().pod_sandbox_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::RemovePodSandboxResponse {}))
     }
 
     async fn pod_sandbox_status(
         &self,
-        _req: Request<cri::PodSandboxStatusRequest>,
+        req: Request<cri::PodSandboxStatusRequest>,
     ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
-        Err(not_built("PodSandboxStatus"))
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.rt
+                .pod_sandbox_status(&r.pod_sandbox_id, r.verbose)
+                .map_err(st)?,
+        ))
     }
 
     async fn list_pod_sandbox(
         &self,
-        _req: Request<cri::ListPodSandboxRequest>,
+        req: Request<cri::ListPodSandboxRequest>,
     ) -> Result<Response<cri::ListPodSandboxResponse>, Status> {
-        Err(not_built("ListPodSandbox"))
+        Ok(Response::new(cri::ListPodSandboxResponse {
+            items: self.rt.list_pod_sandbox(req.into_inner().filter),
+        }))
     }
 
     async fn create_container(
         &self,
-        _req: Request<cri::CreateContainerRequest>,
+        req: Request<cri::CreateContainerRequest>,
     ) -> Result<Response<cri::CreateContainerResponse>, Status> {
-        Err(not_built("CreateContainer"))
+        let r = req.into_inner();
+        let id = self
+            .rt
+            .create_container(&r.pod_sandbox_id, r.config)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::CreateContainerResponse {
+            container_id: id,
+        }))
     }
 
     async fn start_container(
         &self,
-        _req: Request<cri::StartContainerRequest>,
+        req: Request<cri::StartContainerRequest>,
     ) -> Result<Response<cri::StartContainerResponse>, Status> {
-        Err(not_built("StartContainer"))
+        self.rt
+            .start_container(&req.into_inner().container_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::StartContainerResponse {}))
     }
 
     async fn stop_container(
         &self,
-        _req: Request<cri::StopContainerRequest>,
+        req: Request<cri::StopContainerRequest>,
     ) -> Result<Response<cri::StopContainerResponse>, Status> {
-        Err(not_built("StopContainer"))
+        let r = req.into_inner();
+        self.rt
+            .stop_container(&r.container_id, r.timeout)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::StopContainerResponse {}))
     }
 
     async fn remove_container(
         &self,
-        _req: Request<cri::RemoveContainerRequest>,
+        req: Request<cri::RemoveContainerRequest>,
     ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
-        Err(not_built("RemoveContainer"))
+        self.rt
+            .remove_container(&req.into_inner().container_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::RemoveContainerResponse {}))
     }
 
     async fn list_containers(
         &self,
-        _req: Request<cri::ListContainersRequest>,
+        req: Request<cri::ListContainersRequest>,
     ) -> Result<Response<cri::ListContainersResponse>, Status> {
-        Err(not_built("ListContainers"))
+        Ok(Response::new(cri::ListContainersResponse {
+            containers: self.rt.list_containers(req.into_inner().filter),
+        }))
     }
 
     async fn container_status(
         &self,
-        _req: Request<cri::ContainerStatusRequest>,
+        req: Request<cri::ContainerStatusRequest>,
     ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
-        Err(not_built("ContainerStatus"))
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.rt
+                .container_status(&r.container_id, r.verbose)
+                .map_err(st)?,
+        ))
     }
 
     async fn update_container_resources(
@@ -173,51 +241,73 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn reopen_container_log(
         &self,
-        _req: Request<cri::ReopenContainerLogRequest>,
+        req: Request<cri::ReopenContainerLogRequest>,
     ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
-        Err(not_built("ReopenContainerLog"))
+        self.rt
+            .reopen_log(&req.into_inner().container_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::ReopenContainerLogResponse {}))
     }
 
     async fn exec_sync(
         &self,
-        _req: Request<cri::ExecSyncRequest>,
+        req: Request<cri::ExecSyncRequest>,
     ) -> Result<Response<cri::ExecSyncResponse>, Status> {
-        Err(not_built("ExecSync"))
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.rt
+                .exec_sync(&r.container_id, r.cmd, r.timeout)
+                .await
+                .map_err(st)?,
+        ))
     }
 
     async fn exec(
         &self,
         _req: Request<cri::ExecRequest>,
     ) -> Result<Response<cri::ExecResponse>, Status> {
-        Err(not_built("Exec"))
+        Err(not_built("Exec (streaming)"))
     }
 
     async fn attach(
         &self,
         _req: Request<cri::AttachRequest>,
     ) -> Result<Response<cri::AttachResponse>, Status> {
-        Err(not_built("Attach"))
+        Err(not_built("Attach (streaming)"))
     }
 
     async fn port_forward(
         &self,
         _req: Request<cri::PortForwardRequest>,
     ) -> Result<Response<cri::PortForwardResponse>, Status> {
-        Err(not_built("PortForward"))
+        Err(not_built("PortForward (streaming)"))
     }
 
     async fn container_stats(
         &self,
-        _req: Request<cri::ContainerStatsRequest>,
+        req: Request<cri::ContainerStatsRequest>,
     ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
-        Err(not_built("ContainerStats"))
+        let s = self
+            .rt
+            .container_stats(&req.into_inner().container_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::ContainerStatsResponse {
+            stats: Some(s),
+        }))
     }
 
     async fn list_container_stats(
         &self,
-        _req: Request<cri::ListContainerStatsRequest>,
+        req: Request<cri::ListContainerStatsRequest>,
     ) -> Result<Response<cri::ListContainerStatsResponse>, Status> {
-        Err(not_built("ListContainerStats"))
+        let s = self
+            .rt
+            .list_container_stats(req.into_inner().filter)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::ListContainerStatsResponse { stats: s }))
     }
 
     async fn pod_sandbox_stats(
@@ -236,9 +326,16 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn update_runtime_config(
         &self,
-        _req: Request<cri::UpdateRuntimeConfigRequest>,
+        req: Request<cri::UpdateRuntimeConfigRequest>,
     ) -> Result<Response<cri::UpdateRuntimeConfigResponse>, Status> {
-        Err(not_built("UpdateRuntimeConfig"))
+        let cidr = req
+            .into_inner()
+            .runtime_config
+            .and_then(|c| c.network_config)
+            .map(|n| n.pod_cidr)
+            .unwrap_or_default();
+        self.rt.set_pod_cidr(&cidr);
+        Ok(Response::new(cri::UpdateRuntimeConfigResponse {}))
     }
 
     async fn checkpoint_container(
@@ -248,33 +345,47 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         Err(not_built("CheckpointContainer"))
     }
 
-    async fn list_metric_descriptors(
-        &self,
-        _req: Request<cri::ListMetricDescriptorsRequest>,
-    ) -> Result<Response<cri::ListMetricDescriptorsResponse>, Status> {
-        Err(not_built("ListMetricDescriptors"))
-    }
-
-    async fn list_pod_sandbox_metrics(
-        &self,
-        _req: Request<cri::ListPodSandboxMetricsRequest>,
-    ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
-        Err(not_built("ListPodSandboxMetrics"))
-    }
-
-    async fn runtime_config(
-        &self,
-        _req: Request<cri::RuntimeConfigRequest>,
-    ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
-        Err(not_built("RuntimeConfig"))
-    }
-
-    type GetContainerEventsStream = EventStream;
+    type GetContainerEventsStream = std::pin::Pin<
+        Box<
+            dyn futures::Stream<Item = Result<cri::ContainerEventResponse, Status>>
+                + Send
+                + 'static,
+        >,
+    >;
 
     async fn get_container_events(
         &self,
         _req: Request<cri::GetEventsRequest>,
     ) -> Result<Response<Self::GetContainerEventsStream>, Status> {
         Err(not_built("GetContainerEvents"))
+    }
+
+    async fn list_metric_descriptors(
+        &self,
+        _req: Request<cri::ListMetricDescriptorsRequest>,
+    ) -> Result<Response<cri::ListMetricDescriptorsResponse>, Status> {
+        Ok(Response::new(cri::ListMetricDescriptorsResponse {
+            descriptors: vec![],
+        }))
+    }
+
+    async fn list_pod_sandbox_metrics(
+        &self,
+        _req: Request<cri::ListPodSandboxMetricsRequest>,
+    ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
+        Ok(Response::new(cri::ListPodSandboxMetricsResponse {
+            pod_metrics: vec![],
+        }))
+    }
+
+    async fn runtime_config(
+        &self,
+        _req: Request<cri::RuntimeConfigRequest>,
+    ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
+        Ok(Response::new(cri::RuntimeConfigResponse {
+            linux: Some(cri::LinuxRuntimeConfiguration {
+                cgroup_driver: cri::CgroupDriver::Cgroupfs as i32,
+            }),
+        }))
     }
 }

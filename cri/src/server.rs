@@ -30,6 +30,8 @@ pub enum ServeError {
     Store(#[from] vessel_images::ImageError),
     #[error("socket group {0:?} does not exist")]
     NoSuchGroup(String),
+    #[error("recovering pods and containers: {0}")]
+    Runtime(String),
     #[error("serving CRI: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -119,7 +121,18 @@ impl Daemon {
                 self.store.clone(),
             )))
         };
-        let runtime = RuntimeService::new(&self.config);
+        let rt = crate::runtime::Runtime::open(
+            crate::runtime::RuntimeOptions {
+                agent_binary: self.config.agent_binary(),
+                log_level: self.config.daemon.log_level.clone(),
+                root_dir: self.config.daemon.root_dir.clone(),
+                state_dir: self.config.daemon.state_dir.clone(),
+            },
+            self.store.clone(),
+        )
+        .await
+        .map_err(|e| ServeError::Runtime(e.to_string()))?;
+        let runtime = RuntimeService::new(rt, self.config.daemon.root_dir.display().to_string());
         let images = ImageService::new(self.puller.clone(), self.metrics.clone());
         tracing::info!(
             socket = %socket.display(),

@@ -140,11 +140,15 @@ async fn version_status_and_unbuilt_rpcs() {
 
     let e = c
         .runtime
-        .run_pod_sandbox(cri::RunPodSandboxRequest::default())
+        .checkpoint_container(cri::CheckpointContainerRequest::default())
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented);
-    assert!(e.message().contains("RunPodSandbox"), "{}", e.message());
+    assert!(
+        e.message().contains("CheckpointContainer"),
+        "{}",
+        e.message()
+    );
 
     // The socket is 0660.
     use std::os::unix::fs::PermissionsExt;

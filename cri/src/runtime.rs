@@ -1,0 +1,1654 @@
+//! Pods and containers: the logic behind the CRI RuntimeService.
+//!
+//! Each pod has a record (`state::PodRecord`) and a pod agent; each container a record and a
+//! snapshot. Reads use the in-memory copy of a record; changes of one object are serialised
+//! by its `op` lock and persisted before they are acknowledged. Exits are observed by a
+//! watcher task per started container (`WaitContainer` on the agent), so listing never asks
+//! the agent.
+
+use crate::flat::{self, HostShare};
+use crate::spec::{self, SpecInput};
+use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState, StateDirs};
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tonic::transport::Channel;
+use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+use vessel_images::ImageStore;
+
+/// Errors of runtime operations; each maps to one gRPC code.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl RuntimeError {
+    pub fn to_status(&self) -> tonic::Status {
+        let m = self.to_string();
+        match self {
+            RuntimeError::InvalidArgument(_) => tonic::Status::invalid_argument(m),
+            RuntimeError::NotFound(_) => tonic::Status::not_found(m),
+            RuntimeError::AlreadyExists(_) => tonic::Status::already_exists(m),
+            RuntimeError::FailedPrecondition(_) => tonic::Status::failed_precondition(m),
+            RuntimeError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(m),
+            RuntimeError::Unavailable(_) => tonic::Status::unavailable(m),
+            RuntimeError::Internal(_) => tonic::Status::internal(m),
+        }
+    }
+}
+
+type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+fn internal(ctx: &str) -> impl FnOnce(&dyn std::fmt::Display) -> RuntimeError + '_ {
+    move |e| RuntimeError::Internal(format!("{ctx}: {e}"))
+}
+
+/// An agent answer that failed, as a runtime error with the agent's code.
+fn agent_err(ctx: &str, s: tonic::Status) -> RuntimeError {
+    let m = format!("{ctx}: pod agent: {}", s.message());
+    match s.code() {
+        tonic::Code::InvalidArgument => RuntimeError::InvalidArgument(m),
+        tonic::Code::NotFound => RuntimeError::NotFound(m),
+        tonic::Code::AlreadyExists => RuntimeError::AlreadyExists(m),
+        tonic::Code::FailedPrecondition => RuntimeError::FailedPrecondition(m),
+        tonic::Code::DeadlineExceeded => RuntimeError::DeadlineExceeded(m),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+            RuntimeError::Unavailable(m)
+        }
+        _ => RuntimeError::Internal(m),
+    }
+}
+
+pub struct RuntimeOptions {
+    pub agent_binary: PathBuf,
+    pub log_level: String,
+    pub root_dir: PathBuf,
+    pub state_dir: PathBuf,
+}
+
+pub struct Pod {
+    rec: RwLock<PodRecord>,
+    op: tokio::sync::Mutex<()>,
+    client: tokio::sync::Mutex<Option<AgentClient<Channel>>>,
+}
+
+impl Pod {
+    pub fn record(&self) -> PodRecord {
+        self.rec.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn update(&self, f: impl FnOnce(&mut PodRecord)) -> PodRecord {
+        let mut g = self.rec.write().unwrap_or_else(|p| p.into_inner());
+        f(&mut g);
+        g.clone()
+    }
+}
+
+pub struct Ctr {
+    rec: RwLock<ContainerRecord>,
+    op: tokio::sync::Mutex<()>,
+}
+
+impl Ctr {
+    pub fn record(&self) -> ContainerRecord {
+        self.rec.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn update(&self, f: impl FnOnce(&mut ContainerRecord)) -> ContainerRecord {
+        let mut g = self.rec.write().unwrap_or_else(|p| p.into_inner());
+        f(&mut g);
+        g.clone()
+    }
+}
+
+pub struct Runtime {
+    opts: RuntimeOptions,
+    dirs: StateDirs,
+    store: Arc<ImageStore>,
+    pods: Mutex<HashMap<String, Arc<Pod>>>,
+    ctrs: Mutex<HashMap<String, Arc<Ctr>>>,
+    /// Reserved names (pod and container name keys) -> id.
+    names: Mutex<HashMap<String, String>>,
+    min_oom_score_adj: i64,
+    /// The pod CIDR kubelet announced with UpdateRuntimeConfig.
+    pod_cidr: Mutex<String>,
+}
+
+/// Connects to a pod agent's Unix socket.
+pub async fn agent_connect(path: &Path) -> Result<AgentClient<Channel>, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    let ch = tonic::transport::Endpoint::try_from("http://[::1]:0")?
+        .connect_timeout(Duration::from_secs(5))
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await?;
+    Ok(AgentClient::new(ch).max_decoding_message_size(64 << 20))
+}
+
+fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
+    format!("{}_{}_{}_{}", m.name, m.namespace, m.uid, m.attempt)
+}
+
+fn valid_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.')
+}
+
+/// Our own oom_score_adj: the lowest we may give containers when we lack CAP_SYS_RESOURCE.
+fn min_oom_score_adj() -> i64 {
+    let has_sys_resource = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .map(|caps| caps & (1 << 24) != 0)
+        .unwrap_or(false);
+    if has_sys_resource {
+        return -1000;
+    }
+    std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn exit_reason(exit: &ap::ExitInfo) -> (i32, String) {
+    let code = if exit.signal != 0 {
+        128 + exit.signal as i32
+    } else {
+        exit.exit_code
+    };
+    let reason = if exit.oom_killed {
+        "OOMKilled"
+    } else if code == 0 {
+        "Completed"
+    } else {
+        "Error"
+    };
+    (code, reason.to_string())
+}
+
+fn matches_labels(labels: &HashMap<String, String>, selector: &HashMap<String, String>) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+impl Runtime {
+    pub async fn open(opts: RuntimeOptions, store: Arc<ImageStore>) -> Result<Arc<Runtime>> {
+        let dirs =
+            StateDirs::new(&opts.root_dir, &opts.state_dir).map_err(|e| internal("state")(&e))?;
+        let rt = Arc::new(Runtime {
+            opts,
+            dirs,
+            store,
+            pods: Mutex::default(),
+            ctrs: Mutex::default(),
+            names: Mutex::default(),
+            min_oom_score_adj: min_oom_score_adj(),
+            pod_cidr: Mutex::default(),
+        });
+        rt.recover().await;
+        Ok(rt)
+    }
+
+    pub fn agent_binary(&self) -> &Path {
+        &self.opts.agent_binary
+    }
+
+    // ---------- lookups ----------
+
+    fn pod(&self, id: &str) -> Result<Arc<Pod>> {
+        let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = pods.get(id) {
+            return Ok(p.clone());
+        }
+        let hits: Vec<_> = if id.is_empty() {
+            vec![]
+        } else {
+            pods.iter().filter(|(k, _)| k.starts_with(id)).collect()
+        };
+        match hits.len() {
+            1 => Ok(hits[0].1.clone()),
+            0 => Err(RuntimeError::NotFound(format!(
+                "pod sandbox {id:?} not found"
+            ))),
+            _ => Err(RuntimeError::InvalidArgument(format!(
+                "pod sandbox id prefix {id:?} is ambiguous"
+            ))),
+        }
+    }
+
+    fn ctr(&self, id: &str) -> Result<Arc<Ctr>> {
+        let ctrs = self.ctrs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = ctrs.get(id) {
+            return Ok(c.clone());
+        }
+        let hits: Vec<_> = if id.is_empty() {
+            vec![]
+        } else {
+            ctrs.iter().filter(|(k, _)| k.starts_with(id)).collect()
+        };
+        match hits.len() {
+            1 => Ok(hits[0].1.clone()),
+            0 => Err(RuntimeError::NotFound(format!(
+                "container {id:?} not found"
+            ))),
+            _ => Err(RuntimeError::InvalidArgument(format!(
+                "container id prefix {id:?} is ambiguous"
+            ))),
+        }
+    }
+
+    fn ctrs_of(&self, pod_id: &str) -> Vec<Arc<Ctr>> {
+        self.ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|c| c.record().pod_id == pod_id)
+            .cloned()
+            .collect()
+    }
+
+    fn reserve(&self, key: &str, id: &str, what: &str) -> Result<()> {
+        let mut n = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(other) = n.get(key) {
+            return Err(RuntimeError::AlreadyExists(format!(
+                "{what} name {key:?} is reserved for {other}; remove it first"
+            )));
+        }
+        n.insert(key.to_string(), id.to_string());
+        Ok(())
+    }
+
+    fn release(&self, key: &str, id: &str) {
+        let mut n = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        if n.get(key).map(|v| v == id).unwrap_or(false) {
+            n.remove(key);
+        }
+    }
+
+    async fn client(&self, pod: &Pod) -> Result<AgentClient<Channel>> {
+        let mut g = pod.client.lock().await;
+        if let Some(c) = g.as_ref() {
+            return Ok(c.clone());
+        }
+        let rec = pod.record();
+        if rec.state != PodState::Ready {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "pod sandbox {} is not ready{}",
+                rec.id,
+                if rec.reason.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", rec.reason)
+                }
+            )));
+        }
+        let c = agent_connect(&rec.agent_socket).await.map_err(|e| {
+            RuntimeError::Unavailable(format!(
+                "pod sandbox {}: cannot reach its agent at {}: {e}",
+                rec.id,
+                rec.agent_socket.display()
+            ))
+        })?;
+        *g = Some(c.clone());
+        Ok(c)
+    }
+
+    // ---------- pods ----------
+
+    pub async fn run_pod_sandbox(
+        self: &Arc<Self>,
+        config: Option<cri::PodSandboxConfig>,
+        handler: &str,
+    ) -> Result<String> {
+        let config = config
+            .ok_or_else(|| RuntimeError::InvalidArgument("RunPodSandbox: no config".into()))?;
+        let meta = config.metadata.clone().ok_or_else(|| {
+            RuntimeError::InvalidArgument("RunPodSandbox: config has no metadata".into())
+        })?;
+        if meta.name.is_empty() || meta.namespace.is_empty() || meta.uid.is_empty() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "RunPodSandbox: metadata needs name, namespace and uid (got name={:?} namespace={:?} uid={:?})",
+                meta.name, meta.namespace, meta.uid
+            )));
+        }
+        let backend = match handler {
+            "" | "flat" => "flat",
+            // The VM backend is not built yet: fall back to flat, and say so.
+            "vm" => {
+                tracing::warn!(pod = %meta.name, "runtime handler vm: microVM backend not available in this build, running flat");
+                "flat"
+            }
+            other => {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "unknown runtime handler {other:?} (known: flat, vm)"
+                )))
+            }
+        };
+        let id = state::new_id();
+        let key = pod_name_key(&meta);
+        self.reserve(&key, &id, "pod sandbox")?;
+        let res = self.create_pod(&id, &key, config, handler, backend).await;
+        if res.is_err() {
+            self.release(&key, &id);
+        }
+        res.map(|_| id)
+    }
+
+    async fn create_pod(
+        self: &Arc<Self>,
+        id: &str,
+        key: &str,
+        config: cri::PodSandboxConfig,
+        handler: &str,
+        backend: &str,
+    ) -> Result<()> {
+        let meta = config.metadata.clone().unwrap_or_default();
+        let linux = config.linux.clone().unwrap_or_default();
+        let ns = linux
+            .security_context
+            .as_ref()
+            .and_then(|s| s.namespace_options.clone())
+            .unwrap_or_default();
+        let share = HostShare {
+            net: ns.network == cri::NamespaceMode::Node as i32,
+            pid: ns.pid == cri::NamespaceMode::Node as i32,
+            ipc: ns.ipc == cri::NamespaceMode::Node as i32,
+        };
+        let hostname = if share.net {
+            rustix::system::uname()
+                .nodename()
+                .to_string_lossy()
+                .into_owned()
+        } else if !config.hostname.is_empty() {
+            config.hostname.clone()
+        } else {
+            meta.name.clone()
+        };
+        if !valid_dns_label(&hostname) || hostname.len() > 64 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "hostname {hostname:?} is not a valid host name"
+            )));
+        }
+        let cgroup_parent = if linux.cgroup_parent.is_empty() {
+            format!("/vessel/{id}")
+        } else if linux.cgroup_parent.contains(".slice") {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "cgroup parent {:?} is a systemd slice, but vessel's cgroup driver is cgroupfs",
+                linux.cgroup_parent
+            )));
+        } else {
+            linux.cgroup_parent.clone()
+        };
+        let run_dir = self.dirs.pod_run_dir(id);
+        let rec = PodRecord {
+            id: id.to_string(),
+            name_key: key.to_string(),
+            config: config.clone(),
+            runtime_handler: handler.to_string(),
+            backend: backend.to_string(),
+            state: PodState::Creating,
+            created_at: state::now_nanos(),
+            agent_pid: 0,
+            agent_start_time: 0,
+            agent_socket: run_dir.join("agent.sock"),
+            agent_state_dir: run_dir.join("agent"),
+            netns_path: if share.net {
+                PathBuf::new()
+            } else {
+                self.dirs.netns_dir().join(id)
+            },
+            hostname: hostname.clone(),
+            cgroup_parent,
+            reason: String::new(),
+        };
+        // The record comes first: a crash from here on leaves something recovery cleans.
+        self.dirs
+            .save_pod(&rec)
+            .map_err(|e| internal("saving pod record")(&e))?;
+        let pod = Arc::new(Pod {
+            rec: RwLock::new(rec.clone()),
+            op: tokio::sync::Mutex::new(()),
+            client: tokio::sync::Mutex::new(None),
+        });
+        match self.setup_pod(&pod, &config, share).await {
+            Ok(()) => {
+                self.pods
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id.to_string(), pod);
+                tracing::info!(pod = %id, name = %meta.name, namespace = %meta.namespace, backend, "pod sandbox ready");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(pod = %id, error = %e, "RunPodSandbox failed; cleaning up");
+                self.teardown_pod_resources(&pod.record());
+                let _ = self.dirs.delete_pod(id);
+                Err(e)
+            }
+        }
+    }
+
+    async fn setup_pod(
+        &self,
+        pod: &Pod,
+        config: &cri::PodSandboxConfig,
+        share: HostShare,
+    ) -> Result<()> {
+        let rec = pod.record();
+        let dir = self.dirs.pod_dir(&rec.id);
+        let io = |what: &str, e: std::io::Error| {
+            RuntimeError::Internal(format!("pod {}: {what}: {e}", rec.id))
+        };
+        std::fs::write(dir.join("hostname"), format!("{}\n", rec.hostname))
+            .map_err(|e| io("writing hostname", e))?;
+        std::fs::write(dir.join("hosts"), hosts_file(&rec.hostname, share.net))
+            .map_err(|e| io("writing hosts", e))?;
+        std::fs::write(
+            dir.join("resolv.conf"),
+            resolv_conf(config.dns_config.as_ref(), share.net)?,
+        )
+        .map_err(|e| io("writing resolv.conf", e))?;
+        std::fs::create_dir_all(self.dirs.pod_run_dir(&rec.id))
+            .map_err(|e| io("creating run dir", e))?;
+        if !config.log_directory.is_empty() {
+            std::fs::create_dir_all(&config.log_directory)
+                .map_err(|e| io("creating log directory", e))?;
+        }
+        let launched = flat::launch(&flat::LaunchSpec {
+            agent_binary: &self.opts.agent_binary,
+            socket: &rec.agent_socket,
+            state_dir: &rec.agent_state_dir,
+            hostname: &rec.hostname,
+            share,
+            log_file: &dir.join("agent.log"),
+            log_level: &self.opts.log_level,
+        })
+        .await
+        .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+        let rec = pod.update(|r| {
+            r.agent_pid = launched.pid;
+            r.agent_start_time = launched.start_time;
+        });
+        self.dirs
+            .save_pod(&rec)
+            .map_err(|e| internal("saving pod record")(&e))?;
+        if !share.net {
+            flat::pin_netns(launched.pid, &rec.netns_path)
+                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+        }
+        let rec = pod.update(|r| r.state = PodState::Ready);
+        let mut c = self.client(pod).await?;
+        c.ping(ap::PingRequest {})
+            .await
+            .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        self.dirs
+            .save_pod(&rec)
+            .map_err(|e| internal("saving pod record")(&e))?;
+        Ok(())
+    }
+
+    /// Kills the agent, unpins the netns, removes the pod's cgroup. Idempotent.
+    fn teardown_pod_resources(&self, rec: &PodRecord) {
+        if rec.agent_pid != 0 {
+            flat::kill_agent(rec.agent_pid, rec.agent_start_time);
+        }
+        flat::kill_agents_by_socket(&rec.agent_socket);
+        if let Err(e) = flat::unpin_netns(&rec.netns_path) {
+            tracing::warn!(pod = %rec.id, error = %e, "cannot unpin netns");
+        }
+        if rec.cgroup_parent == format!("/vessel/{}", rec.id) {
+            flat::remove_cgroup(&rec.cgroup_parent);
+        }
+    }
+
+    pub async fn stop_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
+        let pod = match self.pod(id) {
+            Ok(p) => p,
+            // CRI: stopping what is gone is fine.
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        if rec.state == PodState::Ready {
+            if let Ok(mut c) = self.client(&pod).await {
+                for ctr in self.ctrs_of(&rec.id) {
+                    let _cop = ctr.op.lock().await;
+                    if ctr.record().state == ContainerState::Running {
+                        let _ = self
+                            .kill_and_wait(&mut c, &ctr, Duration::from_secs(10))
+                            .await;
+                    }
+                }
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(15),
+                    c.shutdown(ap::ShutdownRequest {}),
+                )
+                .await;
+            }
+        }
+        *pod.client.lock().await = None;
+        self.teardown_pod_resources(&rec);
+        for ctr in self.ctrs_of(&rec.id) {
+            self.mark_lost(&ctr, "pod sandbox stopped");
+        }
+        let rec = pod.update(|r| {
+            r.state = PodState::NotReady;
+            if r.reason.is_empty() {
+                r.reason = "stopped".into();
+            }
+        });
+        self.dirs
+            .save_pod(&rec)
+            .map_err(|e| internal("saving pod record")(&e))?;
+        tracing::info!(pod = %rec.id, "pod sandbox stopped");
+        Ok(())
+    }
+
+    pub async fn remove_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
+        let pod = match self.pod(id) {
+            Ok(p) => p,
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if pod.record().state == PodState::Ready {
+            self.stop_pod_sandbox(id).await?;
+        }
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        for ctr in self.ctrs_of(&rec.id) {
+            self.forget_container(&ctr).await?;
+        }
+        self.teardown_pod_resources(&rec);
+        self.dirs
+            .delete_pod(&rec.id)
+            .map_err(|e| internal("removing pod state")(&e))?;
+        self.pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&rec.id);
+        self.release(&rec.name_key, &rec.id);
+        tracing::info!(pod = %rec.id, "pod sandbox removed");
+        Ok(())
+    }
+
+    pub fn pod_sandbox_status(
+        &self,
+        id: &str,
+        verbose: bool,
+    ) -> Result<cri::PodSandboxStatusResponse> {
+        let pod = self.pod(id)?;
+        let rec = pod.record();
+        let ns = rec
+            .config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.clone());
+        let status = cri::PodSandboxStatus {
+            id: rec.id.clone(),
+            metadata: rec.config.metadata.clone(),
+            state: if rec.state == PodState::Ready {
+                cri::PodSandboxState::SandboxReady as i32
+            } else {
+                cri::PodSandboxState::SandboxNotready as i32
+            },
+            created_at: rec.created_at,
+            network: Some(cri::PodSandboxNetworkStatus::default()),
+            linux: Some(cri::LinuxPodSandboxStatus {
+                namespaces: Some(cri::Namespace { options: ns }),
+            }),
+            labels: rec.config.labels.clone(),
+            annotations: rec.config.annotations.clone(),
+            runtime_handler: rec.runtime_handler.clone(),
+        };
+        let mut info = HashMap::new();
+        if verbose {
+            info.insert(
+                "info".into(),
+                serde_json::json!({
+                    "backend": rec.backend,
+                    "pid": rec.agent_pid,
+                    "netns": rec.netns_path,
+                    "agentSocket": rec.agent_socket,
+                    "hostname": rec.hostname,
+                    "cgroupParent": rec.cgroup_parent,
+                    "reason": rec.reason,
+                })
+                .to_string(),
+            );
+        }
+        Ok(cri::PodSandboxStatusResponse {
+            status: Some(status),
+            info,
+            ..Default::default()
+        })
+    }
+
+    pub fn list_pod_sandbox(&self, filter: Option<cri::PodSandboxFilter>) -> Vec<cri::PodSandbox> {
+        let f = filter.unwrap_or_default();
+        let mut out: Vec<cri::PodSandbox> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|p| p.record())
+            .filter(|r| r.state != PodState::Creating)
+            .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
+            .filter(|r| {
+                f.state.as_ref().is_none_or(|s| {
+                    let ready = s.state == cri::PodSandboxState::SandboxReady as i32;
+                    ready == (r.state == PodState::Ready)
+                })
+            })
+            .filter(|r| matches_labels(&r.config.labels, &f.label_selector))
+            .map(|r| cri::PodSandbox {
+                id: r.id.clone(),
+                metadata: r.config.metadata.clone(),
+                state: if r.state == PodState::Ready {
+                    cri::PodSandboxState::SandboxReady as i32
+                } else {
+                    cri::PodSandboxState::SandboxNotready as i32
+                },
+                created_at: r.created_at,
+                labels: r.config.labels.clone(),
+                annotations: r.config.annotations.clone(),
+                runtime_handler: r.runtime_handler.clone(),
+            })
+            .collect();
+        out.sort_by_key(|p| p.created_at);
+        out
+    }
+
+    // ---------- containers ----------
+
+    pub async fn create_container(
+        self: &Arc<Self>,
+        pod_id: &str,
+        config: Option<cri::ContainerConfig>,
+    ) -> Result<String> {
+        let config = config
+            .ok_or_else(|| RuntimeError::InvalidArgument("CreateContainer: no config".into()))?;
+        let meta = config.metadata.clone().ok_or_else(|| {
+            RuntimeError::InvalidArgument("CreateContainer: config has no metadata".into())
+        })?;
+        if meta.name.is_empty() {
+            return Err(RuntimeError::InvalidArgument(
+                "CreateContainer: metadata has no name".into(),
+            ));
+        }
+        let pod = self.pod(pod_id)?;
+        let prec = pod.record();
+        if prec.state != PodState::Ready {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CreateContainer {:?}: pod sandbox {} is not ready",
+                meta.name, prec.id
+            )));
+        }
+        let pmeta = prec.config.metadata.clone().unwrap_or_default();
+        let key = format!(
+            "{}_{}_{}_{}_{}",
+            meta.name, pmeta.name, pmeta.namespace, pmeta.uid, meta.attempt
+        );
+        let id = state::new_id();
+        self.reserve(&key, &id, "container")?;
+        let res = self
+            .create_container_inner(&pod, &prec, &id, &key, config)
+            .await;
+        if res.is_err() {
+            self.release(&key, &id);
+        }
+        res.map(|_| id)
+    }
+
+    async fn create_container_inner(
+        self: &Arc<Self>,
+        pod: &Arc<Pod>,
+        prec: &PodRecord,
+        id: &str,
+        key: &str,
+        config: cri::ContainerConfig,
+    ) -> Result<()> {
+        let image_name = config
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default();
+        if image_name.is_empty() {
+            return Err(RuntimeError::InvalidArgument(
+                "CreateContainer: no image".into(),
+            ));
+        }
+        let store = self.store.clone();
+        let q = image_name.clone();
+        let image = tokio::task::spawn_blocking(move || store.find(&q))
+            .await
+            .map_err(|e| internal("image lookup")(&e))?
+            .map_err(|e| match e {
+                vessel_images::ImageError::InvalidReference(_) => {
+                    RuntimeError::InvalidArgument(e.to_string())
+                }
+                e => RuntimeError::Internal(e.to_string()),
+            })?
+            .ok_or_else(|| {
+                RuntimeError::NotFound(format!("image {image_name:?} not found; pull it first"))
+            })?;
+        let layer_dirs = self.store.layer_dirs(&image);
+        // TARGET pid namespace: the target container's pid in the agent's namespace.
+        let ns_target = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.as_ref())
+            .filter(|n| n.pid == cri::NamespaceMode::Target as i32)
+            .map(|n| n.target_id.clone());
+        let target_pid = match ns_target {
+            Some(t) => {
+                let tc = self.ctr(&t).map_err(|_| {
+                    RuntimeError::NotFound(format!(
+                        "pid namespace target container {t:?} not found"
+                    ))
+                })?;
+                let tr = tc.record();
+                (tr.pod_id == prec.id && tr.state == ContainerState::Running).then_some(tr.pid)
+            }
+            None => None,
+        };
+        let (spec, user) = spec::build(&SpecInput {
+            pod: &prec.config,
+            config: &config,
+            image: &image.run_config,
+            layer_dirs: &layer_dirs,
+            hostname: &prec.hostname,
+            pod_dir: &self.dirs.pod_dir(&prec.id),
+            cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
+            target_pid,
+            min_oom_score_adj: self.min_oom_score_adj,
+        })
+        .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        let log_path = if prec.config.log_directory.is_empty() || config.log_path.is_empty() {
+            String::new()
+        } else {
+            Path::new(&prec.config.log_directory)
+                .join(&config.log_path)
+                .display()
+                .to_string()
+        };
+        let stop_signal = image
+            .run_config
+            .stop_signal
+            .as_deref()
+            .and_then(spec::parse_signal)
+            .unwrap_or(libc::SIGTERM);
+        let image_ref = image
+            .repo_digests
+            .first()
+            .cloned()
+            .unwrap_or_else(|| image.id.to_string());
+        let mut rec = ContainerRecord {
+            id: id.to_string(),
+            pod_id: prec.id.clone(),
+            name_key: key.to_string(),
+            config: config.clone(),
+            image_name: image_name.clone(),
+            image_id: image.id.to_string(),
+            image_ref,
+            log_path: log_path.clone(),
+            state: ContainerState::Creating,
+            created_at: state::now_nanos(),
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            pid: 0,
+            uid: user.uid,
+            gid: user.gid,
+            groups: user.additional_gids.clone(),
+            stop_signal,
+            snapshot: id.to_string(),
+        };
+        self.dirs
+            .save_container(&rec)
+            .map_err(|e| internal("saving container record")(&e))?;
+        let cleanup = |rt: &Runtime| {
+            let _ = rt.store.remove_snapshot(id);
+            let _ = rt.dirs.delete_container(id);
+        };
+        let snap = match self.store.prepare_snapshot(id, &image) {
+            Ok(s) => s,
+            Err(e) => {
+                cleanup(self);
+                return Err(RuntimeError::Internal(format!("preparing rootfs: {e}")));
+            }
+        };
+        let rootfs = ap::Rootfs {
+            kind: Some(ap::rootfs::Kind::Overlay(ap::OverlayRootfs {
+                lowerdirs: snap
+                    .layer_dirs
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect(),
+                upperdir: snap.upper().display().to_string(),
+                workdir: snap.work().display().to_string(),
+            })),
+        };
+        let req = ap::CreateContainerRequest {
+            id: id.to_string(),
+            oci_spec: serde_json::to_vec(&spec).map_err(|e| internal("spec")(&e))?,
+            rootfs: Some(rootfs),
+            log_path,
+            tty: config.tty,
+            stdin: config.stdin,
+            stdin_once: config.stdin_once,
+        };
+        let created = async {
+            let mut c = self.client(pod).await?;
+            c.create_container(req)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| agent_err(&format!("CreateContainer {key:?}"), s))
+        }
+        .await;
+        let resp = match created {
+            Ok(r) => r,
+            Err(e) => {
+                if let Ok(mut c) = self.client(pod).await {
+                    let _ = c
+                        .delete_container(ap::DeleteContainerRequest { id: id.to_string() })
+                        .await;
+                }
+                cleanup(self);
+                return Err(e);
+            }
+        };
+        rec.pid = resp.pid;
+        rec.state = ContainerState::Created;
+        if let Err(e) = self.dirs.save_container(&rec) {
+            if let Ok(mut c) = self.client(pod).await {
+                let _ = c
+                    .delete_container(ap::DeleteContainerRequest { id: id.to_string() })
+                    .await;
+            }
+            cleanup(self);
+            return Err(internal("saving container record")(&e));
+        }
+        self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            id.to_string(),
+            Arc::new(Ctr {
+                rec: RwLock::new(rec),
+                op: tokio::sync::Mutex::new(()),
+            }),
+        );
+        tracing::info!(container = %id, pod = %prec.id, name = %key, image = %image_name, "container created");
+        Ok(())
+    }
+
+    pub async fn start_container(self: &Arc<Self>, id: &str) -> Result<()> {
+        let ctr = self.ctr(id)?;
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        match rec.state {
+            ContainerState::Created => {}
+            ContainerState::Running => {
+                return Err(RuntimeError::FailedPrecondition(format!(
+                    "container {} is already running",
+                    rec.id
+                )))
+            }
+            _ => {
+                return Err(RuntimeError::FailedPrecondition(format!(
+                    "container {} is {:?}, not created; it cannot be started",
+                    rec.id, rec.state
+                )))
+            }
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = self.client(&pod).await?;
+        if let Err(s) = c
+            .start_container(ap::StartContainerRequest { id: rec.id.clone() })
+            .await
+        {
+            let e = agent_err(&format!("StartContainer {}", rec.id), s);
+            let rec = ctr.update(|r| {
+                r.state = ContainerState::Exited;
+                r.finished_at = state::now_nanos();
+                r.exit_code = 128;
+                r.reason = "StartError".into();
+                r.message = e.to_string();
+            });
+            let _ = self.dirs.save_container(&rec);
+            return Err(e);
+        }
+        let rec = ctr.update(|r| {
+            r.state = ContainerState::Running;
+            r.started_at = state::now_nanos();
+        });
+        self.dirs
+            .save_container(&rec)
+            .map_err(|e| internal("saving container record")(&e))?;
+        self.spawn_watcher(pod, ctr.clone(), c);
+        tracing::info!(container = %rec.id, "container started");
+        Ok(())
+    }
+
+    /// Records a container's exit (once).
+    fn record_exit(&self, ctr: &Ctr, exit: &ap::ExitInfo) -> ContainerRecord {
+        let (code, reason) = exit_reason(exit);
+        let rec = ctr.update(|r| {
+            if r.state != ContainerState::Exited {
+                r.state = ContainerState::Exited;
+                r.exit_code = code;
+                r.reason = reason.clone();
+                r.finished_at = if exit.finished_at != 0 {
+                    exit.finished_at
+                } else {
+                    state::now_nanos()
+                };
+            }
+        });
+        if let Err(e) = self.dirs.save_container(&rec) {
+            tracing::error!(container = %rec.id, error = %e, "cannot save exit");
+        }
+        rec
+    }
+
+    /// Marks a container that was created or running as exited with an unknown status.
+    fn mark_lost(&self, ctr: &Ctr, why: &str) {
+        let rec = ctr.update(|r| {
+            if matches!(
+                r.state,
+                ContainerState::Running | ContainerState::Created | ContainerState::Creating
+            ) {
+                let was_running = r.state == ContainerState::Running;
+                r.state = ContainerState::Exited;
+                r.finished_at = state::now_nanos();
+                r.exit_code = if was_running { 137 } else { 255 };
+                r.reason = "Error".into();
+                r.message = why.to_string();
+            }
+        });
+        let _ = self.dirs.save_container(&rec);
+    }
+
+    fn spawn_watcher(self: &Arc<Self>, pod: Arc<Pod>, ctr: Arc<Ctr>, mut c: AgentClient<Channel>) {
+        let rt = self.clone();
+        tokio::spawn(async move {
+            let id = ctr.record().id;
+            loop {
+                match c
+                    .wait_container(ap::WaitContainerRequest { id: id.clone() })
+                    .await
+                {
+                    Ok(r) => {
+                        let exit = r.into_inner().exit.unwrap_or_default();
+                        let rec = rt.record_exit(&ctr, &exit);
+                        tracing::info!(container = %id, exit_code = rec.exit_code, reason = %rec.reason, "container exited");
+                        return;
+                    }
+                    Err(s) if s.code() == tonic::Code::NotFound => {
+                        rt.mark_lost(&ctr, "the pod agent no longer knows this container");
+                        return;
+                    }
+                    Err(s) => {
+                        let prec = pod.record();
+                        if prec.state != PodState::Ready
+                            || ctr.record().state == ContainerState::Exited
+                        {
+                            return;
+                        }
+                        if !flat::is_alive(prec.agent_pid, prec.agent_start_time) {
+                            rt.agent_died(&pod).await;
+                            return;
+                        }
+                        tracing::debug!(container = %id, error = %s, "wait interrupted; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        if let Ok(nc) = rt.client(&pod).await {
+                            c = nc;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// The pod's agent is gone: the pod is NotReady and its containers have exited.
+    async fn agent_died(&self, pod: &Pod) {
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        if rec.state != PodState::Ready || flat::is_alive(rec.agent_pid, rec.agent_start_time) {
+            return;
+        }
+        tracing::warn!(pod = %rec.id, pid = rec.agent_pid, "pod agent died; pod is not ready");
+        *pod.client.lock().await = None;
+        self.teardown_pod_resources(&rec);
+        for ctr in self.ctrs_of(&rec.id) {
+            self.mark_lost(&ctr, "the pod agent exited");
+        }
+        let rec = pod.update(|r| {
+            r.state = PodState::NotReady;
+            r.reason = "the pod agent exited unexpectedly".into();
+        });
+        let _ = self.dirs.save_pod(&rec);
+    }
+
+    /// SIGKILLs every process of a container and waits for its exit.
+    async fn kill_and_wait(
+        &self,
+        c: &mut AgentClient<Channel>,
+        ctr: &Ctr,
+        limit: Duration,
+    ) -> Result<()> {
+        let id = ctr.record().id;
+        let _ = c
+            .signal_container(ap::SignalContainerRequest {
+                id: id.clone(),
+                signal: libc::SIGKILL as u32,
+                all: true,
+            })
+            .await;
+        match tokio::time::timeout(
+            limit,
+            c.wait_container(ap::WaitContainerRequest { id: id.clone() }),
+        )
+        .await
+        {
+            Ok(Ok(r)) => {
+                self.record_exit(ctr, &r.into_inner().exit.unwrap_or_default());
+                Ok(())
+            }
+            Ok(Err(s)) => Err(agent_err(&format!("stopping container {id}"), s)),
+            Err(_) => Err(RuntimeError::DeadlineExceeded(format!(
+                "container {id} did not exit within {limit:?} of SIGKILL"
+            ))),
+        }
+    }
+
+    pub async fn stop_container(self: &Arc<Self>, id: &str, timeout_secs: i64) -> Result<()> {
+        let ctr = match self.ctr(id) {
+            Ok(c) => c,
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        if rec.state != ContainerState::Running {
+            return Ok(());
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = self.client(&pod).await?;
+        if timeout_secs > 0 {
+            let sig = rec.stop_signal;
+            if let Err(s) = c
+                .signal_container(ap::SignalContainerRequest {
+                    id: rec.id.clone(),
+                    signal: sig as u32,
+                    all: false,
+                })
+                .await
+            {
+                tracing::debug!(container = %rec.id, error = %s, "stop signal not delivered");
+            }
+            let wait = c.wait_container(ap::WaitContainerRequest { id: rec.id.clone() });
+            if let Ok(Ok(r)) =
+                tokio::time::timeout(Duration::from_secs(timeout_secs as u64), wait).await
+            {
+                self.record_exit(&ctr, &r.into_inner().exit.unwrap_or_default());
+                tracing::info!(container = %rec.id, "container stopped");
+                return Ok(());
+            }
+            tracing::info!(container = %rec.id, timeout_secs, "stop signal timed out; killing");
+        }
+        self.kill_and_wait(&mut c, &ctr, Duration::from_secs(30))
+            .await?;
+        tracing::info!(container = %rec.id, "container killed");
+        Ok(())
+    }
+
+    /// Deletes a container everywhere (agent, snapshot, record, name). Caller holds no locks.
+    async fn forget_container(&self, ctr: &Ctr) -> Result<()> {
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        if let Ok(pod) = self.pod(&rec.pod_id) {
+            if pod.record().state == PodState::Ready {
+                if let Ok(mut c) = self.client(&pod).await {
+                    if rec.state == ContainerState::Running {
+                        let _ = self
+                            .kill_and_wait(&mut c, ctr, Duration::from_secs(30))
+                            .await;
+                    }
+                    if let Err(s) = c
+                        .delete_container(ap::DeleteContainerRequest { id: rec.id.clone() })
+                        .await
+                    {
+                        return Err(agent_err(&format!("RemoveContainer {}", rec.id), s));
+                    }
+                }
+            }
+        }
+        self.store
+            .remove_snapshot(&rec.snapshot)
+            .map_err(|e| RuntimeError::Internal(format!("removing rootfs of {}: {e}", rec.id)))?;
+        self.dirs
+            .delete_container(&rec.id)
+            .map_err(|e| internal("removing record")(&e))?;
+        self.ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&rec.id);
+        self.release(&rec.name_key, &rec.id);
+        tracing::info!(container = %rec.id, "container removed");
+        Ok(())
+    }
+
+    pub async fn remove_container(self: &Arc<Self>, id: &str) -> Result<()> {
+        let ctr = match self.ctr(id) {
+            Ok(c) => c,
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        self.forget_container(&ctr).await
+    }
+
+    fn to_status(&self, r: &ContainerRecord) -> cri::ContainerStatus {
+        cri::ContainerStatus {
+            id: r.id.clone(),
+            metadata: r.config.metadata.clone(),
+            state: cri_state(r.state) as i32,
+            created_at: r.created_at,
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            exit_code: r.exit_code,
+            image: Some(cri::ImageSpec {
+                image: r.image_name.clone(),
+                ..Default::default()
+            }),
+            image_ref: r.image_ref.clone(),
+            reason: r.reason.clone(),
+            message: r.message.clone(),
+            labels: r.config.labels.clone(),
+            annotations: r.config.annotations.clone(),
+            mounts: r.config.mounts.clone(),
+            log_path: r.log_path.clone(),
+            image_id: r.image_id.clone(),
+            user: Some(cri::ContainerUser {
+                linux: Some(cri::LinuxContainerUser {
+                    uid: r.uid as i64,
+                    gid: r.gid as i64,
+                    supplemental_groups: r.groups.iter().map(|g| *g as i64).collect(),
+                }),
+            }),
+            ..Default::default()
+        }
+    }
+
+    pub fn container_status(
+        &self,
+        id: &str,
+        verbose: bool,
+    ) -> Result<cri::ContainerStatusResponse> {
+        let ctr = self.ctr(id)?;
+        let r = ctr.record();
+        if r.state == ContainerState::Creating {
+            return Err(RuntimeError::NotFound(format!(
+                "container {id:?} not found"
+            )));
+        }
+        let mut info = HashMap::new();
+        if verbose {
+            info.insert(
+                "info".into(),
+                serde_json::json!({
+                    "sandboxID": r.pod_id,
+                    "pid": r.pid,
+                    "snapshot": r.snapshot,
+                    "stopSignal": r.stop_signal,
+                })
+                .to_string(),
+            );
+        }
+        Ok(cri::ContainerStatusResponse {
+            status: Some(self.to_status(&r)),
+            info,
+        })
+    }
+
+    pub fn list_containers(&self, filter: Option<cri::ContainerFilter>) -> Vec<cri::Container> {
+        let f = filter.unwrap_or_default();
+        let mut out: Vec<(i64, cri::Container)> = self
+            .ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.record())
+            .filter(|r| r.state != ContainerState::Creating)
+            .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
+            .filter(|r| f.pod_sandbox_id.is_empty() || r.pod_id.starts_with(&f.pod_sandbox_id))
+            .filter(|r| {
+                f.state
+                    .as_ref()
+                    .is_none_or(|s| s.state == cri_state(r.state) as i32)
+            })
+            .filter(|r| matches_labels(&r.config.labels, &f.label_selector))
+            .map(|r| {
+                (
+                    r.created_at,
+                    cri::Container {
+                        id: r.id.clone(),
+                        pod_sandbox_id: r.pod_id.clone(),
+                        metadata: r.config.metadata.clone(),
+                        image: Some(cri::ImageSpec {
+                            image: r.image_name.clone(),
+                            ..Default::default()
+                        }),
+                        image_ref: r.image_ref.clone(),
+                        state: cri_state(r.state) as i32,
+                        created_at: r.created_at,
+                        labels: r.config.labels.clone(),
+                        annotations: r.config.annotations.clone(),
+                        image_id: r.image_id.clone(),
+                    },
+                )
+            })
+            .collect();
+        out.sort_by_key(|(t, _)| *t);
+        out.into_iter().map(|(_, c)| c).collect()
+    }
+
+    async fn running(
+        &self,
+        id: &str,
+        what: &str,
+    ) -> Result<(ContainerRecord, AgentClient<Channel>)> {
+        let ctr = self.ctr(id)?;
+        let rec = ctr.record();
+        if rec.state != ContainerState::Running {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "{what}: container {} is not running ({:?})",
+                rec.id, rec.state
+            )));
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let c = self.client(&pod).await?;
+        Ok((rec, c))
+    }
+
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        timeout_secs: i64,
+    ) -> Result<cri::ExecSyncResponse> {
+        if cmd.is_empty() || cmd[0].is_empty() {
+            return Err(RuntimeError::InvalidArgument(
+                "ExecSync: empty command".into(),
+            ));
+        }
+        let (rec, mut c) = self.running(id, "ExecSync").await?;
+        let r = c
+            .exec_sync(ap::ExecSyncRequest {
+                id: rec.id.clone(),
+                args: cmd.clone(),
+                env: vec![],
+                cwd: String::new(),
+                timeout_ms: (timeout_secs.max(0) as u64) * 1000,
+            })
+            .await
+            .map_err(|s| agent_err(&format!("ExecSync in {}", rec.id), s))?
+            .into_inner();
+        if r.timed_out {
+            return Err(RuntimeError::DeadlineExceeded(format!(
+                "ExecSync in container {}: command {:?} timed out after {timeout_secs}s",
+                rec.id, cmd
+            )));
+        }
+        Ok(cri::ExecSyncResponse {
+            stdout: r.stdout,
+            stderr: r.stderr,
+            exit_code: r.exit_code,
+        })
+    }
+
+    pub async fn reopen_log(&self, id: &str) -> Result<()> {
+        let (rec, mut c) = self.running(id, "ReopenContainerLog").await?;
+        c.reopen_log(ap::ReopenLogRequest { id: rec.id.clone() })
+            .await
+            .map_err(|s| agent_err(&format!("ReopenContainerLog {}", rec.id), s))?;
+        Ok(())
+    }
+
+    pub async fn container_stats(&self, id: &str) -> Result<cri::ContainerStats> {
+        let ctr = self.ctr(id)?;
+        let rec = ctr.record();
+        let mut stats = cri::ContainerStats {
+            attributes: Some(cri::ContainerAttributes {
+                id: rec.id.clone(),
+                metadata: rec.config.metadata.clone(),
+                labels: rec.config.labels.clone(),
+                annotations: rec.config.annotations.clone(),
+            }),
+            ..Default::default()
+        };
+        if rec.state != ContainerState::Running {
+            return Ok(stats);
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = self.client(&pod).await?;
+        let s = c
+            .stats(ap::StatsRequest { id: rec.id.clone() })
+            .await
+            .map_err(|s| agent_err(&format!("ContainerStats {}", rec.id), s))?
+            .into_inner();
+        let ts = if s.timestamp != 0 {
+            s.timestamp
+        } else {
+            state::now_nanos()
+        };
+        let u = |v: u64| Some(cri::UInt64Value { value: v });
+        stats.cpu = Some(cri::CpuUsage {
+            timestamp: ts,
+            usage_core_nano_seconds: u(s.cpu_usage_ns),
+            ..Default::default()
+        });
+        stats.memory = Some(cri::MemoryUsage {
+            timestamp: ts,
+            working_set_bytes: u(s.memory_working_set_bytes),
+            usage_bytes: u(s.memory_usage_bytes),
+            rss_bytes: u(s.memory_rss_bytes),
+            page_faults: u(s.page_faults),
+            major_page_faults: u(s.major_page_faults),
+            ..Default::default()
+        });
+        stats.writable_layer = Some(cri::FilesystemUsage {
+            timestamp: ts,
+            fs_id: Some(cri::FilesystemIdentifier {
+                mountpoint: self.store.root().display().to_string(),
+            }),
+            used_bytes: u(s.writable_layer_bytes),
+            inodes_used: u(s.writable_layer_inodes),
+        });
+        Ok(stats)
+    }
+
+    pub async fn list_container_stats(
+        &self,
+        filter: Option<cri::ContainerStatsFilter>,
+    ) -> Result<Vec<cri::ContainerStats>> {
+        let f = filter.unwrap_or_default();
+        let ids: Vec<String> = self
+            .list_containers(Some(cri::ContainerFilter {
+                id: f.id,
+                pod_sandbox_id: f.pod_sandbox_id,
+                label_selector: f.label_selector,
+                state: None,
+            }))
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        let mut out = Vec::new();
+        for id in ids {
+            match self.container_stats(&id).await {
+                Ok(s) => out.push(s),
+                Err(RuntimeError::NotFound(_)) => {}
+                Err(e) => tracing::debug!(container = %id, error = %e, "stats unavailable"),
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn set_pod_cidr(&self, cidr: &str) {
+        *self.pod_cidr.lock().unwrap_or_else(|p| p.into_inner()) = cidr.to_string();
+        tracing::info!(pod_cidr = %cidr, "runtime config updated");
+    }
+
+    pub fn pod_cidr(&self) -> String {
+        self.pod_cidr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    // ---------- recovery ----------
+
+    /// Rebuilds memory from records after a (re)start: reconnects to live pod agents, marks
+    /// pods whose agent died NotReady, finishes or undoes half-done work, and removes debris.
+    async fn recover(self: &Arc<Self>) {
+        for dir in self.dirs.orphan_pod_dirs() {
+            tracing::info!(dir = %dir.display(), "removing pod dir without record");
+            let _ = vessel_images::fsutil::remove_any(&dir);
+        }
+        for rec in self.dirs.load_pods() {
+            if rec.state == PodState::Creating {
+                tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
+                self.teardown_pod_resources(&rec);
+                let _ = self.dirs.delete_pod(&rec.id);
+                continue;
+            }
+            self.names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name_key.clone(), rec.id.clone());
+            let pod = Arc::new(Pod {
+                rec: RwLock::new(rec.clone()),
+                op: tokio::sync::Mutex::new(()),
+                client: tokio::sync::Mutex::new(None),
+            });
+            self.pods
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.id.clone(), pod.clone());
+            if rec.state == PodState::Ready {
+                let alive = flat::is_alive(rec.agent_pid, rec.agent_start_time)
+                    && matches!(
+                        tokio::time::timeout(Duration::from_secs(5), async {
+                            let mut c = self.client(&pod).await?;
+                            c.ping(ap::PingRequest {})
+                                .await
+                                .map_err(|s| agent_err("ping", s))
+                        })
+                        .await,
+                        Ok(Ok(_))
+                    );
+                if !alive {
+                    tracing::warn!(pod = %rec.id, "pod agent is gone; pod is not ready");
+                    *pod.client.lock().await = None;
+                    self.teardown_pod_resources(&rec);
+                    let r = pod.update(|r| {
+                        r.state = PodState::NotReady;
+                        r.reason = "the pod agent exited while vesseld was down".into();
+                    });
+                    let _ = self.dirs.save_pod(&r);
+                }
+            } else {
+                // Not ready: make sure nothing of it runs or stays mounted.
+                self.teardown_pod_resources(&rec);
+            }
+        }
+        let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
+            HashMap::new();
+        for rec in self.dirs.load_containers() {
+            let Ok(pod) = self.pod(&rec.pod_id) else {
+                tracing::info!(container = %rec.id, "removing container of a pod that no longer exists");
+                let _ = self.store.remove_snapshot(&rec.snapshot);
+                let _ = self.dirs.delete_container(&rec.id);
+                continue;
+            };
+            let pod_ready = pod.record().state == PodState::Ready;
+            if !agent_lists.contains_key(&rec.pod_id) {
+                let list = if pod_ready {
+                    match self.client(&pod).await {
+                        Ok(mut c) => c
+                            .list_containers(ap::ListContainersRequest {})
+                            .await
+                            .ok()
+                            .map(|r| {
+                                r.into_inner()
+                                    .containers
+                                    .into_iter()
+                                    .map(|i| (i.id.clone(), i))
+                                    .collect()
+                            }),
+                        Err(_) => None,
+                    }
+                } else {
+                    None
+                };
+                agent_lists.insert(rec.pod_id.clone(), list);
+            }
+            let known = agent_lists.get(&rec.pod_id).cloned().flatten();
+            if rec.state == ContainerState::Creating {
+                tracing::info!(container = %rec.id, "cleaning up container interrupted while being created");
+                if pod_ready {
+                    if let Ok(mut c) = self.client(&pod).await {
+                        let _ = c
+                            .delete_container(ap::DeleteContainerRequest { id: rec.id.clone() })
+                            .await;
+                    }
+                }
+                let _ = self.store.remove_snapshot(&rec.snapshot);
+                let _ = self.dirs.delete_container(&rec.id);
+                continue;
+            }
+            self.names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name_key.clone(), rec.id.clone());
+            let ctr = Arc::new(Ctr {
+                rec: RwLock::new(rec.clone()),
+                op: tokio::sync::Mutex::new(()),
+            });
+            self.ctrs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.id.clone(), ctr.clone());
+            if rec.state == ContainerState::Exited {
+                continue;
+            }
+            match known.as_ref().and_then(|m| m.get(&rec.id)) {
+                None => self.mark_lost(&ctr, "the pod agent is gone"),
+                Some(info) => {
+                    if let Some(exit) = &info.exit {
+                        if info.state == ap::ContainerState::Exited as i32 {
+                            let r = self.record_exit(&ctr, exit);
+                            tracing::info!(container = %rec.id, exit_code = r.exit_code, "container exited while vesseld was down");
+                            continue;
+                        }
+                    }
+                    if info.state == ap::ContainerState::Running as i32 {
+                        let r = ctr.update(|r| {
+                            r.state = ContainerState::Running;
+                            r.pid = info.pid;
+                            if r.started_at == 0 {
+                                r.started_at = info.started_at;
+                            }
+                        });
+                        let _ = self.dirs.save_container(&r);
+                        if let Ok(c) = self.client(&pod).await {
+                            self.spawn_watcher(pod.clone(), ctr.clone(), c);
+                        }
+                    }
+                }
+            }
+        }
+        // Snapshots without a container, and netns pins without a pod.
+        let live: std::collections::HashSet<String> = self
+            .ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.record().snapshot)
+            .collect();
+        for s in self.store.list_snapshots().unwrap_or_default() {
+            if !live.contains(&s) {
+                tracing::info!(snapshot = %s, "removing snapshot without container");
+                let _ = self.store.remove_snapshot(&s);
+            }
+        }
+        if let Ok(rd) = std::fs::read_dir(self.dirs.netns_dir()) {
+            let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                let keep = pods
+                    .get(&name)
+                    .is_some_and(|p| p.record().state == PodState::Ready);
+                if !keep {
+                    let _ = flat::unpin_netns(&e.path());
+                }
+            }
+        }
+        let (np, nc) = (
+            self.pods.lock().unwrap_or_else(|p| p.into_inner()).len(),
+            self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).len(),
+        );
+        tracing::info!(pods = np, containers = nc, "state recovered");
+    }
+}
+
+fn cri_state(s: ContainerState) -> cri::ContainerState {
+    match s {
+        ContainerState::Creating | ContainerState::Created => cri::ContainerState::ContainerCreated,
+        ContainerState::Running => cri::ContainerState::ContainerRunning,
+        ContainerState::Exited => cri::ContainerState::ContainerExited,
+    }
+}
+
+fn hosts_file(hostname: &str, host_net: bool) -> String {
+    if host_net {
+        if let Ok(h) = std::fs::read_to_string("/etc/hosts") {
+            return h;
+        }
+    }
+    format!(
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\nff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n127.0.1.1\t{hostname}\n"
+    )
+}
+
+fn resolv_conf(dns: Option<&cri::DnsConfig>, host_net: bool) -> Result<String> {
+    let host = || std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    let Some(d) =
+        dns.filter(|d| !d.servers.is_empty() || !d.searches.is_empty() || !d.options.is_empty())
+    else {
+        return Ok(host());
+    };
+    let _ = host_net;
+    let mut s = String::new();
+    for srv in &d.servers {
+        if srv.parse::<std::net::IpAddr>().is_err() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "DNS server {srv:?} is not an IP address"
+            )));
+        }
+        s.push_str(&format!("nameserver {srv}\n"));
+    }
+    if !d.searches.is_empty() {
+        s.push_str(&format!("search {}\n", d.searches.join(" ")));
+    }
+    if !d.options.is_empty() {
+        s.push_str(&format!("options {}\n", d.options.join(" ")));
+    }
+    Ok(s)
+}

@@ -1,0 +1,1126 @@
+//! OCI runtime specs from CRI requests.
+//!
+//! vesseld turns a CRI `ContainerConfig` (plus the pod's settings and the image's config)
+//! into an OCI runtime spec; the pod agent applies it with libcontainer. Namespace paths use
+//! the agent's convention: `"agent"` joins the agent's own namespace (the pod's), no path
+//! creates a new one, and an absent type inherits the agent's (the host's, for namespaces the
+//! pod shares with the node).
+
+use k8s_cri::v1 as cri;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use vessel_images::oci::RunConfig;
+
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Capabilities a container gets by default (containerd's and Docker's set).
+pub const DEFAULT_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// Every capability Linux 5.9+ knows, for privileged containers and "ALL".
+pub const ALL_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+];
+
+const DEFAULT_MASKED: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+const DEFAULT_READONLY: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+/// Syscalls the default seccomp profile refuses with EPERM: kernel modules, kexec, raw
+/// kernel interfaces, clock changes, keyrings, BPF, perf, handle-based opens, and old or
+/// obscure ABIs. Everything else is allowed (capabilities still apply).
+const SECCOMP_DENY: &[&str] = &[
+    "acct",
+    "add_key",
+    "bpf",
+    "clock_adjtime",
+    "clock_settime",
+    "create_module",
+    "delete_module",
+    "finit_module",
+    "get_kernel_syms",
+    "get_mempolicy",
+    "init_module",
+    "ioperm",
+    "iopl",
+    "kcmp",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "mbind",
+    "move_pages",
+    "nfsservctl",
+    "open_by_handle_at",
+    "perf_event_open",
+    "personality",
+    "pivot_root",
+    "process_vm_readv",
+    "process_vm_writev",
+    "query_module",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "set_mempolicy",
+    "settimeofday",
+    "stime",
+    "swapoff",
+    "swapon",
+    "sysfs",
+    "_sysctl",
+    "uselib",
+    "userfaultfd",
+    "ustat",
+    "vm86",
+    "vm86old",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn invalid(s: impl Into<String>) -> SpecError {
+    SpecError::Invalid(s.into())
+}
+
+/// The user a container process runs as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedUser {
+    pub uid: u32,
+    pub gid: u32,
+    pub additional_gids: Vec<u32>,
+}
+
+/// Reads a file from an image's layers (top-most wins; overlay whiteouts and opaque dirs
+/// hide lower copies), for /etc/passwd and friends.
+pub fn read_image_file(layer_dirs: &[PathBuf], rel: &str) -> Option<Vec<u8>> {
+    use std::os::unix::fs::FileTypeExt;
+    let rel = rel.trim_start_matches('/');
+    for dir in layer_dirs.iter().rev() {
+        let p = dir.join(rel);
+        if let Ok(m) = std::fs::symlink_metadata(&p) {
+            if m.file_type().is_char_device() {
+                return None; // whiteout
+            }
+            if m.is_file() {
+                return std::fs::read(&p).ok();
+            }
+            if m.file_type().is_symlink() {
+                // Resolve inside the image (one level is enough for /etc files).
+                let t = std::fs::read_link(&p).ok()?;
+                let target = if t.is_absolute() {
+                    t.to_string_lossy().to_string()
+                } else {
+                    Path::new(rel)
+                        .parent()
+                        .unwrap_or(Path::new(""))
+                        .join(t)
+                        .to_string_lossy()
+                        .to_string()
+                };
+                if target.trim_start_matches('/') == rel {
+                    return None;
+                }
+                return read_image_file(layer_dirs, &target);
+            }
+            return None;
+        }
+        // An opaque parent in this layer hides everything below it.
+        let mut parent = Path::new(rel).parent();
+        while let Some(pp) = parent {
+            if pp.as_os_str().is_empty() {
+                break;
+            }
+            if let Ok(Some(v)) = xattr_get(&dir.join(pp), "trusted.overlay.opaque") {
+                if v == b"y" {
+                    return None;
+                }
+            }
+            parent = pp.parent();
+        }
+    }
+    None
+}
+
+fn xattr_get(p: &Path, name: &str) -> std::io::Result<Option<Vec<u8>>> {
+    let mut buf = vec![0u8; 16];
+    match rustix::fs::lgetxattr(p, name, &mut buf) {
+        Ok(n) => {
+            buf.truncate(n);
+            Ok(Some(buf))
+        }
+        Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOENT) => Ok(None),
+        Err(rustix::io::Errno::OPNOTSUPP) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether `cmd` exists as an executable in the image (absolute, relative to cwd, or
+/// found in PATH).
+pub fn image_has_command(layer_dirs: &[PathBuf], cmd: &str, path_env: &str, cwd: &str) -> bool {
+    let exists = |p: &str| -> bool {
+        let rel = p.trim_start_matches('/');
+        for dir in layer_dirs.iter().rev() {
+            let full = dir.join(rel);
+            if let Ok(m) = std::fs::symlink_metadata(&full) {
+                use std::os::unix::fs::FileTypeExt;
+                if m.file_type().is_char_device() {
+                    return false;
+                }
+                // Symlinks (busybox applets, /bin -> usr/bin) are trusted to resolve.
+                return m.is_file() || m.file_type().is_symlink();
+            }
+            // A symlinked parent (bin -> usr/bin) in the image: resolve by asking for the
+            // target path instead.
+            let mut acc = PathBuf::new();
+            for comp in Path::new(rel).components() {
+                acc.push(comp);
+                if let Ok(t) = std::fs::read_link(dir.join(&acc)) {
+                    let rest = Path::new(rel).strip_prefix(&acc).unwrap_or(Path::new(""));
+                    let base = if t.is_absolute() {
+                        t
+                    } else {
+                        acc.parent().unwrap_or(Path::new("")).join(t)
+                    };
+                    let joined = base.join(rest);
+                    let s = joined.to_string_lossy().to_string();
+                    if s.trim_start_matches('/') != rel {
+                        return image_has_command(
+                            layer_dirs,
+                            &format!("/{}", s.trim_start_matches('/')),
+                            "",
+                            "/",
+                        );
+                    }
+                }
+            }
+        }
+        false
+    };
+    if cmd.starts_with('/') {
+        return exists(cmd);
+    }
+    if cmd.contains('/') {
+        return exists(&format!("{}/{}", cwd.trim_end_matches('/'), cmd));
+    }
+    path_env
+        .split(':')
+        .filter(|d| !d.is_empty())
+        .any(|d| exists(&format!("{}/{}", d.trim_end_matches('/'), cmd)))
+}
+
+fn parse_passwd(data: &str, name: &str) -> Option<(u32, u32)> {
+    data.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() >= 4 && f[0] == name).then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))?
+    })
+}
+
+fn passwd_by_uid(data: &str, uid: u32) -> Option<(String, u32)> {
+    data.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        if f.len() >= 4 && f[2].parse::<u32>().ok()? == uid {
+            Some((f[0].to_string(), f[3].parse().ok()?))
+        } else {
+            None
+        }
+    })
+}
+
+fn group_gid(data: &str, name: &str) -> Option<u32> {
+    data.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() >= 3 && f[0] == name).then(|| f[2].parse().ok())?
+    })
+}
+
+fn groups_of(data: &str, user: &str) -> Vec<u32> {
+    data.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            if f.len() >= 4 && f[3].split(',').any(|m| m == user) {
+                f[2].parse().ok()
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// Resolves the user from the CRI security context, falling back to the image's `User`,
+/// reading names from the image's /etc/passwd and /etc/group.
+pub fn resolve_user(
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+    image_user: Option<&str>,
+    layer_dirs: &[PathBuf],
+) -> Result<ResolvedUser, SpecError> {
+    let passwd = read_image_file(layer_dirs, "etc/passwd")
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let group = read_image_file(layer_dirs, "etc/group")
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+
+    let (user_part, group_part): (String, Option<String>) = match sc {
+        Some(sc) if sc.run_as_user.is_some() => (
+            sc.run_as_user
+                .as_ref()
+                .map(|u| u.value)
+                .unwrap_or(0)
+                .to_string(),
+            None,
+        ),
+        Some(sc) if !sc.run_as_username.is_empty() => (sc.run_as_username.clone(), None),
+        _ => {
+            let u = image_user.unwrap_or("").trim();
+            match u.split_once(':') {
+                Some((a, b)) => (a.to_string(), Some(b.to_string())),
+                None => (u.to_string(), None),
+            }
+        }
+    };
+    let (uid, mut gid, username) = if user_part.is_empty() {
+        (0, 0, "root".to_string())
+    } else if let Ok(uid) = user_part.parse::<u32>() {
+        match passwd_by_uid(&passwd, uid) {
+            Some((name, gid)) => (uid, gid, name),
+            None => (uid, 0, String::new()),
+        }
+    } else {
+        let (uid, gid) = parse_passwd(&passwd, &user_part).ok_or_else(|| {
+            invalid(format!(
+                "user {user_part:?} is not in the image's /etc/passwd"
+            ))
+        })?;
+        (uid, gid, user_part.clone())
+    };
+    if let Some(g) = group_part.filter(|g| !g.is_empty()) {
+        gid = match g.parse::<u32>() {
+            Ok(n) => n,
+            Err(_) => group_gid(&group, &g)
+                .ok_or_else(|| invalid(format!("group {g:?} is not in the image's /etc/group")))?,
+        };
+    }
+    if let Some(sc) = sc {
+        if let Some(g) = &sc.run_as_group {
+            gid = u32::try_from(g.value).map_err(|_| invalid("run_as_group out of range"))?;
+        }
+    }
+    let mut additional: Vec<u32> = if username.is_empty() {
+        vec![]
+    } else {
+        groups_of(&group, &username)
+    };
+    if let Some(sc) = sc {
+        for g in &sc.supplemental_groups {
+            additional
+                .push(u32::try_from(*g).map_err(|_| invalid("supplemental group out of range"))?);
+        }
+    }
+    additional.retain(|g| *g != gid);
+    additional.sort_unstable();
+    additional.dedup();
+    Ok(ResolvedUser {
+        uid,
+        gid,
+        additional_gids: additional,
+    })
+}
+
+/// The process arguments from CRI command/args and the image's Entrypoint/Cmd, as
+/// containerd combines them.
+pub fn process_args(
+    config: &cri::ContainerConfig,
+    image: &RunConfig,
+) -> Result<Vec<String>, SpecError> {
+    let mut command = config.command.clone();
+    let mut args = config.args.clone();
+    if command.is_empty() {
+        command = image.entrypoint.clone().unwrap_or_default();
+        if args.is_empty() {
+            args = image.cmd.clone().unwrap_or_default();
+        }
+    }
+    let all: Vec<String> = command.into_iter().chain(args).collect();
+    if all.is_empty() || all[0].is_empty() {
+        return Err(invalid(
+            "no command: the request has no command or args and the image has no Entrypoint or Cmd",
+        ));
+    }
+    Ok(all)
+}
+
+/// The environment: the image's, overridden by the request's, plus PATH and HOSTNAME.
+pub fn environment(
+    config: &cri::ContainerConfig,
+    image: &RunConfig,
+    hostname: &str,
+) -> Vec<String> {
+    let mut env: Vec<(String, String)> = Vec::new();
+    let mut set = |k: &str, v: &str| {
+        if let Some(e) = env.iter_mut().find(|(ek, _)| ek == k) {
+            e.1 = v.to_string();
+        } else {
+            env.push((k.to_string(), v.to_string()));
+        }
+    };
+    set("PATH", DEFAULT_PATH);
+    set("HOSTNAME", hostname);
+    for e in image.env.clone().unwrap_or_default() {
+        let (k, v) = e.split_once('=').unwrap_or((e.as_str(), ""));
+        set(k, v);
+    }
+    for kv in &config.envs {
+        set(&kv.key, &kv.value);
+    }
+    env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+fn capabilities(sc: Option<&cri::LinuxContainerSecurityContext>, privileged: bool) -> Vec<String> {
+    if privileged {
+        return ALL_CAPS.iter().map(|s| s.to_string()).collect();
+    }
+    let norm = |c: &str| {
+        let c = c.trim().to_ascii_uppercase();
+        if c.starts_with("CAP_") {
+            c
+        } else {
+            format!("CAP_{c}")
+        }
+    };
+    let mut caps: Vec<String> = DEFAULT_CAPS.iter().map(|s| s.to_string()).collect();
+    if let Some(c) = sc.and_then(|sc| sc.capabilities.as_ref()) {
+        if c.add_capabilities
+            .iter()
+            .any(|x| x.eq_ignore_ascii_case("ALL"))
+        {
+            caps = ALL_CAPS.iter().map(|s| s.to_string()).collect();
+        } else {
+            for a in &c.add_capabilities {
+                let a = norm(a);
+                if !caps.contains(&a) {
+                    caps.push(a);
+                }
+            }
+        }
+        if c.drop_capabilities
+            .iter()
+            .any(|x| x.eq_ignore_ascii_case("ALL"))
+        {
+            caps.clear();
+            // Explicit adds survive "drop ALL", as in containerd.
+            for a in &c.add_capabilities {
+                if !a.eq_ignore_ascii_case("ALL") {
+                    caps.push(norm(a));
+                }
+            }
+        } else {
+            let drop: Vec<String> = c.drop_capabilities.iter().map(|d| norm(d)).collect();
+            caps.retain(|x| !drop.contains(x));
+        }
+    }
+    caps
+}
+
+fn seccomp(
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+    privileged: bool,
+) -> Result<Option<Value>, SpecError> {
+    if privileged {
+        return Ok(None);
+    }
+    let Some(profile) = sc.and_then(|s| s.seccomp.as_ref()) else {
+        return Ok(None);
+    };
+    use cri::security_profile::ProfileType;
+    match ProfileType::try_from(profile.profile_type).unwrap_or(ProfileType::Unconfined) {
+        ProfileType::Unconfined => Ok(None),
+        ProfileType::RuntimeDefault => Ok(Some(default_seccomp())),
+        ProfileType::Localhost => {
+            let path = profile.localhost_ref.trim();
+            let data = std::fs::read(path)
+                .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
+            let v: Value = serde_json::from_slice(&data)
+                .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
+            if v.get("defaultAction").is_none() {
+                return Err(invalid(format!(
+                    "seccomp profile {path:?} has no defaultAction"
+                )));
+            }
+            Ok(Some(v))
+        }
+    }
+}
+
+/// vessel's default seccomp profile (CRI "RuntimeDefault").
+pub fn default_seccomp() -> Value {
+    json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [{
+            "names": SECCOMP_DENY,
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 1
+        }]
+    })
+}
+
+fn propagation(p: i32) -> &'static str {
+    match cri::MountPropagation::try_from(p).unwrap_or(cri::MountPropagation::PropagationPrivate) {
+        cri::MountPropagation::PropagationPrivate => "rprivate",
+        cri::MountPropagation::PropagationHostToContainer => "rslave",
+        cri::MountPropagation::PropagationBidirectional => "rshared",
+    }
+}
+
+/// Everything a spec needs besides the CRI request.
+pub struct SpecInput<'a> {
+    pub pod: &'a cri::PodSandboxConfig,
+    pub config: &'a cri::ContainerConfig,
+    pub image: &'a RunConfig,
+    pub layer_dirs: &'a [PathBuf],
+    pub hostname: &'a str,
+    pub pod_dir: &'a Path,
+    pub cgroups_path: String,
+    /// The pid (in the agent's namespace) of the TARGET container, for NamespaceMode TARGET.
+    pub target_pid: Option<u32>,
+    /// Lowest oom_score_adj we may set (ours, when we lack CAP_SYS_RESOURCE).
+    pub min_oom_score_adj: i64,
+}
+
+fn ns_mode(m: i32) -> cri::NamespaceMode {
+    cri::NamespaceMode::try_from(m).unwrap_or(cri::NamespaceMode::Pod)
+}
+
+/// Builds the OCI runtime spec JSON and returns it with the resolved user.
+pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> {
+    let c = input.config;
+    let lc = c.linux.as_ref();
+    let sc = lc.and_then(|l| l.security_context.as_ref());
+    let privileged = sc.map(|s| s.privileged).unwrap_or(false);
+    let args = process_args(c, input.image)?;
+    let env = environment(c, input.image, input.hostname);
+    let cwd = if !c.working_dir.is_empty() {
+        c.working_dir.clone()
+    } else {
+        input
+            .image
+            .working_dir
+            .clone()
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| "/".into())
+    };
+    if !cwd.starts_with('/') {
+        return Err(invalid(format!("working dir {cwd:?} is not absolute")));
+    }
+    let user = resolve_user(sc, input.image.user.as_deref(), input.layer_dirs)?;
+    if sc
+        .map(|s| s.run_as_username.is_empty() && s.run_as_user.is_none())
+        .unwrap_or(true)
+    {
+        // Keep the image's own user.
+    }
+    let path_env = env
+        .iter()
+        .find_map(|e| e.strip_prefix("PATH="))
+        .unwrap_or(DEFAULT_PATH)
+        .to_string();
+    let has_bind_over = |p: &str| {
+        c.mounts
+            .iter()
+            .any(|m| Path::new(p).starts_with(&m.container_path) && !m.container_path.is_empty())
+    };
+    if !has_bind_over(&args[0]) && !image_has_command(input.layer_dirs, &args[0], &path_env, &cwd) {
+        return Err(invalid(format!(
+            "command {:?} not found in the image (PATH={path_env})",
+            args[0]
+        )));
+    }
+
+    // Namespaces.
+    let pod_ns = input
+        .pod
+        .linux
+        .as_ref()
+        .and_then(|l| l.security_context.as_ref())
+        .and_then(|s| s.namespace_options.clone())
+        .unwrap_or_default();
+    let ns = sc
+        .and_then(|s| s.namespace_options.clone())
+        .unwrap_or(pod_ns.clone());
+    let host_net = ns_mode(pod_ns.network) == cri::NamespaceMode::Node;
+    let mut namespaces = vec![json!({"type": "mount"})];
+    if !host_net {
+        namespaces.push(json!({"type": "network", "path": "agent"}));
+        namespaces.push(json!({"type": "uts"}));
+    }
+    match ns_mode(ns.pid) {
+        cri::NamespaceMode::Container => namespaces.push(json!({"type": "pid"})),
+        cri::NamespaceMode::Pod => namespaces.push(json!({"type": "pid", "path": "agent"})),
+        cri::NamespaceMode::Node => {}
+        cri::NamespaceMode::Target => {
+            let pid = input.target_pid.ok_or_else(|| {
+                invalid(format!(
+                    "pid namespace target {:?} is not a running container of this pod",
+                    ns.target_id
+                ))
+            })?;
+            namespaces.push(json!({"type": "pid", "path": format!("/proc/{pid}/ns/pid")}));
+        }
+    }
+    match ns_mode(ns.ipc) {
+        cri::NamespaceMode::Container => namespaces.push(json!({"type": "ipc"})),
+        cri::NamespaceMode::Node => {}
+        _ => namespaces.push(json!({"type": "ipc", "path": "agent"})),
+    }
+
+    // Mounts: the standard set, the pod's files, then the request's.
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", if privileged { "rw" } else { "ro" }]}),
+    ];
+    let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
+    let dests: Vec<&str> = c.mounts.iter().map(|m| m.container_path.as_str()).collect();
+    for (file, dest) in [
+        ("hostname", "/etc/hostname"),
+        ("hosts", "/etc/hosts"),
+        ("resolv.conf", "/etc/resolv.conf"),
+    ] {
+        if dests.contains(&dest) {
+            continue; // kubelet mounts its own /etc/hosts
+        }
+        let src = input.pod_dir.join(file);
+        mounts.push(json!({
+            "destination": dest, "type": "bind", "source": src,
+            "options": ["rbind", "rprivate", if readonly_root { "ro" } else { "rw" }]
+        }));
+    }
+    for m in &c.mounts {
+        if m.container_path.is_empty() || !m.container_path.starts_with('/') {
+            return Err(invalid(format!(
+                "mount container path {:?} must be absolute",
+                m.container_path
+            )));
+        }
+        if m.host_path.is_empty() {
+            return Err(invalid(format!(
+                "mount at {:?} has no host path",
+                m.container_path
+            )));
+        }
+        if std::fs::symlink_metadata(&m.host_path).is_err() {
+            return Err(invalid(format!(
+                "mount source {:?} (for {:?}) does not exist",
+                m.host_path, m.container_path
+            )));
+        }
+        let mut opts = vec!["rbind".to_string(), propagation(m.propagation).to_string()];
+        opts.push(if m.readonly { "ro" } else { "rw" }.into());
+        mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));
+    }
+
+    // Devices.
+    let mut devices = Vec::new();
+    let mut dev_rules = vec![json!({"allow": false, "access": "rwm"})];
+    for (t, maj, min) in [
+        ("c", 1, 3),
+        ("c", 1, 5),
+        ("c", 1, 7),
+        ("c", 1, 8),
+        ("c", 1, 9),
+        ("c", 5, 0),
+        ("c", 5, 1),
+        ("c", 5, 2),
+        ("c", 10, 200),
+    ] {
+        dev_rules
+            .push(json!({"allow": true, "type": t, "major": maj, "minor": min, "access": "rwm"}));
+    }
+    dev_rules.push(json!({"allow": true, "type": "c", "major": 136, "access": "rwm"}));
+    if privileged {
+        dev_rules = vec![json!({"allow": true, "access": "rwm"})];
+    }
+    for d in &c.devices {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let m = std::fs::metadata(&d.host_path)
+            .map_err(|e| invalid(format!("device {:?}: {e}", d.host_path)))?;
+        let t = if m.file_type().is_char_device() {
+            "c"
+        } else if m.file_type().is_block_device() {
+            "b"
+        } else {
+            return Err(invalid(format!(
+                "device {:?} is not a device node",
+                d.host_path
+            )));
+        };
+        let rdev = m.rdev();
+        let (maj, min) = (libc::major(rdev), libc::minor(rdev));
+        let perms = if d.permissions.is_empty() {
+            "rwm"
+        } else {
+            d.permissions.as_str()
+        };
+        if !perms.chars().all(|c| "rwm".contains(c)) {
+            return Err(invalid(format!(
+                "device {:?}: bad permissions {perms:?}",
+                d.host_path
+            )));
+        }
+        devices.push(json!({
+            "path": if d.container_path.is_empty() { &d.host_path } else { &d.container_path },
+            "type": t, "major": maj, "minor": min,
+            "fileMode": m.mode() & 0o7777, "uid": m.uid(), "gid": m.gid()
+        }));
+        dev_rules
+            .push(json!({"allow": true, "type": t, "major": maj, "minor": min, "access": perms}));
+    }
+
+    // Resources.
+    let mut resources = json!({"devices": dev_rules});
+    let mut oom_score_adj = None;
+    if let Some(r) = lc.and_then(|l| l.resources.as_ref()) {
+        let mut cpu = serde_json::Map::new();
+        if r.cpu_shares > 0 {
+            cpu.insert("shares".into(), json!(r.cpu_shares));
+        }
+        if r.cpu_quota > 0 {
+            cpu.insert("quota".into(), json!(r.cpu_quota));
+        }
+        if r.cpu_period > 0 {
+            cpu.insert("period".into(), json!(r.cpu_period));
+        }
+        if !r.cpuset_cpus.is_empty() {
+            cpu.insert("cpus".into(), json!(r.cpuset_cpus));
+        }
+        if !r.cpuset_mems.is_empty() {
+            cpu.insert("mems".into(), json!(r.cpuset_mems));
+        }
+        if !cpu.is_empty() {
+            resources["cpu"] = Value::Object(cpu);
+        }
+        if r.memory_limit_in_bytes > 0 {
+            let mut mem = json!({"limit": r.memory_limit_in_bytes});
+            if r.memory_swap_limit_in_bytes > 0 {
+                mem["swap"] = json!(r.memory_swap_limit_in_bytes);
+            }
+            resources["memory"] = mem;
+        }
+        if !r.unified.is_empty() {
+            resources["unified"] = json!(r.unified);
+        }
+        if r.oom_score_adj != 0 {
+            oom_score_adj = Some(r.oom_score_adj.max(input.min_oom_score_adj));
+        }
+    }
+
+    let mut process = json!({
+        "terminal": c.tty,
+        "user": {"uid": user.uid, "gid": user.gid, "additionalGids": user.additional_gids},
+        "args": args,
+        "env": env,
+        "cwd": cwd,
+        "capabilities": {
+            "bounding": capabilities(sc, privileged),
+            "effective": capabilities(sc, privileged),
+            "permitted": capabilities(sc, privileged),
+        },
+        "noNewPrivileges": sc.map(|s| s.no_new_privs).unwrap_or(false),
+    });
+    if user.uid != 0 {
+        // Like containerd: a non-root user keeps no effective/permitted capabilities unless asked.
+        process["capabilities"]["effective"] = json!(Vec::<String>::new());
+        process["capabilities"]["permitted"] = json!(Vec::<String>::new());
+        if sc
+            .and_then(|s| s.capabilities.as_ref())
+            .is_some_and(|c| !c.add_capabilities.is_empty())
+            || privileged
+        {
+            process["capabilities"]["effective"] = json!(capabilities(sc, privileged));
+            process["capabilities"]["permitted"] = json!(capabilities(sc, privileged));
+        }
+    }
+    if let Some(adj) = oom_score_adj {
+        process["oomScoreAdj"] = json!(adj);
+    }
+
+    let masked: Vec<String> = if privileged {
+        vec![]
+    } else {
+        match sc.map(|s| &s.masked_paths) {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => DEFAULT_MASKED.iter().map(|s| s.to_string()).collect(),
+        }
+    };
+    let readonly_paths: Vec<String> = if privileged {
+        vec![]
+    } else {
+        match sc.map(|s| &s.readonly_paths) {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => DEFAULT_READONLY.iter().map(|s| s.to_string()).collect(),
+        }
+    };
+    let sysctl = input
+        .pod
+        .linux
+        .as_ref()
+        .map(|l| l.sysctls.clone())
+        .unwrap_or_default();
+
+    let mut linux = json!({
+        "namespaces": namespaces,
+        "resources": resources,
+        "cgroupsPath": input.cgroups_path,
+        "devices": devices,
+        "maskedPaths": masked,
+        "readonlyPaths": readonly_paths,
+        "sysctl": sysctl,
+    });
+    if let Some(s) = seccomp(sc, privileged)? {
+        linux["seccomp"] = s;
+    }
+    let spec = json!({
+        "ociVersion": "1.0.2",
+        "process": process,
+        "root": {"path": "rootfs", "readonly": readonly_root},
+        "hostname": if host_net { Value::Null } else { json!(input.hostname) },
+        "mounts": mounts,
+        "linux": linux,
+        "annotations": c.annotations,
+    });
+    Ok((spec, user))
+}
+
+/// The signal number for an image's StopSignal ("SIGQUIT", "QUIT", "3").
+pub fn parse_signal(s: &str) -> Option<i32> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    if let Ok(n) = s.parse::<i32>() {
+        return (1..=64).contains(&n).then_some(n);
+    }
+    let name = s.to_ascii_uppercase();
+    let name = name.strip_prefix("SIG").unwrap_or(&name);
+    let n = match name {
+        "HUP" => libc::SIGHUP,
+        "INT" => libc::SIGINT,
+        "QUIT" => libc::SIGQUIT,
+        "KILL" => libc::SIGKILL,
+        "USR1" => libc::SIGUSR1,
+        "USR2" => libc::SIGUSR2,
+        "TERM" => libc::SIGTERM,
+        "STOP" => libc::SIGSTOP,
+        "CONT" => libc::SIGCONT,
+        "WINCH" => libc::SIGWINCH,
+        "PWR" => libc::SIGPWR,
+        "ALRM" => libc::SIGALRM,
+        _ => {
+            if let Some(rest) = name.strip_prefix("RTMIN+") {
+                libc::SIGRTMIN() + rest.parse::<i32>().ok()?
+            } else {
+                return None;
+            }
+        }
+    };
+    Some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    fn layers_with(files: &[(&str, &str)]) -> (tempfile::TempDir, Vec<PathBuf>) {
+        let d = tempfile::tempdir().unwrap();
+        let l = d.path().join("l0");
+        for (p, content) in files {
+            let full = l.join(p);
+            fs::create_dir_all(full.parent().unwrap()).unwrap();
+            fs::write(&full, content).unwrap();
+        }
+        (d, vec![l])
+    }
+
+    const PASSWD: &str = "root:x:0:0:root:/root:/bin/sh\nvessel:x:1000:1000::/home/vessel:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n";
+    const GROUP: &str = "root:x:0:\nstaff:x:50:vessel\nvessel:x:1000:\nnobody:x:65534:\n";
+
+    #[test]
+    fn users_resolve_like_containerd() {
+        let (_d, layers) = layers_with(&[("etc/passwd", PASSWD), ("etc/group", GROUP)]);
+        let r = resolve_user(None, Some("vessel"), &layers).unwrap();
+        assert_eq!(
+            r,
+            ResolvedUser {
+                uid: 1000,
+                gid: 1000,
+                additional_gids: vec![50]
+            }
+        );
+        let r = resolve_user(None, Some("1000:50"), &layers).unwrap();
+        assert_eq!((r.uid, r.gid), (1000, 50));
+        let r = resolve_user(None, Some("4242"), &layers).unwrap();
+        assert_eq!((r.uid, r.gid), (4242, 0));
+        let r = resolve_user(None, None, &layers).unwrap();
+        assert_eq!((r.uid, r.gid), (0, 0));
+        let sc = cri::LinuxContainerSecurityContext {
+            run_as_user: Some(cri::Int64Value { value: 65534 }),
+            run_as_group: Some(cri::Int64Value { value: 7 }),
+            supplemental_groups: vec![8, 9],
+            ..Default::default()
+        };
+        let r = resolve_user(Some(&sc), Some("vessel"), &layers).unwrap();
+        assert_eq!(
+            r,
+            ResolvedUser {
+                uid: 65534,
+                gid: 7,
+                additional_gids: vec![8, 9]
+            }
+        );
+        assert!(resolve_user(None, Some("ghost"), &layers).is_err());
+        assert!(resolve_user(None, Some("vessel:nogroup"), &layers).is_err());
+    }
+
+    #[test]
+    fn args_combine_like_containerd() {
+        let img = RunConfig {
+            entrypoint: Some(vec!["/ep".into()]),
+            cmd: Some(vec!["c1".into()]),
+            ..Default::default()
+        };
+        let cfg = |cmd: &[&str], args: &[&str]| cri::ContainerConfig {
+            command: cmd.iter().map(|s| s.to_string()).collect(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        assert_eq!(process_args(&cfg(&[], &[]), &img).unwrap(), ["/ep", "c1"]);
+        assert_eq!(process_args(&cfg(&[], &["a"]), &img).unwrap(), ["/ep", "a"]);
+        assert_eq!(process_args(&cfg(&["x"], &[]), &img).unwrap(), ["x"]);
+        assert_eq!(
+            process_args(&cfg(&["x"], &["y"]), &img).unwrap(),
+            ["x", "y"]
+        );
+        assert!(process_args(&cfg(&[], &[]), &RunConfig::default()).is_err());
+    }
+
+    #[test]
+    fn env_overrides() {
+        let img = RunConfig {
+            env: Some(vec!["PATH=/bin".into(), "A=1".into()]),
+            ..Default::default()
+        };
+        let cfg = cri::ContainerConfig {
+            envs: vec![cri::KeyValue {
+                key: "A".into(),
+                value: "2".into(),
+            }],
+            ..Default::default()
+        };
+        let e = environment(&cfg, &img, "h");
+        assert_eq!(e, ["PATH=/bin", "HOSTNAME=h", "A=2"]);
+    }
+
+    #[test]
+    fn caps_add_drop() {
+        let sc = cri::LinuxContainerSecurityContext {
+            capabilities: Some(cri::Capability {
+                add_capabilities: vec!["SYS_ADMIN".into()],
+                drop_capabilities: vec!["CAP_KILL".into(), "net_raw".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let c = capabilities(Some(&sc), false);
+        assert!(c.contains(&"CAP_SYS_ADMIN".to_string()));
+        assert!(!c.contains(&"CAP_KILL".to_string()));
+        assert!(!c.contains(&"CAP_NET_RAW".to_string()));
+        let sc = cri::LinuxContainerSecurityContext {
+            capabilities: Some(cri::Capability {
+                add_capabilities: vec!["NET_ADMIN".into()],
+                drop_capabilities: vec!["ALL".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(capabilities(Some(&sc), false), ["CAP_NET_ADMIN"]);
+        assert_eq!(capabilities(None, true).len(), ALL_CAPS.len());
+    }
+
+    #[test]
+    fn commands_are_found_through_path_and_symlinks() {
+        let (d, layers) = layers_with(&[("bin/busybox", "x")]);
+        std::os::unix::fs::symlink("busybox", layers[0].join("bin/sh")).unwrap();
+        fs::create_dir_all(layers[0].join("usr")).unwrap();
+        std::os::unix::fs::symlink("../bin", layers[0].join("usr/bin")).unwrap();
+        assert!(image_has_command(&layers, "sh", "/usr/local/bin:/bin", "/"));
+        assert!(image_has_command(&layers, "/bin/busybox", "", "/"));
+        assert!(image_has_command(&layers, "/usr/bin/busybox", "", "/"));
+        assert!(!image_has_command(&layers, "nope", "/bin:/usr/bin", "/"));
+        assert!(!image_has_command(&layers, "/nope", "", "/"));
+        drop(d);
+    }
+
+    #[test]
+    fn signals_parse() {
+        assert_eq!(parse_signal("SIGQUIT"), Some(libc::SIGQUIT));
+        assert_eq!(parse_signal("term"), Some(libc::SIGTERM));
+        assert_eq!(parse_signal("9"), Some(9));
+        assert_eq!(parse_signal("SIGRTMIN+3"), Some(libc::SIGRTMIN() + 3));
+        assert_eq!(parse_signal("bogus"), None);
+        assert_eq!(parse_signal(""), None);
+    }
+
+    #[test]
+    fn spec_is_valid_oci() {
+        let (d, layers) = layers_with(&[
+            ("etc/passwd", PASSWD),
+            ("etc/group", GROUP),
+            ("bin/sh", "x"),
+        ]);
+        let pod = cri::PodSandboxConfig::default();
+        let cfg = cri::ContainerConfig {
+            command: vec!["sh".into()],
+            linux: Some(cri::LinuxContainerConfig {
+                resources: Some(cri::LinuxContainerResources {
+                    memory_limit_in_bytes: 64 << 20,
+                    cpu_shares: 512,
+                    oom_score_adj: -999,
+                    ..Default::default()
+                }),
+                security_context: Some(cri::LinuxContainerSecurityContext {
+                    seccomp: Some(cri::SecurityProfile {
+                        profile_type: cri::security_profile::ProfileType::RuntimeDefault as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+            }),
+            ..Default::default()
+        };
+        let (spec, user) = build(&SpecInput {
+            pod: &pod,
+            config: &cfg,
+            image: &RunConfig {
+                user: Some("vessel".into()),
+                ..Default::default()
+            },
+            layer_dirs: &layers,
+            hostname: "h",
+            pod_dir: d.path(),
+            cgroups_path: "/vessel/p/c".into(),
+            target_pid: None,
+            min_oom_score_adj: 0,
+        })
+        .unwrap();
+        assert_eq!(user.uid, 1000);
+        assert_eq!(spec["process"]["oomScoreAdj"], 0);
+        let parsed: oci_spec::runtime::Spec = serde_json::from_value(spec.clone()).unwrap();
+        // Every key we wrote is one oci-spec knows: nothing is silently dropped.
+        let back = serde_json::to_value(&parsed).unwrap();
+        fn keys(v: &Value, prefix: &str, out: &mut Vec<String>) {
+            if let Value::Object(m) = v {
+                for (k, v) in m {
+                    if prefix == ".annotations" || prefix == ".linux.sysctl" {
+                        continue;
+                    }
+                    let p = format!("{prefix}.{k}");
+                    out.push(p.clone());
+                    keys(v, &p, out);
+                }
+            }
+        }
+        let (mut a, mut b) = (vec![], vec![]);
+        keys(&spec, "", &mut a);
+        keys(&back, "", &mut b);
+        let missing: Vec<_> = a.iter().filter(|k| !b.contains(k)).collect();
+        // `hostname: null` and empty lists may be omitted on the way back; names may not.
+        let missing: Vec<_> = missing
+            .into_iter()
+            .filter(|k| !matches!(k.as_str(), ".linux.devices" | ".linux.sysctl"))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "keys oci-spec does not know: {missing:?}"
+        );
+        let (_, _) = (d, layers);
+    }
+}

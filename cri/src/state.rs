@@ -1,0 +1,262 @@
+//! Pod and container records on disk.
+//!
+//! ```text
+//! <root>/pods/<pod-id>/pod.json              PodRecord
+//! <root>/pods/<pod-id>/{hostname,hosts,resolv.conf}   files bind-mounted into containers
+//! <root>/pods/<pod-id>/agent.log             the pod agent's own log
+//! <root>/containers/<ctr-id>.json            ContainerRecord
+//! ```
+//! Every record is written atomically (temp file, fsync, rename, fsync of the directory).
+//! A record is written in state `Creating` before anything is created for it, so that a
+//! crash at any point leaves a record the next start can finish cleaning up.
+
+use k8s_cri::v1 as cri;
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::path::{Path, PathBuf};
+use vessel_images::fsutil;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PodState {
+    /// Being set up; a crash here means "clean everything up".
+    Creating,
+    Ready,
+    NotReady,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PodRecord {
+    pub id: String,
+    pub name_key: String,
+    pub config: cri::PodSandboxConfig,
+    pub runtime_handler: String,
+    /// "flat" (the VM backend comes later).
+    pub backend: String,
+    pub state: PodState,
+    pub created_at: i64,
+    /// Host pid of the pod agent, and its start time (clock ticks since boot, from
+    /// /proc/<pid>/stat), which tells our agent from a later process that reused the pid.
+    pub agent_pid: u32,
+    pub agent_start_time: u64,
+    pub agent_socket: PathBuf,
+    pub agent_state_dir: PathBuf,
+    /// The pinned netns (empty for host-network pods).
+    pub netns_path: PathBuf,
+    pub hostname: String,
+    /// cgroupfs parent of the pod's containers, e.g. /kubepods/pod<uid> or /vessel/<id>.
+    pub cgroup_parent: String,
+    /// Why the pod is not ready, when it is not.
+    #[serde(default)]
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ContainerState {
+    Creating,
+    Created,
+    Running,
+    Exited,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContainerRecord {
+    pub id: String,
+    pub pod_id: String,
+    pub name_key: String,
+    pub config: cri::ContainerConfig,
+    /// The image as the request named it, and the image ID it resolved to.
+    pub image_name: String,
+    pub image_id: String,
+    /// What ContainerStatus reports as image_ref: a repo digest if the image has one.
+    pub image_ref: String,
+    pub log_path: String,
+    pub state: ContainerState,
+    pub created_at: i64,
+    pub started_at: i64,
+    pub finished_at: i64,
+    pub exit_code: i32,
+    pub reason: String,
+    pub message: String,
+    /// Pid in the pod agent's pid namespace, while running.
+    pub pid: u32,
+    /// The uid/gid/groups the process runs as (for ContainerStatus.user).
+    pub uid: u32,
+    pub gid: u32,
+    #[serde(default)]
+    pub groups: Vec<u32>,
+    /// The signal StopContainer sends first.
+    pub stop_signal: i32,
+    pub snapshot: String,
+}
+
+/// Where records live, and their atomic reads and writes.
+#[derive(Debug, Clone)]
+pub struct StateDirs {
+    pub root: PathBuf,
+    pub run: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("record {path}: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StateError {
+    let path = path.to_path_buf();
+    move |source| StateError::Io { op, path, source }
+}
+
+impl StateDirs {
+    pub fn new(root: &Path, run: &Path) -> Result<StateDirs, StateError> {
+        let s = StateDirs {
+            root: root.to_path_buf(),
+            run: run.to_path_buf(),
+        };
+        for d in [
+            s.pods_dir(),
+            s.containers_dir(),
+            s.run.join("pods"),
+            s.netns_dir(),
+        ] {
+            fs::create_dir_all(&d).map_err(io("create", &d))?;
+        }
+        for d in [s.pods_dir(), s.containers_dir()] {
+            fsutil::clean_dead_temps(&d).map_err(io("clean", &d))?;
+        }
+        Ok(s)
+    }
+
+    pub fn pods_dir(&self) -> PathBuf {
+        self.root.join("pods")
+    }
+    pub fn containers_dir(&self) -> PathBuf {
+        self.root.join("containers")
+    }
+    pub fn netns_dir(&self) -> PathBuf {
+        self.run.join("netns")
+    }
+    pub fn pod_dir(&self, id: &str) -> PathBuf {
+        self.pods_dir().join(id)
+    }
+    /// Runtime files of a pod (agent socket and state), cleared by a reboot.
+    pub fn pod_run_dir(&self, id: &str) -> PathBuf {
+        self.run.join("pods").join(id)
+    }
+
+    fn write<T: Serialize>(path: &Path, v: &T) -> Result<(), StateError> {
+        let data = serde_json::to_vec(v).map_err(|source| StateError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        fsutil::atomic_write(path, &data).map_err(io("write", path))
+    }
+
+    fn read_all<T: for<'de> Deserialize<'de>>(files: Vec<PathBuf>) -> Vec<T> {
+        let mut out = Vec::new();
+        for p in files {
+            match fs::read(&p) {
+                Ok(d) => match serde_json::from_slice(&d) {
+                    Ok(r) => out.push(r),
+                    Err(e) => {
+                        tracing::error!(path = %p.display(), error = %e, "unreadable record, ignored")
+                    }
+                },
+                Err(e) => {
+                    tracing::error!(path = %p.display(), error = %e, "unreadable record, ignored")
+                }
+            }
+        }
+        out
+    }
+
+    pub fn save_pod(&self, p: &PodRecord) -> Result<(), StateError> {
+        let dir = self.pod_dir(&p.id);
+        fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+        Self::write(&dir.join("pod.json"), p)
+    }
+
+    pub fn delete_pod(&self, id: &str) -> Result<(), StateError> {
+        let dir = self.pod_dir(id);
+        fsutil::remove_any(&dir).map_err(io("remove", &dir))?;
+        let run = self.pod_run_dir(id);
+        fsutil::remove_any(&run).map_err(io("remove", &run))
+    }
+
+    pub fn load_pods(&self) -> Vec<PodRecord> {
+        let files = fs::read_dir(self.pods_dir())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path().join("pod.json"))
+                    .filter(|p| p.exists())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self::read_all(files)
+    }
+
+    /// Pod directories that have no record: debris of a crash before the first write.
+    pub fn orphan_pod_dirs(&self) -> Vec<PathBuf> {
+        fs::read_dir(self.pods_dir())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.is_dir() && !p.join("pod.json").exists())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn save_container(&self, c: &ContainerRecord) -> Result<(), StateError> {
+        Self::write(&self.containers_dir().join(format!("{}.json", c.id)), c)
+    }
+
+    pub fn delete_container(&self, id: &str) -> Result<(), StateError> {
+        let p = self.containers_dir().join(format!("{id}.json"));
+        fsutil::remove_any(&p).map_err(io("remove", &p))?;
+        fsutil::sync_dir(&self.containers_dir()).map_err(io("fsync", &self.containers_dir()))
+    }
+
+    pub fn load_containers(&self) -> Vec<ContainerRecord> {
+        let files = fs::read_dir(self.containers_dir())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "json"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self::read_all(files)
+    }
+}
+
+/// A new random 64-hex-digit id, as containerd makes them.
+pub fn new_id() -> String {
+    let mut b = [0u8; 32];
+    if let Err(e) = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
+        tracing::warn!(error = %e, "getrandom failed; falling back to time-based id");
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let s = format!("{t:032x}{:08x}", std::process::id());
+        return format!("{:0<64}", s)[..64].to_string();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Unix nanoseconds now.
+pub fn now_nanos() -> i64 {
+    chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0)
+}

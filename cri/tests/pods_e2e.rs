@@ -1,0 +1,1036 @@
+//! End to end: flat pods and containers through a real vesseld and real vessel-agents,
+//! with busybox images from a real registry on 127.0.0.1.
+
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tonic::Code;
+use vessel_critest::client::CriClient;
+use vessel_critest::daemon::{mounts_under, Vesseld};
+use vessel_critest::registry::{Registry, RegistryOptions};
+use vessel_images::push::{push_image, PushTarget};
+use vessel_images::testimages::{self, Compression};
+
+struct H {
+    _reg: Registry,
+    v: Vesseld,
+    c: CriClient,
+    image: String,
+    logs: tempfile::TempDir,
+}
+
+async fn harness() -> H {
+    let reg = Registry::start(RegistryOptions::default()).expect("registry");
+    let img = testimages::busybox_image(Compression::Gzip);
+    let mut t = PushTarget::new(&reg.url(), "library/busybox");
+    t.insecure_tls = true;
+    push_image(&t, &img, Some("latest")).await.unwrap();
+    let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), "").expect("vesseld");
+    let mut c = v.client().await;
+    let image = format!("{}/library/busybox:latest", reg.host());
+    c.images
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: image.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("pull busybox");
+    H {
+        _reg: reg,
+        v,
+        c,
+        image,
+        logs: tempfile::tempdir().unwrap(),
+    }
+}
+
+impl H {
+    fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
+        cri::PodSandboxConfig {
+            metadata: Some(cri::PodSandboxMetadata {
+                name: name.into(),
+                uid: format!("uid-{name}"),
+                namespace: "e2e".into(),
+                attempt: 0,
+            }),
+            hostname: name.into(),
+            log_directory: self.logs.path().join(name).display().to_string(),
+            labels: HashMap::from([("app".to_string(), name.to_string())]),
+            dns_config: Some(cri::DnsConfig {
+                servers: vec!["10.96.0.10".into()],
+                searches: vec!["e2e.svc.cluster.local".into()],
+                options: vec!["ndots:5".into()],
+            }),
+            ..Default::default()
+        }
+    }
+
+    async fn run_pod(&mut self, name: &str) -> (String, cri::PodSandboxConfig) {
+        let cfg = self.pod_config(name);
+        let id = self
+            .c
+            .runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cfg.clone()),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.v.log()))
+            .into_inner()
+            .pod_sandbox_id;
+        (id, cfg)
+    }
+
+    fn ctr_config(&self, name: &str, script: &str) -> cri::ContainerConfig {
+        cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: name.into(),
+                attempt: 0,
+            }),
+            image: Some(cri::ImageSpec {
+                image: self.image.clone(),
+                ..Default::default()
+            }),
+            command: vec!["sh".into(), "-c".into(), script.into()],
+            log_path: format!("{name}.log"),
+            labels: HashMap::from([("ctr".to_string(), name.to_string())]),
+            ..Default::default()
+        }
+    }
+
+    async fn create(
+        &mut self,
+        pod: &str,
+        pcfg: &cri::PodSandboxConfig,
+        cfg: cri::ContainerConfig,
+    ) -> Result<String, tonic::Status> {
+        self.c
+            .runtime
+            .create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: pod.into(),
+                config: Some(cfg),
+                sandbox_config: Some(pcfg.clone()),
+            })
+            .await
+            .map(|r| r.into_inner().container_id)
+    }
+
+    async fn start(&mut self, id: &str) {
+        self.c
+            .runtime
+            .start_container(cri::StartContainerRequest {
+                container_id: id.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.v.log()));
+    }
+
+    async fn run(
+        &mut self,
+        pod: &str,
+        pcfg: &cri::PodSandboxConfig,
+        name: &str,
+        script: &str,
+    ) -> String {
+        let cfg = self.ctr_config(name, script);
+        let id = self
+            .create(pod, pcfg, cfg)
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}"));
+        self.start(&id).await;
+        id
+    }
+
+    async fn status(&mut self, id: &str) -> cri::ContainerStatus {
+        self.c
+            .runtime
+            .container_status(cri::ContainerStatusRequest {
+                container_id: id.into(),
+                verbose: false,
+            })
+            .await
+            .expect("ContainerStatus")
+            .into_inner()
+            .status
+            .unwrap()
+    }
+
+    async fn wait_exit(&mut self, id: &str, limit: Duration) -> cri::ContainerStatus {
+        let start = Instant::now();
+        loop {
+            let s = self.status(id).await;
+            if s.state == cri::ContainerState::ContainerExited as i32 {
+                return s;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "container {id} did not exit within {limit:?}: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn exec(
+        &mut self,
+        id: &str,
+        cmd: &[&str],
+        timeout: i64,
+    ) -> Result<cri::ExecSyncResponse, tonic::Status> {
+        self.c
+            .runtime
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: id.into(),
+                cmd: cmd.iter().map(|s| s.to_string()).collect(),
+                timeout,
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    async fn pod_state(&mut self, id: &str) -> i32 {
+        self.c
+            .runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.into(),
+                verbose: false,
+            })
+            .await
+            .expect("PodSandboxStatus")
+            .into_inner()
+            .status
+            .unwrap()
+            .state
+    }
+
+    async fn remove_pod(&mut self, id: &str) {
+        self.c
+            .runtime
+            .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: id.into(),
+            })
+            .await
+            .expect("StopPodSandbox");
+        self.c
+            .runtime
+            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+                pod_sandbox_id: id.into(),
+            })
+            .await
+            .expect("RemovePodSandbox");
+    }
+
+    fn log_of(&self, pod: &str, name: &str) -> PathBuf {
+        self.logs.path().join(pod).join(format!("{name}.log"))
+    }
+
+    /// Nothing of vessel's is left: mounts, netns pins, snapshots, records, agents, cgroups.
+    fn assert_clean(&self) {
+        let m = mounts_under(self.v.dir.path());
+        assert!(m.is_empty(), "mounts left: {m:?}");
+        let m: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(self.v.dir.path().to_str().unwrap()))
+            .map(str::to_string)
+            .collect();
+        assert!(m.is_empty(), "mounts left: {m:?}");
+        for d in [
+            "root/images/snapshots",
+            "root/containers",
+            "root/pods",
+            "state/netns",
+            "state/pods",
+        ] {
+            let p = self.v.dir.path().join(d);
+            let e: Vec<_> = std::fs::read_dir(&p)
+                .map(|r| r.flatten().map(|e| e.file_name()).collect())
+                .unwrap_or_default();
+            assert!(e.is_empty(), "{d} not empty: {e:?}");
+        }
+        let sock_prefix = self.v.dir.path().to_string_lossy().to_string();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+                let s = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                assert!(
+                    !(s.contains("vessel-agent") && s.contains(&sock_prefix)),
+                    "agent left running: {s}"
+                );
+            }
+        }
+        for base in vessel_cri::flat::cgroup_dirs("vessel") {
+            if let Ok(rd) = std::fs::read_dir(&base) {
+                let ours: Vec<_> = rd
+                    .flatten()
+                    .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+                    .map(|e| e.file_name().to_string_lossy().to_string())
+                    .filter(|n| n.len() == 64)
+                    .filter(|n| !n.is_empty() && self.created_pod_ids().contains(n))
+                    .collect();
+                assert!(
+                    ours.is_empty(),
+                    "cgroups left under {}: {ours:?}",
+                    base.display()
+                );
+            }
+        }
+    }
+
+    fn created_pod_ids(&self) -> Vec<String> {
+        // Pod ids this daemon ever created appear in its log.
+        let log = self.v.log();
+        log.split("pod=")
+            .skip(1)
+            .filter_map(|s| s.get(..64))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+fn cri_log_lines(p: &Path) -> Vec<(String, String, String)> {
+    std::fs::read_to_string(p)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let mut it = l.splitn(4, ' ');
+            let ts = it.next().unwrap().to_string();
+            assert!(
+                chrono::DateTime::parse_from_rfc3339(&ts).is_ok(),
+                "bad timestamp in {l:?}"
+            );
+            let stream = it.next().unwrap_or("").to_string();
+            let tag = it.next().unwrap_or("").to_string();
+            let msg = it.next().unwrap_or("").to_string();
+            (stream, tag, msg)
+        })
+        .collect()
+}
+
+async fn wait_for<F: FnMut() -> bool>(what: &str, limit: Duration, mut f: F) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_and_container_lifecycle_with_logs() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("life").await;
+    assert_eq!(
+        h.pod_state(&pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+
+    let id = h
+        .run(
+            &pod,
+            &pcfg,
+            "hello",
+            "echo hello; echo oops >&2; printf partial; exit 3",
+        )
+        .await;
+    let s = h.wait_exit(&id, Duration::from_secs(10)).await;
+    assert_eq!(s.exit_code, 3);
+    assert_eq!(s.reason, "Error");
+    assert!(s.started_at > 0 && s.finished_at >= s.started_at && s.created_at > 0);
+    assert_eq!(s.image.as_ref().unwrap().image, h.image);
+    assert!(s.image_ref.contains("@sha256:"), "{}", s.image_ref);
+    assert_eq!(s.log_path, h.log_of("life", "hello").display().to_string());
+    let lines = cri_log_lines(&h.log_of("life", "hello"));
+    assert!(
+        lines.contains(&("stdout".into(), "F".into(), "hello".into())),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&("stderr".into(), "F".into(), "oops".into())),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&("stdout".into(), "F".into(), "partial".into())),
+        "{lines:?}"
+    );
+
+    // A clean exit is Completed; the hostname and DNS config are the pod's.
+    let id2 = h
+        .run(&pod, &pcfg, "ok", "hostname; cat /etc/resolv.conf")
+        .await;
+    let s = h.wait_exit(&id2, Duration::from_secs(10)).await;
+    assert_eq!((s.exit_code, s.reason.as_str()), (0, "Completed"));
+    let out: Vec<String> = cri_log_lines(&h.log_of("life", "ok"))
+        .into_iter()
+        .map(|l| l.2)
+        .collect();
+    assert_eq!(out[0], "life");
+    assert!(
+        out.contains(&"nameserver 10.96.0.10".to_string()),
+        "{out:?}"
+    );
+    assert!(
+        out.contains(&"search e2e.svc.cluster.local".to_string()),
+        "{out:?}"
+    );
+
+    // Graceful stop: the process handles SIGTERM.
+    let id3 = h
+        .run(
+            &pod,
+            &pcfg,
+            "graceful",
+            "trap 'echo bye; exit 0' TERM; while true; do sleep 0.1; done",
+        )
+        .await;
+    assert_eq!(
+        h.status(&id3).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id3.clone(),
+            timeout: 10,
+        })
+        .await
+        .unwrap();
+    let s = h.status(&id3).await;
+    assert_eq!(
+        (s.state, s.exit_code),
+        (cri::ContainerState::ContainerExited as i32, 0)
+    );
+    // A process that ignores SIGTERM is killed after the timeout.
+    let id4 = h
+        .run(
+            &pod,
+            &pcfg,
+            "stubborn",
+            "trap '' TERM; while true; do sleep 0.1; done",
+        )
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id4.clone(),
+            timeout: 1,
+        })
+        .await
+        .unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(900));
+    let s = h.status(&id4).await;
+    assert_eq!(s.exit_code, 137, "{s:?}");
+    // Idempotence: stop and remove twice, remove unknown.
+    for id in [&id, &id2, &id3, &id4] {
+        for _ in 0..2 {
+            h.c.runtime
+                .stop_container(cri::StopContainerRequest {
+                    container_id: id.to_string(),
+                    timeout: 0,
+                })
+                .await
+                .unwrap();
+        }
+        for _ in 0..2 {
+            h.c.runtime
+                .remove_container(cri::RemoveContainerRequest {
+                    container_id: id.to_string(),
+                })
+                .await
+                .unwrap();
+        }
+    }
+    let e =
+        h.c.runtime
+            .container_status(cri::ContainerStatusRequest {
+                container_id: id.clone(),
+                verbose: false,
+            })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    h.remove_pod(&pod).await;
+    h.remove_pod(&pod).await;
+    let e =
+        h.c.runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: pod.clone(),
+                verbose: false,
+            })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_containers_share_localhost() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("net").await;
+    let server = h
+        .run(&pod, &pcfg, "server", "mkdir -p /tmp/www && echo hello-from-server > /tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www")
+        .await;
+    let client = h.run(&pod, &pcfg, "client", "sleep 1000").await;
+    let mut body = String::new();
+    for _ in 0..50 {
+        let r = h
+            .exec(&client, &["wget", "-qO-", "http://127.0.0.1:8080/"], 5)
+            .await
+            .unwrap();
+        if r.exit_code == 0 {
+            body = String::from_utf8_lossy(&r.stdout).to_string();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(body, "hello-from-server\n");
+    // Separate pid namespaces: each container's process is its own pid 1.
+    let r = h
+        .exec(
+            &client,
+            &["sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '"],
+            5,
+        )
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&r.stdout).starts_with("sleep 1000"),
+        "{r:?}"
+    );
+    let r = h
+        .exec(
+            &server,
+            &["sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '"],
+            5,
+        )
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&r.stdout).starts_with("httpd"),
+        "{r:?}"
+    );
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_sync_output_exit_codes_and_timeout() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("exec").await;
+    let id = h.run(&pod, &pcfg, "sleeper", "sleep 1000").await;
+    let r = h
+        .exec(&id, &["sh", "-c", "echo out; echo err >&2; exit 3"], 10)
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, b"out\n");
+    assert_eq!(r.stderr, b"err\n");
+    assert_eq!(r.exit_code, 3);
+    let r = h.exec(&id, &["id", "-u"], 10).await.unwrap();
+    assert_eq!((r.exit_code, r.stdout.as_slice()), (0, &b"0\n"[..]));
+    let t = Instant::now();
+    let e = h.exec(&id, &["sleep", "30"], 1).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    let e = h.exec(&id, &[], 1).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let r = h.exec(&id, &["/no/such/binary"], 5).await;
+    match r {
+        Ok(r) => assert_ne!(r.exit_code, 0),
+        Err(e) => assert!(
+            matches!(
+                e.code(),
+                Code::InvalidArgument | Code::NotFound | Code::FailedPrecondition | Code::Internal
+            ),
+            "{e}"
+        ),
+    }
+    // Exec in a container that is not running is refused.
+    let done = h.run(&pod, &pcfg, "done", "true").await;
+    h.wait_exit(&done, Duration::from_secs(10)).await;
+    let e = h.exec(&done, &["true"], 5).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_partial_lines_and_reopen() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("logs").await;
+    // A 20000-byte line: partial records, then the final piece.
+    let id = h
+        .run(
+            &pod,
+            &pcfg,
+            "long",
+            "head -c 20000 /dev/zero | tr '\\0' a; echo",
+        )
+        .await;
+    h.wait_exit(&id, Duration::from_secs(10)).await;
+    let lines = cri_log_lines(&h.log_of("logs", "long"));
+    assert!(lines.len() >= 2, "{}", lines.len());
+    assert!(
+        lines[..lines.len() - 1].iter().all(|l| l.1 == "P"),
+        "{:?}",
+        lines.iter().map(|l| &l.1).collect::<Vec<_>>()
+    );
+    assert_eq!(lines.last().unwrap().1, "F");
+    let total: usize = lines.iter().map(|l| l.2.len()).sum();
+    assert_eq!(total, 20000);
+
+    // Reopen: kubelet renames the file, then asks for a reopen.
+    let id = h
+        .run(
+            &pod,
+            &pcfg,
+            "ticker",
+            "while true; do echo tick; sleep 0.1; done",
+        )
+        .await;
+    let log = h.log_of("logs", "ticker");
+    wait_for("first ticks", Duration::from_secs(5), || {
+        cri_log_lines(&log).len() >= 2
+    })
+    .await;
+    let rotated = log.with_extension("log.1");
+    std::fs::rename(&log, &rotated).unwrap();
+    h.c.runtime
+        .reopen_container_log(cri::ReopenContainerLogRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap();
+    wait_for("ticks in the new file", Duration::from_secs(5), || {
+        cri_log_lines(&log).len() >= 2
+    })
+    .await;
+    let before = cri_log_lines(&rotated).len();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        cri_log_lines(&rotated).len(),
+        before,
+        "old file still written after reopen"
+    );
+    // Reopen of a container that is not running fails clearly.
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+    let e =
+        h.c.runtime
+            .reopen_container_log(cri::ReopenContainerLogRequest { container_id: id })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_and_name_conflicts() {
+    let mut h = harness().await;
+    let (p1, c1) = h.run_pod("alpha").await;
+    let (p2, c2) = h.run_pod("beta").await;
+    // Same pod metadata again: refused until removed.
+    let e =
+        h.c.runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(c1.clone()),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    let a = h.run(&p1, &c1, "a", "sleep 1000").await;
+    let b = h
+        .create(&p2, &c2, h.ctr_config("b", "sleep 1000"))
+        .await
+        .unwrap();
+    let e = h
+        .create(&p1, &c1, h.ctr_config("a", "sleep 1"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+
+    let pods = |f: cri::PodSandboxFilter| cri::ListPodSandboxRequest { filter: Some(f) };
+    let all =
+        h.c.runtime
+            .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+    assert_eq!(all.len(), 2);
+    let r =
+        h.c.runtime
+            .list_pod_sandbox(pods(cri::PodSandboxFilter {
+                id: p1[..12].into(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+    assert_eq!(
+        r.iter().map(|p| p.id.clone()).collect::<Vec<_>>(),
+        vec![p1.clone()]
+    );
+    let r =
+        h.c.runtime
+            .list_pod_sandbox(pods(cri::PodSandboxFilter {
+                label_selector: HashMap::from([("app".to_string(), "beta".to_string())]),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].id, p2);
+
+    let ctrs = |f: cri::ContainerFilter| cri::ListContainersRequest { filter: Some(f) };
+    let r =
+        h.c.runtime
+            .list_containers(ctrs(cri::ContainerFilter {
+                pod_sandbox_id: p2.clone(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+    assert_eq!(
+        r.iter().map(|c| c.id.clone()).collect::<Vec<_>>(),
+        vec![b.clone()]
+    );
+    let running = cri::ContainerStateValue {
+        state: cri::ContainerState::ContainerRunning as i32,
+    };
+    let r =
+        h.c.runtime
+            .list_containers(ctrs(cri::ContainerFilter {
+                state: Some(running),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+    assert_eq!(
+        r.iter().map(|c| c.id.clone()).collect::<Vec<_>>(),
+        vec![a.clone()]
+    );
+    let r =
+        h.c.runtime
+            .list_containers(ctrs(cri::ContainerFilter {
+                label_selector: HashMap::from([("ctr".to_string(), "b".to_string())]),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+    assert_eq!(r.len(), 1);
+    let r =
+        h.c.runtime
+            .list_containers(ctrs(cri::ContainerFilter {
+                id: a[..10].into(),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+    assert_eq!(r.len(), 1);
+
+    // NotReady filter after a stop.
+    h.c.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: p1.clone(),
+        })
+        .await
+        .unwrap();
+    let nr = cri::PodSandboxStateValue {
+        state: cri::PodSandboxState::SandboxNotready as i32,
+    };
+    let r =
+        h.c.runtime
+            .list_pod_sandbox(pods(cri::PodSandboxFilter {
+                state: Some(nr),
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+    assert_eq!(
+        r.iter().map(|p| p.id.clone()).collect::<Vec<_>>(),
+        vec![p1.clone()]
+    );
+    // The container of a stopped pod has exited.
+    assert_eq!(
+        h.status(&a).await.state,
+        cri::ContainerState::ContainerExited as i32
+    );
+    // After removal the name is free again.
+    h.remove_pod(&p1).await;
+    let (p1b, _) = h.run_pod("alpha").await;
+    assert_ne!(p1b, p1);
+    h.remove_pod(&p1b).await;
+    h.remove_pod(&p2).await;
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_recovery_after_kill9() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("recover").await;
+    let ticker = h
+        .run(
+            &pod,
+            &pcfg,
+            "ticker",
+            "while true; do echo tick; sleep 0.1; done",
+        )
+        .await;
+    let exited = h.run(&pod, &pcfg, "exited", "exit 7").await;
+    h.wait_exit(&exited, Duration::from_secs(10)).await;
+    let later = h.run(&pod, &pcfg, "later", "sleep 2; exit 5").await;
+    let created = h
+        .create(&pod, &pcfg, h.ctr_config("created", "true"))
+        .await
+        .unwrap();
+
+    h.v.kill9();
+    let log = h.log_of("recover", "ticker");
+    let n = cri_log_lines(&log).len();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // The pod kept running and logging while vesseld was down.
+    assert!(
+        cri_log_lines(&log).len() > n + 5,
+        "ticker stopped logging while vesseld was down"
+    );
+    h.v.restart().unwrap();
+    h.c = h.v.client().await;
+
+    assert_eq!(
+        h.pod_state(&pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    assert_eq!(
+        h.status(&ticker).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    let s = h.status(&exited).await;
+    assert_eq!(
+        (s.state, s.exit_code),
+        (cri::ContainerState::ContainerExited as i32, 7)
+    );
+    let s = h.wait_exit(&later, Duration::from_secs(5)).await;
+    assert_eq!(s.exit_code, 5, "exit while vesseld was down: {s:?}");
+    assert_eq!(
+        h.status(&created).await.state,
+        cri::ContainerState::ContainerCreated as i32
+    );
+    // The restarted daemon can still drive everything.
+    let r = h.exec(&ticker, &["echo", "still-here"], 5).await.unwrap();
+    assert_eq!(r.stdout, b"still-here\n");
+    h.start(&created).await;
+    assert_eq!(
+        h.wait_exit(&created, Duration::from_secs(5))
+            .await
+            .exit_code,
+        0
+    );
+    // Names survive too.
+    let e = h.run_pod_dup("recover").await;
+    assert_eq!(e.code(), Code::AlreadyExists);
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
+impl H {
+    async fn run_pod_dup(&mut self, name: &str) -> tonic::Status {
+        let cfg = self.pod_config(name);
+        self.c
+            .runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cfg),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_err()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_marks_pod_not_ready() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("victim").await;
+    let id = h.run(&pod, &pcfg, "sleeper", "sleep 1000").await;
+    let info =
+        h.c.runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: pod.clone(),
+                verbose: true,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let pid = v["pid"].as_u64().unwrap() as i32;
+    // SAFETY: kill(2) of the agent pid vesseld reported.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let s = h.wait_exit(&id, Duration::from_secs(10)).await;
+    assert_ne!(s.exit_code, 0);
+    wait_for("pod not ready", Duration::from_secs(5), || true).await;
+    let start = Instant::now();
+    while h.pod_state(&pod).await != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "pod still ready after its agent died"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_are_refused_and_leave_nothing() {
+    let mut h = harness().await;
+    // Pod without metadata; unknown handler.
+    let e =
+        h.c.runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cri::PodSandboxConfig::default()),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    let e =
+        h.c.runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(h.pod_config("bad")),
+                runtime_handler: "kata".into(),
+            })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("kata"));
+    let (pod, pcfg) = h.run_pod("bad").await;
+
+    // Container without metadata; unknown image; bad mount; missing command.
+    let mut cfg = h.ctr_config("x", "true");
+    cfg.metadata = None;
+    assert_eq!(
+        h.create(&pod, &pcfg, cfg).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut cfg = h.ctr_config("x", "true");
+    cfg.image = Some(cri::ImageSpec {
+        image: "127.0.0.1:1/nope:v1".into(),
+        ..Default::default()
+    });
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    assert!(e.message().contains("nope"));
+    let mut cfg = h.ctr_config("x", "true");
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/data".into(),
+        host_path: "/definitely/not/here".into(),
+        ..Default::default()
+    }];
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("/definitely/not/here"), "{e}");
+    let mut cfg = h.ctr_config("x", "true");
+    cfg.command = vec!["no-such-command".into()];
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("no-such-command"), "{e}");
+    let e = h
+        .create("0000000000000000", &pcfg, h.ctr_config("y", "true"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    // Nothing was left by the failures: no containers, no snapshots.
+    let r =
+        h.c.runtime
+            .list_containers(cri::ListContainersRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+    assert!(r.is_empty(), "{r:?}");
+    let snaps: Vec<_> = std::fs::read_dir(h.v.root_dir().join("images/snapshots"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert!(snaps.is_empty());
+    // The name "x" is still free.
+    let ok = h.run(&pod, &pcfg, "x", "true").await;
+    h.wait_exit(&ok, Duration::from_secs(10)).await;
+    h.remove_pod(&pod).await;
+    // Unknown ids: stop/remove are fine, status is NotFound.
+    h.c.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: "f".repeat(64),
+        })
+        .await
+        .unwrap();
+    h.c.runtime
+        .remove_container(cri::RemoveContainerRequest {
+            container_id: "f".repeat(64),
+        })
+        .await
+        .unwrap();
+    h.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crictl_smoke() {
+    let Ok(crictl) = which("crictl") else {
+        println!(
+            "SKIP crictl_smoke: crictl is not installed (Debian bookworm does not package it)"
+        );
+        return;
+    };
+    let h = harness().await;
+    let ep = format!("unix://{}", h.v.socket.display());
+    let out = std::process::Command::new(crictl)
+        .args([
+            "--runtime-endpoint",
+            &ep,
+            "--image-endpoint",
+            &ep,
+            "version",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("vessel"));
+}
+
+fn which(name: &str) -> Result<PathBuf, ()> {
+    std::env::var_os("PATH")
+        .and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join(name))
+                .find(|p| p.is_file())
+        })
+        .ok_or(())
+}
