@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vessel on a Debian machine and starts vesseld with its default configuration.
-#   - Debian packages (scripts/deps.sh), a release build, /usr/local/bin/vesseld
+#   - Debian packages (scripts/deps.sh), a release build, /usr/local/bin/{vesseld,vessel-agent}
 #   - /etc/vessel/config.toml from `vesseld config default` (an existing one is kept)
 #   - starts vesseld: as a systemd service where systemd runs, else as a detached daemon
 #     logging to /var/log/vessel/vesseld.log
@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 [ "$(id -u)" -eq 0 ] || { echo "install.sh: run as root (vesseld manages mounts and namespaces)" >&2; exit 1; }
 
 bash scripts/deps.sh
-cargo build --release --locked -p vessel-cri
+cargo build --release --locked -p vessel-cri -p vessel-agent
 install -D -m 0755 target/release/vesseld /usr/local/bin/vesseld
+install -D -m 0755 target/release/vessel-agent /usr/local/bin/vessel-agent
 mkdir -p /etc/vessel /var/log/vessel
 if [ ! -f /etc/vessel/config.toml ]; then
   /usr/local/bin/vesseld config default > /etc/vessel/config.toml
