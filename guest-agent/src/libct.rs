@@ -24,7 +24,6 @@
 //! 3, 4, 5 (stdin, stdout, stderr) when `--stdio` is given; otherwise (tty) a console socket
 //! path is given and libcontainer sends the pty master there.
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -224,19 +223,18 @@ fn exec(
 ) -> Result<(), LibcontainerError> {
     let container = load(root, &id)?;
     let spec = oci_spec::runtime::Spec::load(container.bundle().join("config.json"))?;
-    let process = spec.process().clone().unwrap_or_default();
-    let user = process.user();
-    let cwd = match cwd.filter(|c| !c.is_empty()) {
-        Some(c) => PathBuf::from(c),
-        None => process.cwd().clone(),
-    };
-    let env: HashMap<String, String> = env
-        .into_iter()
-        .map(|kv| match kv.split_once('=') {
-            Some((k, v)) => (k.to_string(), v.to_string()),
-            None => (kv, String::new()),
-        })
-        .collect();
+    let process = exec_process(&spec, args, env, cwd, console_socket.is_some())?;
+    // The whole process spec (user, capabilities, rlimits, no_new_privileges, terminal) goes
+    // through a process.json: the tenant builder's piecemeal setters drop `terminal`, the
+    // container's capabilities and its additional gids.
+    let process_file = root
+        .join(&id)
+        .join(format!("exec-{}.json", std::process::id()));
+    std::fs::write(
+        &process_file,
+        serde_json::to_vec(&process).map_err(LibcontainerError::OtherSerialization)?,
+    )
+    .map_err(LibcontainerError::OtherIO)?;
 
     // Orphans of the exec'd process, and the process itself once libcontainer's
     // intermediate exits, are reparented to us, so that we can report its exit status.
@@ -251,18 +249,13 @@ fn exec(
         let [i, o, e] = take_stdio();
         b = b.with_stdin(i).with_stdout(o).with_stderr(e);
     }
-    let mut tb = b
+    let built = b
         .as_tenant()
         .with_detach(true)
-        .with_container_args(args)
-        .with_env(env)
-        .with_cwd(Some(cwd))
-        .with_user(Some(user.uid()))
-        .with_group(Some(user.gid()));
-    if let Some(gids) = user.additional_gids() {
-        tb = tb.with_additional_gids(gids.clone());
-    }
-    let pid = tb.build()?;
+        .with_process(Some(&process_file))
+        .build();
+    let _ = std::fs::remove_file(&process_file);
+    let pid = built?;
     say(&format!("PID {pid}"));
     loop {
         match waitpid(pid, None) {
@@ -278,6 +271,42 @@ fn exec(
             Err(e) => return Err(LibcontainerError::OtherSyscall(e)),
         }
     }
+}
+
+/// The exec'd process: the container's process spec with `args`, `env` added to (and
+/// overriding) the container's, `cwd` if given, and a terminal if asked.
+pub fn exec_process(
+    spec: &oci_spec::runtime::Spec,
+    args: Vec<String>,
+    env: Vec<String>,
+    cwd: Option<String>,
+    terminal: bool,
+) -> Result<oci_spec::runtime::Process, LibcontainerError> {
+    let mut process = spec.process().clone().unwrap_or_default();
+    let key = |kv: &str| kv.split('=').next().unwrap_or("").to_string();
+    let overridden: Vec<String> = env.iter().map(|kv| key(kv)).collect();
+    let mut merged: Vec<String> = process
+        .env()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|kv| !overridden.contains(&key(kv)))
+        .collect();
+    merged.extend(env);
+    process.set_env(Some(merged));
+    process.set_args(Some(args));
+    if let Some(c) = cwd.filter(|c| !c.is_empty()) {
+        let c = PathBuf::from(c);
+        if c.is_relative() {
+            return Err(LibcontainerError::InvalidInput(format!(
+                "exec cwd {c:?} must be absolute"
+            )));
+        }
+        process.set_cwd(c);
+    }
+    process.set_terminal(Some(terminal));
+    process.set_console_size(None);
+    Ok(process)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -458,6 +487,31 @@ impl Helper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exec_process_merges_env() {
+        let spec: oci_spec::runtime::Spec = serde_json::from_str(
+            r#"{"ociVersion": "1.0.2",
+                "process": {"args": ["sleep"], "cwd": "/w", "env": ["A=1", "B=2"],
+                            "user": {"uid": 5, "gid": 6}}}"#,
+        )
+        .unwrap();
+        let p = exec_process(
+            &spec,
+            vec!["sh".into()],
+            vec!["B=3".into(), "C=4".into()],
+            None,
+            true,
+        )
+        .unwrap();
+        assert_eq!(p.env().clone().unwrap(), ["A=1", "B=3", "C=4"]);
+        assert_eq!(p.cwd(), Path::new("/w"));
+        assert_eq!(p.user().uid(), 5);
+        assert_eq!(p.terminal(), Some(true));
+        let p = exec_process(&spec, vec!["sh".into()], vec![], Some("/x".into()), false).unwrap();
+        assert_eq!(p.cwd(), Path::new("/x"));
+        assert!(exec_process(&spec, vec!["sh".into()], vec![], Some("rel".into()), false).is_err());
+    }
 
     #[test]
     fn lines() {

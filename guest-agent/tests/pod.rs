@@ -214,8 +214,13 @@ async fn kill_9_of_the_agent_leaves_nothing_running_or_mounted() {
     agent
         .run(&mut c, "b", &SpecBuilder::sh("sleep 1000 & sleep 1000"))
         .await;
-    let procs = agent.descendants();
-    assert!(procs.len() >= 3, "{procs:?}");
+    let mut procs = Vec::new();
+    let all_up = eventually(Duration::from_secs(10), || {
+        procs = agent.descendants();
+        procs.len() >= 3
+    })
+    .await;
+    assert!(all_up, "{procs:?}");
     // Inside the agent's mount namespace the overlays exist; on the host they never did.
     assert!(agent.our_mounts().is_empty(), "{:?}", agent.our_mounts());
     let ns_mounts = std::fs::read_to_string(format!("/proc/{}/mountinfo", agent.pid)).unwrap();
