@@ -1,0 +1,215 @@
+//! Reading a container's cgroup (the one libcontainer created from `linux.cgroupsPath`, with
+//! the cgroupfs managers): its processes, OOM-kill counter and resource usage.
+//!
+//! cgroup v1 (legacy or hybrid: controllers mounted one per directory, found through
+//! `/proc/self/mountinfo`) and v2 (unified at `/sys/fs/cgroup`) are both handled. In hybrid
+//! mode libcontainer uses the v1 hierarchies only, so that is what we read too.
+
+use std::path::{Path, PathBuf};
+
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// A container's cgroup directories.
+#[derive(Debug, Clone)]
+pub struct Cgroup {
+    /// The cgroup path relative to each hierarchy's root.
+    rel: PathBuf,
+    unified: bool,
+}
+
+/// Resource usage read from a cgroup; fields the kernel did not offer are 0.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CgroupStats {
+    pub cpu_usage_ns: u64,
+    pub memory_usage_bytes: u64,
+    pub memory_working_set_bytes: u64,
+    pub memory_rss_bytes: u64,
+    pub page_faults: u64,
+    pub major_page_faults: u64,
+    pub pids: u64,
+}
+
+/// Whether `/sys/fs/cgroup` is a cgroup2 mount (unified mode).
+pub fn is_unified() -> bool {
+    nix::sys::statfs::statfs(CGROUP_ROOT)
+        .map(|s| s.filesystem_type().0 as i64 == CGROUP2_SUPER_MAGIC)
+        .unwrap_or(false)
+}
+
+/// The mount point of the v1 hierarchy holding `controller`.
+pub fn v1_mount_point(controller: &str) -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    for line in text.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let mut r = right.split_whitespace();
+        if r.next() != Some("cgroup") {
+            continue;
+        }
+        let _source = r.next();
+        let Some(opts) = r.next() else { continue };
+        if opts.split(',').any(|o| o == controller) {
+            return left.split_whitespace().nth(4).map(PathBuf::from);
+        }
+    }
+    None
+}
+
+/// Whether the memory controller is usable (for OOM handling and memory limits).
+pub fn memory_controller_available() -> bool {
+    if is_unified() {
+        std::fs::read_to_string(Path::new(CGROUP_ROOT).join("cgroup.controllers"))
+            .map(|c| c.split_whitespace().any(|x| x == "memory"))
+            .unwrap_or(false)
+    } else {
+        v1_mount_point("memory").is_some()
+    }
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// The value of `key` in a flat-keyed file (`key value` lines).
+fn read_key(path: &Path, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+impl Cgroup {
+    /// The cgroup of `cgroups_path` (absolute or relative: both are taken from each
+    /// hierarchy's root, as libcontainer's cgroupfs managers do).
+    pub fn new(cgroups_path: &Path) -> Cgroup {
+        let rel = cgroups_path
+            .strip_prefix("/")
+            .unwrap_or(cgroups_path)
+            .to_path_buf();
+        Cgroup {
+            rel,
+            unified: is_unified(),
+        }
+    }
+
+    fn v1(&self, controller: &str) -> Option<PathBuf> {
+        v1_mount_point(controller).map(|m| m.join(&self.rel))
+    }
+
+    fn v2(&self) -> PathBuf {
+        Path::new(CGROUP_ROOT).join(&self.rel)
+    }
+
+    /// Every directory of this cgroup (one per v1 hierarchy, or the v2 one) that exists.
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        if self.unified {
+            return [self.v2()].into_iter().filter(|p| p.exists()).collect();
+        }
+        let mut out = Vec::new();
+        for c in [
+            "cpu",
+            "cpuacct",
+            "cpuset",
+            "memory",
+            "devices",
+            "freezer",
+            "blkio",
+            "pids",
+            "hugetlb",
+            "perf_event",
+            "net_cls",
+            "net_prio",
+        ] {
+            if let Some(p) = self.v1(c) {
+                if p.exists() && !out.contains(&p) {
+                    out.push(p);
+                }
+            }
+        }
+        out
+    }
+
+    /// The pids in the cgroup (empty if it does not exist).
+    pub fn procs(&self) -> Vec<i32> {
+        let mut pids: Vec<i32> = Vec::new();
+        for dir in self.dirs() {
+            if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+                for p in text.lines().filter_map(|l| l.trim().parse().ok()) {
+                    if !pids.contains(&p) {
+                        pids.push(p);
+                    }
+                }
+            }
+        }
+        pids
+    }
+
+    /// How many processes the kernel's OOM killer killed in this cgroup (None: unknown).
+    pub fn oom_kill_count(&self) -> Option<u64> {
+        if self.unified {
+            read_key(&self.v2().join("memory.events"), "oom_kill")
+        } else {
+            read_key(&self.v1("memory")?.join("memory.oom_control"), "oom_kill")
+        }
+    }
+
+    /// Current resource usage.
+    pub fn stats(&self) -> CgroupStats {
+        let mut s = CgroupStats::default();
+        if self.unified {
+            let d = self.v2();
+            s.cpu_usage_ns = read_key(&d.join("cpu.stat"), "usage_usec").unwrap_or(0) * 1000;
+            s.memory_usage_bytes = read_u64(&d.join("memory.current")).unwrap_or(0);
+            let stat = d.join("memory.stat");
+            let inactive = read_key(&stat, "inactive_file").unwrap_or(0);
+            s.memory_working_set_bytes = s.memory_usage_bytes.saturating_sub(inactive);
+            s.memory_rss_bytes = read_key(&stat, "anon").unwrap_or(0);
+            s.page_faults = read_key(&stat, "pgfault").unwrap_or(0);
+            s.major_page_faults = read_key(&stat, "pgmajfault").unwrap_or(0);
+            s.pids = read_u64(&d.join("pids.current")).unwrap_or(0);
+        } else {
+            if let Some(d) = self.v1("cpuacct") {
+                s.cpu_usage_ns = read_u64(&d.join("cpuacct.usage")).unwrap_or(0);
+            }
+            if let Some(d) = self.v1("memory") {
+                s.memory_usage_bytes = read_u64(&d.join("memory.usage_in_bytes")).unwrap_or(0);
+                let stat = d.join("memory.stat");
+                let inactive = read_key(&stat, "total_inactive_file").unwrap_or(0);
+                s.memory_working_set_bytes = s.memory_usage_bytes.saturating_sub(inactive);
+                s.memory_rss_bytes = read_key(&stat, "total_rss").unwrap_or(0);
+                s.page_faults = read_key(&stat, "total_pgfault").unwrap_or(0);
+                s.major_page_faults = read_key(&stat, "total_pgmajfault").unwrap_or(0);
+            }
+            if let Some(d) = self.v1("pids") {
+                s.pids = read_u64(&d.join("pids.current")).unwrap_or(0);
+            }
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyed_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("memory.events");
+        std::fs::write(&p, "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n").unwrap();
+        assert_eq!(read_key(&p, "oom_kill"), Some(2));
+        assert_eq!(read_key(&p, "oom"), Some(1));
+        assert_eq!(read_key(&p, "nope"), None);
+    }
+
+    #[test]
+    fn relative_paths() {
+        let c = Cgroup::new(Path::new("/a/b"));
+        assert_eq!(c.rel, PathBuf::from("a/b"));
+        let c = Cgroup::new(Path::new("a/b"));
+        assert_eq!(c.rel, PathBuf::from("a/b"));
+    }
+}

@@ -1,0 +1,184 @@
+//! The agent's record of one container: its state, exit, stdio and log.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::cgroups::Cgroup;
+use crate::logs::LogFile;
+use crate::proto::{ContainerInfo, ContainerState, ExitInfo};
+use crate::reaper::ExitStatus;
+
+/// How long an exit waits for the container's output to drain into the log.
+pub const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+
+/// Lifecycle state.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Phase {
+    Created,
+    Running,
+    Exited(ExitInfo),
+}
+
+#[derive(Debug)]
+struct Mutable {
+    phase: Phase,
+    started_at: i64,
+    starting: bool,
+}
+
+/// One container.
+pub struct Container {
+    pub id: String,
+    /// `<state-dir>/containers/<id>`.
+    pub dir: PathBuf,
+    /// The rootfs directory libcontainer uses.
+    pub rootfs: PathBuf,
+    /// Whether the agent mounted `rootfs` (overlay) and must unmount it.
+    pub mounted: bool,
+    /// The overlay's upper directory, for writable-layer stats.
+    pub upperdir: Option<PathBuf>,
+    pub cgroup: Cgroup,
+    pub log: Arc<LogFile>,
+    pub pid: i32,
+    pub created_at: i64,
+    /// Keeps the container's stdin open (`stdin: true`): the write end of its pipe, or the
+    /// pty master.
+    pub stdin: Mutex<Option<std::os::fd::OwnedFd>>,
+    state: Mutex<Mutable>,
+    exit_tx: watch::Sender<Option<ExitInfo>>,
+}
+
+impl Container {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: String,
+        dir: PathBuf,
+        rootfs: PathBuf,
+        mounted: bool,
+        upperdir: Option<PathBuf>,
+        cgroup: Cgroup,
+        log: Arc<LogFile>,
+        pid: i32,
+        stdin: Option<std::os::fd::OwnedFd>,
+    ) -> Arc<Container> {
+        let (exit_tx, _) = watch::channel(None);
+        Arc::new(Container {
+            id,
+            dir,
+            rootfs,
+            mounted,
+            upperdir,
+            cgroup,
+            log,
+            pid,
+            created_at: crate::now_nanos(),
+            stdin: Mutex::new(stdin),
+            state: Mutex::new(Mutable {
+                phase: Phase::Created,
+                started_at: 0,
+                starting: false,
+            }),
+            exit_tx,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Mutable> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.lock().phase.clone()
+    }
+
+    pub fn is_exited(&self) -> bool {
+        matches!(self.lock().phase, Phase::Exited(_))
+    }
+
+    pub fn is_running(&self) -> bool {
+        matches!(self.lock().phase, Phase::Running)
+    }
+
+    /// Marks a start in progress; false if the container is not in the created state.
+    pub fn begin_start(&self) -> Result<(), Phase> {
+        let mut s = self.lock();
+        if s.phase != Phase::Created || s.starting {
+            return Err(if s.starting {
+                Phase::Running
+            } else {
+                s.phase.clone()
+            });
+        }
+        s.starting = true;
+        Ok(())
+    }
+
+    /// Ends a start; `ok` moves a still-created container to running.
+    pub fn end_start(&self, ok: bool) {
+        let mut s = self.lock();
+        s.starting = false;
+        if ok {
+            s.started_at = crate::now_nanos();
+            if s.phase == Phase::Created {
+                s.phase = Phase::Running;
+            }
+        }
+    }
+
+    pub fn info(&self) -> ContainerInfo {
+        let s = self.lock();
+        let (state, exit) = match &s.phase {
+            Phase::Created => (ContainerState::Created, None),
+            Phase::Running => (ContainerState::Running, None),
+            Phase::Exited(e) => (ContainerState::Exited, Some(*e)),
+        };
+        ContainerInfo {
+            id: self.id.clone(),
+            state: state as i32,
+            pid: self.pid as u32,
+            created_at: self.created_at,
+            started_at: s.started_at,
+            exit,
+        }
+    }
+
+    /// Waits for the exit (at once if it happened).
+    pub async fn wait(&self) -> ExitInfo {
+        let mut rx = self.exit_tx.subscribe();
+        let r = rx.wait_for(|e| e.is_some()).await;
+        match r {
+            Ok(e) => e.expect("waited for Some"),
+            // The sender lives as long as `self`; unreachable in practice.
+            Err(_) => ExitInfo::default(),
+        }
+    }
+
+    /// Records the exit of the init process: reads the OOM counter first (before anyone can
+    /// delete the cgroup), lets the output drain into the log, then publishes.
+    pub async fn exited(
+        self: Arc<Self>,
+        status: ExitStatus,
+        oom_before: u64,
+        pumps: Vec<JoinHandle<()>>,
+    ) {
+        let oom_after = self.cgroup.oom_kill_count().unwrap_or(0);
+        let oom_killed = status.signal == libc::SIGKILL as u32 && oom_after > oom_before;
+        let info = ExitInfo {
+            exit_code: status.code,
+            signal: status.signal,
+            oom_killed,
+            finished_at: crate::now_nanos(),
+        };
+        tracing::info!(id = %self.id, ?status, oom_killed, "container exited");
+        let _ = tokio::time::timeout(OUTPUT_DRAIN, futures::future::join_all(pumps)).await;
+        {
+            let mut s = self.lock();
+            s.phase = Phase::Exited(info);
+        }
+        self.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.exit_tx.send_replace(Some(info));
+    }
+}

@@ -1,0 +1,527 @@
+//! libcontainer, driven from a re-executed single-threaded helper.
+//!
+//! # Fork-safety: why a helper process
+//!
+//! libcontainer creates containers by `clone3`/`clone` straight from the calling process and
+//! runs Rust code (allocations, `tracing`, channel I/O) in the child before `exec`. The raw
+//! `clone3` syscall does not run glibc's `atfork` handlers, so in the multi-threaded tokio
+//! agent a lock held by another thread at that moment (malloc arenas, the tracing
+//! subscriber, stdio) would be copied locked into the child and could deadlock it. Running
+//! libcontainer on one dedicated thread does not help: the *other* threads still exist at
+//! clone time. So every libcontainer call (create, start, exec, delete) runs in a fresh
+//! `vessel-agent libct ...` process: single-threaded, no tokio, started with
+//! `std::process::Command` (fork+exec, which is safe from a threaded parent).
+//!
+//! Process ancestry: the helper is a child of the agent. For `create`, libcontainer's
+//! intermediate process (the helper's child) forks the container init and exits, so the
+//! init is reparented to the agent, which is PID 1 of the pod's pid namespace (or a child
+//! subreaper when the pod shares the host's): the agent's reaper collects its exit status,
+//! so exit codes are reliable. For `exec` the helper makes itself a child subreaper, so the
+//! exec'd process is reparented to the helper, which waits for it and reports its status.
+//!
+//! Protocol: the helper writes lines on its stdout: `PID <n>`, `EXIT <code> <signal>`
+//! (exec), and finally `OK` or `ERR <kind> <message>`. Container stdio arrives on fds
+//! 3, 4, 5 (stdin, stdout, stderr) when `--stdio` is given; otherwise (tty) a console socket
+//! path is given and libcontainer sends the pty master there.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::container::Container;
+use libcontainer::error::LibcontainerError;
+use libcontainer::syscall::syscall::SyscallType;
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::oneshot;
+
+use crate::error::AgentError;
+use crate::reaper::{ExitStatus, Reaper};
+
+/// The helper's command line (`vessel-agent libct --root DIR <op>`).
+#[derive(Debug, clap::Args)]
+pub struct HelperArgs {
+    /// libcontainer's state root.
+    #[arg(long)]
+    pub root: PathBuf,
+    #[command(subcommand)]
+    pub op: HelperOp,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum HelperOp {
+    /// Creates a container from a bundle; prints `PID <init pid>`.
+    Create {
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        bundle: PathBuf,
+        #[arg(long)]
+        console_socket: Option<PathBuf>,
+        /// Container stdin/stdout/stderr are fds 3/4/5.
+        #[arg(long)]
+        stdio: bool,
+    },
+    /// Starts a created container.
+    Start {
+        #[arg(long)]
+        id: String,
+    },
+    /// Deletes a container (killing what is left), its cgroup and its state.
+    Delete {
+        #[arg(long)]
+        id: String,
+    },
+    /// Runs a process in a running container; prints `PID <n>` then `EXIT <code> <signal>`.
+    Exec {
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        cwd: Option<String>,
+        #[arg(long = "env")]
+        env: Vec<String>,
+        #[arg(long)]
+        console_socket: Option<PathBuf>,
+        #[arg(long)]
+        stdio: bool,
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
+}
+
+/// The kind of a helper error, mapped to a gRPC code by the agent.
+fn error_kind(e: &LibcontainerError) -> &'static str {
+    match e {
+        LibcontainerError::IncorrectStatus(_) => "precondition",
+        LibcontainerError::Exist => "exists",
+        LibcontainerError::NoDirectory => "notfound",
+        LibcontainerError::InvalidInput(_)
+        | LibcontainerError::InvalidID(_)
+        | LibcontainerError::MissingSpec(_)
+        | LibcontainerError::InvalidSpec(_)
+        | LibcontainerError::Spec(_) => "invalid",
+        _ => "internal",
+    }
+}
+
+/// An error and its sources, on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s.replace('\n', " ")
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Takes ownership of fds 3, 4, 5.
+fn take_stdio() -> [OwnedFd; 3] {
+    // SAFETY: the agent placed the container's stdin/stdout/stderr at fds 3, 4 and 5 of this
+    // process (see `Helper::spawn`) and nothing else in this process owns them.
+    unsafe {
+        [
+            OwnedFd::from_raw_fd(3),
+            OwnedFd::from_raw_fd(4),
+            OwnedFd::from_raw_fd(5),
+        ]
+    }
+}
+
+fn load(root: &Path, id: &str) -> Result<Container, LibcontainerError> {
+    let dir = root.join(id);
+    if !dir.exists() {
+        return Err(LibcontainerError::NoDirectory);
+    }
+    Container::load(dir)
+}
+
+/// Runs one helper operation; returns the process exit code.
+pub fn helper_main(args: HelperArgs) -> i32 {
+    match run_helper(&args.root, args.op) {
+        Ok(()) => {
+            say("OK");
+            0
+        }
+        Err(e) => {
+            let msg = error_chain(&e);
+            tracing::error!(error = %msg, "libcontainer helper");
+            say(&format!("ERR {} {msg}", error_kind(&e)));
+            1
+        }
+    }
+}
+
+fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
+    match op {
+        HelperOp::Create {
+            id,
+            bundle,
+            console_socket,
+            stdio,
+        } => {
+            let mut b = ContainerBuilder::new(id, SyscallType::default())
+                .with_root_path(root)?
+                .with_console_socket(console_socket);
+            if stdio {
+                let [i, o, e] = take_stdio();
+                b = b.with_stdin(i).with_stdout(o).with_stderr(e);
+            }
+            let c = b
+                .as_init(bundle)
+                .with_systemd(false)
+                .with_detach(true)
+                .build()?;
+            let pid = c
+                .pid()
+                .ok_or_else(|| LibcontainerError::Other("created container has no pid".into()))?;
+            say(&format!("PID {pid}"));
+            Ok(())
+        }
+        HelperOp::Start { id } => load(root, &id)?.start(),
+        HelperOp::Delete { id } => match load(root, &id) {
+            Ok(mut c) => c.delete(true),
+            Err(LibcontainerError::NoDirectory) => Ok(()),
+            Err(e) => Err(e),
+        },
+        HelperOp::Exec {
+            id,
+            cwd,
+            env,
+            console_socket,
+            stdio,
+            args,
+        } => exec(root, id, cwd, env, console_socket, stdio, args),
+    }
+}
+
+fn exec(
+    root: &Path,
+    id: String,
+    cwd: Option<String>,
+    env: Vec<String>,
+    console_socket: Option<PathBuf>,
+    stdio: bool,
+    args: Vec<String>,
+) -> Result<(), LibcontainerError> {
+    let container = load(root, &id)?;
+    let spec = oci_spec::runtime::Spec::load(container.bundle().join("config.json"))?;
+    let process = exec_process(&spec, args, env, cwd, console_socket.is_some())?;
+    // The whole process spec (user, capabilities, rlimits, no_new_privileges, terminal) goes
+    // through a process.json: the tenant builder's piecemeal setters drop `terminal`, the
+    // container's capabilities and its additional gids.
+    let process_file = root
+        .join(&id)
+        .join(format!("exec-{}.json", std::process::id()));
+    std::fs::write(
+        &process_file,
+        serde_json::to_vec(&process).map_err(LibcontainerError::OtherSerialization)?,
+    )
+    .map_err(LibcontainerError::OtherIO)?;
+
+    // Orphans of the exec'd process, and the process itself once libcontainer's
+    // intermediate exits, are reparented to us, so that we can report its exit status.
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(LibcontainerError::OtherIO(std::io::Error::last_os_error()));
+    }
+    let mut b = ContainerBuilder::new(id, SyscallType::default())
+        .with_root_path(root)?
+        .with_console_socket(console_socket);
+    if stdio {
+        let [i, o, e] = take_stdio();
+        b = b.with_stdin(i).with_stdout(o).with_stderr(e);
+    }
+    let built = b
+        .as_tenant()
+        .with_detach(true)
+        .with_process(Some(&process_file))
+        .build();
+    let _ = std::fs::remove_file(&process_file);
+    let pid = built?;
+    say(&format!("PID {pid}"));
+    loop {
+        match waitpid(pid, None) {
+            Ok(WaitStatus::Exited(_, code)) => {
+                say(&format!("EXIT {code} 0"));
+                return Ok(());
+            }
+            Ok(WaitStatus::Signaled(_, sig, _)) => {
+                say(&format!("EXIT {} {}", 128 + sig as i32, sig as i32));
+                return Ok(());
+            }
+            Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(LibcontainerError::OtherSyscall(e)),
+        }
+    }
+}
+
+/// The exec'd process: the container's process spec with `args`, `env` added to (and
+/// overriding) the container's, `cwd` if given, and a terminal if asked.
+pub fn exec_process(
+    spec: &oci_spec::runtime::Spec,
+    args: Vec<String>,
+    env: Vec<String>,
+    cwd: Option<String>,
+    terminal: bool,
+) -> Result<oci_spec::runtime::Process, LibcontainerError> {
+    let mut process = spec.process().clone().unwrap_or_default();
+    let key = |kv: &str| kv.split('=').next().unwrap_or("").to_string();
+    let overridden: Vec<String> = env.iter().map(|kv| key(kv)).collect();
+    let mut merged: Vec<String> = process
+        .env()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|kv| !overridden.contains(&key(kv)))
+        .collect();
+    merged.extend(env);
+    process.set_env(Some(merged));
+    process.set_args(Some(args));
+    if let Some(c) = cwd.filter(|c| !c.is_empty()) {
+        let c = PathBuf::from(c);
+        if c.is_relative() {
+            return Err(LibcontainerError::InvalidInput(format!(
+                "exec cwd {c:?} must be absolute"
+            )));
+        }
+        process.set_cwd(c);
+    }
+    process.set_terminal(Some(terminal));
+    process.set_console_size(None);
+    Ok(process)
+}
+
+// ---------------------------------------------------------------------------------------
+// The agent side.
+
+/// How the agent runs helpers.
+#[derive(Clone)]
+pub struct Libct {
+    pub exe: PathBuf,
+    pub root: PathBuf,
+    pub reaper: Arc<Reaper>,
+    pub log_level: String,
+}
+
+/// A running helper.
+pub struct Helper {
+    pub pid: i32,
+    lines: tokio::io::Lines<BufReader<tokio::net::unix::pipe::Receiver>>,
+    exit: oneshot::Receiver<ExitStatus>,
+}
+
+/// What a helper said.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HelperLine {
+    Pid(i32),
+    Exit(i32, u32),
+    Ok,
+}
+
+fn map_err(kind: &str, msg: String) -> AgentError {
+    match kind {
+        "precondition" => AgentError::FailedPrecondition(msg),
+        "exists" => AgentError::AlreadyExists(msg),
+        "notfound" => AgentError::NotFound(msg),
+        "invalid" => AgentError::InvalidArgument(msg),
+        _ => AgentError::Internal(msg),
+    }
+}
+
+/// Parses one protocol line.
+pub fn parse_line(line: &str) -> Result<HelperLine, AgentError> {
+    let bad = || AgentError::Internal(format!("libcontainer helper said {line:?}"));
+    let mut parts = line.splitn(3, ' ');
+    match parts.next() {
+        Some("PID") => Ok(HelperLine::Pid(
+            parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?,
+        )),
+        Some("EXIT") => {
+            let code = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+            let sig = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+            Ok(HelperLine::Exit(code, sig))
+        }
+        Some("OK") => Ok(HelperLine::Ok),
+        Some("ERR") => {
+            let kind = parts.next().unwrap_or("internal");
+            let msg = parts.next().unwrap_or("").to_string();
+            Err(map_err(kind, format!("libcontainer: {msg}")))
+        }
+        _ => Err(bad()),
+    }
+}
+
+impl Libct {
+    /// Spawns `vessel-agent libct --root R <args>`; `stdio` goes to fds 3/4/5.
+    pub fn spawn(
+        &self,
+        args: &[OsString],
+        stdio: Option<[OwnedFd; 3]>,
+    ) -> Result<Helper, AgentError> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("libct")
+            .arg("--root")
+            .arg(&self.root)
+            .args(args)
+            .env("VESSEL_AGENT_LOG", &self.log_level)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(fds) = &stdio {
+            let raw: [RawFd; 3] = [fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd()];
+            // SAFETY: the closure runs in the forked child before exec and only calls
+            // async-signal-safe functions (fcntl, dup2) on fds that are open in the parent
+            // (kept alive by `stdio` until after spawn returns).
+            unsafe {
+                cmd.pre_exec(move || {
+                    let mut tmp = [0 as RawFd; 3];
+                    for (t, r) in tmp.iter_mut().zip(raw) {
+                        // Move out of the way of 3..=5 first; the copies are close-on-exec.
+                        *t = libc::fcntl(r, libc::F_DUPFD_CLOEXEC, 10);
+                        if *t < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    for (i, t) in tmp.iter().enumerate() {
+                        if libc::dup2(*t, 3 + i as RawFd) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let (mut child, exit) = self
+            .reaper
+            .spawn(&mut cmd)
+            .map_err(|e| AgentError::internal("spawning the libcontainer helper", e))?;
+        drop(stdio);
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| AgentError::Internal("helper has no stdout".into()))?;
+        let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(stdout))
+            .map_err(|e| AgentError::internal("helper stdout", e))?;
+        Ok(Helper {
+            pid: child.id() as i32,
+            lines: BufReader::new(rx).lines(),
+            exit,
+        })
+    }
+
+    /// Runs a helper to completion, returning the pid it reported, if any.
+    pub async fn run(
+        &self,
+        args: &[OsString],
+        stdio: Option<[OwnedFd; 3]>,
+        timeout: Duration,
+    ) -> Result<Option<i32>, AgentError> {
+        let mut h = self.spawn(args, stdio)?;
+        let res = tokio::time::timeout(timeout, async {
+            let mut pid = None;
+            loop {
+                match h.next().await? {
+                    HelperLine::Pid(p) => pid = Some(p),
+                    HelperLine::Ok => return Ok(pid),
+                    HelperLine::Exit(..) => {}
+                }
+            }
+        })
+        .await;
+        match res {
+            Ok(r) => {
+                h.wait().await;
+                r
+            }
+            Err(_) => {
+                h.kill();
+                Err(AgentError::DeadlineExceeded(format!(
+                    "libcontainer helper {:?} did not finish in {timeout:?}",
+                    args.first()
+                )))
+            }
+        }
+    }
+}
+
+impl Helper {
+    /// The next protocol line; an `ERR` line or a silent exit is an error.
+    pub async fn next(&mut self) -> Result<HelperLine, AgentError> {
+        match self.lines.next_line().await {
+            Ok(Some(line)) => parse_line(&line),
+            Ok(None) => Err(AgentError::Internal(
+                "libcontainer helper exited without an answer (see the agent log)".into(),
+            )),
+            Err(e) => Err(AgentError::internal("reading the helper's answer", e)),
+        }
+    }
+
+    /// Waits for the helper to exit.
+    pub async fn wait(self) -> Option<ExitStatus> {
+        self.exit.await.ok()
+    }
+
+    pub fn kill(&self) {
+        let _ = nix::sys::signal::kill(Pid::from_raw(self.pid), nix::sys::signal::SIGKILL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_process_merges_env() {
+        let spec: oci_spec::runtime::Spec = serde_json::from_str(
+            r#"{"ociVersion": "1.0.2",
+                "process": {"args": ["sleep"], "cwd": "/w", "env": ["A=1", "B=2"],
+                            "user": {"uid": 5, "gid": 6}}}"#,
+        )
+        .unwrap();
+        let p = exec_process(
+            &spec,
+            vec!["sh".into()],
+            vec!["B=3".into(), "C=4".into()],
+            None,
+            true,
+        )
+        .unwrap();
+        assert_eq!(p.env().clone().unwrap(), ["A=1", "B=3", "C=4"]);
+        assert_eq!(p.cwd(), Path::new("/w"));
+        assert_eq!(p.user().uid(), 5);
+        assert_eq!(p.terminal(), Some(true));
+        let p = exec_process(&spec, vec!["sh".into()], vec![], Some("/x".into()), false).unwrap();
+        assert_eq!(p.cwd(), Path::new("/x"));
+        assert!(exec_process(&spec, vec!["sh".into()], vec![], Some("rel".into()), false).is_err());
+    }
+
+    #[test]
+    fn lines() {
+        assert_eq!(parse_line("PID 42").unwrap(), HelperLine::Pid(42));
+        assert_eq!(parse_line("EXIT 137 9").unwrap(), HelperLine::Exit(137, 9));
+        assert_eq!(parse_line("OK").unwrap(), HelperLine::Ok);
+        assert!(matches!(
+            parse_line("ERR precondition container is running"),
+            Err(AgentError::FailedPrecondition(m)) if m.contains("container is running")
+        ));
+        assert!(matches!(parse_line("junk"), Err(AgentError::Internal(_))));
+    }
+}

@@ -1,0 +1,224 @@
+//! Container logs in the CRI format: `<RFC3339Nano UTC> <stdout|stderr> <F|P> <content>\n`.
+//!
+//! A line longer than [`MAX_LINE`] is written as `P` (partial) records followed by a final `F`
+//! record; an unterminated last line at EOF is written as `F`. The file is opened in append
+//! mode and can be reopened after kubelet renamed it ([`LogFile::reopen`]). Output keeps
+//! flowing to the file whether or not any client is connected: the pumps are agent tasks.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+/// The longest content of one log record; longer lines are split.
+pub const MAX_LINE: usize = 16 * 1024;
+
+/// Which output stream a record came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    fn as_str(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+/// A CRI log file shared by a container's output pumps.
+#[derive(Debug)]
+pub struct LogFile {
+    path: Option<PathBuf>,
+    file: Mutex<Option<File>>,
+}
+
+fn open_append(path: &Path) -> io::Result<File> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+impl LogFile {
+    /// Opens (creating it and its parent directories) `path`; an empty path discards output.
+    pub fn open(path: &str) -> io::Result<Arc<LogFile>> {
+        if path.is_empty() {
+            return Ok(Arc::new(LogFile {
+                path: None,
+                file: Mutex::new(None),
+            }));
+        }
+        let path = PathBuf::from(path);
+        let file = open_append(&path)?;
+        Ok(Arc::new(LogFile {
+            path: Some(path),
+            file: Mutex::new(Some(file)),
+        }))
+    }
+
+    /// Closes the file and opens its path again (kubelet renamed the old one).
+    pub fn reopen(&self) -> io::Result<()> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        let mut guard = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        *guard = None;
+        *guard = Some(open_append(path)?);
+        Ok(())
+    }
+
+    /// Writes one record as a single `write` so records of both streams never interleave.
+    pub fn write_record(&self, stream: Stream, partial: bool, content: &[u8]) {
+        let mut guard = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(file) = guard.as_mut() else {
+            return;
+        };
+        let ts = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true);
+        let mut rec = Vec::with_capacity(ts.len() + content.len() + 12);
+        rec.extend_from_slice(ts.as_bytes());
+        rec.push(b' ');
+        rec.extend_from_slice(stream.as_str().as_bytes());
+        rec.extend_from_slice(if partial { b" P " } else { b" F " });
+        rec.extend_from_slice(content);
+        rec.push(b'\n');
+        if let Err(e) = file.write_all(&rec) {
+            tracing::warn!(path = ?self.path, error = %e, "writing a container log record");
+        }
+    }
+}
+
+/// Splits a byte stream into CRI records.
+#[derive(Debug, Default)]
+pub struct LineSplitter {
+    buf: Vec<u8>,
+}
+
+impl LineSplitter {
+    /// Feeds `data`; calls `emit(partial, content)` for every complete record.
+    pub fn push(&mut self, mut data: &[u8], emit: &mut impl FnMut(bool, &[u8])) {
+        while !data.is_empty() {
+            match data.iter().position(|&b| b == b'\n') {
+                Some(nl) => {
+                    let (line, rest) = (&data[..nl], &data[nl + 1..]);
+                    self.append(line, emit);
+                    emit(false, &self.buf);
+                    self.buf.clear();
+                    data = rest;
+                }
+                None => {
+                    self.append(data, emit);
+                    data = &[];
+                }
+            }
+        }
+    }
+
+    /// Appends bytes with no newline, emitting `P` records of `MAX_LINE` bytes as the
+    /// buffer fills. A full buffer is kept (not emitted) until more data shows whether the
+    /// line continues, so that a line of exactly `MAX_LINE` bytes is one `F` record.
+    fn append(&mut self, mut data: &[u8], emit: &mut impl FnMut(bool, &[u8])) {
+        while !data.is_empty() {
+            if self.buf.len() == MAX_LINE {
+                emit(true, &self.buf);
+                self.buf.clear();
+            }
+            let take = (MAX_LINE - self.buf.len()).min(data.len());
+            self.buf.extend_from_slice(&data[..take]);
+            data = &data[take..];
+        }
+    }
+
+    /// End of stream: an unterminated last line becomes an `F` record.
+    pub fn finish(&mut self, emit: &mut impl FnMut(bool, &[u8])) {
+        if !self.buf.is_empty() {
+            emit(false, &self.buf);
+            self.buf.clear();
+        }
+    }
+}
+
+/// Copies `reader` into `log` as records of `stream` until EOF (a pty's EIO counts as EOF).
+pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, stream: Stream, log: Arc<LogFile>) {
+    let mut splitter = LineSplitter::default();
+    let mut buf = vec![0u8; 32 * 1024];
+    let mut emit = |partial: bool, content: &[u8]| log.write_record(stream, partial, content);
+    loop {
+        match reader.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => splitter.push(&buf[..n], &mut emit),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                // EIO is how a pty master reports that the last slave fd closed.
+                if e.raw_os_error() != Some(libc::EIO) {
+                    tracing::warn!(error = %e, ?stream, "reading container output");
+                }
+                break;
+            }
+        }
+    }
+    splitter.finish(&mut emit);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(chunks: &[&[u8]]) -> Vec<(bool, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut s = LineSplitter::default();
+        let mut emit = |p: bool, c: &[u8]| out.push((p, c.to_vec()));
+        for c in chunks {
+            s.push(c, &mut emit);
+        }
+        s.finish(&mut emit);
+        out
+    }
+
+    #[test]
+    fn lines_and_partials() {
+        let out = split(&[b"hel", b"lo\nworld\n", b"tail"]);
+        assert_eq!(
+            out,
+            vec![
+                (false, b"hello".to_vec()),
+                (false, b"world".to_vec()),
+                (false, b"tail".to_vec())
+            ]
+        );
+        let long = vec![b'x'; MAX_LINE * 2 + 5];
+        let mut data = long.clone();
+        data.push(b'\n');
+        let out = split(&[&data[..100], &data[100..]]);
+        assert_eq!(out.len(), 3);
+        assert!(out[0].0 && out[1].0 && !out[2].0);
+        assert_eq!(out[0].1.len(), MAX_LINE);
+        assert_eq!(out[2].1.len(), 5);
+        let exact = vec![b'y'; MAX_LINE];
+        let out = split(&[&exact, b"\n"]);
+        assert_eq!(out, vec![(false, exact.clone())]);
+        let out = split(&[b"\n"]);
+        assert_eq!(out, vec![(false, vec![])]);
+    }
+
+    #[test]
+    fn record_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b/c.log");
+        let log = LogFile::open(path.to_str().unwrap()).unwrap();
+        log.write_record(Stream::Stderr, true, b"abc");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut parts = text.splitn(4, ' ');
+        let ts = parts.next().unwrap();
+        assert!(chrono::DateTime::parse_from_rfc3339(ts).is_ok(), "{ts}");
+        assert!(ts.ends_with('Z'));
+        assert_eq!(parts.next(), Some("stderr"));
+        assert_eq!(parts.next(), Some("P"));
+        assert_eq!(parts.next(), Some("abc\n"));
+    }
+}

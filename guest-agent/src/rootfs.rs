@@ -1,0 +1,166 @@
+//! Container root filesystems: overlayfs mounts made by the agent in its own mount namespace
+//! (so nothing is left on the host when the pod goes) and writable-layer accounting.
+
+use std::collections::HashSet;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+use crate::error::AgentError;
+use crate::proto::OverlayRootfs;
+
+fn check_option_path(what: &str, p: &str) -> Result<(), AgentError> {
+    if p.is_empty() || !p.starts_with('/') || p.contains([',', ':', '\n']) {
+        return Err(AgentError::InvalidArgument(format!(
+            "overlay {what} {p:?} must be an absolute path without ',' or ':'"
+        )));
+    }
+    Ok(())
+}
+
+/// The overlayfs mount data for `ov`: `lowerdir=top:...:bottom,upperdir=..,workdir=..`.
+pub fn overlay_options(ov: &OverlayRootfs) -> Result<String, AgentError> {
+    if ov.lowerdirs.is_empty() {
+        return Err(AgentError::InvalidArgument(
+            "overlay rootfs needs at least one lowerdir".into(),
+        ));
+    }
+    for l in &ov.lowerdirs {
+        check_option_path("lowerdir", l)?;
+    }
+    // The proto lists layers bottom-most first; overlayfs wants the top-most first.
+    let lower: Vec<&str> = ov.lowerdirs.iter().rev().map(String::as_str).collect();
+    let mut opts = format!("lowerdir={}", lower.join(":"));
+    match (ov.upperdir.is_empty(), ov.workdir.is_empty()) {
+        (true, true) => {}
+        (false, false) => {
+            check_option_path("upperdir", &ov.upperdir)?;
+            check_option_path("workdir", &ov.workdir)?;
+            opts.push_str(&format!(",upperdir={},workdir={}", ov.upperdir, ov.workdir));
+        }
+        _ => {
+            return Err(AgentError::InvalidArgument(
+                "overlay rootfs needs both upperdir and workdir, or neither".into(),
+            ));
+        }
+    }
+    // The kernel takes at most a page of mount data.
+    if opts.len() >= 4096 {
+        return Err(AgentError::InvalidArgument(format!(
+            "overlay mount options are {} bytes, over the kernel's 4095",
+            opts.len()
+        )));
+    }
+    Ok(opts)
+}
+
+/// Mounts `ov` at `target` (created if missing).
+pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError> {
+    let opts = overlay_options(ov)?;
+    for d in [&ov.upperdir, &ov.workdir] {
+        if !d.is_empty() {
+            std::fs::create_dir_all(d)
+                .map_err(|e| AgentError::internal(format!("creating {d}"), e))?;
+        }
+    }
+    std::fs::create_dir_all(target)
+        .map_err(|e| AgentError::internal(format!("creating {}", target.display()), e))?;
+    mount(
+        Some("overlay"),
+        target,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .map_err(|e| {
+        let msg = format!("mounting overlay at {} ({opts})", target.display());
+        if e == nix::errno::Errno::ENOENT || e == nix::errno::Errno::ENOTDIR {
+            AgentError::InvalidArgument(format!("{msg}: {e}"))
+        } else {
+            AgentError::internal(msg, e)
+        }
+    })
+}
+
+/// Unmounts whatever is mounted at `target` (lazily); not mounted is fine.
+pub fn unmount_all(target: &Path) {
+    // Loop in case something got stacked on top.
+    for _ in 0..8 {
+        match umount2(target, MntFlags::MNT_DETACH) {
+            Ok(()) => continue,
+            Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => return,
+            Err(e) => {
+                tracing::warn!(target = %target.display(), error = %e, "unmounting rootfs");
+                return;
+            }
+        }
+    }
+}
+
+/// Bytes (allocated blocks) and inodes under `dir`, not following symlinks nor crossing
+/// mount points; hard links count once.
+pub fn usage(dir: &Path) -> (u64, u64) {
+    let Ok(meta) = std::fs::symlink_metadata(dir) else {
+        return (0, 0);
+    };
+    let dev = meta.dev();
+    let mut seen: HashSet<(u64, u64)> = HashSet::new();
+    let mut bytes = 0u64;
+    let mut inodes = 0u64;
+    let mut stack: Vec<PathBuf> = vec![dir.to_path_buf()];
+    seen.insert((meta.dev(), meta.ino()));
+    bytes += meta.blocks() * 512;
+    inodes += 1;
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in rd.flatten() {
+            let Ok(m) = entry.metadata() else { continue };
+            if m.dev() != dev || !seen.insert((m.dev(), m.ino())) {
+                continue;
+            }
+            bytes += m.blocks() * 512;
+            inodes += 1;
+            if m.is_dir() {
+                stack.push(entry.path());
+            }
+        }
+    }
+    (bytes, inodes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options() {
+        let ov = OverlayRootfs {
+            lowerdirs: vec!["/l/bottom".into(), "/l/top".into()],
+            upperdir: "/u".into(),
+            workdir: "/w".into(),
+        };
+        assert_eq!(
+            overlay_options(&ov).unwrap(),
+            "lowerdir=/l/top:/l/bottom,upperdir=/u,workdir=/w"
+        );
+        let bad = OverlayRootfs {
+            lowerdirs: vec!["/a,b".into()],
+            ..Default::default()
+        };
+        assert!(overlay_options(&bad).is_err());
+    }
+
+    #[test]
+    fn walks() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("x")).unwrap();
+        std::fs::write(d.path().join("x/f"), vec![1u8; 10000]).unwrap();
+        std::fs::hard_link(d.path().join("x/f"), d.path().join("g")).unwrap();
+        let (bytes, inodes) = usage(d.path());
+        assert_eq!(inodes, 3);
+        assert!(bytes >= 10000);
+    }
+}

@@ -1,0 +1,908 @@
+//! The gRPC `Agent` service: the pod's containers, driven through [`crate::libct`].
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::cgroups::Cgroup;
+use crate::container::{Container, Phase};
+use crate::error::{validate_id, AgentError};
+use crate::libct::{HelperLine, Libct};
+use crate::logs::{pump, LogFile, Stream};
+use crate::proto::agent_server::Agent;
+use crate::proto::{self, exec_input, exec_output, rootfs};
+use crate::stdio::{dev_null, pipe, set_winsize, AsyncFdIo, ConsoleSocket};
+
+/// ExecSync keeps at most this much of each output stream.
+pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
+/// How long a graceful shutdown waits after SIGTERM before SIGKILL.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+const HELPER_TIMEOUT: Duration = Duration::from_secs(60);
+const KILL_WAIT: Duration = Duration::from_secs(10);
+const EXEC_DRAIN: Duration = Duration::from_secs(1);
+
+/// Everything the service owns.
+pub struct AgentState {
+    pub state_dir: PathBuf,
+    pub libct: Libct,
+    /// This agent's pid as seen by itself.
+    pub pid: u32,
+    pub hostname: String,
+    pub started_at: i64,
+    containers: Mutex<HashMap<String, Arc<Container>>>,
+    /// Serialises create and delete.
+    lifecycle: tokio::sync::Mutex<()>,
+    shutdown_tx: watch::Sender<bool>,
+    shut_down: tokio::sync::Mutex<bool>,
+}
+
+/// The `Agent` gRPC service.
+#[derive(Clone)]
+pub struct AgentService {
+    pub state: Arc<AgentState>,
+}
+
+fn io_internal(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> AgentError {
+    move |e| AgentError::internal(what, e)
+}
+
+fn containers_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("containers")
+}
+
+/// Reads `r` to EOF, keeping the first `cap` bytes.
+async fn collect<R: AsyncRead + Unpin>(mut r: R, cap: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let room = cap.saturating_sub(out.len());
+                out.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+    }
+    out
+}
+
+fn pipe_reader(fd: OwnedFd) -> Result<tokio::net::unix::pipe::Receiver, AgentError> {
+    tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(io_internal("pipe reader"))
+}
+
+/// Clamps a negative `oomScoreAdj` we are not allowed to set (no CAP_SYS_RESOURCE) to our
+/// own value, so that libcontainer's write does not fail the create.
+fn clamp_oom_score_adj(spec: &mut oci_spec::runtime::Spec) {
+    let Some(process) = spec.process_mut().as_mut() else {
+        return;
+    };
+    let Some(want) = process.oom_score_adj() else {
+        return;
+    };
+    let ours: i32 = std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    if want >= ours || has_cap_sys_resource() {
+        return;
+    }
+    tracing::warn!(
+        want,
+        using = ours,
+        "no CAP_SYS_RESOURCE: cannot lower oom_score_adj below the agent's; using the agent's"
+    );
+    process.set_oom_score_adj(Some(ours));
+}
+
+fn has_cap_sys_resource() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
+/// What a started exec looks like to the service.
+struct ExecProcess {
+    helper: crate::libct::Helper,
+    pid: i32,
+    /// stdout (or the pty), stderr (absent with a tty).
+    stdout: Box<dyn AsyncRead + Send + Unpin>,
+    stderr: Option<Box<dyn AsyncRead + Send + Unpin>>,
+    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
+    pty: Option<OwnedFd>,
+}
+
+struct ExecParams<'a> {
+    args: &'a [String],
+    env: &'a [String],
+    cwd: &'a str,
+    tty: bool,
+    stdin: bool,
+    size: Option<proto::WindowSize>,
+}
+
+impl AgentState {
+    pub fn new(state_dir: PathBuf, libct: Libct, hostname: String) -> Arc<AgentState> {
+        let (shutdown_tx, _) = watch::channel(false);
+        Arc::new(AgentState {
+            state_dir,
+            libct,
+            pid: std::process::id(),
+            hostname,
+            started_at: crate::now_nanos(),
+            containers: Mutex::new(HashMap::new()),
+            lifecycle: tokio::sync::Mutex::new(()),
+            shutdown_tx,
+            shut_down: tokio::sync::Mutex::new(false),
+        })
+    }
+
+    /// Becomes true once the agent should stop serving.
+    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
+        self.shutdown_tx.subscribe()
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Container>>> {
+        self.containers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<Container>, AgentError> {
+        self.table()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| AgentError::no_container(id))
+    }
+
+    pub async fn create(&self, req: proto::CreateContainerRequest) -> Result<u32, AgentError> {
+        validate_id(&req.id)?;
+        let _guard = self.lifecycle.lock().await;
+        if self.table().contains_key(&req.id) {
+            return Err(AgentError::AlreadyExists(format!(
+                "container {:?} already exists",
+                req.id
+            )));
+        }
+        let dir = containers_dir(&self.state_dir).join(&req.id);
+        if dir.exists() {
+            // A leftover from a failed attempt.
+            self.cleanup_dir(&req.id, &dir, true).await;
+        }
+        std::fs::create_dir_all(&dir)
+            .map_err(io_internal(format!("creating {}", dir.display())))?;
+        match self.create_in(&req, &dir).await {
+            Ok(c) => {
+                let pid = c.pid as u32;
+                self.table().insert(req.id.clone(), c);
+                Ok(pid)
+            }
+            Err(e) => {
+                tracing::warn!(id = %req.id, error = %e, "create failed; cleaning up");
+                self.cleanup_dir(&req.id, &dir, true).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_in(
+        &self,
+        req: &proto::CreateContainerRequest,
+        dir: &Path,
+    ) -> Result<Arc<Container>, AgentError> {
+        let id = req.id.as_str();
+        let (rootfs, mounted, upperdir) = match req.rootfs.as_ref().and_then(|r| r.kind.as_ref()) {
+            Some(rootfs::Kind::Path(p)) => {
+                let p = PathBuf::from(p);
+                if !p.is_dir() {
+                    return Err(AgentError::InvalidArgument(format!(
+                        "rootfs path {} is not a directory",
+                        p.display()
+                    )));
+                }
+                (p, false, None)
+            }
+            Some(rootfs::Kind::Overlay(ov)) => {
+                let target = dir.join("rootfs");
+                crate::rootfs::mount_overlay(&target, ov)?;
+                let upper = (!ov.upperdir.is_empty()).then(|| PathBuf::from(&ov.upperdir));
+                (target, true, upper)
+            }
+            None => return Err(AgentError::InvalidArgument("rootfs is required".into())),
+        };
+
+        let mut spec = crate::spec::prepare(&req.oci_spec, id, &rootfs, req.tty, self.pid)?;
+        clamp_oom_score_adj(&mut spec);
+        let cgroup = Cgroup::new(&crate::spec::cgroups_path(&spec, id));
+        let bundle = dir.join("bundle");
+        std::fs::create_dir_all(&bundle).map_err(io_internal("creating the bundle dir"))?;
+        spec.save(bundle.join("config.json"))
+            .map_err(|e| AgentError::internal("writing config.json", e))?;
+
+        let log = LogFile::open(&req.log_path)
+            .map_err(io_internal(format!("opening log {}", req.log_path)))?;
+
+        let mut args: Vec<OsString> = vec![
+            "create".into(),
+            "--id".into(),
+            id.into(),
+            "--bundle".into(),
+            bundle.into_os_string(),
+        ];
+        let mut pumps: Vec<JoinHandle<()>> = Vec::new();
+        let mut keep_stdin: Option<OwnedFd> = None;
+        let stdio;
+        let mut console = None;
+        if req.tty {
+            let path = dir.join("console.sock");
+            let sock =
+                ConsoleSocket::bind(&path).map_err(io_internal("binding the console socket"))?;
+            args.push("--console-socket".into());
+            args.push(path.into_os_string());
+            console = Some(tokio::task::spawn_blocking(move || {
+                sock.recv_master(HELPER_TIMEOUT)
+            }));
+            stdio = None;
+        } else {
+            let (stdin_r, stdin_w) = if req.stdin {
+                let (r, w) = pipe().map_err(io_internal("pipe"))?;
+                (r, Some(w))
+            } else {
+                (dev_null().map_err(io_internal("/dev/null"))?, None)
+            };
+            keep_stdin = stdin_w;
+            let (out_r, out_w) = pipe().map_err(io_internal("pipe"))?;
+            let (err_r, err_w) = pipe().map_err(io_internal("pipe"))?;
+            pumps.push(tokio::spawn(pump(
+                pipe_reader(out_r)?,
+                Stream::Stdout,
+                log.clone(),
+            )));
+            pumps.push(tokio::spawn(pump(
+                pipe_reader(err_r)?,
+                Stream::Stderr,
+                log.clone(),
+            )));
+            args.push("--stdio".into());
+            stdio = Some([stdin_r, out_w, err_w]);
+        }
+
+        let oom_before = cgroup.oom_kill_count().unwrap_or(0);
+        let created = self.libct.run(&args, stdio, HELPER_TIMEOUT).await;
+        let pid = match created {
+            Ok(Some(pid)) => pid,
+            Ok(None) => return Err(AgentError::Internal("create reported no pid".into())),
+            Err(e) => {
+                if let Some(c) = console {
+                    c.abort();
+                }
+                return Err(e);
+            }
+        };
+        let exit_rx = self.libct.reaper.watch(pid);
+
+        if let Some(console) = console {
+            let master = console
+                .await
+                .map_err(|e| AgentError::internal("console socket task", e))?
+                .map_err(io_internal("receiving the pty master"))?;
+            let _ = std::fs::remove_file(dir.join("console.sock"));
+            if req.stdin {
+                keep_stdin = Some(master.try_clone().map_err(io_internal("dup"))?);
+            }
+            let reader = AsyncFdIo::new(master).map_err(io_internal("pty master"))?;
+            pumps.push(tokio::spawn(pump(reader, Stream::Stdout, log.clone())));
+        }
+
+        let c = Container::new(
+            id.to_string(),
+            dir.to_path_buf(),
+            rootfs,
+            mounted,
+            upperdir,
+            cgroup,
+            log,
+            pid,
+            keep_stdin,
+        );
+        let c2 = c.clone();
+        tokio::spawn(async move {
+            let status = exit_rx.await.unwrap_or(crate::reaper::ExitStatus {
+                code: -1,
+                signal: 0,
+            });
+            c2.exited(status, oom_before, pumps).await;
+        });
+        tracing::info!(id, pid, "container created");
+        Ok(c)
+    }
+
+    /// Removes what a (possibly half-made) container left: libcontainer state and cgroup,
+    /// the rootfs mount and the directory.
+    async fn cleanup_dir(&self, id: &str, dir: &Path, libct: bool) {
+        if libct {
+            let args: Vec<OsString> = vec!["delete".into(), "--id".into(), id.into()];
+            if let Err(e) = self.libct.run(&args, None, HELPER_TIMEOUT).await {
+                tracing::warn!(id, error = %e, "libcontainer delete during cleanup");
+            }
+        }
+        crate::rootfs::unmount_all(&dir.join("rootfs"));
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(id, dir = %dir.display(), error = %e, "removing container dir");
+            }
+        }
+    }
+
+    pub async fn start(&self, id: &str) -> Result<(), AgentError> {
+        let c = self.get(id)?;
+        c.begin_start().map_err(|phase| {
+            AgentError::FailedPrecondition(format!(
+                "container {id:?} cannot be started: it is {}",
+                phase_name(&phase)
+            ))
+        })?;
+        let args: Vec<OsString> = vec!["start".into(), "--id".into(), id.into()];
+        let r = self.libct.run(&args, None, HELPER_TIMEOUT).await;
+        c.end_start(r.is_ok());
+        r.map(|_| ())
+    }
+
+    /// Sends `sig` to the init (or every process) of `c`.
+    fn signal(c: &Container, sig: Signal, all: bool) -> Result<(), AgentError> {
+        if c.is_exited() {
+            return Ok(());
+        }
+        if all {
+            for p in c.cgroup.procs() {
+                let _ = kill(Pid::from_raw(p), sig);
+            }
+        }
+        match kill(Pid::from_raw(c.pid), sig) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+            Err(e) => Err(AgentError::internal(format!("kill {}", c.pid), e)),
+        }
+    }
+
+    pub async fn delete(&self, id: &str) -> Result<(), AgentError> {
+        validate_id(id)?;
+        let _guard = self.lifecycle.lock().await;
+        let Ok(c) = self.get(id) else {
+            return Ok(());
+        };
+        self.delete_locked(&c).await
+    }
+
+    async fn delete_locked(&self, c: &Arc<Container>) -> Result<(), AgentError> {
+        if !c.is_exited() {
+            Self::signal(c, Signal::SIGKILL, true)?;
+            if tokio::time::timeout(KILL_WAIT, c.wait()).await.is_err() {
+                return Err(AgentError::DeadlineExceeded(format!(
+                    "container {:?} did not die within {KILL_WAIT:?} of SIGKILL",
+                    c.id
+                )));
+            }
+        }
+        let args: Vec<OsString> = vec!["delete".into(), "--id".into(), c.id.clone().into()];
+        self.libct.run(&args, None, HELPER_TIMEOUT).await?;
+        if c.mounted {
+            crate::rootfs::unmount_all(&c.rootfs);
+        }
+        if let Err(e) = std::fs::remove_dir_all(&c.dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(AgentError::internal(
+                    format!("removing {}", c.dir.display()),
+                    e,
+                ));
+            }
+        }
+        self.table().remove(&c.id);
+        tracing::info!(id = %c.id, "container deleted");
+        Ok(())
+    }
+
+    /// SIGTERM every container, SIGKILL what is left after [`STOP_GRACE`], delete them all.
+    pub async fn shutdown_all(&self) {
+        let mut done = self.shut_down.lock().await;
+        if *done {
+            return;
+        }
+        let _guard = self.lifecycle.lock().await;
+        let all: Vec<Arc<Container>> = self.table().values().cloned().collect();
+        for c in &all {
+            let _ = Self::signal(c, Signal::SIGTERM, false);
+        }
+        let waits = futures::future::join_all(all.iter().map(|c| c.wait()));
+        if tokio::time::timeout(STOP_GRACE, waits).await.is_err() {
+            for c in &all {
+                let _ = Self::signal(c, Signal::SIGKILL, true);
+            }
+        }
+        for c in &all {
+            if let Err(e) = self.delete_locked(c).await {
+                tracing::warn!(id = %c.id, error = %e, "deleting at shutdown");
+            }
+        }
+        *done = true;
+        tracing::info!("all containers removed");
+    }
+
+    /// Stops serving; `main` then exits.
+    pub fn request_exit(&self) {
+        self.shutdown_tx.send_replace(true);
+    }
+
+    async fn spawn_exec(
+        &self,
+        c: &Container,
+        p: ExecParams<'_>,
+    ) -> Result<ExecProcess, AgentError> {
+        if !c.is_running() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {:?} is {}, not running",
+                c.id,
+                phase_name(&c.phase())
+            )));
+        }
+        if p.args.is_empty() {
+            return Err(AgentError::InvalidArgument("exec needs args".into()));
+        }
+        let mut args: Vec<OsString> = vec!["exec".into(), "--id".into(), c.id.clone().into()];
+        if !p.cwd.is_empty() {
+            args.push("--cwd".into());
+            args.push(p.cwd.into());
+        }
+        for e in p.env {
+            args.push(format!("--env={e}").into());
+        }
+        let exec_dir = c.dir.join("exec");
+        let mut console = None;
+        let mut stdout: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
+        let mut stderr: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
+        let mut stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>> = None;
+        let stdio = if p.tty {
+            std::fs::create_dir_all(&exec_dir).map_err(io_internal("creating exec dir"))?;
+            let path = exec_dir.join(format!("{}.sock", rand_suffix()));
+            let sock = ConsoleSocket::bind(&path).map_err(io_internal("console socket"))?;
+            args.push("--console-socket".into());
+            args.push(path.clone().into_os_string());
+            console = Some((
+                path,
+                tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT)),
+            ));
+            None
+        } else {
+            let stdin_r = if p.stdin {
+                let (r, w) = pipe().map_err(io_internal("pipe"))?;
+                stdin = Some(Box::new(
+                    tokio::net::unix::pipe::Sender::from_owned_fd(w)
+                        .map_err(io_internal("stdin pipe"))?,
+                ));
+                r
+            } else {
+                dev_null().map_err(io_internal("/dev/null"))?
+            };
+            let (out_r, out_w) = pipe().map_err(io_internal("pipe"))?;
+            let (err_r, err_w) = pipe().map_err(io_internal("pipe"))?;
+            stdout = Some(Box::new(pipe_reader(out_r)?));
+            stderr = Some(Box::new(pipe_reader(err_r)?));
+            args.push("--stdio".into());
+            Some([stdin_r, out_w, err_w])
+        };
+        args.push("--".into());
+        args.extend(p.args.iter().map(OsString::from));
+
+        let mut helper = self.libct.spawn(&args, stdio)?;
+        let pid = match tokio::time::timeout(HELPER_TIMEOUT, helper.next()).await {
+            Ok(Ok(HelperLine::Pid(pid))) => pid,
+            Ok(Ok(other)) => {
+                helper.kill();
+                return Err(AgentError::Internal(format!("exec helper said {other:?}")));
+            }
+            Ok(Err(e)) => {
+                if let Some((_, t)) = console {
+                    t.abort();
+                }
+                return Err(match e {
+                    // libcontainer reports a stopped container as a bad status.
+                    AgentError::FailedPrecondition(m) => AgentError::FailedPrecondition(m),
+                    other => other,
+                });
+            }
+            Err(_) => {
+                helper.kill();
+                return Err(AgentError::DeadlineExceeded("exec did not start".into()));
+            }
+        };
+        let mut pty = None;
+        if let Some((path, t)) = console {
+            let master = t
+                .await
+                .map_err(|e| AgentError::internal("console task", e))?
+                .map_err(io_internal("receiving the pty master"))?;
+            let _ = std::fs::remove_file(&path);
+            if let Some(size) = p.size {
+                let _ = set_winsize(master.as_raw_fd(), size.rows, size.cols);
+            }
+            let w = master.try_clone().map_err(io_internal("dup"))?;
+            let ctl = master.try_clone().map_err(io_internal("dup"))?;
+            stdout = Some(Box::new(
+                AsyncFdIo::new(master).map_err(io_internal("pty"))?,
+            ));
+            if p.stdin {
+                stdin = Some(Box::new(AsyncFdIo::new(w).map_err(io_internal("pty"))?));
+            }
+            pty = Some(ctl);
+        }
+        Ok(ExecProcess {
+            helper,
+            pid,
+            stdout: stdout.expect("set for both tty and pipes"),
+            stderr,
+            stdin,
+            pty,
+        })
+    }
+
+    pub async fn exec_sync(
+        &self,
+        req: proto::ExecSyncRequest,
+    ) -> Result<proto::ExecSyncResponse, AgentError> {
+        let c = self.get(&req.id)?;
+        let p = ExecParams {
+            args: &req.args,
+            env: &req.env,
+            cwd: &req.cwd,
+            tty: false,
+            stdin: false,
+            size: None,
+        };
+        let ExecProcess {
+            mut helper,
+            pid,
+            stdout,
+            stderr,
+            ..
+        } = self.spawn_exec(&c, p).await?;
+        let out = tokio::spawn(collect(stdout, EXEC_OUTPUT_CAP));
+        let err = tokio::spawn(async move {
+            match stderr {
+                Some(s) => collect(s, EXEC_OUTPUT_CAP).await,
+                None => Vec::new(),
+            }
+        });
+        let mut timed_out = false;
+        let exit = if req.timeout_ms > 0 {
+            match tokio::time::timeout(Duration::from_millis(req.timeout_ms), helper.next()).await {
+                Ok(r) => r,
+                Err(_) => {
+                    timed_out = true;
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    helper.next().await
+                }
+            }
+        } else {
+            helper.next().await
+        };
+        let exit_code = match exit {
+            Ok(HelperLine::Exit(code, _)) => code,
+            Ok(other) => return Err(AgentError::Internal(format!("exec helper said {other:?}"))),
+            Err(e) => return Err(e),
+        };
+        let stdout = tokio::time::timeout(EXEC_DRAIN, out)
+            .await
+            .ok()
+            .and_then(|r| r.ok())
+            .unwrap_or_default();
+        let stderr = tokio::time::timeout(EXEC_DRAIN, err)
+            .await
+            .ok()
+            .and_then(|r| r.ok())
+            .unwrap_or_default();
+        tokio::spawn(helper.wait());
+        Ok(proto::ExecSyncResponse {
+            stdout,
+            stderr,
+            exit_code,
+            timed_out,
+        })
+    }
+
+    pub fn stats(&self, id: &str) -> Result<proto::StatsResponse, AgentError> {
+        let c = self.get(id)?;
+        let s = c.cgroup.stats();
+        let (bytes, inodes) = match &c.upperdir {
+            Some(u) => crate::rootfs::usage(u),
+            None => (0, 0),
+        };
+        Ok(proto::StatsResponse {
+            timestamp: crate::now_nanos(),
+            cpu_usage_ns: s.cpu_usage_ns,
+            memory_working_set_bytes: s.memory_working_set_bytes,
+            memory_usage_bytes: s.memory_usage_bytes,
+            memory_rss_bytes: s.memory_rss_bytes,
+            page_faults: s.page_faults,
+            major_page_faults: s.major_page_faults,
+            pids: s.pids,
+            writable_layer_bytes: bytes,
+            writable_layer_inodes: inodes,
+        })
+    }
+}
+
+fn rand_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{:x}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn phase_name(p: &Phase) -> &'static str {
+    match p {
+        Phase::Created => "created",
+        Phase::Running => "running",
+        Phase::Exited(_) => "exited",
+    }
+}
+
+/// Drives one streaming exec: client input to the process, its output to the client.
+async fn drive_exec(
+    mut proc_: ExecProcess,
+    mut input: Streaming<proto::ExecInput>,
+    tx: mpsc::Sender<Result<proto::ExecOutput, Status>>,
+) {
+    fn out_msg(m: exec_output::Msg) -> Result<proto::ExecOutput, Status> {
+        Ok(proto::ExecOutput { msg: Some(m) })
+    }
+    let pid = proc_.pid;
+    let forward = |mut r: Box<dyn AsyncRead + Send + Unpin>, stderr: bool| {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 32 * 1024];
+            loop {
+                match r.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        let chunk = buf[..n].to_vec();
+                        let m = if stderr {
+                            exec_output::Msg::Stderr(chunk)
+                        } else {
+                            exec_output::Msg::Stdout(chunk)
+                        };
+                        if tx.send(out_msg(m)).await.is_err() {
+                            // The client went away: stop the process.
+                            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    };
+    let mut readers = vec![forward(proc_.stdout, false)];
+    if let Some(e) = proc_.stderr.take() {
+        readers.push(forward(e, true));
+    }
+    let mut stdin = proc_.stdin.take();
+    let pty = proc_.pty.take();
+    let input_task = tokio::spawn(async move {
+        loop {
+            match input.message().await {
+                Ok(Some(proto::ExecInput { msg: Some(m) })) => match m {
+                    exec_input::Msg::Stdin(data) => {
+                        if let Some(w) = stdin.as_mut() {
+                            if w.write_all(&data).await.is_err() {
+                                stdin = None;
+                            }
+                        }
+                    }
+                    exec_input::Msg::CloseStdin(_) => {
+                        // With a tty, EOF is the terminal's EOF character.
+                        if let (Some(w), true) = (stdin.as_mut(), pty.is_some()) {
+                            let _ = w.write_all(&[4]).await;
+                        }
+                        stdin = None;
+                    }
+                    exec_input::Msg::Resize(ws) => {
+                        if let Some(p) = &pty {
+                            let _ = set_winsize(p.as_raw_fd(), ws.rows, ws.cols);
+                        }
+                    }
+                    exec_input::Msg::Start(_) => {}
+                },
+                Ok(Some(_)) => {}
+                // The client closed its side: keep running, no more input.
+                Ok(None) => break,
+                Err(_) => {
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    break;
+                }
+            }
+        }
+    });
+    let exit = proc_.helper.next().await;
+    let _ = tokio::time::timeout(EXEC_DRAIN, futures::future::join_all(readers)).await;
+    input_task.abort();
+    let code = match exit {
+        Ok(HelperLine::Exit(code, _)) => code,
+        Ok(other) => {
+            let _ = tx
+                .send(Err(Status::internal(format!("exec helper said {other:?}"))))
+                .await;
+            return;
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e.into())).await;
+            return;
+        }
+    };
+    let _ = tx.send(out_msg(exec_output::Msg::ExitCode(code))).await;
+    proc_.helper.wait().await;
+}
+
+#[tonic::async_trait]
+impl Agent for AgentService {
+    async fn ping(
+        &self,
+        _req: Request<proto::PingRequest>,
+    ) -> Result<Response<proto::PingResponse>, Status> {
+        Ok(Response::new(proto::PingResponse {
+            version: crate::VERSION.to_string(),
+            pid: self.state.pid,
+            hostname: self.state.hostname.clone(),
+            started_at: self.state.started_at,
+        }))
+    }
+
+    async fn create_container(
+        &self,
+        req: Request<proto::CreateContainerRequest>,
+    ) -> Result<Response<proto::CreateContainerResponse>, Status> {
+        let pid = self.state.create(req.into_inner()).await?;
+        Ok(Response::new(proto::CreateContainerResponse { pid }))
+    }
+
+    async fn start_container(
+        &self,
+        req: Request<proto::StartContainerRequest>,
+    ) -> Result<Response<proto::StartContainerResponse>, Status> {
+        self.state.start(&req.into_inner().id).await?;
+        Ok(Response::new(proto::StartContainerResponse {}))
+    }
+
+    async fn signal_container(
+        &self,
+        req: Request<proto::SignalContainerRequest>,
+    ) -> Result<Response<proto::SignalContainerResponse>, Status> {
+        let req = req.into_inner();
+        let c = self.state.get(&req.id)?;
+        let sig = i32::try_from(req.signal)
+            .ok()
+            .and_then(|s| Signal::try_from(s).ok())
+            .ok_or_else(|| AgentError::InvalidArgument(format!("bad signal {}", req.signal)))?;
+        AgentState::signal(&c, sig, req.all)?;
+        Ok(Response::new(proto::SignalContainerResponse {}))
+    }
+
+    async fn wait_container(
+        &self,
+        req: Request<proto::WaitContainerRequest>,
+    ) -> Result<Response<proto::WaitContainerResponse>, Status> {
+        let c = self.state.get(&req.into_inner().id)?;
+        let exit = c.wait().await;
+        Ok(Response::new(proto::WaitContainerResponse {
+            exit: Some(exit),
+        }))
+    }
+
+    async fn container_status(
+        &self,
+        req: Request<proto::ContainerStatusRequest>,
+    ) -> Result<Response<proto::ContainerStatusResponse>, Status> {
+        let c = self.state.get(&req.into_inner().id)?;
+        Ok(Response::new(proto::ContainerStatusResponse {
+            info: Some(c.info()),
+        }))
+    }
+
+    async fn list_containers(
+        &self,
+        _req: Request<proto::ListContainersRequest>,
+    ) -> Result<Response<proto::ListContainersResponse>, Status> {
+        let mut containers: Vec<proto::ContainerInfo> =
+            self.state.table().values().map(|c| c.info()).collect();
+        containers.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(Response::new(proto::ListContainersResponse { containers }))
+    }
+
+    async fn delete_container(
+        &self,
+        req: Request<proto::DeleteContainerRequest>,
+    ) -> Result<Response<proto::DeleteContainerResponse>, Status> {
+        self.state.delete(&req.into_inner().id).await?;
+        Ok(Response::new(proto::DeleteContainerResponse {}))
+    }
+
+    async fn exec_sync(
+        &self,
+        req: Request<proto::ExecSyncRequest>,
+    ) -> Result<Response<proto::ExecSyncResponse>, Status> {
+        Ok(Response::new(self.state.exec_sync(req.into_inner()).await?))
+    }
+
+    type ExecStream = ReceiverStream<Result<proto::ExecOutput, Status>>;
+
+    async fn exec(
+        &self,
+        req: Request<Streaming<proto::ExecInput>>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        let mut input = req.into_inner();
+        let start = match input.message().await? {
+            Some(proto::ExecInput {
+                msg: Some(exec_input::Msg::Start(s)),
+            }) => s,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Exec message must be `start`",
+                ));
+            }
+        };
+        let c = self.state.get(&start.id)?;
+        let p = ExecParams {
+            args: &start.args,
+            env: &start.env,
+            cwd: &start.cwd,
+            tty: start.tty,
+            stdin: start.stdin,
+            size: start.size,
+        };
+        let proc_ = self.state.spawn_exec(&c, p).await?;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(drive_exec(proc_, input, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn stats(
+        &self,
+        req: Request<proto::StatsRequest>,
+    ) -> Result<Response<proto::StatsResponse>, Status> {
+        Ok(Response::new(self.state.stats(&req.into_inner().id)?))
+    }
+
+    async fn reopen_log(
+        &self,
+        req: Request<proto::ReopenLogRequest>,
+    ) -> Result<Response<proto::ReopenLogResponse>, Status> {
+        let c = self.state.get(&req.into_inner().id)?;
+        c.log
+            .reopen()
+            .map_err(|e| AgentError::internal("reopening the log", e))?;
+        Ok(Response::new(proto::ReopenLogResponse {}))
+    }
+
+    async fn shutdown(
+        &self,
+        _req: Request<proto::ShutdownRequest>,
+    ) -> Result<Response<proto::ShutdownResponse>, Status> {
+        self.state.shutdown_all().await;
+        self.state.request_exit();
+        Ok(Response::new(proto::ShutdownResponse {}))
+    }
+}

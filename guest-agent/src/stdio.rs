@@ -1,0 +1,179 @@
+//! Container stdio plumbing: pipes, pty masters received over a console socket, and an
+//! async wrapper for raw fds (pty masters are not pipes, so tokio's pipe types do not fit).
+
+use std::io::{self, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use nix::fcntl::OFlag;
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// A pipe with both ends close-on-exec: (read, write).
+pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(io::Error::from)
+}
+
+/// `/dev/null`, opened read-write and close-on-exec.
+pub fn dev_null() -> io::Result<OwnedFd> {
+    Ok(std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")?
+        .into())
+}
+
+fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    let flags = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)?;
+    let flags = OFlag::from_bits_retain(flags) | OFlag::O_NONBLOCK;
+    nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(flags))?;
+    Ok(())
+}
+
+/// An fd (a pty master) read and written asynchronously.
+pub struct AsyncFdIo {
+    fd: AsyncFd<OwnedFd>,
+}
+
+impl AsyncFdIo {
+    /// Wraps `fd`, switching it to non-blocking mode (shared with any dup of it).
+    pub fn new(fd: OwnedFd) -> io::Result<AsyncFdIo> {
+        set_nonblocking(&fd)?;
+        // SAFETY: an OwnedFd's raw fd is valid, stays open and refers to the same file
+        // description until the OwnedFd (owned by the AsyncFd) is dropped.
+        let fd = unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)?;
+        Ok(AsyncFdIo { fd })
+    }
+
+    pub fn raw(&self) -> RawFd {
+        self.fd.get_ref().as_raw_fd()
+    }
+}
+
+impl AsyncRead for AsyncFdIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            let mut guard = ready!(self.fd.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            match guard.try_io(|inner| {
+                nix::unistd::read(inner.get_ref().as_raw_fd(), unfilled).map_err(io::Error::from)
+            }) {
+                Ok(Ok(n)) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+impl AsyncWrite for AsyncFdIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            let mut guard = ready!(self.fd.poll_write_ready(cx))?;
+            match guard
+                .try_io(|inner| nix::unistd::write(inner.get_ref(), data).map_err(io::Error::from))
+            {
+                Ok(r) => return Poll::Ready(r),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Sets the window size of the terminal `fd` (a pty master).
+pub fn set_winsize(fd: RawFd, rows: u32, cols: u32) -> io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: rows.min(u16::MAX as u32) as u16,
+        ws_col: cols.min(u16::MAX as u32) as u16,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a `winsize` from the pointer, which points to a live local
+    // value of the right type for the duration of the call.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws as *const libc::winsize) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A console socket: libcontainer's container process connects to it and sends the pty
+/// master it created (SCM_RIGHTS).
+pub struct ConsoleSocket {
+    listener: UnixListener,
+}
+
+impl ConsoleSocket {
+    pub fn bind(path: &Path) -> io::Result<ConsoleSocket> {
+        let _ = std::fs::remove_file(path);
+        Ok(ConsoleSocket {
+            listener: UnixListener::bind(path)?,
+        })
+    }
+
+    /// Blocks until a pty master arrives (or `timeout` passes).
+    pub fn recv_master(self, timeout: Duration) -> io::Result<OwnedFd> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        let mut fds = [PollFd::new(self.listener.as_fd(), PollFlags::POLLIN)];
+        let n = poll(
+            &mut fds,
+            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+        )?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no pty master arrived on the console socket",
+            ));
+        }
+        let (stream, _) = self.listener.accept()?;
+        stream.set_read_timeout(Some(timeout))?;
+        let mut name = [0u8; 4096];
+        let mut iov = [IoSliceMut::new(&mut name)];
+        let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+        let msg = recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )?;
+        let mut got: Option<OwnedFd> = None;
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for fd in fds {
+                    // SAFETY: SCM_RIGHTS just installed `fd` in our table; nothing else
+                    // owns it, so wrapping it (and closing extras on drop) is sound.
+                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+                    if got.is_none() {
+                        got = Some(owned);
+                    }
+                }
+            }
+        }
+        got.ok_or_else(|| io::Error::other("console socket message carried no fd"))
+    }
+}

@@ -1,0 +1,277 @@
+//! Pod-level behaviour: shared network, hostname, logs rotation, OOM, stats, reconnects,
+//! crashes and shutdown.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use vessel_agent::proto;
+
+#[tokio::test]
+async fn containers_share_the_pod_network_not_pids() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    agent
+        .run(
+            &mut c,
+            "server",
+            &SpecBuilder::sh(
+                "echo pid=$$; hostname; mkdir -p /www; echo pong > /www/index.html; \
+                 exec httpd -f -p 8080 -h /www",
+            ),
+        )
+        .await;
+    agent
+        .run(
+            &mut c,
+            "client",
+            &SpecBuilder::sh(
+                "echo pid=$$; for i in $(seq 1 100); do \
+                 wget -q -O - http://127.0.0.1:8080/ && exit 0; sleep 0.1; done; exit 1",
+            ),
+        )
+        .await;
+    let exit = wait_exit(&mut c, "client").await;
+    let client_log = std::fs::read_to_string(agent.log_path("client")).unwrap();
+    assert_eq!(exit.exit_code, 0, "{client_log}");
+    assert!(client_log.contains("stdout F pong"), "{client_log}");
+    assert!(client_log.contains("stdout F pid=1"), "{client_log}");
+    let server_log = std::fs::read_to_string(agent.log_path("server")).unwrap();
+    assert!(server_log.contains("stdout F pid=1"), "{server_log}");
+    assert!(
+        server_log.contains(&format!("stdout F {}", agent.hostname)),
+        "{server_log}"
+    );
+    // The pod network is not the host's: nothing listens on the host's 8080 for us.
+    assert!(std::net::TcpStream::connect("127.0.0.1:8080").is_err());
+}
+
+#[tokio::test]
+async fn reopen_log_after_rotation() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    agent
+        .run(
+            &mut c,
+            "rot",
+            &SpecBuilder::sh("echo one; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo two"),
+        )
+        .await;
+    let log = agent.log_path("rot");
+    assert!(
+        eventually(Duration::from_secs(10), || std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("one"))
+        .await
+    );
+    let rotated = log.with_extension("log.1");
+    std::fs::rename(&log, &rotated).unwrap();
+    c.reopen_log(proto::ReopenLogRequest { id: "rot".into() })
+        .await
+        .unwrap();
+    c.exec_sync(proto::ExecSyncRequest {
+        id: "rot".into(),
+        args: vec!["touch".into(), "/tmp/go".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(wait_exit(&mut c, "rot").await.exit_code, 0);
+    let new = read_log(&log);
+    assert_eq!(new.len(), 1, "{new:?}");
+    assert_eq!(new[0].content, "two");
+    let old = read_log(&rotated);
+    assert_eq!(old.len(), 1);
+    assert_eq!(old[0].content, "one");
+}
+
+#[tokio::test]
+async fn oom_kill_is_reported() {
+    if skip_unless_root() {
+        return;
+    }
+    if !vessel_agent::cgroups::memory_controller_available() {
+        eprintln!("SKIP: the memory cgroup controller is not available");
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    // The init shell itself holds 64 MiB; the limit is 16 MiB.
+    agent
+        .run(
+            &mut c,
+            "hog",
+            &SpecBuilder::sh("x=$(head -c 67108864 /dev/zero | tr '\\0' a); echo ${#x}")
+                .memory_limit(16 * 1024 * 1024),
+        )
+        .await;
+    let exit = wait_exit(&mut c, "hog").await;
+    assert_eq!(exit.signal, 9, "{exit:?}");
+    assert!(exit.oom_killed, "{exit:?}");
+
+    // A plain SIGKILL is not an OOM kill.
+    agent
+        .run(
+            &mut c,
+            "victim",
+            &SpecBuilder::new(&["sleep", "1000"]).memory_limit(16 << 20),
+        )
+        .await;
+    c.signal_container(proto::SignalContainerRequest {
+        id: "victim".into(),
+        signal: 9,
+        all: false,
+    })
+    .await
+    .unwrap();
+    let exit = wait_exit(&mut c, "victim").await;
+    assert_eq!(exit.signal, 9);
+    assert!(!exit.oom_killed);
+}
+
+#[tokio::test]
+async fn stats_report_usage() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    agent
+        .run(
+            &mut c,
+            "busy",
+            &SpecBuilder::sh(
+                "head -c 1048576 /dev/zero > /tmp/blob; \
+                 i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; sleep 1000",
+            ),
+        )
+        .await;
+    let ok = eventually(Duration::from_secs(20), || {
+        let d = agent.tmp.path().join("rw/busy/upper/tmp/blob");
+        std::fs::metadata(d)
+            .map(|m| m.len() == 1 << 20)
+            .unwrap_or(false)
+    })
+    .await;
+    assert!(ok);
+    let s = c
+        .stats(proto::StatsRequest { id: "busy".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(s.timestamp > 0);
+    assert!(s.cpu_usage_ns > 0, "{s:?}");
+    assert!(s.memory_usage_bytes > 0, "{s:?}");
+    assert!(s.memory_working_set_bytes <= s.memory_usage_bytes);
+    assert!(s.pids >= 1, "{s:?}");
+    assert!(s.writable_layer_bytes >= 1 << 20, "{s:?}");
+    assert!(s.writable_layer_inodes >= 2, "{s:?}");
+}
+
+#[tokio::test]
+async fn exit_codes_survive_client_disconnect() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    {
+        let mut c = agent.client().await;
+        agent
+            .run(
+                &mut c,
+                "later",
+                &SpecBuilder::sh("sleep 1; echo bye; exit 5"),
+            )
+            .await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut c = agent.client().await;
+    let exit = wait_exit(&mut c, "later").await;
+    assert_eq!(exit.exit_code, 5);
+    assert!(exit.finished_at > 0);
+    let recs = read_log(&agent.log_path("later"));
+    assert_eq!(recs.len(), 1);
+    assert_eq!(recs[0].content, "bye");
+}
+
+#[tokio::test]
+async fn kill_9_of_the_agent_leaves_nothing_running_or_mounted() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    agent
+        .run(&mut c, "a", &SpecBuilder::new(&["sleep", "1000"]))
+        .await;
+    agent
+        .run(&mut c, "b", &SpecBuilder::sh("sleep 1000 & sleep 1000"))
+        .await;
+    let mut procs = Vec::new();
+    let all_up = eventually(Duration::from_secs(10), || {
+        procs = agent.descendants();
+        procs.len() >= 3
+    })
+    .await;
+    assert!(all_up, "{procs:?}");
+    // Inside the agent's mount namespace the overlays exist; on the host they never did.
+    assert!(agent.our_mounts().is_empty(), "{:?}", agent.our_mounts());
+    let ns_mounts = std::fs::read_to_string(format!("/proc/{}/mountinfo", agent.pid)).unwrap();
+    assert!(ns_mounts.contains(&agent.state_dir.to_string_lossy().to_string()));
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid),
+        nix::sys::signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(agent.wait_agent_gone(Duration::from_secs(10)));
+    let gone = eventually(Duration::from_secs(10), || {
+        procs
+            .iter()
+            .all(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+    })
+    .await;
+    assert!(gone, "container processes survived the agent");
+    assert!(agent.our_mounts().is_empty());
+}
+
+#[tokio::test]
+async fn shutdown_removes_containers_cgroups_and_state() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    agent
+        .run(&mut c, "a", &SpecBuilder::new(&["sleep", "1000"]))
+        .await;
+    agent
+        .run(
+            &mut c,
+            "b",
+            &SpecBuilder::sh("trap 'exit 0' TERM; while true; do sleep 0.1; done"),
+        )
+        .await;
+    assert_eq!(agent.container_cgroups().len() > 0, true);
+    let procs = agent.descendants();
+    c.shutdown(proto::ShutdownRequest {}).await.unwrap();
+    assert!(agent.wait_agent_gone(Duration::from_secs(30)));
+    assert!(procs
+        .iter()
+        .all(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()));
+    assert!(
+        agent.container_cgroups().is_empty(),
+        "{:?}",
+        agent.container_cgroups()
+    );
+    assert!(!agent.state_dir.exists());
+    assert!(!agent.socket.exists());
+    agent.assert_clean();
+}
