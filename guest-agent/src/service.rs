@@ -138,8 +138,14 @@ struct ExecParams<'a> {
 }
 
 impl AgentState {
+    /// `hostname` is reported by `Ping` only if the kernel's cannot be read.
     pub fn new(state_dir: PathBuf, libct: Libct, hostname: String) -> Arc<AgentState> {
         let (shutdown_tx, _) = watch::channel(false);
+        // The pod's hostname as set (or the host's, for host-network pods).
+        let hostname = nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or(hostname);
         Arc::new(AgentState {
             state_dir,
             libct,
