@@ -260,7 +260,7 @@ impl AgentState {
             args.push("--console-socket".into());
             args.push(path.into_os_string());
             console = Some(tokio::task::spawn_blocking(move || {
-                sock.recv_master(HELPER_TIMEOUT)
+                sock.recv_master(HELPER_TIMEOUT, None)
             }));
             stdio = None;
         } else {
@@ -486,9 +486,10 @@ impl AgentState {
             let sock = ConsoleSocket::bind(&path).map_err(io_internal("console socket"))?;
             args.push("--console-socket".into());
             args.push(path.clone().into_os_string());
+            let size = p.size.map(|s| (s.rows, s.cols));
             console = Some((
                 path,
-                tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT)),
+                tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT, size)),
             ));
             None
         } else {
@@ -541,9 +542,6 @@ impl AgentState {
                 .map_err(|e| AgentError::internal("console task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
             let _ = std::fs::remove_file(&path);
-            if let Some(size) = p.size {
-                let _ = set_winsize(master.as_raw_fd(), size.rows, size.cols);
-            }
             let w = master.try_clone().map_err(io_internal("dup"))?;
             let ctl = master.try_clone().map_err(io_internal("dup"))?;
             stdout = Some(Box::new(

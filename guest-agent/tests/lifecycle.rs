@@ -266,3 +266,23 @@ fn launcher_failure_leaves_nothing() {
     assert!(err.contains("agent.sock"), "{err}");
     assert!(!state.exists());
 }
+
+#[tokio::test]
+async fn oom_score_adj_is_applied_or_clamped() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    let mut spec = SpecBuilder::sh("cat /proc/self/oom_score_adj");
+    spec.oom_score_adj = Some(500);
+    agent.run(&mut c, "up", &spec).await;
+    assert_eq!(wait_exit(&mut c, "up").await.exit_code, 0);
+    assert_eq!(read_log(&agent.log_path("up"))[0].content, "500");
+    // Lowering needs CAP_SYS_RESOURCE; without it the agent's own value is used.
+    spec.oom_score_adj = Some(-500);
+    agent.run(&mut c, "down", &spec).await;
+    assert_eq!(wait_exit(&mut c, "down").await.exit_code, 0);
+    let got = read_log(&agent.log_path("down"))[0].content.clone();
+    assert!(got == "-500" || got == "0", "{got}");
+}
