@@ -524,11 +524,8 @@ impl AgentState {
                 if let Some((_, t)) = console {
                     t.abort();
                 }
-                return Err(match e {
-                    // libcontainer reports a stopped container as a bad status.
-                    AgentError::FailedPrecondition(m) => AgentError::FailedPrecondition(m),
-                    other => other,
-                });
+                // libcontainer reports a stopped container as FailedPrecondition.
+                return Err(e);
             }
             Err(_) => {
                 helper.kill();
