@@ -8,7 +8,6 @@
 use std::path::{Path, PathBuf};
 
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
 /// A container's cgroup directories.
 #[derive(Debug, Clone)]
@@ -33,7 +32,7 @@ pub struct CgroupStats {
 /// Whether `/sys/fs/cgroup` is a cgroup2 mount (unified mode).
 pub fn is_unified() -> bool {
     nix::sys::statfs::statfs(CGROUP_ROOT)
-        .map(|s| s.filesystem_type().0 as i64 == CGROUP2_SUPER_MAGIC)
+        .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
         .unwrap_or(false)
 }
 

@@ -3,6 +3,23 @@
 //! The same binary runs as PID 1 of a flat pod's namespaces on the host (see [`flat`]) and,
 //! later, as PID 1 of a microVM. It owns the pod's containers and drives them with youki's
 //! `libcontainer` through a re-executed helper (see [`libct`]).
+//!
+//! # Driving a flat agent (what vesseld needs to know)
+//!
+//! - Start `vessel-agent flat --socket S --state-dir D --hostname H [--share-host net,pid,ipc]`
+//!   with stdout a pipe; read one line `READY <pid>` (then EOF). A non-zero exit means it
+//!   failed (error on stderr) and left nothing behind. `<pid>` is the agent on the host: pin
+//!   the pod netns by bind-mounting `/proc/<pid>/ns/net`. Connect with
+//!   [`client::connect_unix`].
+//! - Specs: see [`spec`]: `root.path` is replaced; namespace `path: "agent"` joins the
+//!   agent's (= the pod's) namespace; give every container its own `linux.cgroupsPath`
+//!   (cgroupfs style, e.g. `/vessel/<pod>/<container>`). The agent removes the container's
+//!   own cgroup on delete, not its parents. After an agent crash (SIGKILL) the container
+//!   processes die with the pod's pid namespace (not so with `--share-host pid`) and the
+//!   overlay mounts vanish with its mount namespace, but the (empty) cgroups and the state
+//!   dir remain for vesseld to remove.
+//! - Exit codes are kept in memory until DeleteContainer; they survive client disconnects,
+//!   not agent restarts.
 
 /// The generated agent API (`proto/agent.proto`): `agent_client::AgentClient`,
 /// `agent_server::{Agent, AgentServer}` and the messages.

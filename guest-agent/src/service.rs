@@ -138,8 +138,14 @@ struct ExecParams<'a> {
 }
 
 impl AgentState {
+    /// `hostname` is reported by `Ping` only if the kernel's cannot be read.
     pub fn new(state_dir: PathBuf, libct: Libct, hostname: String) -> Arc<AgentState> {
         let (shutdown_tx, _) = watch::channel(false);
+        // The pod's hostname as set (or the host's, for host-network pods).
+        let hostname = nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or(hostname);
         Arc::new(AgentState {
             state_dir,
             libct,
@@ -254,7 +260,7 @@ impl AgentState {
             args.push("--console-socket".into());
             args.push(path.into_os_string());
             console = Some(tokio::task::spawn_blocking(move || {
-                sock.recv_master(HELPER_TIMEOUT)
+                sock.recv_master(HELPER_TIMEOUT, None)
             }));
             stdio = None;
         } else {
@@ -480,9 +486,10 @@ impl AgentState {
             let sock = ConsoleSocket::bind(&path).map_err(io_internal("console socket"))?;
             args.push("--console-socket".into());
             args.push(path.clone().into_os_string());
+            let size = p.size.map(|s| (s.rows, s.cols));
             console = Some((
                 path,
-                tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT)),
+                tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT, size)),
             ));
             None
         } else {
@@ -517,11 +524,8 @@ impl AgentState {
                 if let Some((_, t)) = console {
                     t.abort();
                 }
-                return Err(match e {
-                    // libcontainer reports a stopped container as a bad status.
-                    AgentError::FailedPrecondition(m) => AgentError::FailedPrecondition(m),
-                    other => other,
-                });
+                // libcontainer reports a stopped container as FailedPrecondition.
+                return Err(e);
             }
             Err(_) => {
                 helper.kill();
@@ -535,9 +539,6 @@ impl AgentState {
                 .map_err(|e| AgentError::internal("console task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
             let _ = std::fs::remove_file(&path);
-            if let Some(size) = p.size {
-                let _ = set_winsize(master.as_raw_fd(), size.rows, size.cols);
-            }
             let w = master.try_clone().map_err(io_internal("dup"))?;
             let ctl = master.try_clone().map_err(io_internal("dup"))?;
             stdout = Some(Box::new(

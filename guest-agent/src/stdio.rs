@@ -135,8 +135,10 @@ impl ConsoleSocket {
         })
     }
 
-    /// Blocks until a pty master arrives (or `timeout` passes).
-    pub fn recv_master(self, timeout: Duration) -> io::Result<OwnedFd> {
+    /// Blocks until a pty master arrives (or `timeout` passes), and gives it `size`
+    /// (rows, cols) at once. libcontainer ignores `process.consoleSize`, so the process may
+    /// start a moment before the size is set; clients resize later anyway.
+    pub fn recv_master(self, timeout: Duration, size: Option<(u32, u32)>) -> io::Result<OwnedFd> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         let mut fds = [PollFd::new(self.listener.as_fd(), PollFlags::POLLIN)];
@@ -174,6 +176,10 @@ impl ConsoleSocket {
                 }
             }
         }
-        got.ok_or_else(|| io::Error::other("console socket message carried no fd"))
+        let master = got.ok_or_else(|| io::Error::other("console socket message carried no fd"))?;
+        if let Some((rows, cols)) = size {
+            set_winsize(master.as_raw_fd(), rows, cols)?;
+        }
+        Ok(master)
     }
 }

@@ -123,12 +123,16 @@ async fn exec_sync_stream_and_signal() {
     assert_eq!(code, Some(0));
     drop(tx);
 
-    // Streaming exec with a tty.
+    // Streaming exec with a tty: the initial size, then a resize.
     let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let script = "tty; \
+        for i in $(seq 1 50); do [ \"$(stty size)\" = '33 77' ] && break; sleep 0.05; done; \
+        echo size=$(stty size); \
+        while [ \"$(stty size)\" != '50 100' ]; do sleep 0.05; done; echo resized";
     tx.send(proto::ExecInput {
         msg: Some(exec_input::Msg::Start(proto::ExecStart {
             id: "sleeper".into(),
-            args: vec!["sh".into(), "-c".into(), "tty; stty size".into()],
+            args: vec!["sh".into(), "-c".into(), script.into()],
             tty: true,
             size: Some(proto::WindowSize { rows: 33, cols: 77 }),
             ..Default::default()
@@ -143,17 +147,34 @@ async fn exec_sync_stream_and_signal() {
         .into_inner();
     let mut text = Vec::new();
     let mut code = None;
-    while let Some(m) = out.message().await.unwrap() {
+    let mut resized = false;
+    while let Some(m) = tokio::time::timeout(Duration::from_secs(20), out.message())
+        .await
+        .expect("tty exec stalled")
+        .unwrap()
+    {
         match m.msg.unwrap() {
             exec_output::Msg::Stdout(d) => text.extend_from_slice(&d),
             exec_output::Msg::ExitCode(c) => code = Some(c),
             exec_output::Msg::Stderr(_) => panic!("no stderr with a tty"),
         }
+        if !resized && String::from_utf8_lossy(&text).contains("size=") {
+            resized = true;
+            tx.send(proto::ExecInput {
+                msg: Some(exec_input::Msg::Resize(proto::WindowSize {
+                    rows: 50,
+                    cols: 100,
+                })),
+            })
+            .await
+            .unwrap();
+        }
     }
     let text = String::from_utf8_lossy(&text);
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("/dev/pts/"), "{text}");
-    assert!(text.contains("33 77"), "{text}");
+    assert!(text.contains("size=33 77"), "{text}");
+    assert!(text.contains("resized"), "{text}");
     drop(tx);
 
     // SIGTERM to a container whose init handles it.

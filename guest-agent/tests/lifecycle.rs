@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use vessel_agent::proto;
 
@@ -116,5 +114,175 @@ async fn echo_logs_and_exit_codes() {
         .unwrap()
         .collect();
     assert!(left.is_empty());
-    let _ = Duration::from_secs(0);
+}
+
+#[tokio::test]
+async fn delete_created_and_running_containers() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    let pid = c
+        .create_container(agent.create_request("created", &SpecBuilder::sh("echo never")))
+        .await
+        .unwrap()
+        .into_inner()
+        .pid;
+    assert!(pid > 1);
+    let info = c
+        .container_status(proto::ContainerStatusRequest {
+            id: "created".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info
+        .unwrap();
+    assert_eq!(info.state, proto::ContainerState::Created as i32);
+    assert_eq!(info.pid, pid);
+    // A second create with the same id fails.
+    let e = c
+        .create_container(agent.create_request("created", &SpecBuilder::sh("true")))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::AlreadyExists);
+
+    agent
+        .run(&mut c, "running", &SpecBuilder::new(&["sleep", "1000"]))
+        .await;
+    // Many concurrent waiters.
+    let waiters: Vec<_> = (0..4)
+        .map(|_| {
+            let mut c = c.clone();
+            tokio::spawn(async move { wait_exit(&mut c, "running").await })
+        })
+        .collect();
+    assert_eq!(
+        agent.container_cgroups().len(),
+        2 * agent.cgroup_dirs().len()
+    );
+    for id in ["created", "running"] {
+        c.delete_container(proto::DeleteContainerRequest { id: id.into() })
+            .await
+            .unwrap();
+    }
+    for w in waiters {
+        assert_eq!(w.await.unwrap().signal, 9);
+    }
+    assert!(agent.container_cgroups().is_empty());
+    let log = std::fs::read_to_string(agent.log_path("created")).unwrap_or_default();
+    assert!(!log.contains("never"));
+    let e = c
+        .container_status(proto::ContainerStatusRequest {
+            id: "created".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+}
+
+#[tokio::test]
+async fn tty_container_and_path_rootfs() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    let mut req = agent.create_request("tty", &SpecBuilder::sh("tty; echo hi; exit 4"));
+    req.tty = true;
+    c.create_container(req).await.unwrap();
+    c.start_container(proto::StartContainerRequest { id: "tty".into() })
+        .await
+        .unwrap();
+    assert_eq!(wait_exit(&mut c, "tty").await.exit_code, 4);
+    let recs = read_log(&agent.log_path("tty"));
+    assert!(recs.iter().all(|r| r.stream == "stdout"), "{recs:?}");
+    assert!(
+        recs.iter().any(|r| r.content.starts_with("/dev/pts/")),
+        "{recs:?}"
+    );
+    assert!(
+        recs.iter().any(|r| r.content.trim_end() == "hi"),
+        "{recs:?}"
+    );
+
+    // A plain directory as rootfs (bind-mounted by libcontainer, not by us).
+    let dir = agent.tmp.path().join("plain");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tar = vessel_images::testimages::busybox_rootfs().finish();
+    vessel_images::unpack::unpack_layer(
+        &tar[..],
+        &dir,
+        &vessel_images::unpack::UnpackOptions {
+            lowers: vec![],
+            same_owner: true,
+        },
+    )
+    .unwrap();
+    let mut req =
+        agent.create_request("plain", &SpecBuilder::sh("echo plain > /tmp/x; cat /tmp/x"));
+    req.rootfs = Some(proto::Rootfs {
+        kind: Some(proto::rootfs::Kind::Path(dir.to_string_lossy().into())),
+    });
+    c.create_container(req).await.unwrap();
+    c.start_container(proto::StartContainerRequest { id: "plain".into() })
+        .await
+        .unwrap();
+    assert_eq!(wait_exit(&mut c, "plain").await.exit_code, 0);
+    assert!(dir.join("tmp/x").exists());
+    let s = c
+        .stats(proto::StatsRequest { id: "plain".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((s.writable_layer_bytes, s.writable_layer_inodes), (0, 0));
+}
+
+#[test]
+fn launcher_failure_leaves_nothing() {
+    if skip_unless_root() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    // A socket path that cannot be created: its parent is a regular file.
+    std::fs::write(tmp.path().join("file"), b"").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vessel-agent"))
+        .args(["flat", "--hostname", "x", "--socket"])
+        .arg(tmp.path().join("file/agent.sock"))
+        .arg("--state-dir")
+        .arg(&state)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        out.stdout.is_empty(),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("agent.sock"), "{err}");
+    assert!(!state.exists());
+}
+
+#[tokio::test]
+async fn oom_score_adj_is_applied_or_clamped() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    let mut spec = SpecBuilder::sh("cat /proc/self/oom_score_adj");
+    spec.oom_score_adj = Some(500);
+    agent.run(&mut c, "up", &spec).await;
+    assert_eq!(wait_exit(&mut c, "up").await.exit_code, 0);
+    assert_eq!(read_log(&agent.log_path("up"))[0].content, "500");
+    // Lowering needs CAP_SYS_RESOURCE; without it the agent's own value is used.
+    spec.oom_score_adj = Some(-500);
+    agent.run(&mut c, "down", &spec).await;
+    assert_eq!(wait_exit(&mut c, "down").await.exit_code, 0);
+    let got = read_log(&agent.log_path("down"))[0].content.clone();
+    assert!(got == "-500" || got == "0", "{got}");
 }

@@ -259,7 +259,7 @@ async fn shutdown_removes_containers_cgroups_and_state() {
             &SpecBuilder::sh("trap 'exit 0' TERM; while true; do sleep 0.1; done"),
         )
         .await;
-    assert_eq!(agent.container_cgroups().len() > 0, true);
+    assert!(!agent.container_cgroups().is_empty());
     let procs = agent.descendants();
     c.shutdown(proto::ShutdownRequest {}).await.unwrap();
     assert!(agent.wait_agent_gone(Duration::from_secs(30)));
@@ -273,5 +273,101 @@ async fn shutdown_removes_containers_cgroups_and_state() {
     );
     assert!(!agent.state_dir.exists());
     assert!(!agent.socket.exists());
+    agent.assert_clean();
+}
+
+#[tokio::test]
+async fn joining_the_agent_pid_namespace() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    let mut spec = SpecBuilder::sh("echo pid=$$; ps -o pid,comm | grep -c . ; sleep 1000");
+    spec.namespaces[0] = serde_json::json!({"type": "pid", "path": "agent"});
+    agent.run(&mut c, "shared", &spec).await;
+    let r = c
+        .exec_sync(proto::ExecSyncRequest {
+            id: "shared".into(),
+            args: vec!["cat".into(), "/proc/1/cmdline".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // PID 1 of the pod is the agent.
+    assert!(
+        String::from_utf8_lossy(&r.stdout).contains("vessel-agent"),
+        "{:?}",
+        String::from_utf8_lossy(&r.stdout)
+    );
+    let log = agent.log_path("shared");
+    assert!(
+        eventually(Duration::from_secs(10), || std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("pid="))
+        .await
+    );
+    assert!(!std::fs::read_to_string(&log).unwrap().contains("pid=1\n"));
+    c.delete_container(proto::DeleteContainerRequest {
+        id: "shared".into(),
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn sharing_host_namespaces() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start_with(&["--share-host", "net,pid,ipc"]);
+    let mut c = agent.client().await;
+    let ping = c.ping(proto::PingRequest {}).await.unwrap().into_inner();
+    assert_eq!(ping.pid as i32, agent.pid, "host pid namespace");
+    let host_name = nix::unistd::gethostname().unwrap();
+    assert_eq!(ping.hostname, host_name.to_string_lossy());
+    let mut spec = SpecBuilder::sh("hostname; cat /proc/net/dev | grep -c :");
+    spec.namespaces.retain(|n| n["type"] != "uts");
+    agent.run(&mut c, "h", &spec).await;
+    assert_eq!(wait_exit(&mut c, "h").await.exit_code, 0);
+    let recs = read_log(&agent.log_path("h"));
+    // Host network pods keep the host's hostname.
+    assert_eq!(recs[0].content, host_name.to_string_lossy(), "{recs:?}");
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{}/ns/net", agent.pid)).unwrap(),
+        std::fs::read_link("/proc/self/ns/net").unwrap()
+    );
+    c.shutdown(proto::ShutdownRequest {}).await.unwrap();
+    assert!(agent.wait_agent_gone(Duration::from_secs(30)));
+    agent.assert_clean();
+}
+
+#[tokio::test]
+async fn sigterm_shuts_the_agent_down() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    agent
+        .run(
+            &mut c,
+            "t",
+            &SpecBuilder::sh("trap 'exit 0' TERM; while true; do sleep 0.1; done"),
+        )
+        .await;
+    assert_ne!(
+        std::fs::read_link(format!("/proc/{}/ns/net", agent.pid)).unwrap(),
+        std::fs::read_link("/proc/self/ns/net").unwrap(),
+        "the pod has its own netns, pinnable at /proc/<READY pid>/ns/net"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid),
+        nix::sys::signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(agent.wait_agent_gone(Duration::from_secs(20)));
+    assert!(!agent.state_dir.exists());
     agent.assert_clean();
 }

@@ -87,10 +87,14 @@ impl TestAgent {
             .stdout(Stdio::piped())
             .stderr(log_file);
         let mut child = cmd.spawn().unwrap();
+        // The whole of stdout is one READY line: neither the agent nor its containers keep
+        // the launcher's stdout pipe open, so this reaches EOF.
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let mut rest = String::new();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        out.read_line(&mut line).unwrap();
+        std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
         let status = child.wait().unwrap();
         let agent_log_text = std::fs::read_to_string(&agent_log).unwrap_or_default();
         assert!(
@@ -345,6 +349,7 @@ pub struct SpecBuilder {
     pub uid: u32,
     pub gid: u32,
     pub memory_limit: Option<i64>,
+    pub oom_score_adj: Option<i32>,
     pub namespaces: Vec<Value>,
 }
 
@@ -360,6 +365,7 @@ impl SpecBuilder {
             uid: 0,
             gid: 0,
             memory_limit: None,
+            oom_score_adj: None,
             namespaces: vec![
                 json!({"type": "pid"}),
                 json!({"type": "ipc"}),
@@ -456,6 +462,10 @@ impl SpecBuilder {
                 "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"]
             }
         });
+        let mut spec = spec;
+        if let Some(adj) = self.oom_score_adj {
+            spec["process"]["oomScoreAdj"] = json!(adj);
+        }
         serde_json::to_vec(&spec).unwrap()
     }
 }
