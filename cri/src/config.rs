@@ -177,6 +177,13 @@ impl Config {
                 return Err(invalid(format!("{k} must be an absolute path, not {v:?}")));
             }
         }
+        // Pod agent sockets live at <state_dir>/agents/<32 hex>.sock.
+        if self.daemon.state_dir.as_os_str().len() + 45 > 107 {
+            return Err(invalid(format!(
+                "daemon.state_dir {:?} is too long: pod agent sockets under it would exceed the 107-byte unix socket path limit",
+                self.daemon.state_dir
+            )));
+        }
         // A unix socket path is limited to 107 bytes.
         if self.daemon.socket.as_os_str().len() > 107 {
             return Err(invalid(format!(

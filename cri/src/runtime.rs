@@ -414,7 +414,7 @@ impl Runtime {
             created_at: state::now_nanos(),
             agent_pid: 0,
             agent_start_time: 0,
-            agent_socket: run_dir.join("agent.sock"),
+            agent_socket: self.dirs.agent_socket(id),
             agent_state_dir: run_dir.join("agent"),
             netns_path: if share.net {
                 PathBuf::new()
@@ -702,6 +702,9 @@ impl Runtime {
             ));
         }
         let pod = self.pod(pod_id)?;
+        // Creation and pod stop/remove exclude each other: no container appears in a pod
+        // that is going away.
+        let _pod_op = pod.op.lock().await;
         let prec = pod.record();
         if prec.state != PodState::Ready {
             return Err(RuntimeError::FailedPrecondition(format!(
@@ -1153,6 +1156,11 @@ impl Runtime {
         self.store
             .remove_snapshot(&rec.snapshot)
             .map_err(|e| RuntimeError::Internal(format!("removing rootfs of {}: {e}", rec.id)))?;
+        // The agent removes the cgroup of containers it deletes; one whose agent died is ours.
+        if let Ok(pod) = self.pod(&rec.pod_id) {
+            let parent = pod.record().cgroup_parent;
+            flat::remove_cgroup(&format!("{}/{}", parent.trim_end_matches('/'), rec.id));
+        }
         self.dirs
             .delete_container(&rec.id)
             .map_err(|e| internal("removing record")(&e))?;
@@ -1309,17 +1317,28 @@ impl Runtime {
             ));
         }
         let (rec, mut c) = self.running(id, "ExecSync").await?;
-        let r = c
-            .exec_sync(ap::ExecSyncRequest {
-                id: rec.id.clone(),
-                args: cmd.clone(),
-                env: vec![],
-                cwd: String::new(),
-                timeout_ms: (timeout_secs.max(0) as u64) * 1000,
-            })
-            .await
-            .map_err(|s| agent_err(&format!("ExecSync in {}", rec.id), s))?
-            .into_inner();
+        let call = c.exec_sync(ap::ExecSyncRequest {
+            id: rec.id.clone(),
+            args: cmd.clone(),
+            env: vec![],
+            cwd: String::new(),
+            timeout_ms: (timeout_secs.max(0) as u64) * 1000,
+        });
+        // The agent enforces the timeout; ours is a backstop in case it cannot.
+        let r = if timeout_secs > 0 {
+            tokio::time::timeout(Duration::from_secs(timeout_secs as u64 + 10), call)
+                .await
+                .map_err(|_| {
+                    RuntimeError::DeadlineExceeded(format!(
+                        "ExecSync in container {}: command {:?} timed out after {timeout_secs}s",
+                        rec.id, cmd
+                    ))
+                })?
+        } else {
+            call.await
+        }
+        .map_err(|s| agent_err(&format!("ExecSync in {}", rec.id), s))?
+        .into_inner();
         if r.timed_out {
             return Err(RuntimeError::DeadlineExceeded(format!(
                 "ExecSync in container {}: command {:?} timed out after {timeout_secs}s",

@@ -612,16 +612,26 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     }
 
     // Namespaces.
+    // Without any NamespaceOption a container gets its own pid and ipc namespaces (and
+    // always its own uts and mount ones); an explicit option is followed as CRI defines it
+    // (POD, the proto default, shares the pod's).
+    let unshared = cri::NamespaceOption {
+        network: cri::NamespaceMode::Pod as i32,
+        pid: cri::NamespaceMode::Container as i32,
+        ipc: cri::NamespaceMode::Container as i32,
+        ..Default::default()
+    };
     let pod_ns = input
         .pod
         .linux
         .as_ref()
         .and_then(|l| l.security_context.as_ref())
-        .and_then(|s| s.namespace_options.clone())
-        .unwrap_or_default();
+        .and_then(|s| s.namespace_options.clone());
     let ns = sc
         .and_then(|s| s.namespace_options.clone())
-        .unwrap_or(pod_ns.clone());
+        .or_else(|| pod_ns.clone())
+        .unwrap_or_else(|| unshared.clone());
+    let pod_ns = pod_ns.unwrap_or(unshared);
     let host_net = ns_mode(pod_ns.network) == cri::NamespaceMode::Node;
     let mut namespaces = vec![json!({"type": "mount"})];
     if !host_net {

@@ -150,7 +150,14 @@ impl StateDirs {
     pub fn pod_dir(&self, id: &str) -> PathBuf {
         self.pods_dir().join(id)
     }
-    /// Runtime files of a pod (agent socket and state), cleared by a reboot.
+    /// The agent socket of a pod: short, because a Unix socket path has at most 107 bytes.
+    pub fn agent_socket(&self, id: &str) -> PathBuf {
+        self.run
+            .join("agents")
+            .join(format!("{}.sock", &id[..id.len().min(32)]))
+    }
+
+    /// Runtime files of a pod (agent state), cleared by a reboot.
     pub fn pod_run_dir(&self, id: &str) -> PathBuf {
         self.run.join("pods").join(id)
     }
@@ -191,7 +198,9 @@ impl StateDirs {
         let dir = self.pod_dir(id);
         fsutil::remove_any(&dir).map_err(io("remove", &dir))?;
         let run = self.pod_run_dir(id);
-        fsutil::remove_any(&run).map_err(io("remove", &run))
+        fsutil::remove_any(&run).map_err(io("remove", &run))?;
+        let sock = self.agent_socket(id);
+        fsutil::remove_any(&sock).map_err(io("remove", &sock))
     }
 
     pub fn load_pods(&self) -> Vec<PodRecord> {

@@ -511,6 +511,36 @@ async fn two_containers_share_localhost() {
         String::from_utf8_lossy(&r.stdout).starts_with("httpd"),
         "{r:?}"
     );
+    // An explicit POD pid mode shares the pod's pid namespace, whose pid 1 is the agent.
+    let mut cfg = h.ctr_config("shared", "sleep 1000");
+    cfg.linux = Some(cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                pid: cri::NamespaceMode::Pod as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let shared = h.create(&pod, &pcfg, cfg).await.unwrap();
+    h.start(&shared).await;
+    let r = h
+        .exec(
+            &shared,
+            &["sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '"],
+            5,
+        )
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&r.stdout).contains("vessel-agent flat"),
+        "{}",
+        String::from_utf8_lossy(&r.stdout)
+    );
+    let r = h.exec(&shared, &["ps"], 5).await.unwrap();
+    let ps = String::from_utf8_lossy(&r.stdout);
+    assert!(ps.contains("httpd") && ps.contains("sleep 1000"), "{ps}");
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
