@@ -932,6 +932,8 @@ impl Runtime {
         }
         let pod = self.pod(&rec.pod_id)?;
         let mut c = self.client(&pod).await?;
+        // Stamped before the call: a process that exits at once must not finish before it started.
+        let started_at = state::now_nanos();
         if let Err(s) = c
             .start_container(ap::StartContainerRequest { id: rec.id.clone() })
             .await
@@ -948,8 +950,13 @@ impl Runtime {
             return Err(e);
         }
         let rec = ctr.update(|r| {
-            r.state = ContainerState::Running;
-            r.started_at = state::now_nanos();
+            if r.state == ContainerState::Created {
+                r.state = ContainerState::Running;
+            }
+            r.started_at = started_at;
+            if r.finished_at != 0 && r.finished_at < started_at {
+                r.finished_at = started_at;
+            }
         });
         self.dirs
             .save_container(&rec)
@@ -971,7 +978,8 @@ impl Runtime {
                     exit.finished_at
                 } else {
                     state::now_nanos()
-                };
+                }
+                .max(r.started_at);
             }
         });
         if let Err(e) = self.dirs.save_container(&rec) {
