@@ -1,1 +1,161 @@
-//! vessel benchmarks live in `benches/`; this library is empty.
+//! Helpers shared by vessel's benchmarks: which binaries to measure, statistics, machine
+//! information and result files.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The workspace root (benches/ is one level down).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The target directory the running bench binary was built in (it runs from
+/// `<T>/release/deps/`), else `$CARGO_TARGET_DIR`, else `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(t) = exe
+            .parent()
+            .and_then(|d| d.parent())
+            .and_then(|d| d.parent())
+        {
+            if t.join("release").is_dir() || t.join("debug").is_dir() {
+                return t.to_path_buf();
+            }
+        }
+    }
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// Release builds of `vesseld` and `vessel-agent` from the checked-out sources (a no-op when
+/// up to date), unless `VESSELD` names a binary to use as is (its `vessel-agent` sibling is
+/// then used). Returns the vesseld path.
+pub fn release_binaries() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("VESSELD") {
+        return Ok(PathBuf::from(p));
+    }
+    let t = target_dir();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(workspace_root())
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "vessel-cri",
+            "-p",
+            "vessel-agent",
+            "--target-dir",
+        ])
+        .arg(&t)
+        .status()
+        .context("running cargo build --release for vesseld and vessel-agent")?;
+    anyhow::ensure!(status.success(), "cargo build --release failed");
+    Ok(t.join("release/vesseld"))
+}
+
+/// Order statistics of a sample, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Stats {
+    pub n: usize,
+    pub median: f64,
+    pub p95: f64,
+    pub min: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+impl Stats {
+    pub fn of(samples: &[f64]) -> Option<Stats> {
+        if samples.is_empty() {
+            return None;
+        }
+        let mut v = samples.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        // Nearest-rank p95.
+        let rank = ((0.95 * n as f64).ceil() as usize).clamp(1, n);
+        Some(Stats {
+            n,
+            median,
+            p95: v[rank - 1],
+            min: v[0],
+            max: v[n - 1],
+            mean: v.iter().sum::<f64>() / n as f64,
+        })
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        let r = |x: f64| (x * 100.0).round() / 100.0;
+        serde_json::json!({
+            "n": self.n, "median_ms": r(self.median), "p95_ms": r(self.p95),
+            "min_ms": r(self.min), "max_ms": r(self.max), "mean_ms": r(self.mean),
+        })
+    }
+}
+
+fn cmd_out(cmd: &mut Command) -> Option<String> {
+    let o = cmd.output().ok()?;
+    o.status
+        .success()
+        .then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
+/// What machine and software a result was measured on.
+pub fn machine_info() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    });
+    serde_json::json!({
+        "hostname": cmd_out(&mut Command::new("hostname")),
+        "kernel": cmd_out(Command::new("uname").arg("-srv")),
+        "cpu_model": cpu,
+        "nproc": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "loadavg": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
+        "rustc": cmd_out(Command::new("rustc").arg("--version")),
+        "vessel_commit": cmd_out(Command::new("git").current_dir(workspace_root()).args(["rev-parse", "HEAD"])),
+    })
+}
+
+/// Writes `value` to `benches/results/<name>-<hostname>-<date>.json` and returns the path.
+pub fn write_result(name: &str, value: &serde_json::Value) -> Result<PathBuf> {
+    let dir = workspace_root().join("benches/results");
+    std::fs::create_dir_all(&dir)?;
+    let host = cmd_out(&mut Command::new("hostname")).unwrap_or_else(|| "unknown".into());
+    let date = chrono::Utc::now().format("%Y-%m-%d");
+    let p = dir.join(format!("{name}-{host}-{date}.json"));
+    std::fs::write(&p, serde_json::to_string_pretty(value)? + "\n")?;
+    Ok(p)
+}
+
+/// Proportional set size of a process in KiB (from smaps_rollup).
+pub fn pss_kib(pid: u32) -> Option<u64> {
+    field_kib(&format!("/proc/{pid}/smaps_rollup"), "Pss:")
+}
+
+/// Resident set size of a process in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    field_kib(&format!("/proc/{pid}/status"), "VmRSS:")
+}
+
+fn field_kib(path: &str, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}

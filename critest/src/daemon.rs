@@ -87,7 +87,10 @@ impl Vesseld {
             .arg("serve")
             .env(
                 "RUST_LOG",
-                "debug,h2=info,hyper=info,tower=info,reqwest=info,rustls=info,hyper_util=info",
+                std::env::var("VESSEL_TEST_RUST_LOG").unwrap_or_else(|_| {
+                    "debug,h2=info,hyper=info,tower=info,reqwest=info,rustls=info,hyper_util=info"
+                        .into()
+                }),
             )
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
