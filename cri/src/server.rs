@@ -68,6 +68,7 @@ impl Daemon {
             return Err(ServeError::AlreadyRunning { path: lock_path });
         }
         let store = Arc::new(ImageStore::open(config.image_root())?);
+        store.collect_crash_leftovers()?;
         let puller = Arc::new(Puller::new(store.clone(), config.pull_config()));
         Ok(Daemon {
             config,

@@ -658,9 +658,26 @@ async fn store_survives_kill9_restart() {
     // Debris a crash could leave: a half-written blob of a dead process.
     let debris = v.root_dir().join("images/tmp/2147483632.blob.1.tmp");
     std::fs::write(&debris, b"partial").unwrap();
+    // What a crash between a pull's writes and its durability barrier leaves: a blob and a
+    // layer that no record references (and whose content may not have reached the disk).
+    let orphan_blob = v
+        .root_dir()
+        .join("images/blobs/sha256")
+        .join("ab".repeat(32));
+    std::fs::write(&orphan_blob, b"unsynced").unwrap();
+    let orphan_layer = v.root_dir().join("images/layers").join("cd".repeat(32));
+    std::fs::create_dir_all(orphan_layer.join("etc")).unwrap();
     v.kill9();
     v.restart().unwrap();
     let mut c = v.client().await;
+    assert!(
+        !orphan_blob.exists(),
+        "unreferenced blob survived a restart"
+    );
+    assert!(
+        !orphan_layer.exists(),
+        "unreferenced layer survived a restart"
+    );
     let after = list(&mut c).await;
     assert_eq!(before, after);
     assert!(status(&mut c, &name).await.is_some());

@@ -217,6 +217,7 @@ async fn tty_container_and_path_rootfs() {
         &vessel_images::unpack::UnpackOptions {
             lowers: vec![],
             same_owner: true,
+            skip_sync: false,
         },
     )
     .unwrap();

@@ -119,6 +119,8 @@ fn ingest_dir(store: &ImageStore, dir: &Path) -> Result<Files> {
 
 /// Imports every image of the archive or layout at `path`. Returns the records written.
 pub fn import(store: &ImageStore, path: &Path, opts: &ImportOptions) -> Result<Vec<ImageRecord>> {
+    // Keeps a starting vesseld from garbage-collecting what we ingest before it is recorded.
+    let _import = store.import_lock()?;
     let meta = std::fs::metadata(path).map_err(ImageError::io("stat", path))?;
     let files = if meta.is_dir() {
         ingest_dir(store, path)?

@@ -33,6 +33,9 @@ pub struct UnpackOptions {
     pub lowers: Vec<PathBuf>,
     /// Whether to apply ownership (lchown) from the tar headers. true when running as root.
     pub same_owner: bool,
+    /// Leave durability to the caller (the image store syncs once per pull, before the
+    /// record that makes the layer reachable). By default the filesystem is synced at the end.
+    pub skip_sync: bool,
 }
 
 /// What applying a layer found.
@@ -108,7 +111,9 @@ pub fn unpack_layer<R: Read>(
     let (diff_id, tar_size, _) = hashing.finish();
 
     unpacker.finish_dirs()?;
-    rfs::syncfs(&unpacker.root).map_err(|e| io_err(b".", "syncfs", e))?;
+    if !opts.skip_sync {
+        rfs::syncfs(&unpacker.root).map_err(|e| io_err(b".", "syncfs", e))?;
+    }
     tracing::debug!(
         dest = %dest.display(),
         %diff_id,
@@ -1286,6 +1291,7 @@ mod tests {
         UnpackOptions {
             lowers: Vec::new(),
             same_owner: true,
+            skip_sync: false,
         }
     }
 
@@ -1409,6 +1415,7 @@ mod tests {
         let opts = UnpackOptions {
             lowers: vec![lower.path().to_path_buf()],
             same_owner: true,
+            skip_sync: false,
         };
         unpack_layer(&bytes[..], t.path(), &opts).unwrap();
         let a = lmeta(&t.path().join("usr/bin/tool"));

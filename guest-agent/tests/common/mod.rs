@@ -70,6 +70,7 @@ impl TestAgent {
             &vessel_images::unpack::UnpackOptions {
                 lowers: vec![],
                 same_owner: true,
+                skip_sync: false,
             },
         )
         .unwrap();
