@@ -22,6 +22,17 @@ enum Cmd {
         #[arg(long, default_value = "/dev/kvm")]
         device: std::path::PathBuf,
     },
+    /// Boot a VM from a JSON (or .toml) spec and exit with the guest's outcome
+    /// (0 poweroff, 10 reboot, 11 panic, 12 stopped by SIGTERM/SIGINT, 1 error).
+    /// Prints one JSON line on stdout: the outcome and the times (ms since start) of
+    /// `vessel-event: NAME` lines the guest printed on its console.
+    Run {
+        #[arg(long)]
+        spec: std::path::PathBuf,
+        /// Stop the guest after this many seconds.
+        #[arg(long)]
+        timeout: Option<f64>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -34,6 +45,10 @@ fn main() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Run { spec, timeout } => {
+            let code = run(&spec, timeout)?;
+            std::process::exit(code);
+        }
         Cmd::Probe { json, device } => {
             let r = vessel_vmm::probe::probe_with(&vessel_vmm::probe::ProbeOptions {
                 device,
@@ -65,4 +80,66 @@ fn main() -> Result<()> {
             });
         }
     }
+}
+
+fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    // SIGTERM/SIGINT are taken by a thread with sigwait; block them before any thread starts.
+    let signals = [libc::SIGTERM, libc::SIGINT];
+    // SAFETY: sigset_t is plain data initialised by sigemptyset before use; the set is only
+    // read by pthread_sigmask and sigwait.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in signals {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let cfg = vessel_shim::read_spec(spec)?;
+    let vm = match vessel_vmm::vm::Vm::new(&cfg) {
+        Ok(vm) => vm,
+        Err(e) => {
+            eprintln!("vessel-shim: {e}");
+            println!(
+                "{}",
+                serde_json::json!({"outcome": "error", "detail": e.to_string()})
+            );
+            return Ok(1);
+        }
+    };
+    let control = vm.control();
+    let built_ms = start.elapsed().as_secs_f64() * 1e3;
+    let running = vm.start()?;
+    let c2 = control.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `set` is a valid, initialised signal set and `sig` a valid out pointer.
+            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+                tracing::info!(sig, "stopping the guest");
+                c2.finish(vessel_vmm::vm::Outcome::Stopped);
+            }
+        })?;
+    let outcome = running.wait(timeout.map(Duration::from_secs_f64));
+    let events: serde_json::Map<String, serde_json::Value> = control
+        .events()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                serde_json::json!(t.duration_since(start).as_secs_f64() * 1e3),
+            )
+        })
+        .collect();
+    let total_ms = start.elapsed().as_secs_f64() * 1e3;
+    let mut out = serde_json::to_value(&outcome)?;
+    out["built_ms"] = serde_json::json!(built_ms);
+    out["total_ms"] = serde_json::json!(total_ms);
+    out["events"] = serde_json::Value::Object(events);
+    println!("{out}");
+    Ok(vessel_shim::exit_code(&outcome))
 }

@@ -2,7 +2,12 @@
 //! vm-superio, virtio-queue, virtio-vsock).
 //!
 //! * [`probe`]: is KVM present and fast enough to run guests?
+//! * [`vm`]: build a VM from a [`vm::VmConfig`], run it, get its [`vm::Outcome`].
 
 pub mod arch;
+pub mod boot;
+pub mod devices;
 pub mod kick;
+pub mod mptable;
 pub mod probe;
+pub mod vm;

@@ -1,0 +1,21 @@
+#!/bin/busybox sh
+# /init of the harness's test guest (L2). The test to run comes from the kernel command line
+# (`vessel.test=NAME`); results are `vessel-event: ...` lines on the console, which the VMM
+# timestamps and reports, and the guest's outcome (poweroff, reboot, panic).
+export PATH=/bin:/sbin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev 2>/dev/null
+echo "vessel-event: init"
+t=$(sed -n 's/.*vessel\.test=\([^ ]*\).*/\1/p' /proc/cmdline)
+case "$t" in
+  init|poweroff) poweroff -f ;;
+  reboot) reboot -f ;;
+  panic) exit 3 ;;   # PID 1 exiting panics the kernel
+  smp)
+    echo "vessel-event: cpus-$(grep -c ^processor /proc/cpuinfo)"
+    poweroff -f ;;
+  *)
+    echo "vessel-event: unknown-test-$t"
+    poweroff -f ;;
+esac

@@ -1,0 +1,78 @@
+#!/bin/sh
+# The VM test suite, run inside L1 (QEMU/TCG with nested SVM) by scripts/vm-harness.sh, or
+# directly on a host with hardware virtualisation (VESSEL_HARNESS_DIR pointing at the staged
+# files). Prints `PASS name` / `FAIL name` lines and `N passed, N failed`.
+D=${VESSEL_HARNESS_DIR:-/vessel}
+SHIM="$D/bin/vessel-shim"
+KERNEL="$D/guest/bzImage"
+INITRD="$D/guest/initrd.cpio"
+W=${TMPDIR:-/tmp}/vessel-tests
+rm -rf "$W"; mkdir -p "$W"
+pass=0; fail=0
+
+spec() { # name test vcpus mem [kernel]
+  cat >"$W/$1.json" <<EOS
+{"kernel":"${5:-$KERNEL}","initrd":"$INITRD","mem_mib":$4,"vcpus":$3,
+ "console":{"file":"$W/$1.console"},"cmdline":"vessel.test=$2","verbose":${VERBOSE:-false}}
+EOS
+}
+shim_run() { # name: runs the spec, output JSON in $W/name.out, exit code in $W/name.rc
+  "$SHIM" run --spec "$W/$1.json" --timeout 60 >"$W/$1.out" 2>"$W/$1.err"
+  echo $? >"$W/$1.rc"
+}
+check() { # name description command...
+  n=$1; shift
+  if "$@"; then pass=$((pass+1)); echo "PASS $n"
+  else fail=$((fail+1)); echo "FAIL $n"
+    for f in "$W/$n".out "$W/$n".err "$W/$n".console; do [ -f "$f" ] && { echo "--- $f"; tail -n 30 "$f"; }; done
+  fi
+}
+rc_is() { [ "$(cat "$W/$1.rc")" = "$2" ]; }
+out_has() { grep -q "$2" "$W/$1.out"; }
+
+t_probe() {
+  "$SHIM" probe --json >"$W/probe.out" 2>&1; r=$?
+  cat "$W/probe.out" | tr -d '\n' | sed 's/  */ /g'; echo
+  [ $r = 0 ]
+}
+t_boot_to_init() {
+  spec boot_to_init init 1 128; shim_run boot_to_init
+  cat "$W/boot_to_init.out"
+  rc_is boot_to_init 0 && out_has boot_to_init '"init":' && out_has boot_to_init '"outcome":"poweroff"'
+}
+t_boot_elf() {
+  spec boot_elf init 1 128 "$D/guest/vmlinux"; shim_run boot_elf
+  cat "$W/boot_elf.out"
+  rc_is boot_elf 0 && out_has boot_elf '"init":'
+}
+t_smp() {
+  spec smp smp 2 128; shim_run smp
+  cat "$W/smp.out"
+  rc_is smp 0 && out_has smp '"cpus-2":'
+}
+t_reboot() { spec reboot reboot 1 128; shim_run reboot; rc_is reboot 10 && out_has reboot '"outcome":"reboot"'; }
+t_panic() { spec panic panic 1 128; shim_run panic; rc_is panic 11 && out_has panic '"outcome":"panic"'; }
+t_two_vms() {
+  spec vm_a init 1 128; spec vm_b smp 2 128
+  shim_run vm_a & a=$!
+  shim_run vm_b & b=$!
+  wait $a; wait $b
+  rc_is vm_a 0 && rc_is vm_b 0 && out_has vm_a '"init":' && out_has vm_b '"cpus-2":'
+}
+t_bad_kernel() {
+  spec bad_kernel init 1 128 /nonexistent/vmlinux; shim_run bad_kernel
+  rc_is bad_kernel 1 && grep -q "nonexistent" "$W/bad_kernel.err"
+}
+t_corrupt_kernel() {
+  head -c 100000 /dev/urandom >"$W/corrupt"; spec corrupt_kernel init 1 128 "$W/corrupt"; shim_run corrupt_kernel
+  rc_is corrupt_kernel 1 && grep -q "not an ELF vmlinux or x86 bzImage" "$W/corrupt_kernel.err"
+}
+t_memory_too_large() {
+  spec memory_too_large init 1 100000000; shim_run memory_too_large
+  rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
+}
+
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms bad_kernel corrupt_kernel memory_too_large"}
+for t in $TESTS; do check "$t" "t_$t"; done
+echo "$pass passed, $fail failed"
+[ $fail = 0 ]

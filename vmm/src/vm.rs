@@ -1,0 +1,503 @@
+//! A microVM: guest memory, vCPU threads, the in-kernel irqchip and PIT, legacy devices, and
+//! the outcome the guest ended with.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::thread::JoinHandleExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use serde::{Deserialize, Serialize};
+use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::devices::legacy::{ConsoleSink, PioBus, SERIAL_IRQ};
+use crate::{arch, boot, mptable};
+
+/// How the guest ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "outcome", content = "detail")]
+pub enum Outcome {
+    /// The guest powered off (or halted).
+    Poweroff,
+    /// The guest asked for a reset (i8042 reset, triple fault).
+    Reboot,
+    /// The guest kernel panicked.
+    Panic,
+    /// The VMM stopped the guest (a stop request).
+    Stopped,
+    /// The VMM failed while running the guest.
+    Error(String),
+}
+
+/// Where the serial console goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Console {
+    /// Nowhere (it is still watched for the outcome markers).
+    #[default]
+    Off,
+    /// Appended to a file.
+    File(PathBuf),
+    /// To the VMM's stderr.
+    Stderr,
+}
+
+/// What to boot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmConfig {
+    pub kernel: PathBuf,
+    #[serde(default)]
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command line; the VMM prepends what its devices need.
+    #[serde(default)]
+    pub cmdline: String,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+    #[serde(default)]
+    pub console: Console,
+    /// Print kernel messages (`quiet` is added otherwise).
+    #[serde(default)]
+    pub verbose: bool,
+    #[serde(default = "default_kvm")]
+    pub kvm_device: PathBuf,
+}
+
+fn default_kvm() -> PathBuf {
+    PathBuf::from("/dev/kvm")
+}
+
+/// Errors building or starting a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot open {path}: {source}")]
+    Kvm {
+        path: String,
+        source: kvm_ioctls::Error,
+    },
+    #[error("KVM {what}: {source}")]
+    KvmIoctl {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("{0} MiB of guest memory is more than this host has ({1} MiB)")]
+    MemoryTooLarge(u64, u64),
+    #[error("guest memory: {0}")]
+    Memory(String),
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error(transparent)]
+    Arch(#[from] arch::ArchError),
+    #[error(transparent)]
+    Mptable(#[from] mptable::MptableError),
+    #[error("console {path}: {source}")]
+    Console {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::KvmIoctl { what, source }
+}
+
+/// Shared run state: the outcome (first one wins), the stop flag and guest-reported events.
+#[derive(Default)]
+pub struct Control {
+    outcome: Mutex<Option<Outcome>>,
+    cv: Condvar,
+    stopping: AtomicBool,
+    events: Mutex<Vec<(String, Instant)>>,
+}
+
+impl Control {
+    /// Records the outcome if none was recorded yet and wakes waiters.
+    pub fn finish(&self, o: Outcome) {
+        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            tracing::debug!(?o, "guest outcome");
+            *g = Some(o);
+        }
+        self.stopping.store(true, Ordering::SeqCst);
+        self.cv.notify_all();
+    }
+
+    pub fn outcome(&self) -> Option<Outcome> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Waits for the outcome, at most `timeout` if given.
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        while g.is_none() {
+            match deadline {
+                None => g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return None;
+                    }
+                    g = self
+                        .cv
+                        .wait_timeout(g, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+        g.clone()
+    }
+
+    /// Records a `vessel-event: NAME` line from the guest console.
+    pub fn event(&self, name: String, at: Instant) {
+        tracing::debug!(%name, "guest event");
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((name, at));
+        self.cv.notify_all();
+    }
+
+    pub fn events(&self) -> Vec<(String, Instant)> {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// The host's total memory in MiB (from /proc/meminfo).
+pub fn host_mem_mib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// A configured VM, ready to start.
+pub struct Vm {
+    _kvm: Kvm,
+    vm: VmFd,
+    mem: GuestMemoryMmap,
+    vcpus: Vec<VcpuFd>,
+    pio: Arc<PioBus>,
+    control: Arc<Control>,
+    entry: u64,
+}
+
+impl Vm {
+    /// Builds the VM: memory, kernel, initrd, boot tables, irqchip, devices and vCPUs.
+    pub fn new(cfg: &VmConfig) -> Result<Vm, VmError> {
+        if cfg.vcpus == 0 || cfg.vcpus > 254 {
+            return Err(VmError::Config(format!(
+                "vcpus must be 1..=254, not {}",
+                cfg.vcpus
+            )));
+        }
+        if cfg.mem_mib < 32 {
+            return Err(VmError::Config(format!(
+                "mem_mib must be at least 32, not {}",
+                cfg.mem_mib
+            )));
+        }
+        if let Some(host) = host_mem_mib() {
+            if cfg.mem_mib > host {
+                return Err(VmError::MemoryTooLarge(cfg.mem_mib, host));
+            }
+        }
+        // Check the kernel before opening KVM, for a clear error.
+        if !cfg.kernel.is_file() {
+            return Err(boot::BootError::KernelOpen {
+                path: cfg.kernel.display().to_string(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            }
+            .into());
+        }
+        let path = std::ffi::CString::new(cfg.kvm_device.as_os_str().as_encoded_bytes())
+            .map_err(|_| VmError::Config("bad kvm device path".into()))?;
+        let kvm = Kvm::new_with_path(&path).map_err(|source| VmError::Kvm {
+            path: cfg.kvm_device.display().to_string(),
+            source,
+        })?;
+        let vm = kvm.create_vm().map_err(ioctl("create_vm"))?;
+        vm.set_tss_address(0xfffb_d000)
+            .map_err(ioctl("set_tss_address"))?;
+        vm.create_irq_chip().map_err(ioctl("create_irq_chip"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit).map_err(ioctl("create_pit2"))?;
+
+        let mem = GuestMemoryMmap::<()>::from_ranges(&boot::ram_ranges(cfg.mem_mib << 20))
+            .map_err(|e| VmError::Memory(e.to_string()))?;
+        for (slot, r) in mem.iter().enumerate() {
+            let host = mem
+                .get_host_address(r.start_addr())
+                .map_err(|e| VmError::Memory(e.to_string()))?;
+            let region = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: r.start_addr().raw_value(),
+                memory_size: r.len(),
+                userspace_addr: host as u64,
+            };
+            // SAFETY: `host` is the start of a live mapping of `r.len()` bytes owned by `mem`,
+            // which the Vm keeps for as long as the VM fd.
+            unsafe { vm.set_user_memory_region(region) }
+                .map_err(ioctl("set_user_memory_region"))?;
+        }
+
+        let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
+        let initrd = match &cfg.initrd {
+            Some(p) => Some(boot::load_initrd(&mem, p, boot::initrd_addr_max(&kernel))?),
+            None => None,
+        };
+        let mut cmdline = String::from(
+            "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.dumbkbd nomodule",
+        );
+        if !cfg.verbose {
+            cmdline.push_str(" quiet");
+        }
+        if !cfg.cmdline.is_empty() {
+            cmdline.push(' ');
+            cmdline.push_str(&cfg.cmdline);
+        }
+        boot::write_boot_params(&mem, &kernel, &cmdline, initrd)?;
+        arch::write_boot_tables(&mem)?;
+        mptable::setup(&mem, cfg.vcpus)?;
+
+        let control = Arc::new(Control::default());
+        let console_out: Option<Box<dyn Write + Send>> = match &cfg.console {
+            Console::Off => None,
+            Console::Stderr => Some(Box::new(std::io::stderr())),
+            Console::File(p) => Some(Box::new(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .map_err(|source| VmError::Console {
+                        path: p.display().to_string(),
+                        source,
+                    })?,
+            )),
+        };
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK)?;
+        vm.register_irqfd(&serial_irq, SERIAL_IRQ)
+            .map_err(ioctl("register_irqfd"))?;
+        let pio = Arc::new(PioBus::new(
+            serial_irq,
+            ConsoleSink::new(console_out, control.clone()),
+            control.clone(),
+        ));
+
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(ioctl("get_supported_cpuid"))?;
+        let mut vcpus = Vec::new();
+        for id in 0..cfg.vcpus {
+            let vcpu = vm
+                .create_vcpu(u64::from(id))
+                .map_err(ioctl("create_vcpu"))?;
+            let mut cpuid = supported.clone();
+            arch::normalize_cpuid(&mut cpuid, id, cfg.vcpus);
+            vcpu.set_cpuid2(&cpuid).map_err(ioctl("set_cpuid2"))?;
+            arch::set_boot_msrs(&vcpu)?;
+            arch::set_lint(&vcpu)?;
+            if id == 0 {
+                arch::setup_long_mode_vcpu(&vcpu, kernel.entry, boot::BOOT_STACK, boot::ZERO_PAGE)?;
+            } else {
+                // Application processors wait for INIT/SIPI from the boot CPU.
+                vcpu.set_fpu(&arch::reset_fpu()).map_err(ioctl("set_fpu"))?;
+            }
+            vcpus.push(vcpu);
+        }
+        Ok(Vm {
+            _kvm: kvm,
+            vm,
+            mem,
+            vcpus,
+            pio,
+            control,
+            entry: kernel.entry,
+        })
+    }
+
+    /// The kernel entry point.
+    pub fn entry(&self) -> u64 {
+        self.entry
+    }
+
+    /// The run state shared with the devices.
+    pub fn control(&self) -> Arc<Control> {
+        self.control.clone()
+    }
+
+    /// Starts the vCPU threads.
+    pub fn start(self) -> Result<RunningVm, VmError> {
+        crate::kick::install_kick_handler();
+        let mut threads = Vec::new();
+        for (id, mut vcpu) in self.vcpus.into_iter().enumerate() {
+            let pio = self.pio.clone();
+            let control = self.control.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || {
+                    if let Err(e) = run_vcpu(&mut vcpu, &pio, &control) {
+                        control.finish(Outcome::Error(format!("vcpu{id}: {e}")));
+                    }
+                })?;
+            threads.push(t);
+        }
+        Ok(RunningVm {
+            _vm: self.vm,
+            _mem: self.mem,
+            threads,
+            control: self.control,
+            _pio: self.pio,
+        })
+    }
+}
+
+fn run_vcpu(vcpu: &mut VcpuFd, pio: &PioBus, control: &Control) -> Result<(), String> {
+    loop {
+        if control.stopping() {
+            return Ok(());
+        }
+        match vcpu.run() {
+            Ok(VcpuExit::IoIn(port, data)) => pio.read(port, data),
+            Ok(VcpuExit::IoOut(port, data)) => pio.write(port, data),
+            Ok(VcpuExit::MmioRead(_addr, data)) => data.fill(0xff),
+            Ok(VcpuExit::MmioWrite(_addr, _data)) => {}
+            Ok(VcpuExit::Hlt) => {}
+            Ok(VcpuExit::Shutdown) => {
+                // Triple fault: what a reset without an i8042 looks like.
+                control.finish(Outcome::Reboot);
+                return Ok(());
+            }
+            Ok(VcpuExit::SystemEvent(t, _)) => {
+                control.finish(match t {
+                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => Outcome::Poweroff,
+                    _ => Outcome::Reboot,
+                });
+                return Ok(());
+            }
+            Ok(VcpuExit::Intr) => {}
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                return Err(format!(
+                    "KVM_EXIT_FAIL_ENTRY reason {reason:#x} on cpu {cpu}"
+                ));
+            }
+            Ok(VcpuExit::InternalError) => return Err("KVM_EXIT_INTERNAL_ERROR".into()),
+            Ok(other) => return Err(format!("unexpected exit {other:?}")),
+            // A secondary vCPU's first KVM_RUN may return EAGAIN until it got its SIPI.
+            Err(e) if e.errno() == libc::EAGAIN || e.errno() == libc::EINTR => {}
+            Err(e) => return Err(format!("KVM_RUN: {e}")),
+        }
+    }
+}
+
+/// A VM whose vCPUs are running.
+pub struct RunningVm {
+    _vm: VmFd,
+    _mem: GuestMemoryMmap,
+    threads: Vec<JoinHandle<()>>,
+    control: Arc<Control>,
+    _pio: Arc<PioBus>,
+}
+
+impl RunningVm {
+    pub fn control(&self) -> Arc<Control> {
+        self.control.clone()
+    }
+
+    /// Waits for the guest's outcome (at most `timeout`), then stops and joins the vCPUs.
+    pub fn wait(mut self, timeout: Option<Duration>) -> Outcome {
+        let o = self.control.wait(timeout).unwrap_or_else(|| {
+            self.control.finish(Outcome::Stopped);
+            Outcome::Stopped
+        });
+        self.stop_vcpus();
+        o
+    }
+
+    fn stop_vcpus(&mut self) {
+        self.control.finish(Outcome::Stopped);
+        for t in self.threads.drain(..) {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !t.is_finished() && Instant::now() < deadline {
+                crate::kick::kick_thread(t.as_pthread_t());
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                tracing::warn!("a vCPU thread did not stop");
+            }
+        }
+    }
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        self.stop_vcpus();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestAddress};
+
+    #[test]
+    fn tables_in_guest_memory_after_build() {
+        let kernel = std::fs::read_dir("/boot").ok().and_then(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .find(|p| p.to_string_lossy().contains("vmlinuz"))
+        });
+        let Some(kernel) = kernel else {
+            println!("SKIP tables_in_guest_memory_after_build: no kernel in /boot");
+            return;
+        };
+        if !std::path::Path::new("/dev/kvm").exists() {
+            println!("SKIP tables_in_guest_memory_after_build: no /dev/kvm");
+            return;
+        }
+        let cfg = VmConfig {
+            kernel,
+            initrd: None,
+            cmdline: String::new(),
+            mem_mib: 64,
+            vcpus: 2,
+            console: Console::Off,
+            verbose: false,
+            kvm_device: default_kvm(),
+        };
+        let vm = Vm::new(&cfg).unwrap();
+        let mut magic = [0u8; 4];
+        vm.mem
+            .read_slice(&mut magic, GuestAddress(mptable::MPTABLE_START))
+            .unwrap();
+        assert_eq!(&magic, b"_MP_");
+    }
+}
