@@ -10,4 +10,5 @@ pub mod devices;
 pub mod kick;
 pub mod mptable;
 pub mod probe;
+pub mod virtio;
 pub mod vm;

@@ -19,6 +19,8 @@ use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion}
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::legacy::{ConsoleSink, PioBus, SERIAL_IRQ};
+use crate::virtio::block::Block;
+use crate::virtio::mmio::{MmioBus, MmioTransport, MMIO_WINDOW};
 use crate::{arch, boot, mptable};
 
 /// How the guest ended.
@@ -68,7 +70,24 @@ pub struct VmConfig {
     pub verbose: bool,
     #[serde(default = "default_kvm")]
     pub kvm_device: PathBuf,
+    /// virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
 }
+
+/// A raw disk image attached with virtio-blk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+    /// The serial id the guest sees (`/sys/block/vdX/serial`), at most 20 bytes.
+    #[serde(default)]
+    pub serial: String,
+}
+
+/// The first interrupt line given to virtio devices.
+pub const VIRTIO_IRQ_BASE: u32 = 5;
 
 fn default_kvm() -> PathBuf {
     PathBuf::from("/dev/kvm")
@@ -104,6 +123,10 @@ pub enum VmError {
         path: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Disk(#[from] crate::virtio::block::BlockError),
+    #[error("too many virtio devices (at most {0})")]
+    TooManyDevices(usize),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -200,6 +223,7 @@ pub struct Vm {
     mem: GuestMemoryMmap,
     vcpus: Vec<VcpuFd>,
     pio: Arc<PioBus>,
+    mmio: Arc<MmioBus>,
     control: Arc<Control>,
     entry: u64,
 }
@@ -272,11 +296,33 @@ impl Vm {
             Some(p) => Some(boot::load_initrd(&mem, p, boot::initrd_addr_max(&kernel))?),
             None => None,
         };
+        let mut mmio = MmioBus::default();
+        let mut device_args = Vec::new();
+        let max_devices = (mptable::IOAPIC_PINS as u32 - VIRTIO_IRQ_BASE) as usize;
+        if cfg.disks.len() > max_devices {
+            return Err(VmError::TooManyDevices(max_devices));
+        }
+        for (i, d) in cfg.disks.iter().enumerate() {
+            let dev = Block::new(&d.path, d.read_only, &d.serial)?;
+            let base = boot::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW;
+            let irq = VIRTIO_IRQ_BASE + i as u32;
+            let t = MmioTransport::new(Box::new(dev), mem.clone())?;
+            vm.register_irqfd(&t.interrupt().evt, irq)
+                .map_err(ioctl("register_irqfd"))?;
+            mmio.add(base, Arc::new(Mutex::new(t)));
+            device_args.push(MmioTransport::cmdline_arg(base, irq));
+        }
+        let mmio = Arc::new(mmio);
+
         let mut cmdline = String::from(
             "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.dumbkbd nomodule",
         );
         if !cfg.verbose {
             cmdline.push_str(" quiet");
+        }
+        for a in &device_args {
+            cmdline.push(' ');
+            cmdline.push_str(a);
         }
         if !cfg.cmdline.is_empty() {
             cmdline.push(' ');
@@ -337,6 +383,7 @@ impl Vm {
             mem,
             vcpus,
             pio,
+            mmio,
             control,
             entry: kernel.entry,
         })
@@ -358,11 +405,12 @@ impl Vm {
         let mut threads = Vec::new();
         for (id, mut vcpu) in self.vcpus.into_iter().enumerate() {
             let pio = self.pio.clone();
+            let mmio = self.mmio.clone();
             let control = self.control.clone();
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
-                    if let Err(e) = run_vcpu(&mut vcpu, &pio, &control) {
+                    if let Err(e) = run_vcpu(&mut vcpu, &pio, &mmio, &control) {
                         control.finish(Outcome::Error(format!("vcpu{id}: {e}")));
                     }
                 })?;
@@ -378,7 +426,12 @@ impl Vm {
     }
 }
 
-fn run_vcpu(vcpu: &mut VcpuFd, pio: &PioBus, control: &Control) -> Result<(), String> {
+fn run_vcpu(
+    vcpu: &mut VcpuFd,
+    pio: &PioBus,
+    mmio: &MmioBus,
+    control: &Control,
+) -> Result<(), String> {
     loop {
         if control.stopping() {
             return Ok(());
@@ -386,8 +439,14 @@ fn run_vcpu(vcpu: &mut VcpuFd, pio: &PioBus, control: &Control) -> Result<(), St
         match vcpu.run() {
             Ok(VcpuExit::IoIn(port, data)) => pio.read(port, data),
             Ok(VcpuExit::IoOut(port, data)) => pio.write(port, data),
-            Ok(VcpuExit::MmioRead(_addr, data)) => data.fill(0xff),
-            Ok(VcpuExit::MmioWrite(_addr, _data)) => {}
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                if !mmio.read(addr, data) {
+                    data.fill(0xff);
+                }
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                mmio.write(addr, data);
+            }
             Ok(VcpuExit::Hlt) => {}
             Ok(VcpuExit::Shutdown) => {
                 // Triple fault: what a reset without an i8042 looks like.
@@ -492,6 +551,7 @@ mod tests {
             console: Console::Off,
             verbose: false,
             kvm_device: default_kvm(),
+            disks: Vec::new(),
         };
         let vm = Vm::new(&cfg).unwrap();
         let mut magic = [0u8; 4];

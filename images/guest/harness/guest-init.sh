@@ -15,6 +15,12 @@ case "$t" in
   smp)
     echo "vessel-event: cpus-$(grep -c ^processor /proc/cpuinfo)"
     poweroff -f ;;
+  blk)
+    echo "vessel-event: blk-ro-$(head -c 13 /dev/vda)"
+    echo "vessel-event: blk-serial-$(cat /sys/block/vda/serial)"
+    if echo x | dd of=/dev/vda conv=fsync 2>/dev/null; then echo "vessel-event: blk-ro-accepted-write"; fi
+    echo vessel-blk-written | dd of=/dev/vdb conv=fsync 2>/dev/null && echo "vessel-event: blk-written"
+    poweroff -f ;;
   *)
     echo "vessel-event: unknown-test-$t"
     poweroff -f ;;

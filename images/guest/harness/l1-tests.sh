@@ -10,9 +10,10 @@ W=${TMPDIR:-/tmp}/vessel-tests
 rm -rf "$W"; mkdir -p "$W"
 pass=0; fail=0
 
-spec() { # name test vcpus mem [kernel]
+spec() { # name test vcpus mem [kernel] [extra JSON fields]
+  [ -n "${5:-}" ] || set -- "$1" "$2" "$3" "$4" "$KERNEL" "${6:-}"
   cat >"$W/$1.json" <<EOS
-{"kernel":"${5:-$KERNEL}","initrd":"$INITRD","mem_mib":$4,"vcpus":$3,
+{"kernel":"${5:-$KERNEL}","initrd":"$INITRD","mem_mib":$4,"vcpus":$3,${6:-}
  "console":{"file":"$W/$1.console"},"cmdline":"vessel.test=$2","verbose":${VERBOSE:-false}}
 EOS
 }
@@ -59,6 +60,18 @@ t_two_vms() {
   wait $a; wait $b
   rc_is vm_a 0 && rc_is vm_b 0 && out_has vm_a '"init":' && out_has vm_b '"cpus-2":'
 }
+t_blk() {
+  printf 'vessel-blk-ro' >"$W/ro.img"; dd if=/dev/zero of="$W/ro.img" bs=1024 seek=1 count=1023 2>/dev/null
+  dd if=/dev/zero of="$W/rw.img" bs=1024 count=1024 2>/dev/null
+  spec blk blk 1 128 "" "\"disks\":[{\"path\":\"$W/ro.img\",\"read_only\":true,\"serial\":\"vessel-ro-0\"},{\"path\":\"$W/rw.img\"}],"
+  shim_run blk; cat "$W/blk.out"
+  rc_is blk 0 && out_has blk '"blk-ro-vessel-blk-ro":' && out_has blk '"blk-serial-vessel-ro-0":' &&
+    out_has blk '"blk-written":' && ! out_has blk 'accepted-write' && [ "$(head -c 18 "$W/rw.img")" = vessel-blk-written ]
+}
+t_bad_disk() {
+  spec bad_disk init 1 128 "" '"disks":[{"path":"/nonexistent/disk.img"}],'; shim_run bad_disk
+  rc_is bad_disk 1 && grep -q "disk image /nonexistent/disk.img" "$W/bad_disk.err"
+}
 t_bad_kernel() {
   spec bad_kernel init 1 128 /nonexistent/vmlinux; shim_run bad_kernel
   rc_is bad_kernel 1 && grep -q "nonexistent" "$W/bad_kernel.err"
@@ -72,7 +85,7 @@ t_memory_too_large() {
   rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
 }
 
-TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms bad_kernel corrupt_kernel memory_too_large"}
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk bad_kernel corrupt_kernel memory_too_large bad_disk"}
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]
