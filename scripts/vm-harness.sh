@@ -37,7 +37,7 @@ if [ "$mode" = run ]; then
 fi
 
 # --- dependencies
-need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod)
+need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod gcc libc6-dev)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -70,6 +70,7 @@ rm -rf "$G"; mkdir -p "$G"/{bin,sbin,proc,sys,dev,tmp}
 cp /bin/busybox "$G/bin/busybox"
 for a in sh mount sed grep cat echo head poweroff reboot sleep dd ip ifconfig; do ln -sf busybox "$G/bin/$a"; done
 install -m 0755 images/guest/harness/guest-init.sh "$G/init"
+gcc -static -O2 -Wall -o "$G/bin/vsock-echo" images/guest/harness/vsock-echo.c
 (cd "$G" && find . | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$STAGE/guest/initrd.cpio"
 
 if [ "$mode" = direct ]; then

@@ -1,6 +1,6 @@
 //! `vessel-shim`: one host process per microVM.
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -33,6 +33,27 @@ enum Cmd {
         #[arg(long)]
         timeout: Option<f64>,
     },
+    /// Connect to a guest vsock port through a VM's hybrid vsock socket (`CONNECT <port>`),
+    /// optionally send a message and print what comes back until EOF.
+    VsockConnect {
+        /// The VM's vsock Unix socket.
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        #[arg(long)]
+        port: u32,
+        /// Bytes to send after the connection is up; the write side is then shut down.
+        #[arg(long)]
+        send: Option<String>,
+        /// Keep retrying a refused connection for this many milliseconds.
+        #[arg(long, default_value_t = 0)]
+        retry_ms: u64,
+    },
+    /// Listen on a Unix socket (a VM's `<uds>_<port>`) for one guest-initiated vsock
+    /// connection and echo it back until EOF.
+    VsockEcho {
+        #[arg(long)]
+        path: std::path::PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -49,6 +70,13 @@ fn main() -> Result<()> {
             let code = run(&spec, timeout)?;
             std::process::exit(code);
         }
+        Cmd::VsockConnect {
+            socket,
+            port,
+            send,
+            retry_ms,
+        } => vsock_connect(&socket, port, send.as_deref(), retry_ms),
+        Cmd::VsockEcho { path } => vsock_echo(&path),
         Cmd::Probe { json, device } => {
             let r = vessel_vmm::probe::probe_with(&vessel_vmm::probe::ProbeOptions {
                 device,
@@ -142,4 +170,88 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     out["events"] = serde_json::Value::Object(events);
     println!("{out}");
     Ok(vessel_shim::exit_code(&outcome))
+}
+
+/// One hybrid-vsock connection attempt: the stream after `OK`, or why not.
+fn hybrid_connect(socket: &std::path::Path, port: u32) -> Result<std::os::unix::net::UnixStream> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .with_context(|| format!("connecting to {}", socket.display()))?;
+    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        match s.read(&mut b)? {
+            0 => bail!(
+                "the guest refused the connection to vsock port {port} (nothing listening there?)"
+            ),
+            _ if b[0] == b'\n' => break,
+            _ => line.push(b[0]),
+        }
+        if line.len() > 64 {
+            bail!(
+                "bad answer from {}: {:?}",
+                socket.display(),
+                String::from_utf8_lossy(&line)
+            );
+        }
+    }
+    let line = String::from_utf8_lossy(&line);
+    if !line.starts_with("OK ") {
+        bail!("bad answer from {}: {line:?}", socket.display());
+    }
+    Ok(s)
+}
+
+fn vsock_connect(
+    socket: &std::path::Path,
+    port: u32,
+    send: Option<&str>,
+    retry_ms: u64,
+) -> Result<()> {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(retry_ms);
+    let mut s = loop {
+        match hybrid_connect(socket, port) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("retrying: {e:#}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let connected_ms = start.elapsed().as_secs_f64() * 1e3;
+    if let Some(msg) = send {
+        s.write_all(msg.as_bytes())?;
+        s.shutdown(std::net::Shutdown::Write)?;
+    }
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply)?;
+    eprintln!(
+        "vsock-connect: connected in {connected_ms:.1} ms, reply after {:.1} ms",
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    std::io::stdout().write_all(&reply)?;
+    println!();
+    Ok(())
+}
+
+fn vsock_echo(path: &std::path::Path) -> Result<()> {
+    use std::io::{Read, Write};
+    let l = std::os::unix::net::UnixListener::bind(path)
+        .with_context(|| format!("binding {}", path.display()))?;
+    let (mut s, _) = l.accept()?;
+    let _ = std::fs::remove_file(path);
+    let mut buf = [0u8; 65536];
+    loop {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        s.write_all(&buf[..n])?;
+    }
+    Ok(())
 }

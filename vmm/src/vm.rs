@@ -21,6 +21,8 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::devices::legacy::{ConsoleSink, PioBus, SERIAL_IRQ};
 use crate::virtio::block::Block;
 use crate::virtio::mmio::{MmioBus, MmioTransport, MMIO_WINDOW};
+use crate::virtio::vsock::Vsock;
+use crate::virtio::VirtioDevice;
 use crate::{arch, boot, mptable};
 
 /// How the guest ended.
@@ -73,6 +75,23 @@ pub struct VmConfig {
     /// virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
+    /// A virtio-vsock device with a hybrid (Unix socket) host side.
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+}
+
+/// virtio-vsock: the guest's CID and the host Unix socket (`CONNECT <port>` to reach guest
+/// ports; guest connections to host port P go to `<uds_path>_P`). The socket is removed when
+/// the VM ends.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VsockConfig {
+    #[serde(default = "default_cid")]
+    pub guest_cid: u64,
+    pub uds_path: PathBuf,
+}
+
+fn default_cid() -> u64 {
+    3
 }
 
 /// A raw disk image attached with virtio-blk.
@@ -125,6 +144,8 @@ pub enum VmError {
     },
     #[error(transparent)]
     Disk(#[from] crate::virtio::block::BlockError),
+    #[error(transparent)]
+    Vsock(#[from] crate::virtio::vsock::VsockError),
     #[error("too many virtio devices (at most {0})")]
     TooManyDevices(usize),
     #[error("{0}")]
@@ -299,14 +320,21 @@ impl Vm {
         let mut mmio = MmioBus::default();
         let mut device_args = Vec::new();
         let max_devices = (mptable::IOAPIC_PINS as u32 - VIRTIO_IRQ_BASE) as usize;
-        if cfg.disks.len() > max_devices {
+        let n_devices = cfg.disks.len() + usize::from(cfg.vsock.is_some());
+        if n_devices > max_devices {
             return Err(VmError::TooManyDevices(max_devices));
         }
-        for (i, d) in cfg.disks.iter().enumerate() {
-            let dev = Block::new(&d.path, d.read_only, &d.serial)?;
+        let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
+        for d in &cfg.disks {
+            devices.push(Box::new(Block::new(&d.path, d.read_only, &d.serial)?));
+        }
+        if let Some(v) = &cfg.vsock {
+            devices.push(Box::new(Vsock::new(v.guest_cid, &v.uds_path)?));
+        }
+        for (i, dev) in devices.into_iter().enumerate() {
             let base = boot::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW;
             let irq = VIRTIO_IRQ_BASE + i as u32;
-            let t = MmioTransport::new(Box::new(dev), mem.clone())?;
+            let t = MmioTransport::new(dev, mem.clone())?;
             vm.register_irqfd(&t.interrupt().evt, irq)
                 .map_err(ioctl("register_irqfd"))?;
             mmio.add(base, Arc::new(Mutex::new(t)));
@@ -552,6 +580,7 @@ mod tests {
             verbose: false,
             kvm_device: default_kvm(),
             disks: Vec::new(),
+            vsock: None,
         };
         let vm = Vm::new(&cfg).unwrap();
         let mut magic = [0u8; 4];

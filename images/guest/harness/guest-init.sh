@@ -21,6 +21,12 @@ case "$t" in
     if echo x | dd of=/dev/vda conv=fsync 2>/dev/null; then echo "vessel-event: blk-ro-accepted-write"; fi
     echo vessel-blk-written | dd of=/dev/vdb conv=fsync 2>/dev/null && echo "vessel-event: blk-written"
     poweroff -f ;;
+  vsock)
+    /bin/vsock-echo listen 1234 &
+    l=$!
+    echo "vessel-event: vsock-guest-reply-$(/bin/vsock-echo connect 5678 hello-from-guest)"
+    wait $l
+    poweroff -f ;;
   *)
     echo "vessel-event: unknown-test-$t"
     poweroff -f ;;

@@ -72,6 +72,21 @@ t_bad_disk() {
   spec bad_disk init 1 128 "" '"disks":[{"path":"/nonexistent/disk.img"}],'; shim_run bad_disk
   rc_is bad_disk 1 && grep -q "disk image /nonexistent/disk.img" "$W/bad_disk.err"
 }
+t_vsock() {
+  "$SHIM" vsock-echo --path "$W/v.sock_5678" & e=$!
+  spec vsock vsock 1 128 "" "\"vsock\":{\"guest_cid\":3,\"uds_path\":\"$W/v.sock\"},"
+  shim_run vsock & s=$!
+  i=0; while [ ! -S "$W/v.sock" ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done
+  refused=yes
+  "$SHIM" vsock-connect --socket "$W/v.sock" --port 4321 >"$W/vsock.refused" 2>&1 && refused=no
+  "$SHIM" vsock-connect --socket "$W/v.sock" --port 1234 --send hello-from-host --retry-ms 30000 \
+    >"$W/vsock.reply" 2>"$W/vsock.reply.err"
+  wait $s; kill $e 2>/dev/null
+  cat "$W/vsock.out" "$W/vsock.refused" "$W/vsock.reply" "$W/vsock.reply.err"
+  [ $refused = yes ] && grep -q "refused the connection to vsock port 4321" "$W/vsock.refused" &&
+    grep -qx hello-from-host "$W/vsock.reply" && rc_is vsock 0 &&
+    out_has vsock '"vsock-guest-reply-hello-from-guest":' && [ ! -e "$W/v.sock" ]
+}
 t_bad_kernel() {
   spec bad_kernel init 1 128 /nonexistent/vmlinux; shim_run bad_kernel
   rc_is bad_kernel 1 && grep -q "nonexistent" "$W/bad_kernel.err"
@@ -85,7 +100,7 @@ t_memory_too_large() {
   rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
 }
 
-TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk bad_kernel corrupt_kernel memory_too_large bad_disk"}
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock bad_kernel corrupt_kernel memory_too_large bad_disk"}
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]

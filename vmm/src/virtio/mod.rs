@@ -8,6 +8,7 @@ pub mod block;
 pub mod mmio;
 #[cfg(test)]
 pub(crate) mod testing;
+pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
