@@ -21,6 +21,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::devices::legacy::{ConsoleSink, PioBus, SERIAL_IRQ};
 use crate::virtio::block::Block;
 use crate::virtio::mmio::{MmioBus, MmioTransport, MMIO_WINDOW};
+use crate::virtio::net::{self, Net};
 use crate::virtio::vsock::Vsock;
 use crate::virtio::VirtioDevice;
 use crate::{arch, boot, mptable};
@@ -75,9 +76,25 @@ pub struct VmConfig {
     /// virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
+    /// virtio-net interfaces, in order (`eth0`, `eth1`, ...).
+    #[serde(default)]
+    pub nets: Vec<NetConfig>,
     /// A virtio-vsock device with a hybrid (Unix socket) host side.
     #[serde(default)]
     pub vsock: Option<VsockConfig>,
+}
+
+/// A virtio-net interface on a tap: an existing tap interface by name, or an open tap fd
+/// the VMM process inherited (which it then owns).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NetConfig {
+    #[serde(default)]
+    pub tap: Option<String>,
+    #[serde(default)]
+    pub tap_fd: Option<i32>,
+    /// `aa:bb:cc:dd:ee:ff`; the guest picks a random one if absent.
+    #[serde(default)]
+    pub mac: Option<String>,
 }
 
 /// virtio-vsock: the guest's CID and the host Unix socket (`CONNECT <port>` to reach guest
@@ -146,6 +163,8 @@ pub enum VmError {
     Disk(#[from] crate::virtio::block::BlockError),
     #[error(transparent)]
     Vsock(#[from] crate::virtio::vsock::VsockError),
+    #[error(transparent)]
+    Net(#[from] crate::virtio::net::NetError),
     #[error("too many virtio devices (at most {0})")]
     TooManyDevices(usize),
     #[error("{0}")]
@@ -320,13 +339,27 @@ impl Vm {
         let mut mmio = MmioBus::default();
         let mut device_args = Vec::new();
         let max_devices = (mptable::IOAPIC_PINS as u32 - VIRTIO_IRQ_BASE) as usize;
-        let n_devices = cfg.disks.len() + usize::from(cfg.vsock.is_some());
+        let n_devices = cfg.disks.len() + cfg.nets.len() + usize::from(cfg.vsock.is_some());
         if n_devices > max_devices {
             return Err(VmError::TooManyDevices(max_devices));
         }
         let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &cfg.disks {
             devices.push(Box::new(Block::new(&d.path, d.read_only, &d.serial)?));
+        }
+        for n in &cfg.nets {
+            let mac = n.mac.as_deref().map(net::parse_mac).transpose()?;
+            let dev = match (&n.tap, n.tap_fd) {
+                (Some(name), None) => Net::new(net::open_tap(name)?.into(), mac)?,
+                // SAFETY: the spec hands this process the fd; nothing else in it uses the number.
+                (None, Some(fd)) => unsafe { Net::from_raw_fd(fd, mac)? },
+                _ => {
+                    return Err(VmError::Config(
+                        "a net needs exactly one of tap, tap_fd".into(),
+                    ))
+                }
+            };
+            devices.push(Box::new(dev));
         }
         if let Some(v) = &cfg.vsock {
             devices.push(Box::new(Vsock::new(v.guest_cid, &v.uds_path)?));
@@ -580,6 +613,7 @@ mod tests {
             verbose: false,
             kvm_device: default_kvm(),
             disks: Vec::new(),
+            nets: Vec::new(),
             vsock: None,
         };
         let vm = Vm::new(&cfg).unwrap();

@@ -21,6 +21,12 @@ case "$t" in
     if echo x | dd of=/dev/vda conv=fsync 2>/dev/null; then echo "vessel-event: blk-ro-accepted-write"; fi
     echo vessel-blk-written | dd of=/dev/vdb conv=fsync 2>/dev/null && echo "vessel-event: blk-written"
     poweroff -f ;;
+  net)
+    ip link set lo up
+    ip addr add 10.0.2.2/24 dev eth0 && ip link set eth0 up
+    echo "vessel-event: net-mac-$(cat /sys/class/net/eth0/address)"
+    if ping -c 1 -W 5 10.0.2.1 >/dev/null 2>&1; then echo "vessel-event: net-ping-ok"; fi
+    poweroff -f ;;
   vsock)
     /bin/vsock-echo listen 1234 &
     l=$!

@@ -72,6 +72,19 @@ t_bad_disk() {
   spec bad_disk init 1 128 "" '"disks":[{"path":"/nonexistent/disk.img"}],'; shim_run bad_disk
   rc_is bad_disk 1 && grep -q "disk image /nonexistent/disk.img" "$W/bad_disk.err"
 }
+t_net() {
+  ip tuntap add dev vtap0 mode tap && ip addr add 10.0.2.1/24 dev vtap0 && ip link set vtap0 up || return 1
+  spec net net 1 128 "" '"nets":[{"tap":"vtap0","mac":"52:54:00:12:34:56"}],'
+  shim_run net; cat "$W/net.out"
+  rx=$(cat /sys/class/net/vtap0/statistics/rx_packets); tx=$(cat /sys/class/net/vtap0/statistics/tx_packets)
+  echo "tap vtap0: rx_packets=$rx tx_packets=$tx"
+  ip link del vtap0
+  rc_is net 0 && out_has net '"net-mac-52:54:00:12:34:56":' && out_has net '"net-ping-ok":' && [ "$rx" -gt 0 ] && [ "$tx" -gt 0 ]
+}
+t_bad_tap() {
+  spec bad_tap init 1 128 "" '"nets":[{"tap":"no-such-tap"}],'; shim_run bad_tap
+  rc_is bad_tap 1 && grep -q "tap no-such-tap: no such interface" "$W/bad_tap.err" && ! ip link show no-such-tap >/dev/null 2>&1
+}
 t_vsock() {
   "$SHIM" vsock-echo --path "$W/v.sock_5678" & e=$!
   spec vsock vsock 1 128 "" "\"vsock\":{\"guest_cid\":3,\"uds_path\":\"$W/v.sock\"},"
@@ -100,7 +113,7 @@ t_memory_too_large() {
   rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
 }
 
-TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock bad_kernel corrupt_kernel memory_too_large bad_disk"}
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]

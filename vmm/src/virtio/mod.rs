@@ -6,6 +6,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod vsock;
