@@ -7,6 +7,9 @@
 #   scripts/vm-harness.sh run [--add SRC:DEST]... -- CMD [ARG]...
 #                                             run CMD in L1 (with the same files, plus extras)
 #   scripts/vm-harness.sh direct              run the suite on this host's KVM (real hardware)
+#   scripts/vm-harness.sh bench [RUNS]        boot/vsock/memory benchmark in L1: vessel-shim vs
+#                                             qemu-system-x86_64 -M microvm -enable-kvm, same
+#                                             kernel and initrd, medians and ratios
 #
 # Environment: VESSEL_TESTS="boot_to_init smp ..." selects tests; VESSEL_HARNESS_TIMEOUT (s,
 # default 300) is the watchdog of one L1 run; a run that hangs or crashes (no end marker) is
@@ -25,6 +28,8 @@ log() { echo "vm-harness: $*" >&2; }
 mode=test
 [ $# -gt 0 ] && { mode=$1; shift; }
 adds=(); cmd=()
+BENCH_RUNS=5
+if [ "$mode" = bench ] && [ $# -gt 0 ]; then BENCH_RUNS=$1; shift; fi
 if [ "$mode" = run ]; then
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -91,14 +96,22 @@ add_mod() { # name, with dependencies first
   local f; f=$(modinfo -k "$KVER" -F filename "$m")
   case " ${mods[*]:-} " in *" $f "*) ;; *) mods+=("$f") ;; esac
 }
-for m in kvm_amd tun; do add_mod "$m"; done
+for m in kvm_amd tun vhost_vsock; do add_mod "$m"; done
 : >"$L/lib/modules/order"
 for f in "${mods[@]}"; do
   case "$f" in *.xz) xz -dc "$f" >"$L/lib/modules/$(basename "${f%.xz}")" ;; *) cp "$f" "$L/lib/modules/" ;; esac
   basename "${f%.xz}" >>"$L/lib/modules/order"
 done
-# The shim's shared libraries, at the paths ldd names.
-for lib in $(ldd "$SHIM" | grep -o '/[^ ]*'); do
+# The shim's shared libraries (and QEMU's, for the benchmark), at the paths ldd names.
+bins=("$SHIM")
+if [ "$mode" = bench ]; then
+  bins+=(/usr/bin/qemu-system-x86_64)
+  mkdir -p "$L/usr/bin" "$L/usr/share/qemu"
+  cp /usr/bin/qemu-system-x86_64 "$L/usr/bin/"
+  cp /usr/share/qemu/bios-microvm.bin "$L/usr/share/qemu/"
+fi
+for lib in $(ldd "${bins[@]}" | grep -o '/[^ ]*' | sort -u); do
+  [ -e "$L$lib" ] && continue
   mkdir -p "$L$(dirname "$lib")"; cp -L "$lib" "$L$lib"
 done
 cp -a "$STAGE/." "$L/vessel/"
@@ -108,6 +121,8 @@ for a in "${adds[@]}"; do
 done
 if [ "$mode" = run ]; then
   printf '%q ' "${cmd[@]}" >"$L/vessel/cmd"; echo >>"$L/vessel/cmd"
+elif [ "$mode" = bench ]; then
+  echo "/vessel/bin/vessel-shim bench --kernel /vessel/guest/bzImage --initrd /vessel/guest/initrd.cpio --runs $BENCH_RUNS --qemu /usr/bin/qemu-system-x86_64 --work /tmp/bench" >"$L/vessel/cmd"
 else
   echo "VESSEL_TESTS='${VESSEL_TESTS:-}' VERBOSE=${VERBOSE:-false} sh /vessel/bin/l1-tests.sh" >"$L/vessel/cmd"
 fi

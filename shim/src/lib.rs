@@ -42,6 +42,25 @@ pub fn read_spec(path: &Path) -> Result<Spec, SpecError> {
     }
 }
 
+/// Removes the host files a VM of `spec` leaves when its shim is killed: the vsock socket,
+/// unless a live process still accepts connections on it. Returns what was removed.
+pub fn cleanup(spec: &Spec) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let mut removed = Vec::new();
+    if let Some(v) = &spec.vsock {
+        let p = &v.uds_path;
+        if p.exists() {
+            match std::os::unix::net::UnixStream::connect(p) {
+                Ok(_) => {} // alive: not ours to remove
+                Err(_) => {
+                    std::fs::remove_file(p)?;
+                    removed.push(p.clone());
+                }
+            }
+        }
+    }
+    Ok(removed)
+}
+
 /// The shim's exit status for an outcome.
 pub fn exit_code(o: &Outcome) -> i32 {
     match o {
@@ -82,6 +101,24 @@ mod tests {
         ));
         std::fs::write(&j, "{").unwrap();
         assert!(matches!(read_spec(&j), Err(SpecError::Parse { .. })));
+    }
+
+    #[test]
+    fn cleanup_removes_a_dead_socket_only() {
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("v.sock");
+        let mut spec: Spec = serde_json::from_str(&format!(
+            r#"{{"kernel":"/k","mem_mib":64,"vcpus":1,"vsock":{{"uds_path":"{}"}}}}"#,
+            sock.display()
+        ))
+        .unwrap();
+        let live = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        assert!(cleanup(&spec).unwrap().is_empty());
+        drop(live); // a bound socket whose listener is gone: what SIGKILL leaves
+        assert_eq!(cleanup(&spec).unwrap(), vec![sock.clone()]);
+        assert!(!sock.exists());
+        spec.vsock = None;
+        assert!(cleanup(&spec).unwrap().is_empty());
     }
 
     #[test]

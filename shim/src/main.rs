@@ -1,6 +1,8 @@
 //! `vessel-shim`: one host process per microVM.
 
 use anyhow::{bail, Context, Result};
+
+mod bench;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -48,6 +50,29 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         retry_ms: u64,
     },
+    /// Remove what a VM of this spec left behind if its shim died without cleaning up
+    /// (SIGKILL): its vsock socket, when no live shim answers on it.
+    Cleanup {
+        #[arg(long)]
+        spec: std::path::PathBuf,
+    },
+    /// Benchmark boot to init, first vsock answer and VMM memory overhead against QEMU
+    /// `-M microvm` on the same kernel and initrd (guest test `bench` of the harness).
+    Bench {
+        #[arg(long)]
+        kernel: std::path::PathBuf,
+        #[arg(long)]
+        initrd: std::path::PathBuf,
+        #[arg(long, default_value_t = 128)]
+        mem_mib: u64,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// qemu-system-x86_64 to compare with.
+        #[arg(long)]
+        qemu: Option<std::path::PathBuf>,
+        #[arg(long, default_value = "/tmp/vessel-bench")]
+        work: std::path::PathBuf,
+    },
     /// Listen on a Unix socket (a VM's `<uds>_<port>`) for one guest-initiated vsock
     /// connection and echo it back until EOF.
     VsockEcho {
@@ -77,6 +102,28 @@ fn main() -> Result<()> {
             retry_ms,
         } => vsock_connect(&socket, port, send.as_deref(), retry_ms),
         Cmd::VsockEcho { path } => vsock_echo(&path),
+        Cmd::Bench {
+            kernel,
+            initrd,
+            mem_mib,
+            runs,
+            qemu,
+            work,
+        } => bench::bench(&bench::BenchArgs {
+            kernel,
+            initrd,
+            mem_mib,
+            runs,
+            qemu,
+            work,
+        }),
+        Cmd::Cleanup { spec } => {
+            let cfg = vessel_shim::read_spec(&spec)?;
+            for p in vessel_shim::cleanup(&cfg)? {
+                println!("removed {}", p.display());
+            }
+            Ok(())
+        }
         Cmd::Probe { json, device } => {
             let r = vessel_vmm::probe::probe_with(&vessel_vmm::probe::ProbeOptions {
                 device,

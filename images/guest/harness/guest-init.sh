@@ -27,6 +27,12 @@ case "$t" in
     echo "vessel-event: net-mac-$(cat /sys/class/net/eth0/address)"
     if ping -c 1 -W 5 10.0.2.1 >/dev/null 2>&1; then echo "vessel-event: net-ping-ok"; fi
     poweroff -f ;;
+  bench)
+    /bin/vsock-echo listen 1234 >/dev/null
+    /bin/vsock-echo listen 1235 >/dev/null
+    poweroff -f ;;
+  sleep)
+    sleep 1000 ;;
   vsock)
     /bin/vsock-echo listen 1234 &
     l=$!

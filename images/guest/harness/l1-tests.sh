@@ -100,6 +100,22 @@ t_vsock() {
     grep -qx hello-from-host "$W/vsock.reply" && rc_is vsock 0 &&
     out_has vsock '"vsock-guest-reply-hello-from-guest":' && [ ! -e "$W/v.sock" ]
 }
+t_sigterm() {
+  spec sigterm sleep 1 128 "" "\"vsock\":{\"uds_path\":\"$W/term.sock\"},"
+  "$SHIM" run --spec "$W/sigterm.json" --timeout 60 >"$W/sigterm.out" 2>"$W/sigterm.err" & pid=$!
+  i=0; while ! grep -q "vessel-event: init" "$W/sigterm.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+  kill -TERM "$pid"; wait $pid; echo $? >"$W/sigterm.rc"
+  cat "$W/sigterm.out"
+  rc_is sigterm 12 && out_has sigterm '"outcome":"stopped"' && [ ! -e "$W/term.sock" ]
+}
+t_sigkill_cleanup() {
+  spec sigkill sleep 1 128 "" "\"vsock\":{\"uds_path\":\"$W/kill.sock\"},"
+  "$SHIM" run --spec "$W/sigkill.json" --timeout 60 >"$W/sigkill.out" 2>"$W/sigkill.err" & pid=$!
+  i=0; while ! grep -q "vessel-event: init" "$W/sigkill.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+  kill -KILL "$pid"; wait $pid
+  [ -S "$W/kill.sock" ] || return 1
+  "$SHIM" cleanup --spec "$W/sigkill.json" && [ ! -e "$W/kill.sock" ]
+}
 t_bad_kernel() {
   spec bad_kernel init 1 128 /nonexistent/vmlinux; shim_run bad_kernel
   rc_is bad_kernel 1 && grep -q "nonexistent" "$W/bad_kernel.err"
@@ -113,7 +129,7 @@ t_memory_too_large() {
   rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
 }
 
-TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]
