@@ -42,7 +42,7 @@ if [ "$mode" = run ]; then
 fi
 
 # --- dependencies
-need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod gcc libc6-dev)
+need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod gcc libc6-dev iproute2)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -103,14 +103,17 @@ for f in "${mods[@]}"; do
   basename "${f%.xz}" >>"$L/lib/modules/order"
 done
 # The shim's shared libraries (and QEMU's, for the benchmark), at the paths ldd names.
-bins=("$SHIM")
+# iproute2's ip (busybox's lacks tuntap) for the net test.
+IPBIN=$(command -v ip)
+mkdir -p "$L/usr/local/bin"; cp "$IPBIN" "$L/usr/local/bin/ip"
+bins=("$SHIM" "$IPBIN")
 if [ "$mode" = bench ]; then
   bins+=(/usr/bin/qemu-system-x86_64)
   mkdir -p "$L/usr/bin" "$L/usr/share/qemu"
   cp /usr/bin/qemu-system-x86_64 "$L/usr/bin/"
   cp /usr/share/qemu/bios-microvm.bin "$L/usr/share/qemu/"
 fi
-for lib in $(ldd "${bins[@]}" | grep -o '/[^ ]*' | sort -u); do
+for lib in $(ldd "${bins[@]}" | grep -v ':$' | grep -o '/[^ ]*' | sort -u); do
   [ -e "$L$lib" ] && continue
   mkdir -p "$L$(dirname "$lib")"; cp -L "$lib" "$L$lib"
 done
@@ -128,7 +131,7 @@ else
 fi
 cat >"$L/init" <<'EOS'
 #!/bin/sh
-export PATH=/bin:/sbin HOME=/ TMPDIR=/tmp
+export PATH=/usr/local/bin:/bin:/sbin HOME=/ TMPDIR=/tmp
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 while read -r m; do insmod "/lib/modules/$m" 2>/dev/null; done </lib/modules/order

@@ -9,6 +9,8 @@ INITRD="$D/guest/initrd.cpio"
 W=${TMPDIR:-/tmp}/vessel-tests
 rm -rf "$W"; mkdir -p "$W"
 pass=0; fail=0
+# iproute2 (busybox's ip has no tuntap; busybox sh prefers its applets, so use a full path).
+IP=$(command -v ip); [ -x /usr/local/bin/ip ] && IP=/usr/local/bin/ip
 
 spec() { # name test vcpus mem [kernel] [extra JSON fields]
   [ -n "${5:-}" ] || set -- "$1" "$2" "$3" "$4" "$KERNEL" "${6:-}"
@@ -73,17 +75,17 @@ t_bad_disk() {
   rc_is bad_disk 1 && grep -q "disk image /nonexistent/disk.img" "$W/bad_disk.err"
 }
 t_net() {
-  ip tuntap add dev vtap0 mode tap && ip addr add 10.0.2.1/24 dev vtap0 && ip link set vtap0 up || return 1
+  "$IP" tuntap add dev vtap0 mode tap && "$IP" addr add 10.0.2.1/24 dev vtap0 && "$IP" link set vtap0 up || return 1
   spec net net 1 128 "" '"nets":[{"tap":"vtap0","mac":"52:54:00:12:34:56"}],'
   shim_run net; cat "$W/net.out"
   rx=$(cat /sys/class/net/vtap0/statistics/rx_packets); tx=$(cat /sys/class/net/vtap0/statistics/tx_packets)
   echo "tap vtap0: rx_packets=$rx tx_packets=$tx"
-  ip link del vtap0
+  "$IP" link del vtap0
   rc_is net 0 && out_has net '"net-mac-52:54:00:12:34:56":' && out_has net '"net-ping-ok":' && [ "$rx" -gt 0 ] && [ "$tx" -gt 0 ]
 }
 t_bad_tap() {
   spec bad_tap init 1 128 "" '"nets":[{"tap":"no-such-tap"}],'; shim_run bad_tap
-  rc_is bad_tap 1 && grep -q "tap no-such-tap: no such interface" "$W/bad_tap.err" && ! ip link show no-such-tap >/dev/null 2>&1
+  rc_is bad_tap 1 && grep -q "tap no-such-tap: no such interface" "$W/bad_tap.err" && ! "$IP" link show no-such-tap >/dev/null 2>&1
 }
 t_vsock() {
   "$SHIM" vsock-echo --path "$W/v.sock_5678" & e=$!

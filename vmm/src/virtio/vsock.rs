@@ -87,6 +87,10 @@ struct Conn {
     readable: bool,
     /// The stream reached EOF; a SHUTDOWN was sent to the guest.
     host_eof: bool,
+    /// The guest will send nothing more: shut the stream's write side once flushed.
+    guest_eof: bool,
+    /// Both sides are done: close (and reset the guest side) once flushed.
+    close_when_flushed: bool,
 }
 
 impl Conn {
@@ -102,6 +106,8 @@ impl Conn {
             to_stream: Vec::new(),
             readable: false,
             host_eof: false,
+            guest_eof: false,
+            close_when_flushed: false,
         }
     }
 
@@ -384,16 +390,17 @@ impl Inner {
             OP_CREDIT_UPDATE => {}
             OP_SHUTDOWN => {
                 if let Some(c) = self.conns.get_mut(&key) {
+                    let both = SHUTDOWN_SEND | SHUTDOWN_RCV;
                     if p.flags & SHUTDOWN_SEND != 0 {
-                        let _ = c.flush_to_stream();
-                        let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                        c.guest_eof = true;
                     }
-                    if p.flags & (SHUTDOWN_SEND | SHUTDOWN_RCV) == (SHUTDOWN_SEND | SHUTDOWN_RCV)
-                        || c.host_eof
-                    {
-                        self.close(key, true);
+                    // Both directions done (the guest's flags, or its SEND after our EOF).
+                    if p.flags & both == both || (c.host_eof && c.guest_eof) {
+                        c.guest_eof = true;
+                        c.close_when_flushed = true;
                     }
                 }
+                self.finish_if_flushed(key);
             }
             OP_RST => {
                 if let Some(c) = self.conns.get(&key) {
@@ -404,6 +411,21 @@ impl Inner {
                 self.close(key, false);
             }
             _ => self.ctl.push_back((OP_RST, key.0, key.1, 0)),
+        }
+    }
+
+    /// Acts on a guest shutdown once everything it sent has reached the stream.
+    fn finish_if_flushed(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if !c.to_stream.is_empty() {
+            return;
+        }
+        if c.close_when_flushed {
+            self.close(key, true);
+        } else if c.guest_eof {
+            let _ = c.stream.shutdown(std::net::Shutdown::Write);
         }
     }
 
@@ -504,9 +526,11 @@ impl Inner {
             let want = credit.min(buf.len());
             match c.stream.read(&mut buf[..want]) {
                 Ok(0) => {
+                    // The host closed its write side: we will send nothing more, but the
+                    // guest may still send to us until it closes too.
                     c.host_eof = true;
                     c.readable = false;
-                    return Some(((OP_SHUTDOWN, key.0, key.1, SHUTDOWN_RCV | SHUTDOWN_SEND), 0));
+                    return Some(((OP_SHUTDOWN, key.0, key.1, SHUTDOWN_SEND), 0));
                 }
                 Ok(n) => return Some(((OP_RW, key.0, key.1, 0), n)),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => c.readable = false,
@@ -637,8 +661,12 @@ fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
                         if fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
                             c.readable = true;
                         }
-                        if fd.revents & libc::POLLOUT != 0 && c.flush_to_stream().is_err() {
-                            g.close(*k, true);
+                        if fd.revents & libc::POLLOUT != 0 {
+                            if c.flush_to_stream().is_err() {
+                                g.close(*k, true);
+                            } else {
+                                g.finish_if_flushed(*k);
+                            }
                         }
                     }
                 }
@@ -691,12 +719,15 @@ mod tests {
         src_port: u32,
         dst_port: u32,
         op: u16,
+        flags: u32,
         data: Vec<u8>,
     }
 
     struct Guest {
         d: Driver,
         rx_bufs: VecDeque<(u64, u64)>,
+        /// Used lengths seen but not consumed yet.
+        pending: VecDeque<u32>,
     }
 
     impl Guest {
@@ -709,6 +740,7 @@ mod tests {
             let mut g = Guest {
                 d,
                 rx_bufs: VecDeque::new(),
+                pending: VecDeque::new(),
             };
             for _ in 0..8 {
                 g.post_rx();
@@ -728,9 +760,10 @@ mod tests {
         fn recv(&mut self) -> Rx {
             let deadline = Instant::now() + Duration::from_secs(5);
             loop {
-                let used = self.d.used(RXQ);
-                if let Some(len) = used.first() {
-                    assert_eq!(used.len(), 1, "one packet at a time in these tests");
+                let more = self.d.used(RXQ);
+                self.pending.extend(more);
+                if let Some(len) = self.pending.pop_front() {
+                    let len = &len;
                     let (h, data) = self.rx_bufs.pop_front().unwrap();
                     let hb = self.d.read(h, 44);
                     let u32at = |o: usize| u32::from_le_bytes(hb[o..o + 4].try_into().unwrap());
@@ -745,6 +778,7 @@ mod tests {
                         src_port: u32at(16),
                         dst_port: u32at(20),
                         op,
+                        flags: u32at(32),
                         data: self.d.read(data, dlen as usize),
                     };
                 }
@@ -803,6 +837,32 @@ mod tests {
 
         // The guest closes: the host sees EOF, the device answers with a reset.
         g.send(1234, local, OP_SHUTDOWN, SHUTDOWN_RCV | SHUTDOWN_SEND, &[]);
+        assert_eq!(host.read(&mut b).unwrap(), 0);
+        assert_eq!(g.recv().op, OP_RST);
+    }
+
+    #[test]
+    fn host_half_close_lets_the_guest_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 1234\n").unwrap();
+        let local = g.recv().src_port;
+        g.send(1234, local, OP_RESPONSE, 0, &[]);
+        assert_eq!(read_line(&mut host), format!("OK {local}"));
+        host.write_all(b"question").unwrap();
+        host.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(g.recv().data, b"question");
+        let sd = g.recv();
+        // Only SEND: the host may still receive.
+        assert_eq!((sd.op, sd.flags), (OP_SHUTDOWN, SHUTDOWN_SEND));
+        g.send(1234, local, OP_RW, 0, b"answer");
+        let mut b = [0u8; 6];
+        host.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"answer");
+        g.send(1234, local, OP_SHUTDOWN, SHUTDOWN_SEND | SHUTDOWN_RCV, &[]);
         assert_eq!(host.read(&mut b).unwrap(), 0);
         assert_eq!(g.recv().op, OP_RST);
     }
