@@ -111,7 +111,7 @@ if [ "$mode" = bench ]; then
   bins+=(/usr/bin/qemu-system-x86_64)
   mkdir -p "$L/usr/bin" "$L/usr/share/qemu"
   cp /usr/bin/qemu-system-x86_64 "$L/usr/bin/"
-  cp /usr/share/qemu/bios-microvm.bin "$L/usr/share/qemu/"
+  cp /usr/share/qemu/{qboot.rom,bios-microvm.bin,linuxboot_dma.bin} "$L/usr/share/qemu/"
 fi
 for lib in $(ldd "${bins[@]}" | grep -v ':$' | grep -o '/[^ ]*' | sort -u); do
   [ -e "$L$lib" ] && continue

@@ -35,7 +35,7 @@ struct Sample {
 /// (total RSS, total PSS) minus the guest-memory mapping(s): mappings of exactly `mem_kib`.
 fn overhead(pid: u32, mem_kib: u64) -> Result<(u64, u64)> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).context("reading smaps")?;
-    let (mut rss, mut pss, mut size) = (0u64, 0u64, 0u64);
+    let (mut rss, mut pss) = (0u64, 0u64);
     let mut guest = false;
     for line in smaps.lines() {
         let mut it = line.split_whitespace();
@@ -44,20 +44,16 @@ fn overhead(pid: u32, mem_kib: u64) -> Result<(u64, u64)> {
         };
         let v: u64 = v.parse().unwrap_or(0);
         match k {
-            "Size:" => {
-                size = v;
-                guest = size == mem_kib;
-            }
+            "Size:" => guest = v == mem_kib,
             "Rss:" if !guest => rss += v,
             "Pss:" if !guest => pss += v,
             _ => {}
         }
     }
-    let _ = size;
     Ok((rss, pss))
 }
 
-fn vsock_echo_hybrid(sock: &Path, port: u32, deadline: Instant) -> Result<()> {
+fn vsock_echo_hybrid(sock: &Path, port: u32, deadline: Instant, child: &mut Child) -> Result<()> {
     loop {
         match crate::hybrid_connect(sock, port) {
             Ok(mut s) => {
@@ -72,6 +68,9 @@ fn vsock_echo_hybrid(sock: &Path, port: u32, deadline: Instant) -> Result<()> {
             }
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!("{e:#}");
+                if let Some(st) = child.try_wait()? {
+                    bail!("the VMM exited ({st}) before answering: {e:#}");
+                }
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(e),
@@ -79,7 +78,7 @@ fn vsock_echo_hybrid(sock: &Path, port: u32, deadline: Instant) -> Result<()> {
     }
 }
 
-fn vsock_echo_cid(cid: u32, port: u32, deadline: Instant) -> Result<()> {
+fn vsock_echo_cid(cid: u32, port: u32, deadline: Instant, child: &mut Child) -> Result<()> {
     loop {
         // SAFETY: plain socket/connect/read/write/close calls on an fd this block owns, with
         // a properly initialised sockaddr_vm of the size passed.
@@ -126,6 +125,9 @@ fn vsock_echo_cid(cid: u32, port: u32, deadline: Instant) -> Result<()> {
             Ok(()) => return Ok(()),
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!("{e:#}");
+                if let Some(st) = child.try_wait()? {
+                    bail!("the VMM exited ({st}) before answering: {e:#}");
+                }
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(e),
@@ -169,8 +171,8 @@ fn run_ours(a: &BenchArgs, i: usize) -> Result<Sample> {
         .stderr(Stdio::piped())
         .spawn()?;
     let init = watch_init(child.stderr.take().expect("piped"), t0);
-    let r = measure(&mut child, t0, &init, a.mem_mib, |port, dl| {
-        vsock_echo_hybrid(&sock, port, dl)
+    let r = measure(&mut child, t0, &init, a.mem_mib, |port, dl, c| {
+        vsock_echo_hybrid(&sock, port, dl, c)
     });
     let _ = child.wait();
     r
@@ -210,8 +212,8 @@ fn run_qemu(a: &BenchArgs, qemu: &Path) -> Result<Sample> {
         .spawn()
         .with_context(|| format!("starting {}", qemu.display()))?;
     let init = watch_init(child.stdout.take().expect("piped"), t0);
-    let r = measure(&mut child, t0, &init, a.mem_mib, |port, dl| {
-        vsock_echo_cid(3, port, dl)
+    let r = measure(&mut child, t0, &init, a.mem_mib, |port, dl, c| {
+        vsock_echo_cid(3, port, dl, c)
     });
     // Without ACPI the powered-off guest halts and QEMU stays: end it.
     std::thread::sleep(Duration::from_millis(200));
@@ -225,17 +227,17 @@ fn measure(
     t0: Instant,
     init: &mpsc::Receiver<f64>,
     mem_mib: u64,
-    echo: impl Fn(u32, Instant) -> Result<()>,
+    echo: impl Fn(u32, Instant, &mut Child) -> Result<()>,
 ) -> Result<Sample> {
     let deadline = t0 + Duration::from_secs(60);
-    echo(1234, deadline).context("first vsock echo")?;
+    echo(1234, deadline, child).context("first vsock echo")?;
     let vsock_ms = t0.elapsed().as_secs_f64() * 1e3;
     let init_ms = init
         .recv_timeout(Duration::from_secs(5))
         .context("no init line on the console")?;
     std::thread::sleep(Duration::from_millis(100));
     let (rss_kib, pss_kib) = overhead(child.id(), mem_mib << 10)?;
-    echo(1235, deadline).context("second vsock connection (poweroff)")?;
+    echo(1235, deadline, child).context("second vsock connection (poweroff)")?;
     Ok(Sample {
         init_ms,
         vsock_ms,
