@@ -209,6 +209,19 @@ pub fn normalize_cpuid(cpuid: &mut CpuId, cpu_id: u8, cpu_count: u8) {
     }
 }
 
+/// Advertises (or hides) the TSC-deadline mode of the local APIC timer, CPUID.1:ECX[24].
+pub fn set_tsc_deadline(cpuid: &mut CpuId, on: bool) {
+    for e in cpuid.as_mut_slice() {
+        if e.function == 0x1 {
+            if on {
+                e.ecx |= 1 << 24;
+            } else {
+                e.ecx &= !(1 << 24);
+            }
+        }
+    }
+}
+
 /// Boot MSRs: SYSENTER/SYSCALL state cleared, TSC 0, and fast-string enabled in
 /// IA32_MISC_ENABLE, as firmware leaves them.
 pub fn boot_msrs() -> Vec<kvm_msr_entry> {
