@@ -25,6 +25,8 @@ const VIRTIO_BLK_T_GET_ID: u32 = 8;
 const VIRTIO_BLK_S_OK: u8 = 0;
 const VIRTIO_BLK_S_IOERR: u8 = 1;
 const VIRTIO_BLK_S_UNSUPP: u8 = 2;
+/// Largest piece of a request copied at once.
+const CHUNK: usize = 128 * 1024;
 /// Length of the serial id (`VIRTIO_BLK_ID_BYTES`).
 pub const ID_BYTES: usize = 20;
 
@@ -105,18 +107,26 @@ impl Block {
         };
         let (status, written) = match typ {
             VIRTIO_BLK_T_IN => {
-                let len = data_len as u64;
-                if !in_range(len) {
+                if !in_range(data_len as u64) {
                     (VIRTIO_BLK_S_IOERR, 0)
                 } else {
-                    let mut buf = vec![0u8; data_len];
-                    match file.read_exact_at(&mut buf, sector * SECTOR_SIZE) {
-                        Ok(()) => {
-                            writer.write_all(&buf)?;
-                            (VIRTIO_BLK_S_OK, data_len as u32)
+                    // In bounded chunks: the request size is the guest's to choose.
+                    let mut buf = vec![0u8; CHUNK.min(data_len)];
+                    let mut done = 0usize;
+                    let mut status = VIRTIO_BLK_S_OK;
+                    while done < data_len {
+                        let n = buf.len().min(data_len - done);
+                        if file
+                            .read_exact_at(&mut buf[..n], sector * SECTOR_SIZE + done as u64)
+                            .is_err()
+                        {
+                            status = VIRTIO_BLK_S_IOERR;
+                            break;
                         }
-                        Err(_) => (VIRTIO_BLK_S_IOERR, 0),
+                        writer.write_all(&buf[..n])?;
+                        done += n;
                     }
+                    (status, done as u32)
                 }
             }
             VIRTIO_BLK_T_OUT => {
@@ -124,12 +134,22 @@ impl Block {
                 if read_only || !in_range(len as u64) {
                     (VIRTIO_BLK_S_IOERR, 0)
                 } else {
-                    let mut buf = vec![0u8; len];
-                    reader.read_exact(&mut buf)?;
-                    match file.write_all_at(&buf, sector * SECTOR_SIZE) {
-                        Ok(()) => (VIRTIO_BLK_S_OK, 0),
-                        Err(_) => (VIRTIO_BLK_S_IOERR, 0),
+                    let mut buf = vec![0u8; CHUNK.min(len)];
+                    let mut done = 0usize;
+                    let mut status = VIRTIO_BLK_S_OK;
+                    while done < len {
+                        let n = buf.len().min(len - done);
+                        reader.read_exact(&mut buf[..n])?;
+                        if file
+                            .write_all_at(&buf[..n], sector * SECTOR_SIZE + done as u64)
+                            .is_err()
+                        {
+                            status = VIRTIO_BLK_S_IOERR;
+                            break;
+                        }
+                        done += n;
                     }
+                    (status, 0)
                 }
             }
             VIRTIO_BLK_T_FLUSH => match file.sync_all() {
@@ -292,6 +312,50 @@ mod tests {
         let st = d.buf(&[0xff]);
         d.submit(0, &[(hdr, 16, F_READ), (st, 1, F_WRITE)]);
         assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_UNSUPP]);
+    }
+
+    #[test]
+    fn large_requests_over_several_buffers() {
+        let f = disk(1024 * 512);
+        let dev = Block::new(f.path(), false, "big").unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        d.init(&[0]);
+        // 300 KiB write from three buffers, then read it back into two.
+        let pattern: Vec<u8> = (0..300 * 1024).map(|i| (i % 251) as u8).collect();
+        let hdr = d.buf(&header(VIRTIO_BLK_T_OUT, 10));
+        let a = d.buf(&pattern[..100 * 1024]);
+        let b = d.buf(&pattern[100 * 1024..250 * 1024]);
+        let c = d.buf(&pattern[250 * 1024..]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[
+                (hdr, 16, F_READ),
+                (a, 100 * 1024, F_READ),
+                (b, 150 * 1024, F_READ),
+                (c, 50 * 1024, F_READ),
+                (st, 1, F_WRITE),
+            ],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        let hdr = d.buf(&header(VIRTIO_BLK_T_IN, 10));
+        let x = d.buf(&vec![0u8; 200 * 1024]);
+        let y = d.buf(&vec![0u8; 100 * 1024]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[
+                (hdr, 16, F_READ),
+                (x, 200 * 1024, F_WRITE),
+                (y, 100 * 1024, F_WRITE),
+                (st, 1, F_WRITE),
+            ],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        let mut back = d.read(x, 200 * 1024);
+        back.extend(d.read(y, 100 * 1024));
+        assert!(back == pattern, "data read back differs");
+        assert_eq!(d.used(0), vec![1, 300 * 1024 + 1]);
     }
 
     #[test]

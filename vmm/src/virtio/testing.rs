@@ -12,7 +12,7 @@ pub const F_WRITE: u16 = 2;
 pub const F_READ: u16 = 0;
 
 const QSIZE: u16 = 16;
-const MEM: usize = 0x10_0000;
+const MEM: usize = 0x40_0000;
 
 pub struct Driver {
     pub mem: GuestMemoryMmap,
