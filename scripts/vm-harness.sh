@@ -73,7 +73,7 @@ cp images/guest/harness/l1-tests.sh "$STAGE/bin/l1-tests.sh"
 G="$WORK/guest-initrd"
 rm -rf "$G"; mkdir -p "$G"/{bin,sbin,proc,sys,dev,tmp}
 cp /bin/busybox "$G/bin/busybox"
-for a in sh mount sed grep cat echo head poweroff reboot sleep dd ip ifconfig ping; do ln -sf busybox "$G/bin/$a"; done
+for a in sh mount sed grep cat echo head poweroff reboot sleep dd ip ifconfig ping dmesg; do ln -sf busybox "$G/bin/$a"; done
 install -m 0755 images/guest/harness/guest-init.sh "$G/init"
 gcc -static -O2 -Wall -o "$G/bin/vsock-echo" images/guest/harness/vsock-echo.c
 (cd "$G" && find . | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$STAGE/guest/initrd.cpio"

@@ -2,11 +2,11 @@
 # /init of the harness's test guest (L2). The test to run comes from the kernel command line
 # (`vessel.test=NAME`); results are `vessel-event: ...` lines on the console, which the VMM
 # timestamps and reports, and the guest's outcome (poweroff, reboot, panic).
+echo "vessel-event: init"
 export PATH=/bin:/sbin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev 2>/dev/null
-echo "vessel-event: init"
 t=$(sed -n 's/.*vessel\.test=\([^ ]*\).*/\1/p' /proc/cmdline)
 case "$t" in
   init|poweroff) poweroff -f ;;
@@ -30,6 +30,9 @@ case "$t" in
   bench)
     /bin/vsock-echo listen 1234 >/dev/null
     /bin/vsock-echo listen 1235 >/dev/null
+    poweroff -f ;;
+  dmesg)
+    dmesg
     poweroff -f ;;
   sleep)
     sleep 1000 ;;
