@@ -25,7 +25,9 @@ enum Cmd {
         device: std::path::PathBuf,
     },
     /// Boot a VM from a JSON (or .toml) spec and exit with the guest's outcome
-    /// (0 poweroff, 10 reboot, 11 panic, 12 stopped by SIGTERM/SIGINT, 1 error).
+    /// (0 poweroff, 10 reboot, 11 panic, 12 stopped, 1 error). SIGTERM/SIGINT ask the guest to
+    /// shut down (`vessel-stop` on its console) and stop it after the spec's stop_timeout_ms;
+    /// a second signal stops it at once.
     /// Prints one JSON line on stdout: the outcome and the times (ms since start) of
     /// `vessel-event: NAME` lines the guest printed on its console.
     Run {
@@ -188,15 +190,27 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     let control = vm.control();
     let built_ms = start.elapsed().as_secs_f64() * 1e3;
     let running = vm.start()?;
-    let c2 = control.clone();
+    let handle = running.handle();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            let mut sig: libc::c_int = 0;
-            // SAFETY: `set` is a valid, initialised signal set and `sig` a valid out pointer.
-            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
-                tracing::info!(sig, "stopping the guest");
-                c2.finish(vessel_vmm::vm::Outcome::Stopped);
+            // First SIGTERM/SIGINT: ask the guest to shut down (stop_timeout_ms, then stopped);
+            // a second one stops it at once.
+            let mut asked = false;
+            loop {
+                let mut sig: libc::c_int = 0;
+                // SAFETY: `set` is a valid, initialised signal set and `sig` a valid out pointer.
+                if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                    return;
+                }
+                if asked {
+                    tracing::info!(sig, "stopping the guest now");
+                    handle.stop_now();
+                } else {
+                    tracing::info!(sig, "asking the guest to shut down");
+                    handle.request_stop();
+                    asked = true;
+                }
             }
         })?;
     let outcome = running.wait(timeout.map(Duration::from_secs_f64));

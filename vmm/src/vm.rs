@@ -73,6 +73,10 @@ pub struct VmConfig {
     pub verbose: bool,
     #[serde(default = "default_kvm")]
     pub kvm_device: PathBuf,
+    /// How long a guest asked to stop ([`VmHandle::request_stop`]) gets to power off before
+    /// its vCPUs are stopped.
+    #[serde(default = "default_stop_timeout")]
+    pub stop_timeout_ms: u64,
     /// virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
@@ -128,6 +132,15 @@ pub const VIRTIO_IRQ_BASE: u32 = 5;
 fn default_kvm() -> PathBuf {
     PathBuf::from("/dev/kvm")
 }
+
+fn default_stop_timeout() -> u64 {
+    5000
+}
+
+/// The line written to the guest's serial console to ask it to shut down: the guest's PID 1
+/// (the agent) treats it as a power button. Without ACPI or a keyboard controller driver in the
+/// guest there is no other way to reach it before the agent's own channel is up.
+pub const STOP_LINE: &[u8] = b"\nvessel-stop\n";
 
 /// Errors building or starting a VM.
 #[derive(Debug, thiserror::Error)]
@@ -266,6 +279,7 @@ pub struct Vm {
     mmio: Arc<MmioBus>,
     control: Arc<Control>,
     entry: u64,
+    stop_timeout: Duration,
 }
 
 impl Vm {
@@ -461,6 +475,7 @@ impl Vm {
             mmio,
             control,
             entry: kernel.entry,
+            stop_timeout: Duration::from_millis(cfg.stop_timeout_ms),
         })
     }
 
@@ -496,7 +511,8 @@ impl Vm {
             _mem: self.mem,
             threads,
             control: self.control,
-            _pio: self.pio,
+            pio: self.pio,
+            stop_timeout: self.stop_timeout,
         })
     }
 }
@@ -556,12 +572,49 @@ pub struct RunningVm {
     _mem: GuestMemoryMmap,
     threads: Vec<JoinHandle<()>>,
     control: Arc<Control>,
-    _pio: Arc<PioBus>,
+    pio: Arc<PioBus>,
+    stop_timeout: Duration,
+}
+
+/// A handle to stop a running VM from another thread (e.g. a signal handler thread).
+#[derive(Clone)]
+pub struct VmHandle {
+    control: Arc<Control>,
+    pio: Arc<PioBus>,
+    stop_timeout: Duration,
+}
+
+impl VmHandle {
+    /// Asks the guest to shut down ([`STOP_LINE`] on its console) and, if it has not ended
+    /// within the VM's stop timeout, stops it ([`Outcome::Stopped`]). Returns at once.
+    pub fn request_stop(&self) {
+        self.pio.console_input(STOP_LINE);
+        let (control, timeout) = (self.control.clone(), self.stop_timeout);
+        std::thread::spawn(move || {
+            if control.wait(Some(timeout)).is_none() {
+                tracing::info!("the guest did not stop in {timeout:?}; stopping it");
+                control.finish(Outcome::Stopped);
+            }
+        });
+    }
+
+    /// Stops the guest now.
+    pub fn stop_now(&self) {
+        self.control.finish(Outcome::Stopped);
+    }
 }
 
 impl RunningVm {
     pub fn control(&self) -> Arc<Control> {
         self.control.clone()
+    }
+
+    pub fn handle(&self) -> VmHandle {
+        VmHandle {
+            control: self.control.clone(),
+            pio: self.pio.clone(),
+            stop_timeout: self.stop_timeout,
+        }
     }
 
     /// Waits for the guest's outcome (at most `timeout`), then stops and joins the vCPUs.
@@ -626,6 +679,7 @@ mod tests {
             console: Console::Off,
             verbose: false,
             kvm_device: default_kvm(),
+            stop_timeout_ms: default_stop_timeout(),
             disks: Vec::new(),
             nets: Vec::new(),
             vsock: None,

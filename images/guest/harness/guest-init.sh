@@ -31,6 +31,12 @@ case "$t" in
     /bin/vsock-echo listen 1234 >/dev/null
     /bin/vsock-echo listen 1235 >/dev/null
     poweroff -f ;;
+  stop)
+    # The VMM's stop request arrives as a console line (vessel-stop), like a power button.
+    echo "vessel-event: waiting-stop"
+    while read -r line; do case "$line" in *vessel-stop*) break ;; esac; done </dev/console
+    echo "vessel-event: stop-requested"
+    poweroff -f ;;
   dmesg)
     dmesg
     poweroff -f ;;

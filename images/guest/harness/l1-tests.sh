@@ -102,18 +102,31 @@ t_vsock() {
     grep -qx hello-from-host "$W/vsock.reply" && rc_is vsock 0 &&
     out_has vsock '"vsock-guest-reply-hello-from-guest":' && [ ! -e "$W/v.sock" ]
 }
+wait_console() { # name text
+  i=0; while ! grep -q "$2" "$W/$1.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+}
 t_sigterm() {
-  spec sigterm sleep 1 128 "" "\"vsock\":{\"uds_path\":\"$W/term.sock\"},"
+  # The guest honours the stop request: a clean poweroff, exit 0.
+  spec sigterm stop 1 128 "" "\"vsock\":{\"uds_path\":\"$W/term.sock\"},"
   "$SHIM" run --spec "$W/sigterm.json" --timeout 60 >"$W/sigterm.out" 2>"$W/sigterm.err" & pid=$!
-  i=0; while ! grep -q "vessel-event: init" "$W/sigterm.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+  wait_console sigterm "vessel-event: waiting-stop"
   kill -TERM "$pid"; wait $pid; echo $? >"$W/sigterm.rc"
   cat "$W/sigterm.out"
-  rc_is sigterm 12 && out_has sigterm '"outcome":"stopped"' && [ ! -e "$W/term.sock" ]
+  rc_is sigterm 0 && out_has sigterm '"stop-requested":' && out_has sigterm '"outcome":"poweroff"' && [ ! -e "$W/term.sock" ]
+}
+t_sigterm_deadline() {
+  # The guest ignores it: stopped after stop_timeout_ms, exit 12, nothing left behind.
+  spec sigterm_deadline sleep 1 128 "" "\"stop_timeout_ms\":1000,\"vsock\":{\"uds_path\":\"$W/term2.sock\"},"
+  "$SHIM" run --spec "$W/sigterm_deadline.json" --timeout 60 >"$W/sigterm_deadline.out" 2>"$W/sigterm_deadline.err" & pid=$!
+  wait_console sigterm_deadline "vessel-event: init"
+  kill -TERM "$pid"; wait $pid; echo $? >"$W/sigterm_deadline.rc"
+  cat "$W/sigterm_deadline.out"
+  rc_is sigterm_deadline 12 && out_has sigterm_deadline '"outcome":"stopped"' && [ ! -e "$W/term2.sock" ]
 }
 t_sigkill_cleanup() {
   spec sigkill sleep 1 128 "" "\"vsock\":{\"uds_path\":\"$W/kill.sock\"},"
   "$SHIM" run --spec "$W/sigkill.json" --timeout 60 >"$W/sigkill.out" 2>"$W/sigkill.err" & pid=$!
-  i=0; while ! grep -q "vessel-event: init" "$W/sigkill.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+  wait_console sigkill "vessel-event: init"
   kill -KILL "$pid"; wait $pid
   [ -S "$W/kill.sock" ] || return 1
   "$SHIM" cleanup --spec "$W/sigkill.json" && [ ! -e "$W/kill.sock" ]
@@ -131,7 +144,7 @@ t_memory_too_large() {
   rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
 }
 
-TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigterm_deadline sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]

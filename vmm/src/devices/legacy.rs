@@ -119,6 +119,12 @@ impl PioBus {
         }
     }
 
+    /// Feeds bytes to the guest as if typed on the serial console (raises the receive
+    /// interrupt when the guest enabled it). Returns how many fitted in the FIFO.
+    pub fn console_input(&self, bytes: &[u8]) -> usize {
+        lock(&self.serial).enqueue_raw_bytes(bytes).unwrap_or(0)
+    }
+
     /// Handles an `IN` from `port`, filling `data`.
     pub fn read(&self, port: u16, data: &mut [u8]) {
         let v = match port {
@@ -181,6 +187,21 @@ mod tests {
         assert_eq!(st[0], 0);
         bus.write(0x64, &[0xfe]);
         assert_eq!(control.outcome(), Some(Outcome::Reboot));
+    }
+
+    #[test]
+    fn console_input_reaches_the_receive_register() {
+        let (bus, _, irq) = bus();
+        // Enable the received-data interrupt (IER bit 0), then type.
+        bus.write(SERIAL_PORT + 1, &[0x01]);
+        assert_eq!(bus.console_input(b"ok\n"), 3);
+        assert!(irq.read().unwrap() >= 1);
+        let mut lsr = [0u8];
+        bus.read(SERIAL_PORT + 5, &mut lsr);
+        assert_eq!(lsr[0] & 1, 1, "data ready");
+        let mut c = [0u8];
+        bus.read(SERIAL_PORT, &mut c);
+        assert_eq!(c[0], b'o');
     }
 
     #[test]
