@@ -375,8 +375,17 @@ impl Vm {
             let mac = n.mac.as_deref().map(net::parse_mac).transpose()?;
             let dev = match (&n.tap, n.tap_fd) {
                 (Some(name), None) => Net::new(net::open_tap(name)?.into(), mac)?,
-                // SAFETY: the spec hands this process the fd; nothing else in it uses the number.
-                (None, Some(fd)) => unsafe { Net::from_raw_fd(fd, mac)? },
+                (None, Some(fd)) => {
+                    // SAFETY: F_GETFD only queries the descriptor table.
+                    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                        return Err(VmError::Config(format!(
+                            "tap_fd {fd} is not an open descriptor"
+                        )));
+                    }
+                    // SAFETY: the spec hands this process the (open, checked above) fd; nothing
+                    // else in the process uses that number.
+                    unsafe { Net::from_raw_fd(fd, mac)? }
+                }
                 _ => {
                     return Err(VmError::Config(
                         "a net needs exactly one of tap, tap_fd".into(),
