@@ -7,15 +7,15 @@
 #
 # Cache: /var/cache/vessel/guest-kernel/<key>/{vmlinux,bzImage,config,build-info}, where <key>
 # is the sha256 of (linux-source-6.1 package version, fragment contents, this recipe's
-# version). VESSEL_KERNEL_CACHE overrides the cache root. A second run with the same inputs is a
-# cache hit and prints the same directory. The build runs under `nice -n 19 make -j$JOBS`
+# version). VESSEL_KERNEL_CACHE overrides the cache root, VESSEL_KERNEL_FRAGMENT the fragment.
+# A second run with the same inputs is a cache hit and prints the same directory. The build runs under `nice -n 19 make -j$JOBS`
 # (JOBS defaults to the number of CPUs) and every option of the fragment is checked to have
 # stuck after `olddefconfig` (it drops options whose dependencies are missing, silently).
 # The last line on stdout is the cache directory; progress goes to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-FRAG="$ROOT/images/guest/guest-kernel.config"
+FRAG=${VESSEL_KERNEL_FRAGMENT:-$ROOT/images/guest/guest-kernel.config}
 CACHE_ROOT=${VESSEL_KERNEL_CACHE:-/var/cache/vessel/guest-kernel}
 JOBS=${JOBS:-$(nproc)}
 RECIPE=1   # bump when the build steps below change what is produced
@@ -99,6 +99,7 @@ while IFS= read -r line; do
 done <"$FRAG"
 if [ "$bad" -ne 0 ]; then
   log "FAILED: the config fragment does not apply cleanly (missing dependencies?); fix $FRAG"
+  rm -rf "$BUILD"
   exit 1
 fi
 
