@@ -8,9 +8,10 @@
 # Cache: /var/cache/vessel/guest-kernel/<key>/{vmlinux,bzImage,config,build-info}, where <key>
 # is the sha256 of (linux-source-6.1 package version, fragment contents, this recipe's
 # version). VESSEL_KERNEL_CACHE overrides the cache root, VESSEL_KERNEL_FRAGMENT the fragment.
-# A second run with the same inputs is a cache hit and prints the same directory. The build runs under `nice -n 19 make -j$JOBS`
-# (JOBS defaults to the number of CPUs) and every option of the fragment is checked to have
-# stuck after `olddefconfig` (it drops options whose dependencies are missing, silently).
+# A second run with the same inputs is a cache hit and prints the same directory. The build
+# runs under `nice -n 19 make -j$JOBS` (JOBS defaults to the number of CPUs) and every option
+# of the fragment is checked to have stuck after `olddefconfig` (which silently drops options
+# whose dependencies are missing).
 # The last line on stdout is the cache directory; progress goes to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
