@@ -12,6 +12,10 @@ PKGS=(
   libseccomp-dev      # seccomp for containers (youki libcontainer)
   iproute2
   ca-certificates
+  # the microVM guest kernel build (scripts/build-guest-kernel.sh)
+  linux-source-6.1 build-essential flex bison libelf-dev libssl-dev bc xz-utils lz4 cpio
+  # the nested VM test harness (scripts/vm-harness.sh): QEMU/TCG boots a Debian kernel (L1)
+  qemu-system-x86 linux-image-cloud-amd64 kmod
 )
 
 missing=()

@@ -1,0 +1,150 @@
+#!/bin/sh
+# The VM test suite, run inside L1 (QEMU/TCG with nested SVM) by scripts/vm-harness.sh, or
+# directly on a host with hardware virtualisation (VESSEL_HARNESS_DIR pointing at the staged
+# files). Prints `PASS name` / `FAIL name` lines and `N passed, N failed`.
+D=${VESSEL_HARNESS_DIR:-/vessel}
+SHIM="$D/bin/vessel-shim"
+KERNEL="$D/guest/bzImage"
+INITRD="$D/guest/initrd.cpio"
+W=${TMPDIR:-/tmp}/vessel-tests
+rm -rf "$W"; mkdir -p "$W"
+pass=0; fail=0
+# iproute2 (busybox's ip has no tuntap; busybox sh prefers its applets, so use a full path).
+IP=$(command -v ip); [ -x /usr/local/bin/ip ] && IP=/usr/local/bin/ip
+
+spec() { # name test vcpus mem [kernel] [extra JSON fields]
+  [ -n "${5:-}" ] || set -- "$1" "$2" "$3" "$4" "$KERNEL" "${6:-}"
+  cat >"$W/$1.json" <<EOS
+{"kernel":"${5:-$KERNEL}","initrd":"$INITRD","mem_mib":$4,"vcpus":$3,${6:-}
+ "console":{"file":"$W/$1.console"},"cmdline":"vessel.test=$2","verbose":${VERBOSE:-false}}
+EOS
+}
+shim_run() { # name: runs the spec, output JSON in $W/name.out, exit code in $W/name.rc
+  "$SHIM" run --spec "$W/$1.json" --timeout 60 >"$W/$1.out" 2>"$W/$1.err"
+  echo $? >"$W/$1.rc"
+}
+check() { # name description command...
+  n=$1; shift
+  if "$@"; then pass=$((pass+1)); echo "PASS $n"
+  else fail=$((fail+1)); echo "FAIL $n"
+    for f in "$W/$n".out "$W/$n".err "$W/$n".console; do [ -f "$f" ] && { echo "--- $f"; tail -n 30 "$f"; }; done
+  fi
+}
+rc_is() { [ "$(cat "$W/$1.rc")" = "$2" ]; }
+out_has() { grep -q "$2" "$W/$1.out"; }
+
+t_probe() {
+  "$SHIM" probe --json >"$W/probe.out" 2>&1; r=$?
+  cat "$W/probe.out" | tr -d '\n' | sed 's/  */ /g'; echo
+  [ $r = 0 ]
+}
+t_boot_to_init() {
+  spec boot_to_init init 1 128; shim_run boot_to_init
+  cat "$W/boot_to_init.out"
+  rc_is boot_to_init 0 && out_has boot_to_init '"init":' && out_has boot_to_init '"outcome":"poweroff"'
+}
+t_boot_elf() {
+  spec boot_elf init 1 128 "$D/guest/vmlinux"; shim_run boot_elf
+  cat "$W/boot_elf.out"
+  rc_is boot_elf 0 && out_has boot_elf '"init":'
+}
+t_smp() {
+  spec smp smp 2 128; shim_run smp
+  cat "$W/smp.out"
+  rc_is smp 0 && out_has smp '"cpus-2":'
+}
+t_reboot() { spec reboot reboot 1 128; shim_run reboot; rc_is reboot 10 && out_has reboot '"outcome":"reboot"'; }
+t_panic() { spec panic panic 1 128; shim_run panic; rc_is panic 11 && out_has panic '"outcome":"panic"'; }
+t_two_vms() {
+  spec vm_a init 1 128; spec vm_b smp 2 128
+  shim_run vm_a & a=$!
+  shim_run vm_b & b=$!
+  wait $a; wait $b
+  rc_is vm_a 0 && rc_is vm_b 0 && out_has vm_a '"init":' && out_has vm_b '"cpus-2":'
+}
+t_blk() {
+  printf 'vessel-blk-ro' >"$W/ro.img"; dd if=/dev/zero of="$W/ro.img" bs=1024 seek=1 count=1023 2>/dev/null
+  dd if=/dev/zero of="$W/rw.img" bs=1024 count=1024 2>/dev/null
+  spec blk blk 1 128 "" "\"disks\":[{\"path\":\"$W/ro.img\",\"read_only\":true,\"serial\":\"vessel-ro-0\"},{\"path\":\"$W/rw.img\"}],"
+  shim_run blk; cat "$W/blk.out"
+  rc_is blk 0 && out_has blk '"blk-ro-vessel-blk-ro":' && out_has blk '"blk-serial-vessel-ro-0":' &&
+    out_has blk '"blk-written":' && ! out_has blk 'accepted-write' && [ "$(head -c 18 "$W/rw.img")" = vessel-blk-written ]
+}
+t_bad_disk() {
+  spec bad_disk init 1 128 "" '"disks":[{"path":"/nonexistent/disk.img"}],'; shim_run bad_disk
+  rc_is bad_disk 1 && grep -q "disk image /nonexistent/disk.img" "$W/bad_disk.err"
+}
+t_net() {
+  "$IP" tuntap add dev vtap0 mode tap && "$IP" addr add 10.0.2.1/24 dev vtap0 && "$IP" link set vtap0 up || return 1
+  spec net net 1 128 "" '"nets":[{"tap":"vtap0","mac":"52:54:00:12:34:56"}],'
+  shim_run net; cat "$W/net.out"
+  rx=$(cat /sys/class/net/vtap0/statistics/rx_packets); tx=$(cat /sys/class/net/vtap0/statistics/tx_packets)
+  echo "tap vtap0: rx_packets=$rx tx_packets=$tx"
+  "$IP" link del vtap0
+  rc_is net 0 && out_has net '"net-mac-52:54:00:12:34:56":' && out_has net '"net-ping-ok":' && [ "$rx" -gt 0 ] && [ "$tx" -gt 0 ]
+}
+t_bad_tap() {
+  spec bad_tap init 1 128 "" '"nets":[{"tap":"no-such-tap"}],'; shim_run bad_tap
+  rc_is bad_tap 1 && grep -q "tap no-such-tap: no such interface" "$W/bad_tap.err" && ! "$IP" link show no-such-tap >/dev/null 2>&1
+}
+t_vsock() {
+  "$SHIM" vsock-echo --path "$W/v.sock_5678" & e=$!
+  spec vsock vsock 1 128 "" "\"vsock\":{\"guest_cid\":3,\"uds_path\":\"$W/v.sock\"},"
+  shim_run vsock & s=$!
+  i=0; while [ ! -S "$W/v.sock" ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done
+  refused=yes
+  "$SHIM" vsock-connect --socket "$W/v.sock" --port 4321 >"$W/vsock.refused" 2>&1 && refused=no
+  "$SHIM" vsock-connect --socket "$W/v.sock" --port 1234 --send hello-from-host --retry-ms 30000 \
+    >"$W/vsock.reply" 2>"$W/vsock.reply.err"
+  wait $s; kill $e 2>/dev/null
+  cat "$W/vsock.out" "$W/vsock.refused" "$W/vsock.reply" "$W/vsock.reply.err"
+  [ $refused = yes ] && grep -q "refused the connection to vsock port 4321" "$W/vsock.refused" &&
+    grep -qx hello-from-host "$W/vsock.reply" && rc_is vsock 0 &&
+    out_has vsock '"vsock-guest-reply-hello-from-guest":' && [ ! -e "$W/v.sock" ]
+}
+wait_console() { # name text
+  i=0; while ! grep -q "$2" "$W/$1.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+}
+t_sigterm() {
+  # The guest honours the stop request: a clean poweroff, exit 0.
+  spec sigterm stop 1 128 "" "\"vsock\":{\"uds_path\":\"$W/term.sock\"},"
+  "$SHIM" run --spec "$W/sigterm.json" --timeout 60 >"$W/sigterm.out" 2>"$W/sigterm.err" & pid=$!
+  wait_console sigterm "vessel-event: waiting-stop"
+  kill -TERM "$pid"; wait $pid; echo $? >"$W/sigterm.rc"
+  cat "$W/sigterm.out"
+  rc_is sigterm 0 && out_has sigterm '"stop-requested":' && out_has sigterm '"outcome":"poweroff"' && [ ! -e "$W/term.sock" ]
+}
+t_sigterm_deadline() {
+  # The guest ignores it: stopped after stop_timeout_ms, exit 12, nothing left behind.
+  spec sigterm_deadline sleep 1 128 "" "\"stop_timeout_ms\":1000,\"vsock\":{\"uds_path\":\"$W/term2.sock\"},"
+  "$SHIM" run --spec "$W/sigterm_deadline.json" --timeout 60 >"$W/sigterm_deadline.out" 2>"$W/sigterm_deadline.err" & pid=$!
+  wait_console sigterm_deadline "vessel-event: init"
+  kill -TERM "$pid"; wait $pid; echo $? >"$W/sigterm_deadline.rc"
+  cat "$W/sigterm_deadline.out"
+  rc_is sigterm_deadline 12 && out_has sigterm_deadline '"outcome":"stopped"' && [ ! -e "$W/term2.sock" ]
+}
+t_sigkill_cleanup() {
+  spec sigkill sleep 1 128 "" "\"vsock\":{\"uds_path\":\"$W/kill.sock\"},"
+  "$SHIM" run --spec "$W/sigkill.json" --timeout 60 >"$W/sigkill.out" 2>"$W/sigkill.err" & pid=$!
+  wait_console sigkill "vessel-event: init"
+  kill -KILL "$pid"; wait $pid
+  [ -S "$W/kill.sock" ] || return 1
+  "$SHIM" cleanup --spec "$W/sigkill.json" && [ ! -e "$W/kill.sock" ]
+}
+t_bad_kernel() {
+  spec bad_kernel init 1 128 /nonexistent/vmlinux; shim_run bad_kernel
+  rc_is bad_kernel 1 && grep -q "nonexistent" "$W/bad_kernel.err"
+}
+t_corrupt_kernel() {
+  head -c 100000 /dev/urandom >"$W/corrupt"; spec corrupt_kernel init 1 128 "$W/corrupt"; shim_run corrupt_kernel
+  rc_is corrupt_kernel 1 && grep -q "not an ELF vmlinux or x86 bzImage" "$W/corrupt_kernel.err"
+}
+t_memory_too_large() {
+  spec memory_too_large init 1 100000000; shim_run memory_too_large
+  rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
+}
+
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigterm_deadline sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
+for t in $TESTS; do check "$t" "t_$t"; done
+echo "$pass passed, $fail failed"
+[ $fail = 0 ]

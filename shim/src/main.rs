@@ -1,0 +1,318 @@
+//! `vessel-shim`: one host process per microVM.
+
+use anyhow::{bail, Context, Result};
+
+mod bench;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "vessel-shim", about = "vessel's per-VM host process", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Probe KVM: absent, unusable (e.g. emulating, far below native speed) or usable.
+    /// Exit status 0 when usable, 1 when unusable, 2 when absent.
+    Probe {
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+        /// The KVM device node.
+        #[arg(long, default_value = "/dev/kvm")]
+        device: std::path::PathBuf,
+    },
+    /// Boot a VM from a JSON (or .toml) spec and exit with the guest's outcome
+    /// (0 poweroff, 10 reboot, 11 panic, 12 stopped, 1 error). SIGTERM/SIGINT ask the guest to
+    /// shut down (`vessel-stop` on its console) and stop it after the spec's stop_timeout_ms;
+    /// a second signal stops it at once.
+    /// Prints one JSON line on stdout: the outcome and the times (ms since start) of
+    /// `vessel-event: NAME` lines the guest printed on its console.
+    Run {
+        #[arg(long)]
+        spec: std::path::PathBuf,
+        /// Stop the guest after this many seconds.
+        #[arg(long)]
+        timeout: Option<f64>,
+    },
+    /// Connect to a guest vsock port through a VM's hybrid vsock socket (`CONNECT <port>`),
+    /// optionally send a message and print what comes back until EOF.
+    VsockConnect {
+        /// The VM's vsock Unix socket.
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        #[arg(long)]
+        port: u32,
+        /// Bytes to send after the connection is up; the write side is then shut down.
+        #[arg(long)]
+        send: Option<String>,
+        /// Keep retrying a refused connection for this many milliseconds.
+        #[arg(long, default_value_t = 0)]
+        retry_ms: u64,
+    },
+    /// Remove what a VM of this spec left behind if its shim died without cleaning up
+    /// (SIGKILL): its vsock socket, when no live shim answers on it.
+    Cleanup {
+        #[arg(long)]
+        spec: std::path::PathBuf,
+    },
+    /// Benchmark boot to init, first vsock answer and VMM memory overhead against QEMU
+    /// `-M microvm` on the same kernel and initrd (guest test `bench` of the harness).
+    Bench {
+        #[arg(long)]
+        kernel: std::path::PathBuf,
+        #[arg(long)]
+        initrd: std::path::PathBuf,
+        #[arg(long, default_value_t = 128)]
+        mem_mib: u64,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// qemu-system-x86_64 to compare with.
+        #[arg(long)]
+        qemu: Option<std::path::PathBuf>,
+        #[arg(long, default_value = "/tmp/vessel-bench")]
+        work: std::path::PathBuf,
+    },
+    /// Listen on a Unix socket (a VM's `<uds>_<port>`) for one guest-initiated vsock
+    /// connection and echo it back until EOF.
+    VsockEcho {
+        #[arg(long)]
+        path: std::path::PathBuf,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VESSEL_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Run { spec, timeout } => {
+            let code = run(&spec, timeout)?;
+            std::process::exit(code);
+        }
+        Cmd::VsockConnect {
+            socket,
+            port,
+            send,
+            retry_ms,
+        } => vsock_connect(&socket, port, send.as_deref(), retry_ms),
+        Cmd::VsockEcho { path } => vsock_echo(&path),
+        Cmd::Bench {
+            kernel,
+            initrd,
+            mem_mib,
+            runs,
+            qemu,
+            work,
+        } => bench::bench(&bench::BenchArgs {
+            kernel,
+            initrd,
+            mem_mib,
+            runs,
+            qemu,
+            work,
+        }),
+        Cmd::Cleanup { spec } => {
+            let cfg = vessel_shim::read_spec(&spec)?;
+            for p in vessel_shim::cleanup(&cfg)? {
+                println!("removed {}", p.display());
+            }
+            Ok(())
+        }
+        Cmd::Probe { json, device } => {
+            let r = vessel_vmm::probe::probe_with(&vessel_vmm::probe::ProbeOptions {
+                device,
+                ..Default::default()
+            });
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                println!("kvm: {}", r.verdict);
+                println!("reason: {}", r.reason);
+                if let Some(e) = &r.evidence {
+                    println!(
+                        "evidence: guest {:.3} ns/iter, native {:.3} ns/iter, ratio {:.1}x (threshold {}x), \
+                         {} iterations, exit round trip {:.0} ns",
+                        e.guest_ns_per_iter,
+                        e.native_ns_per_iter,
+                        e.ratio,
+                        e.threshold_ratio,
+                        e.guest_iterations,
+                        e.exit_round_trip_ns
+                    );
+                }
+                println!("probe took {:.0} ms", r.probe_ms);
+            }
+            std::process::exit(match r.verdict {
+                vessel_vmm::probe::Verdict::Usable => 0,
+                vessel_vmm::probe::Verdict::Unusable => 1,
+                vessel_vmm::probe::Verdict::Absent => 2,
+            });
+        }
+    }
+}
+
+fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    // SIGTERM/SIGINT are taken by a thread with sigwait; block them before any thread starts.
+    let signals = [libc::SIGTERM, libc::SIGINT];
+    // SAFETY: sigset_t is plain data initialised by sigemptyset before use; the set is only
+    // read by pthread_sigmask and sigwait.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in signals {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let cfg = vessel_shim::read_spec(spec)?;
+    let vm = match vessel_vmm::vm::Vm::new(&cfg) {
+        Ok(vm) => vm,
+        Err(e) => {
+            eprintln!("vessel-shim: {e}");
+            println!(
+                "{}",
+                serde_json::json!({"outcome": "error", "detail": e.to_string()})
+            );
+            return Ok(1);
+        }
+    };
+    let control = vm.control();
+    let built_ms = start.elapsed().as_secs_f64() * 1e3;
+    let running = vm.start()?;
+    let handle = running.handle();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            // First SIGTERM/SIGINT: ask the guest to shut down (stop_timeout_ms, then stopped);
+            // a second one stops it at once.
+            let mut asked = false;
+            loop {
+                let mut sig: libc::c_int = 0;
+                // SAFETY: `set` is a valid, initialised signal set and `sig` a valid out pointer.
+                if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                    return;
+                }
+                if asked {
+                    tracing::info!(sig, "stopping the guest now");
+                    handle.stop_now();
+                } else {
+                    tracing::info!(sig, "asking the guest to shut down");
+                    handle.request_stop();
+                    asked = true;
+                }
+            }
+        })?;
+    let outcome = running.wait(timeout.map(Duration::from_secs_f64));
+    let events: serde_json::Map<String, serde_json::Value> = control
+        .events()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                serde_json::json!(t.duration_since(start).as_secs_f64() * 1e3),
+            )
+        })
+        .collect();
+    let total_ms = start.elapsed().as_secs_f64() * 1e3;
+    let mut out = serde_json::to_value(&outcome)?;
+    out["built_ms"] = serde_json::json!(built_ms);
+    out["total_ms"] = serde_json::json!(total_ms);
+    out["events"] = serde_json::Value::Object(events);
+    println!("{out}");
+    Ok(vessel_shim::exit_code(&outcome))
+}
+
+/// One hybrid-vsock connection attempt: the stream after `OK`, or why not.
+fn hybrid_connect(socket: &std::path::Path, port: u32) -> Result<std::os::unix::net::UnixStream> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .with_context(|| format!("connecting to {}", socket.display()))?;
+    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        match s.read(&mut b)? {
+            0 => bail!(
+                "the guest refused the connection to vsock port {port} (nothing listening there?)"
+            ),
+            _ if b[0] == b'\n' => break,
+            _ => line.push(b[0]),
+        }
+        if line.len() > 64 {
+            bail!(
+                "bad answer from {}: {:?}",
+                socket.display(),
+                String::from_utf8_lossy(&line)
+            );
+        }
+    }
+    let line = String::from_utf8_lossy(&line);
+    if !line.starts_with("OK ") {
+        bail!("bad answer from {}: {line:?}", socket.display());
+    }
+    Ok(s)
+}
+
+fn vsock_connect(
+    socket: &std::path::Path,
+    port: u32,
+    send: Option<&str>,
+    retry_ms: u64,
+) -> Result<()> {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(retry_ms);
+    let mut s = loop {
+        match hybrid_connect(socket, port) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("retrying: {e:#}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let connected_ms = start.elapsed().as_secs_f64() * 1e3;
+    if let Some(msg) = send {
+        s.write_all(msg.as_bytes())?;
+        s.shutdown(std::net::Shutdown::Write)?;
+    }
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply)?;
+    eprintln!(
+        "vsock-connect: connected in {connected_ms:.1} ms, reply after {:.1} ms",
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    std::io::stdout().write_all(&reply)?;
+    println!();
+    Ok(())
+}
+
+fn vsock_echo(path: &std::path::Path) -> Result<()> {
+    use std::io::{Read, Write};
+    let l = std::os::unix::net::UnixListener::bind(path)
+        .with_context(|| format!("binding {}", path.display()))?;
+    let (mut s, _) = l.accept()?;
+    let _ = std::fs::remove_file(path);
+    let mut buf = [0u8; 65536];
+    loop {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        s.write_all(&buf[..n])?;
+    }
+    Ok(())
+}

@@ -1,0 +1,388 @@
+//! virtio-blk over a raw image file: read-only or read-write, flush, and a serial id.
+//!
+//! Requests are served synchronously when the driver notifies the queue.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
+
+use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice};
+
+pub const VIRTIO_ID_BLOCK: u32 = 2;
+const SECTOR_SIZE: u64 = 512;
+const QUEUE_SIZE: u16 = 256;
+const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+const VIRTIO_BLK_T_IN: u32 = 0;
+const VIRTIO_BLK_T_OUT: u32 = 1;
+const VIRTIO_BLK_T_FLUSH: u32 = 4;
+const VIRTIO_BLK_T_GET_ID: u32 = 8;
+const VIRTIO_BLK_S_OK: u8 = 0;
+const VIRTIO_BLK_S_IOERR: u8 = 1;
+const VIRTIO_BLK_S_UNSUPP: u8 = 2;
+/// Largest piece of a request copied at once.
+const CHUNK: usize = 128 * 1024;
+/// Length of the serial id (`VIRTIO_BLK_ID_BYTES`).
+pub const ID_BYTES: usize = 20;
+
+/// Errors opening a disk image.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("disk image {path}: {source}")]
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// A virtio block device.
+pub struct Block {
+    file: File,
+    read_only: bool,
+    sectors: u64,
+    serial: [u8; ID_BYTES],
+    queue_sizes: [u16; 1],
+    active: Option<(GuestMemoryMmap, Queue, Arc<Interrupt>)>,
+}
+
+impl Block {
+    /// Opens `path` (read-only or read-write); `serial` is cut to 20 bytes.
+    pub fn new(path: &Path, read_only: bool, serial: &str) -> Result<Self, BlockError> {
+        let p = path.display().to_string();
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)
+            .map_err(|source| BlockError::Open {
+                path: p.clone(),
+                source,
+            })?;
+        let len = file
+            .seek(SeekFrom::End(0))
+            .map_err(|source| BlockError::Open { path: p, source })?;
+        let mut id = [0u8; ID_BYTES];
+        let n = serial.len().min(ID_BYTES);
+        id[..n].copy_from_slice(&serial.as_bytes()[..n]);
+        Ok(Block {
+            file,
+            read_only,
+            sectors: len / SECTOR_SIZE,
+            serial: id,
+            queue_sizes: [QUEUE_SIZE],
+            active: None,
+        })
+    }
+
+    fn config(&self) -> [u8; 8] {
+        self.sectors.to_le_bytes()
+    }
+
+    /// Serves one request chain; returns the number of bytes written to the driver.
+    fn handle(
+        file: &mut File,
+        read_only: bool,
+        sectors: u64,
+        serial: &[u8; ID_BYTES],
+        mem: &GuestMemoryMmap,
+        chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
+    ) -> Result<u32, DeviceError> {
+        let mut reader = chain.clone().reader(mem).map_err(DeviceError::Queue)?;
+        let mut writer = chain.writer(mem).map_err(DeviceError::Queue)?;
+        let typ: u32 = reader.read_obj()?;
+        let _reserved: u32 = reader.read_obj()?;
+        let sector: u64 = reader.read_obj()?;
+        // The last writable byte is the status; data buffers come before it.
+        let data_len = writer.available_bytes().saturating_sub(1);
+        let mut status_w = writer.split_at(data_len).map_err(DeviceError::Queue)?;
+        let in_range = |len: u64| {
+            sector
+                .checked_mul(SECTOR_SIZE)
+                .zip(Some(len))
+                .is_some_and(|(o, l)| o + l <= sectors * SECTOR_SIZE)
+        };
+        let (status, written) = match typ {
+            VIRTIO_BLK_T_IN => {
+                if !in_range(data_len as u64) {
+                    (VIRTIO_BLK_S_IOERR, 0)
+                } else {
+                    // In bounded chunks: the request size is the guest's to choose.
+                    let mut buf = vec![0u8; CHUNK.min(data_len)];
+                    let mut done = 0usize;
+                    let mut status = VIRTIO_BLK_S_OK;
+                    while done < data_len {
+                        let n = buf.len().min(data_len - done);
+                        if file
+                            .read_exact_at(&mut buf[..n], sector * SECTOR_SIZE + done as u64)
+                            .is_err()
+                        {
+                            status = VIRTIO_BLK_S_IOERR;
+                            break;
+                        }
+                        writer.write_all(&buf[..n])?;
+                        done += n;
+                    }
+                    (status, done as u32)
+                }
+            }
+            VIRTIO_BLK_T_OUT => {
+                let len = reader.available_bytes();
+                if read_only || !in_range(len as u64) {
+                    (VIRTIO_BLK_S_IOERR, 0)
+                } else {
+                    let mut buf = vec![0u8; CHUNK.min(len)];
+                    let mut done = 0usize;
+                    let mut status = VIRTIO_BLK_S_OK;
+                    while done < len {
+                        let n = buf.len().min(len - done);
+                        reader.read_exact(&mut buf[..n])?;
+                        if file
+                            .write_all_at(&buf[..n], sector * SECTOR_SIZE + done as u64)
+                            .is_err()
+                        {
+                            status = VIRTIO_BLK_S_IOERR;
+                            break;
+                        }
+                        done += n;
+                    }
+                    (status, 0)
+                }
+            }
+            VIRTIO_BLK_T_FLUSH => match file.sync_all() {
+                Ok(()) => (VIRTIO_BLK_S_OK, 0),
+                Err(_) => (VIRTIO_BLK_S_IOERR, 0),
+            },
+            VIRTIO_BLK_T_GET_ID => {
+                let n = data_len.min(ID_BYTES);
+                writer.write_all(&serial[..n])?;
+                (VIRTIO_BLK_S_OK, n as u32)
+            }
+            _ => (VIRTIO_BLK_S_UNSUPP, 0),
+        };
+        status_w.write_all(&[status])?;
+        Ok(written + 1)
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_BLK_F_FLUSH | if self.read_only { VIRTIO_BLK_F_RO } else { 0 }
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config(), offset, data);
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        mut queues: Vec<Queue>,
+        _acked: u64,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), DeviceError> {
+        let q = queues.pop().ok_or(DeviceError::BadQueue(0))?;
+        self.active = Some((mem, q, interrupt));
+        Ok(())
+    }
+
+    fn process_queue(&mut self, _index: usize) {
+        let Some((mem, queue, interrupt)) = self.active.as_mut() else {
+            return;
+        };
+        let mut used = false;
+        while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
+            let head = chain.head_index();
+            let len = match Self::handle(
+                &mut self.file,
+                self.read_only,
+                self.sectors,
+                &self.serial,
+                mem,
+                chain,
+            ) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!("virtio-blk: bad request: {e}");
+                    0
+                }
+            };
+            if let Err(e) = queue.add_used(&*mem, head, len) {
+                tracing::warn!("virtio-blk: add_used: {e}");
+            }
+            used = true;
+        }
+        if used && queue.needs_notification(&*mem).unwrap_or(true) {
+            interrupt.signal_used();
+        }
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::testing::{Driver, F_READ, F_WRITE};
+
+    fn disk(bytes: usize) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let data: Vec<u8> = (0..bytes).map(|i| (i / 512) as u8).collect();
+        std::fs::write(f.path(), data).unwrap();
+        f
+    }
+
+    fn header(t: u32, sector: u64) -> Vec<u8> {
+        let mut h = Vec::new();
+        h.extend_from_slice(&t.to_le_bytes());
+        h.extend_from_slice(&0u32.to_le_bytes());
+        h.extend_from_slice(&sector.to_le_bytes());
+        h
+    }
+
+    #[test]
+    fn read_write_flush_id_through_the_queue() {
+        let f = disk(8 * 512);
+        let dev = Block::new(f.path(), false, "vessel-disk-0").unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        assert_eq!(d.read_reg(0x08), VIRTIO_ID_BLOCK);
+        assert_eq!(d.read_config_u64(0), 8);
+        assert_eq!(d.device_features() & VIRTIO_BLK_F_RO, 0);
+        d.init(&[0]);
+
+        // Read sector 3.
+        let hdr = d.buf(&header(VIRTIO_BLK_T_IN, 3));
+        let data = d.buf(&[0u8; 512]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[(hdr, 16, F_READ), (data, 512, F_WRITE), (st, 1, F_WRITE)],
+        );
+        assert_eq!(d.used(0), vec![513]);
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        assert!(d.read(data, 512).iter().all(|b| *b == 3));
+        assert!(d.take_interrupt());
+
+        // Write sector 5, flush, then the file has it.
+        let hdr = d.buf(&header(VIRTIO_BLK_T_OUT, 5));
+        let data = d.buf(&[0xabu8; 512]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[(hdr, 16, F_READ), (data, 512, F_READ), (st, 1, F_WRITE)],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        let hdr = d.buf(&header(VIRTIO_BLK_T_FLUSH, 0));
+        let st = d.buf(&[0xff]);
+        d.submit(0, &[(hdr, 16, F_READ), (st, 1, F_WRITE)]);
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        let on_disk = std::fs::read(f.path()).unwrap();
+        assert!(on_disk[5 * 512..6 * 512].iter().all(|b| *b == 0xab));
+
+        // Serial id.
+        let hdr = d.buf(&header(VIRTIO_BLK_T_GET_ID, 0));
+        let id = d.buf(&[0u8; 20]);
+        let st = d.buf(&[0xff]);
+        d.submit(0, &[(hdr, 16, F_READ), (id, 20, F_WRITE), (st, 1, F_WRITE)]);
+        assert_eq!(&d.read(id, 13), b"vessel-disk-0");
+
+        // Out of range and unsupported requests fail cleanly.
+        let hdr = d.buf(&header(VIRTIO_BLK_T_IN, 8));
+        let data = d.buf(&[0u8; 512]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[(hdr, 16, F_READ), (data, 512, F_WRITE), (st, 1, F_WRITE)],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_IOERR]);
+        let hdr = d.buf(&header(99, 0));
+        let st = d.buf(&[0xff]);
+        d.submit(0, &[(hdr, 16, F_READ), (st, 1, F_WRITE)]);
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_UNSUPP]);
+    }
+
+    #[test]
+    fn large_requests_over_several_buffers() {
+        let f = disk(1024 * 512);
+        let dev = Block::new(f.path(), false, "big").unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        d.init(&[0]);
+        // 300 KiB write from three buffers, then read it back into two.
+        let pattern: Vec<u8> = (0..300 * 1024).map(|i| (i % 251) as u8).collect();
+        let hdr = d.buf(&header(VIRTIO_BLK_T_OUT, 10));
+        let a = d.buf(&pattern[..100 * 1024]);
+        let b = d.buf(&pattern[100 * 1024..250 * 1024]);
+        let c = d.buf(&pattern[250 * 1024..]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[
+                (hdr, 16, F_READ),
+                (a, 100 * 1024, F_READ),
+                (b, 150 * 1024, F_READ),
+                (c, 50 * 1024, F_READ),
+                (st, 1, F_WRITE),
+            ],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        let hdr = d.buf(&header(VIRTIO_BLK_T_IN, 10));
+        let x = d.buf(&vec![0u8; 200 * 1024]);
+        let y = d.buf(&vec![0u8; 100 * 1024]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[
+                (hdr, 16, F_READ),
+                (x, 200 * 1024, F_WRITE),
+                (y, 100 * 1024, F_WRITE),
+                (st, 1, F_WRITE),
+            ],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_OK]);
+        let mut back = d.read(x, 200 * 1024);
+        back.extend(d.read(y, 100 * 1024));
+        assert!(back == pattern, "data read back differs");
+        assert_eq!(d.used(0), vec![1, 300 * 1024 + 1]);
+    }
+
+    #[test]
+    fn read_only_disk_refuses_writes() {
+        let f = disk(4 * 512);
+        let dev = Block::new(f.path(), true, "ro").unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        assert_ne!(d.device_features() & VIRTIO_BLK_F_RO, 0);
+        d.init(&[0]);
+        let hdr = d.buf(&header(VIRTIO_BLK_T_OUT, 1));
+        let data = d.buf(&[0x11u8; 512]);
+        let st = d.buf(&[0xff]);
+        d.submit(
+            0,
+            &[(hdr, 16, F_READ), (data, 512, F_READ), (st, 1, F_WRITE)],
+        );
+        assert_eq!(d.read(st, 1), vec![VIRTIO_BLK_S_IOERR]);
+        assert!(std::fs::read(f.path()).unwrap()[512..1024]
+            .iter()
+            .all(|b| *b == 1));
+    }
+
+    #[test]
+    fn missing_image_is_a_clear_error() {
+        let e = Block::new(Path::new("/nonexistent/disk.img"), true, "x")
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("/nonexistent/disk.img"), "{e}");
+    }
+}

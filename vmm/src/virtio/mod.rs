@@ -1,0 +1,93 @@
+//! virtio over MMIO: the transport ([`mmio`]) and the devices ([`block`]).
+//!
+//! A device sees guest memory and its queues only after the driver set `DRIVER_OK`
+//! ([`VirtioDevice::activate`]); queue notifications reach it through
+//! [`VirtioDevice::process_queue`], and it raises its interrupt with [`Interrupt::signal_used`].
+
+pub mod block;
+pub mod mmio;
+pub mod net;
+#[cfg(test)]
+pub(crate) mod testing;
+pub mod vsock;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+/// VIRTIO_F_VERSION_1: the modern (1.0+) interface, the only one we offer.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+
+/// Interrupt status bit: used buffers.
+pub const INT_USED_RING: u32 = 1;
+/// Interrupt status bit: configuration change.
+pub const INT_CONFIG: u32 = 2;
+
+/// A device's interrupt line: the status register the driver reads, and an irqfd.
+pub struct Interrupt {
+    pub status: AtomicU32,
+    pub evt: EventFd,
+}
+
+impl Interrupt {
+    pub fn new() -> std::io::Result<Self> {
+        Ok(Interrupt {
+            status: AtomicU32::new(0),
+            evt: EventFd::new(libc::EFD_NONBLOCK)?,
+        })
+    }
+
+    /// Tells the driver it has used buffers.
+    pub fn signal_used(&self) {
+        self.status.fetch_or(INT_USED_RING, Ordering::SeqCst);
+        if let Err(e) = self.evt.write(1) {
+            tracing::warn!("virtio interrupt: {e}");
+        }
+    }
+}
+
+/// Errors a device reports while activating or processing.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("queue {0} is not valid (addresses or size)")]
+    BadQueue(usize),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("virtio queue: {0}")]
+    Queue(#[from] virtio_queue::Error),
+}
+
+/// What a virtio device implements; the MMIO transport does the rest.
+pub trait VirtioDevice: Send {
+    /// The virtio device ID (2 block, 1 net, 19 vsock).
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; the number of queues is its length.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits offered (VERSION_1 is added by the transport).
+    fn features(&self) -> u64;
+    /// Reads device configuration space at `offset`.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes device configuration space (most devices ignore it).
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// The driver is ready: the device gets memory, queues, negotiated features and its interrupt.
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        acked_features: u64,
+        interrupt: std::sync::Arc<Interrupt>,
+    ) -> Result<(), DeviceError>;
+    /// The driver notified queue `index`.
+    fn process_queue(&mut self, index: usize);
+    /// The driver reset the device; it must drop its queues.
+    fn reset(&mut self);
+}
+
+/// Copies `src` (a config space image) at `offset` into `data`; out-of-range bytes read as 0.
+pub fn read_config_bytes(src: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = src.get(offset as usize + i).copied().unwrap_or(0);
+    }
+}

@@ -1,0 +1,416 @@
+//! virtio-net on a tap device (or any fd that carries one Ethernet frame per read/write).
+//!
+//! No offloads are negotiated, so the 12-byte `virtio_net_hdr_v1` is all zeros: it is
+//! stripped from frames the guest sends and prepended (with `num_buffers = 1`) to frames it
+//! receives. The tap is opened without `IFF_VNET_HDR`. A thread polls the tap; the vCPU thread
+//! sends on TX notifications and refills RX when the driver adds buffers.
+
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice};
+
+pub const VIRTIO_ID_NET: u32 = 1;
+const QUEUE_SIZE: u16 = 256;
+const RXQ: usize = 0;
+const TXQ: usize = 1;
+const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+/// `virtio_net_hdr_v1`: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers.
+pub const NET_HDR_LEN: usize = 12;
+const MAX_FRAME: usize = 65562;
+
+/// Errors setting up the device.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("tap {name}: {source}")]
+    Tap {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error("bad MAC address {0:?} (want aa:bb:cc:dd:ee:ff)")]
+    BadMac(String),
+    #[error("net: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Result<[u8; 6], NetError> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 6 {
+        return Err(NetError::BadMac(s.into()));
+    }
+    let mut mac = [0u8; 6];
+    for (m, p) in mac.iter_mut().zip(parts) {
+        *m = u8::from_str_radix(p, 16).map_err(|_| NetError::BadMac(s.into()))?;
+    }
+    Ok(mac)
+}
+
+/// Opens the existing tap interface `name` (`IFF_TAP | IFF_NO_PI`), non-blocking.
+pub fn open_tap(name: &str) -> Result<File, NetError> {
+    let err = |source| NetError::Tap {
+        name: name.into(),
+        source,
+    };
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
+        return Err(err(std::io::Error::from(ErrorKind::InvalidInput)));
+    }
+    // TUNSETIFF would create a missing interface; we only attach to one that was set up.
+    if !std::path::Path::new("/sys/class/net").join(name).exists() {
+        return Err(err(std::io::Error::new(
+            ErrorKind::NotFound,
+            "no such interface",
+        )));
+    }
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open("/dev/net/tun")
+        .map_err(err)?;
+    // struct ifreq: 16 bytes of name, then a union whose first member is the flags (short).
+    let mut ifr = [0u8; 40];
+    ifr[..name.len()].copy_from_slice(name.as_bytes());
+    let flags = (libc::IFF_TAP | libc::IFF_NO_PI) as i16;
+    ifr[16..18].copy_from_slice(&flags.to_ne_bytes());
+    // SAFETY: TUNSETIFF reads and writes a struct ifreq, for which `ifr` is a large enough,
+    // properly initialised buffer that lives across the call.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::TUNSETIFF as _, ifr.as_mut_ptr()) };
+    if r < 0 {
+        return Err(err(std::io::Error::last_os_error()));
+    }
+    Ok(f)
+}
+
+use std::os::unix::fs::OpenOptionsExt;
+
+struct Inner {
+    tap: File,
+    active: Option<(GuestMemoryMmap, Queue, Queue, Arc<Interrupt>)>,
+    /// The guest had no RX buffer for the last frame we tried to deliver.
+    rx_blocked: bool,
+    /// A frame read from the tap that found no RX buffer yet.
+    held: Option<Vec<u8>>,
+}
+
+/// The virtio-net device.
+pub struct Net {
+    inner: Arc<Mutex<Inner>>,
+    wake: Arc<EventFd>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    queue_sizes: [u16; 2],
+    mac: Option<[u8; 6]>,
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Net {
+    /// A device on `tap` (an open tap or any frame-per-message fd; set non-blocking here).
+    pub fn new(tap: OwnedFd, mac: Option<[u8; 6]>) -> Result<Self, NetError> {
+        let tap = File::from(tap);
+        // SAFETY: F_GETFL/F_SETFL on a valid, owned fd.
+        unsafe {
+            let fl = libc::fcntl(tap.as_raw_fd(), libc::F_GETFL);
+            libc::fcntl(tap.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+        let inner = Arc::new(Mutex::new(Inner {
+            tap,
+            active: None,
+            rx_blocked: false,
+            held: None,
+        }));
+        let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (inner, wake, stop) = (inner.clone(), wake.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("virtio-net".into())
+                .spawn(move || event_loop(&inner, &wake, &stop))?
+        };
+        Ok(Net {
+            inner,
+            wake,
+            stop,
+            thread: Some(thread),
+            queue_sizes: [QUEUE_SIZE; 2],
+            mac,
+        })
+    }
+
+    /// A device on an fd the caller passes by number (e.g. inherited from a parent).
+    ///
+    /// # Safety
+    /// `fd` must be an open file descriptor that nothing else owns or closes.
+    pub unsafe fn from_raw_fd(fd: i32, mac: Option<[u8; 6]>) -> Result<Self, NetError> {
+        // SAFETY: the caller guarantees `fd` is open and owned by no one else.
+        Self::new(unsafe { OwnedFd::from_raw_fd(fd) }, mac)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.wake.write(1);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl VirtioDevice for Net {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_NET
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn features(&self) -> u64 {
+        if self.mac.is_some() {
+            VIRTIO_NET_F_MAC
+        } else {
+            0
+        }
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.mac.unwrap_or_default(), offset, data);
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        mut queues: Vec<Queue>,
+        _acked: u64,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), DeviceError> {
+        let tx = queues.pop().ok_or(DeviceError::BadQueue(TXQ))?;
+        let rx = queues.pop().ok_or(DeviceError::BadQueue(RXQ))?;
+        lock(&self.inner).active = Some((mem, rx, tx, interrupt));
+        let _ = self.wake.write(1);
+        Ok(())
+    }
+
+    fn process_queue(&mut self, index: usize) {
+        let mut g = lock(&self.inner);
+        if index == TXQ {
+            g.process_tx();
+        } else {
+            g.rx_blocked = false;
+            g.fill_rx();
+        }
+        drop(g);
+        let _ = self.wake.write(1);
+    }
+
+    fn reset(&mut self) {
+        let mut g = lock(&self.inner);
+        g.active = None;
+        g.held = None;
+    }
+}
+
+impl Inner {
+    fn process_tx(&mut self) {
+        let Some((mem, _, tx, irq)) = self.active.as_mut() else {
+            return;
+        };
+        let mut used = false;
+        let mut frame = Vec::with_capacity(MAX_FRAME);
+        while let Some(chain) = tx.pop_descriptor_chain(&*mem) {
+            let head = chain.head_index();
+            frame.clear();
+            match chain.reader(&*mem) {
+                // Larger than any frame a tap takes: dropped without copying.
+                Ok(r) if r.available_bytes() > NET_HDR_LEN + MAX_FRAME => {
+                    tracing::debug!(
+                        "virtio-net: dropping a {} byte TX chain",
+                        r.available_bytes()
+                    );
+                }
+                Ok(mut r) => {
+                    let _ = r.read_to_end(&mut frame);
+                }
+                Err(e) => tracing::warn!("virtio-net: bad TX chain: {e}"),
+            }
+            if frame.len() > NET_HDR_LEN {
+                match self.tap.write(&frame[NET_HDR_LEN..]) {
+                    Ok(_) => {}
+                    // A full tap queue drops the frame, as a real link would.
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                    Err(e) => tracing::debug!("virtio-net: tap write: {e}"),
+                }
+            }
+            let _ = tx.add_used(&*mem, head, 0);
+            used = true;
+        }
+        if used && tx.needs_notification(&*mem).unwrap_or(true) {
+            irq.signal_used();
+        }
+    }
+
+    /// Moves frames from the tap into RX buffers until one of them runs out.
+    fn fill_rx(&mut self) {
+        let Some((mem, rx, _, irq)) = self.active.as_mut() else {
+            return;
+        };
+        let mut used = false;
+        let mut buf = vec![0u8; MAX_FRAME];
+        loop {
+            let frame = match self.held.take() {
+                Some(f) => f,
+                None => match self.tap.read(&mut buf[NET_HDR_LEN..]) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        buf[..NET_HDR_LEN].fill(0);
+                        buf[10] = 1; // num_buffers
+                        buf[..NET_HDR_LEN + n].to_vec()
+                    }
+                    Err(_) => break,
+                },
+            };
+            let Some(chain) = rx.pop_descriptor_chain(&*mem) else {
+                self.held = Some(frame);
+                self.rx_blocked = true;
+                break;
+            };
+            let head = chain.head_index();
+            let len = match chain.writer(&*mem) {
+                Ok(mut w) if w.available_bytes() >= frame.len() => {
+                    let _ = w.write_all(&frame);
+                    frame.len() as u32
+                }
+                Ok(_) => {
+                    tracing::debug!(
+                        "virtio-net: RX buffer too small for a {} byte frame",
+                        frame.len()
+                    );
+                    0
+                }
+                Err(e) => {
+                    tracing::warn!("virtio-net: bad RX chain: {e}");
+                    0
+                }
+            };
+            let _ = rx.add_used(&*mem, head, len);
+            used = true;
+        }
+        if used && rx.needs_notification(&*mem).unwrap_or(true) {
+            irq.signal_used();
+        }
+    }
+}
+
+fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        let (tap_fd, want_rx) = {
+            let g = lock(inner);
+            (g.tap.as_raw_fd(), g.active.is_some() && !g.rx_blocked)
+        };
+        let mut fds = [
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: tap_fd,
+                events: if want_rx { libc::POLLIN } else { 0 },
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd structures that outlives the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+        if r <= 0 {
+            continue;
+        }
+        if fds[0].revents != 0 {
+            let _ = wake.read();
+        }
+        if fds[1].revents & libc::POLLIN != 0 {
+            lock(inner).fill_rx();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::testing::{Driver, F_READ, F_WRITE};
+    use std::os::unix::net::UnixDatagram;
+    use std::time::{Duration, Instant};
+
+    fn frame(n: u8, len: usize) -> Vec<u8> {
+        (0..len).map(|i| n.wrapping_add(i as u8)).collect()
+    }
+
+    #[test]
+    fn frames_flow_both_ways_through_the_queues() {
+        let (ours, theirs) = UnixDatagram::pair().unwrap();
+        theirs
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let dev = Net::new(
+            OwnedFd::from(ours),
+            Some(parse_mac("52:54:00:12:34:56").unwrap()),
+        )
+        .unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        assert_eq!(d.read_reg(0x08), VIRTIO_ID_NET);
+        assert_ne!(d.device_features() & VIRTIO_NET_F_MAC, 0);
+        let mut mac = [0u8; 6];
+        d.t.read(0x100, &mut mac);
+        assert_eq!(mac, [0x52, 0x54, 0, 0x12, 0x34, 0x56]);
+        d.init(&[0, 1]);
+
+        // Guest -> tap: the header is stripped.
+        let mut pkt = vec![0u8; NET_HDR_LEN];
+        pkt.extend(frame(7, 60));
+        let b = d.buf(&pkt);
+        d.submit(TXQ, &[(b, pkt.len() as u32, F_READ)]);
+        assert_eq!(d.used(TXQ).len(), 1);
+        let mut got = [0u8; 2048];
+        let n = theirs.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], frame(7, 60).as_slice());
+
+        // Tap -> guest: a frame arriving before any RX buffer waits for one.
+        theirs.send(&frame(9, 100)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let rxb = d.buf(&[0u8; 1526]);
+        d.submit(RXQ, &[(rxb, 1526, F_WRITE)]);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let used = loop {
+            let u = d.used(RXQ);
+            if !u.is_empty() || Instant::now() > deadline {
+                break u;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        assert_eq!(used, vec![(NET_HDR_LEN + 100) as u32]);
+        let data = d.read(rxb, NET_HDR_LEN + 100);
+        assert_eq!(data[10], 1, "num_buffers");
+        assert_eq!(&data[NET_HDR_LEN..], frame(9, 100).as_slice());
+    }
+
+    #[test]
+    fn bad_tap_and_mac_are_clear_errors() {
+        assert!(parse_mac("52:54:00:12:34").is_err());
+        assert!(parse_mac("zz:54:00:12:34:56").is_err());
+        let e = open_tap("this-name-is-far-too-long-for-a-tap").unwrap_err();
+        assert!(e.to_string().contains("this-name-is-far-too-long"), "{e}");
+        let e = open_tap("vessel-nope0").unwrap_err();
+        assert!(e.to_string().contains("no such interface"), "{e}");
+    }
+}

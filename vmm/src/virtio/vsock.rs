@@ -1,0 +1,931 @@
+//! virtio-vsock with a "hybrid" host side, as Firecracker and Cloud Hypervisor do it: the guest's
+//! host peer (CID 2) is a set of Unix sockets.
+//!
+//! * Host-initiated: a host process connects to the device's Unix socket `<uds>` and writes
+//!   `CONNECT <port>\n`; the device asks the guest to connect to `<port>`, and when the guest
+//!   accepts it answers `OK <local port>\n` and the stream carries the connection. When the
+//!   guest refuses (nobody listens), the host stream is closed without an `OK` line.
+//! * Guest-initiated: a guest connection to CID 2 port `P` is connected to the Unix socket
+//!   `<uds>_P`; if nothing listens there the guest gets a reset (ECONNRESET/ECONNREFUSED).
+//!
+//! The device runs a thread that polls the host sockets; the vCPU thread processes the TX
+//! queue and refills the RX queue when the driver notifies. Flow control follows the virtio
+//! credit scheme: each side advertises its buffer and how much it has consumed.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_vsock::packet::VsockPacket;
+use vm_memory::{Bytes, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice};
+
+pub const VIRTIO_ID_VSOCK: u32 = 19;
+/// The host's CID.
+pub const HOST_CID: u64 = 2;
+const QUEUE_SIZE: u16 = 256;
+const RXQ: usize = 0;
+const TXQ: usize = 1;
+const MAX_PKT_DATA: u32 = 64 * 1024;
+/// Receive buffer we advertise per connection.
+const CONN_BUF: u32 = 256 * 1024;
+/// First local port used for host-initiated connections.
+const HOST_PORT_BASE: u32 = 1 << 30;
+
+pub const OP_REQUEST: u16 = 1;
+pub const OP_RESPONSE: u16 = 2;
+pub const OP_RST: u16 = 3;
+pub const OP_SHUTDOWN: u16 = 4;
+pub const OP_RW: u16 = 5;
+pub const OP_CREDIT_UPDATE: u16 = 6;
+pub const OP_CREDIT_REQUEST: u16 = 7;
+pub const TYPE_STREAM: u16 = 1;
+const SHUTDOWN_RCV: u32 = 1;
+const SHUTDOWN_SEND: u32 = 2;
+
+/// Errors creating the device.
+#[derive(Debug, thiserror::Error)]
+pub enum VsockError {
+    #[error("vsock socket {path}: {source}")]
+    Listen {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("vsock guest CID {0} is reserved (use 3 or more)")]
+    BadCid(u64),
+    #[error("vsock: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Host-initiated, REQUEST sent to the guest, waiting for its RESPONSE.
+    Connecting,
+    Established,
+}
+
+struct Conn {
+    stream: UnixStream,
+    state: State,
+    peer_buf_alloc: u32,
+    peer_fwd_cnt: u32,
+    /// Bytes sent to the guest.
+    tx_cnt: u32,
+    /// Bytes from the guest written to the stream.
+    fwd_cnt: u32,
+    last_fwd_cnt_sent: u32,
+    to_stream: Vec<u8>,
+    /// The stream may have data to read (cleared on EAGAIN).
+    readable: bool,
+    /// The stream reached EOF; a SHUTDOWN was sent to the guest.
+    host_eof: bool,
+    /// The guest will send nothing more: shut the stream's write side once flushed.
+    guest_eof: bool,
+    /// Both sides are done: close (and reset the guest side) once flushed.
+    close_when_flushed: bool,
+}
+
+impl Conn {
+    fn new(stream: UnixStream, state: State) -> Self {
+        Conn {
+            stream,
+            state,
+            peer_buf_alloc: 0,
+            peer_fwd_cnt: 0,
+            tx_cnt: 0,
+            fwd_cnt: 0,
+            last_fwd_cnt_sent: 0,
+            to_stream: Vec::new(),
+            readable: false,
+            host_eof: false,
+            guest_eof: false,
+            close_when_flushed: false,
+        }
+    }
+
+    fn peer_credit(&self) -> u32 {
+        self.peer_buf_alloc
+            .wrapping_sub(self.tx_cnt.wrapping_sub(self.peer_fwd_cnt))
+    }
+
+    fn flush_to_stream(&mut self) -> std::io::Result<()> {
+        while !self.to_stream.is_empty() {
+            match self.stream.write(&self.to_stream) {
+                Ok(0) => return Err(ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    self.to_stream.drain(..n);
+                    self.fwd_cnt = self.fwd_cnt.wrapping_add(n as u32);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A control packet waiting for an RX buffer: (op, local port, peer port, flags).
+type Ctl = (u16, u32, u32, u32);
+
+/// Key of a connection: (local = host-side port, peer = guest port).
+type Key = (u32, u32);
+
+struct Inner {
+    guest_cid: u64,
+    uds: PathBuf,
+    listener: UnixListener,
+    /// Host clients that have not sent their CONNECT line yet.
+    pending: Vec<(UnixStream, Vec<u8>)>,
+    conns: HashMap<Key, Conn>,
+    ctl: VecDeque<Ctl>,
+    next_port: u32,
+    active: Option<(GuestMemoryMmap, Queue, Queue, Arc<Interrupt>)>,
+}
+
+/// The vsock device.
+pub struct Vsock {
+    inner: Arc<Mutex<Inner>>,
+    wake: Arc<EventFd>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    queue_sizes: [u16; 3],
+    config: [u8; 8],
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Vsock {
+    /// Listens on `uds` (which must not exist) for host connections to guest `guest_cid`.
+    pub fn new(guest_cid: u64, uds: &Path) -> Result<Self, VsockError> {
+        if guest_cid < 3 || guest_cid > u64::from(u32::MAX) {
+            return Err(VsockError::BadCid(guest_cid));
+        }
+        let listener = UnixListener::bind(uds).map_err(|source| VsockError::Listen {
+            path: uds.display().to_string(),
+            source,
+        })?;
+        listener.set_nonblocking(true)?;
+        let inner = Arc::new(Mutex::new(Inner {
+            guest_cid,
+            uds: uds.to_path_buf(),
+            listener,
+            pending: Vec::new(),
+            conns: HashMap::new(),
+            ctl: VecDeque::new(),
+            next_port: HOST_PORT_BASE,
+            active: None,
+        }));
+        let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (inner, wake, stop) = (inner.clone(), wake.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("vsock".into())
+                .spawn(move || event_loop(&inner, &wake, &stop))?
+        };
+        Ok(Vsock {
+            inner,
+            wake,
+            stop,
+            thread: Some(thread),
+            queue_sizes: [QUEUE_SIZE; 3],
+            config: guest_cid.to_le_bytes(),
+        })
+    }
+}
+
+impl Drop for Vsock {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.wake.write(1);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let uds = lock(&self.inner).uds.clone();
+        let _ = std::fs::remove_file(&uds);
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn features(&self) -> u64 {
+        0
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        mut queues: Vec<Queue>,
+        _acked: u64,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), DeviceError> {
+        if queues.len() != 3 {
+            return Err(DeviceError::BadQueue(queues.len()));
+        }
+        queues.truncate(2); // the event queue only carries transport resets, never sent
+        let tx = queues.pop().ok_or(DeviceError::BadQueue(TXQ))?;
+        let rx = queues.pop().ok_or(DeviceError::BadQueue(RXQ))?;
+        let mut g = lock(&self.inner);
+        g.active = Some((mem, rx, tx, interrupt));
+        g.process();
+        drop(g);
+        let _ = self.wake.write(1);
+        Ok(())
+    }
+
+    fn process_queue(&mut self, _index: usize) {
+        lock(&self.inner).process();
+        let _ = self.wake.write(1);
+    }
+
+    fn reset(&mut self) {
+        let mut g = lock(&self.inner);
+        g.active = None;
+        g.conns.clear();
+        g.ctl.clear();
+    }
+}
+
+impl Inner {
+    /// Handles the TX queue, then fills the RX queue with what is waiting.
+    fn process(&mut self) {
+        let tx_used = self.process_tx();
+        let rx_used = self.fill_rx();
+        if let Some((mem, rx, tx, irq)) = self.active.as_mut() {
+            let n_tx = tx_used && tx.needs_notification(&*mem).unwrap_or(true);
+            let n_rx = rx_used && rx.needs_notification(&*mem).unwrap_or(true);
+            if n_tx || n_rx {
+                irq.signal_used();
+            }
+        }
+    }
+
+    fn process_tx(&mut self) -> bool {
+        let Some((mem, _, tx, _)) = self.active.as_mut() else {
+            return false;
+        };
+        let mem = mem.clone();
+        let mut used = false;
+        let mut pkts = Vec::new();
+        while let Some(mut chain) = tx.pop_descriptor_chain(&mem) {
+            let head = chain.head_index();
+            match VsockPacket::from_tx_virtq_chain(&mem, &mut chain, MAX_PKT_DATA) {
+                Ok(p) => {
+                    let mut data = vec![0u8; if p.op() == OP_RW { p.len() as usize } else { 0 }];
+                    if let Some(s) = p.data_slice() {
+                        let n = data.len().min(s.len());
+                        let _ = s.read_slice(&mut data[..n], 0);
+                        data.truncate(n);
+                    }
+                    pkts.push(TxPkt {
+                        src_cid: p.src_cid(),
+                        dst_cid: p.dst_cid(),
+                        src_port: p.src_port(),
+                        dst_port: p.dst_port(),
+                        op: p.op(),
+                        type_: p.type_(),
+                        flags: p.flags(),
+                        buf_alloc: p.buf_alloc(),
+                        fwd_cnt: p.fwd_cnt(),
+                        data,
+                    });
+                }
+                Err(e) => tracing::warn!("vsock: bad TX packet: {e:?}"),
+            }
+            let _ = tx.add_used(&mem, head, 0);
+            used = true;
+        }
+        for p in pkts {
+            self.handle_tx(p);
+        }
+        used
+    }
+
+    fn handle_tx(&mut self, p: TxPkt) {
+        let key = (p.dst_port, p.src_port);
+        if p.src_cid != self.guest_cid || p.dst_cid != HOST_CID || p.type_ != TYPE_STREAM {
+            if p.op != OP_RST {
+                self.ctl.push_back((OP_RST, p.dst_port, p.src_port, 0));
+            }
+            return;
+        }
+        if let Some(c) = self.conns.get_mut(&key) {
+            c.peer_buf_alloc = p.buf_alloc;
+            c.peer_fwd_cnt = p.fwd_cnt;
+        }
+        match p.op {
+            OP_REQUEST => {
+                if self.conns.contains_key(&key) {
+                    self.ctl.push_back((OP_RST, key.0, key.1, 0));
+                    return;
+                }
+                let path = format!("{}_{}", self.uds.display(), p.dst_port);
+                match UnixStream::connect(&path).and_then(|s| s.set_nonblocking(true).map(|_| s)) {
+                    Ok(s) => {
+                        let mut c = Conn::new(s, State::Established);
+                        c.peer_buf_alloc = p.buf_alloc;
+                        c.peer_fwd_cnt = p.fwd_cnt;
+                        self.conns.insert(key, c);
+                        self.ctl.push_back((OP_RESPONSE, key.0, key.1, 0));
+                    }
+                    Err(e) => {
+                        tracing::debug!("vsock: guest connect to {path}: {e}");
+                        self.ctl.push_back((OP_RST, key.0, key.1, 0));
+                    }
+                }
+            }
+            OP_RESPONSE => match self.conns.get_mut(&key) {
+                Some(c) if c.state == State::Connecting => {
+                    c.state = State::Established;
+                    let line = format!("OK {}\n", key.0);
+                    c.to_stream.extend_from_slice(line.as_bytes());
+                    // The OK line is not guest data: keep fwd_cnt counting guest bytes only.
+                    c.fwd_cnt = c.fwd_cnt.wrapping_sub(line.len() as u32);
+                    if c.flush_to_stream().is_err() {
+                        self.close(key, true);
+                    }
+                }
+                _ => self.ctl.push_back((OP_RST, key.0, key.1, 0)),
+            },
+            OP_RW => {
+                let Some(c) = self.conns.get_mut(&key) else {
+                    self.ctl.push_back((OP_RST, key.0, key.1, 0));
+                    return;
+                };
+                c.to_stream.extend_from_slice(&p.data);
+                if c.flush_to_stream().is_err() {
+                    self.close(key, true);
+                    return;
+                }
+                if c.fwd_cnt.wrapping_sub(c.last_fwd_cnt_sent) >= CONN_BUF / 2 {
+                    self.ctl.push_back((OP_CREDIT_UPDATE, key.0, key.1, 0));
+                }
+            }
+            OP_CREDIT_REQUEST => {
+                if self.conns.contains_key(&key) {
+                    self.ctl.push_back((OP_CREDIT_UPDATE, key.0, key.1, 0));
+                }
+            }
+            OP_CREDIT_UPDATE => {}
+            OP_SHUTDOWN => {
+                if let Some(c) = self.conns.get_mut(&key) {
+                    let both = SHUTDOWN_SEND | SHUTDOWN_RCV;
+                    if p.flags & SHUTDOWN_SEND != 0 {
+                        c.guest_eof = true;
+                    }
+                    // Both directions done (the guest's flags, or its SEND after our EOF).
+                    if p.flags & both == both || (c.host_eof && c.guest_eof) {
+                        c.guest_eof = true;
+                        c.close_when_flushed = true;
+                    }
+                }
+                self.finish_if_flushed(key);
+            }
+            OP_RST => {
+                if let Some(c) = self.conns.get(&key) {
+                    if c.state == State::Connecting {
+                        tracing::debug!(port = key.1, "vsock: the guest refused a host connection");
+                    }
+                }
+                self.close(key, false);
+            }
+            _ => self.ctl.push_back((OP_RST, key.0, key.1, 0)),
+        }
+    }
+
+    /// Acts on a guest shutdown once everything it sent has reached the stream.
+    fn finish_if_flushed(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if !c.to_stream.is_empty() {
+            return;
+        }
+        if c.close_when_flushed {
+            self.close(key, true);
+        } else if c.guest_eof {
+            let _ = c.stream.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    fn close(&mut self, key: Key, send_rst: bool) {
+        if let Some(c) = self.conns.remove(&key) {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+        if send_rst {
+            self.ctl.push_back((OP_RST, key.0, key.1, 0));
+        }
+    }
+
+    /// Fills RX buffers: control packets first, then data from readable streams. A buffer is
+    /// taken before a stream is read, so no byte is read without a place to put it.
+    fn fill_rx(&mut self) -> bool {
+        let Some((mem, _, _, _)) = self.active.as_ref() else {
+            return false;
+        };
+        let mem = mem.clone();
+        let mut used = false;
+        let mut buf = vec![0u8; MAX_PKT_DATA as usize];
+        while let Some(mut chain) = self
+            .active
+            .as_mut()
+            .and_then(|(_, rx, _, _)| rx.pop_descriptor_chain(&mem))
+        {
+            let head = chain.head_index();
+            let mut p = match VsockPacket::from_rx_virtq_chain(&mem, &mut chain, MAX_PKT_DATA) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!("vsock: bad RX buffer: {e:?}");
+                    if let Some((_, rx, _, _)) = self.active.as_mut() {
+                        let _ = rx.add_used(&mem, head, 0);
+                    }
+                    used = true;
+                    continue;
+                }
+            };
+            let cap = p.data_slice().map(|s| s.len()).unwrap_or(0).min(buf.len());
+            let Some(((op, local, peer, flags), n)) = self.next_rx(&mut buf[..cap]) else {
+                if let Some((_, rx, _, _)) = self.active.as_mut() {
+                    rx.go_to_previous_position();
+                }
+                break;
+            };
+            let fwd_cnt = match self.conns.get_mut(&(local, peer)) {
+                Some(c) => {
+                    c.last_fwd_cnt_sent = c.fwd_cnt;
+                    if op == OP_RW {
+                        c.tx_cnt = c.tx_cnt.wrapping_add(n as u32);
+                    }
+                    c.fwd_cnt
+                }
+                None => 0,
+            };
+            p.set_src_cid(HOST_CID)
+                .set_dst_cid(self.guest_cid)
+                .set_src_port(local)
+                .set_dst_port(peer)
+                .set_type(TYPE_STREAM)
+                .set_op(op)
+                .set_flags(flags)
+                .set_buf_alloc(CONN_BUF)
+                .set_fwd_cnt(fwd_cnt)
+                .set_len(0);
+            if op == OP_RW && n > 0 {
+                if let Some(s) = p.data_slice() {
+                    let _ = s.write_slice(&buf[..n], 0);
+                    p.set_len(n as u32);
+                }
+            }
+            let len = p.header_slice().len() as u32 + p.len();
+            let Some((_, rx, _, _)) = self.active.as_mut() else {
+                break;
+            };
+            let _ = rx.add_used(&mem, head, len);
+            used = true;
+        }
+        used
+    }
+
+    /// The next packet for the guest: a control packet, or up to `buf.len()` bytes (within the
+    /// guest's credit) read from a stream into `buf`.
+    fn next_rx(&mut self, buf: &mut [u8]) -> Option<(Ctl, usize)> {
+        if let Some(c) = self.ctl.pop_front() {
+            return Some((c, 0));
+        }
+        let keys: Vec<Key> = self.conns.keys().copied().collect();
+        for key in keys {
+            let c = self.conns.get_mut(&key).expect("key from the map");
+            if c.state != State::Established || !c.readable || c.host_eof {
+                continue;
+            }
+            let credit = c.peer_credit() as usize;
+            if credit == 0 {
+                continue;
+            }
+            let want = credit.min(buf.len());
+            match c.stream.read(&mut buf[..want]) {
+                Ok(0) => {
+                    // The host closed its write side: we will send nothing more, but the
+                    // guest may still send to us until it closes too.
+                    c.host_eof = true;
+                    c.readable = false;
+                    return Some(((OP_SHUTDOWN, key.0, key.1, SHUTDOWN_SEND), 0));
+                }
+                Ok(n) => return Some(((OP_RW, key.0, key.1, 0), n)),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => c.readable = false,
+                Err(_) => {
+                    self.conns.remove(&key);
+                    return Some(((OP_RST, key.0, key.1, 0), 0));
+                }
+            }
+        }
+        None
+    }
+
+    /// A host client sent its first line.
+    fn host_connect(&mut self, stream: UnixStream, line: &str) {
+        let port = line
+            .strip_prefix("CONNECT ")
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        let Some(port) = port else {
+            tracing::debug!("vsock: bad host request {line:?}");
+            return;
+        };
+        let local = self.next_port;
+        self.next_port = self.next_port.wrapping_add(1).max(HOST_PORT_BASE);
+        self.conns
+            .insert((local, port), Conn::new(stream, State::Connecting));
+        self.ctl.push_back((OP_REQUEST, local, port, 0));
+    }
+}
+
+struct TxPkt {
+    src_cid: u64,
+    dst_cid: u64,
+    src_port: u32,
+    dst_port: u32,
+    op: u16,
+    type_: u16,
+    flags: u32,
+    buf_alloc: u32,
+    fwd_cnt: u32,
+    data: Vec<u8>,
+}
+
+fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        // Build the poll set under the lock.
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut what: Vec<Target> = Vec::new();
+        {
+            let g = lock(inner);
+            let pfd = |fd, events| libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            };
+            fds.push(pfd(wake.as_raw_fd(), libc::POLLIN));
+            what.push(Target::Wake);
+            fds.push(pfd(g.listener.as_raw_fd(), libc::POLLIN));
+            what.push(Target::Listener);
+            for (i, (s, _)) in g.pending.iter().enumerate() {
+                fds.push(pfd(s.as_raw_fd(), libc::POLLIN));
+                what.push(Target::Pending(i));
+            }
+            for (k, c) in g.conns.iter() {
+                let mut ev = 0;
+                if c.state == State::Established
+                    && !c.readable
+                    && !c.host_eof
+                    && c.peer_credit() > 0
+                {
+                    ev |= libc::POLLIN;
+                }
+                if !c.to_stream.is_empty() {
+                    ev |= libc::POLLOUT;
+                }
+                if ev != 0 {
+                    fds.push(pfd(c.stream.as_raw_fd(), ev));
+                    what.push(Target::Conn(*k));
+                }
+            }
+        }
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures that outlives the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                tracing::warn!("vsock poll: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            continue;
+        }
+        let mut g = lock(inner);
+        let mut finished_pending = Vec::new();
+        for (fd, t) in fds.iter().zip(what.iter()) {
+            if fd.revents == 0 {
+                continue;
+            }
+            match t {
+                Target::Wake => {
+                    let _ = wake.read();
+                }
+                Target::Listener => {
+                    while let Ok((s, _)) = g.listener.accept() {
+                        if s.set_nonblocking(true).is_ok() {
+                            g.pending.push((s, Vec::new()));
+                        }
+                    }
+                }
+                Target::Pending(i) => {
+                    let (s, line) = &mut g.pending[*i];
+                    let mut b = [0u8; 64];
+                    match s.read(&mut b) {
+                        Ok(0) => finished_pending.push((*i, None)),
+                        Ok(n) => {
+                            line.extend_from_slice(&b[..n]);
+                            if let Some(pos) = line.iter().position(|c| *c == b'\n') {
+                                let text = String::from_utf8_lossy(&line[..pos]).to_string();
+                                finished_pending.push((*i, Some(text)));
+                            } else if line.len() > 64 {
+                                finished_pending.push((*i, None));
+                            }
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                        Err(_) => finished_pending.push((*i, None)),
+                    }
+                }
+                Target::Conn(k) => {
+                    if let Some(c) = g.conns.get_mut(k) {
+                        if fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+                            c.readable = true;
+                        }
+                        if fd.revents & libc::POLLOUT != 0 {
+                            if c.flush_to_stream().is_err() {
+                                g.close(*k, true);
+                            } else {
+                                g.finish_if_flushed(*k);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        finished_pending.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, line) in finished_pending {
+            let (s, _) = g.pending.swap_remove(i);
+            if let Some(line) = line {
+                g.host_connect(s, &line);
+            }
+        }
+        g.process();
+    }
+}
+
+enum Target {
+    Wake,
+    Listener,
+    Pending(usize),
+    Conn(Key),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::testing::{Driver, F_READ, F_WRITE};
+    use std::time::{Duration, Instant};
+
+    const GUEST: u64 = 3;
+    const HDR: u32 = 44;
+
+    #[allow(clippy::too_many_arguments)]
+    fn hdr(src_port: u32, dst_port: u32, len: u32, op: u16, flags: u32) -> Vec<u8> {
+        let mut h = Vec::new();
+        h.extend_from_slice(&GUEST.to_le_bytes());
+        h.extend_from_slice(&HOST_CID.to_le_bytes());
+        h.extend_from_slice(&src_port.to_le_bytes());
+        h.extend_from_slice(&dst_port.to_le_bytes());
+        h.extend_from_slice(&len.to_le_bytes());
+        h.extend_from_slice(&TYPE_STREAM.to_le_bytes());
+        h.extend_from_slice(&op.to_le_bytes());
+        h.extend_from_slice(&flags.to_le_bytes());
+        h.extend_from_slice(&65536u32.to_le_bytes()); // buf_alloc
+        h.extend_from_slice(&0u32.to_le_bytes()); // fwd_cnt
+        h
+    }
+
+    struct Rx {
+        src_port: u32,
+        dst_port: u32,
+        op: u16,
+        flags: u32,
+        data: Vec<u8>,
+    }
+
+    struct Guest {
+        d: Driver,
+        rx_bufs: VecDeque<(u64, u64)>,
+        /// Used lengths seen but not consumed yet.
+        pending: VecDeque<u32>,
+    }
+
+    impl Guest {
+        fn new(uds: &Path) -> Self {
+            let dev = Vsock::new(GUEST, uds).unwrap();
+            let mut d = Driver::new(Box::new(dev), 0);
+            assert_eq!(d.read_reg(0x08), VIRTIO_ID_VSOCK);
+            assert_eq!(d.read_config_u64(0), GUEST);
+            d.init(&[0, 1, 2]);
+            let mut g = Guest {
+                d,
+                rx_bufs: VecDeque::new(),
+                pending: VecDeque::new(),
+            };
+            for _ in 0..8 {
+                g.post_rx();
+            }
+            g.d.notify(RXQ as u32);
+            g
+        }
+
+        fn post_rx(&mut self) {
+            let h = self.d.buf(&[0u8; 44]);
+            let data = self.d.buf(&[0u8; 4096]);
+            self.d.add(RXQ, &[(h, 44, F_WRITE), (data, 4096, F_WRITE)]);
+            self.rx_bufs.push_back((h, data));
+        }
+
+        /// Waits for the next packet the device put on the RX queue.
+        fn recv(&mut self) -> Rx {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let more = self.d.used(RXQ);
+                self.pending.extend(more);
+                if let Some(len) = self.pending.pop_front() {
+                    let len = &len;
+                    let (h, data) = self.rx_bufs.pop_front().unwrap();
+                    let hb = self.d.read(h, 44);
+                    let u32at = |o: usize| u32::from_le_bytes(hb[o..o + 4].try_into().unwrap());
+                    assert_eq!(u64::from_le_bytes(hb[0..8].try_into().unwrap()), HOST_CID);
+                    assert_eq!(u64::from_le_bytes(hb[8..16].try_into().unwrap()), GUEST);
+                    let dlen = u32at(24);
+                    assert_eq!(*len, HDR + dlen);
+                    let op = u16::from_le_bytes(hb[30..32].try_into().unwrap());
+                    self.post_rx();
+                    self.d.notify(RXQ as u32);
+                    return Rx {
+                        src_port: u32at(16),
+                        dst_port: u32at(20),
+                        op,
+                        flags: u32at(32),
+                        data: self.d.read(data, dlen as usize),
+                    };
+                }
+                assert!(Instant::now() < deadline, "no RX packet");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+
+        fn send(&mut self, src_port: u32, dst_port: u32, op: u16, flags: u32, data: &[u8]) {
+            let h = self
+                .d
+                .buf(&hdr(src_port, dst_port, data.len() as u32, op, flags));
+            if data.is_empty() {
+                self.d.submit(TXQ, &[(h, HDR, F_READ)]);
+            } else {
+                let b = self.d.buf(data);
+                self.d
+                    .submit(TXQ, &[(h, HDR, F_READ), (b, data.len() as u32, F_READ)]);
+            }
+            assert_eq!(self.d.used(TXQ).len(), 1);
+        }
+    }
+
+    fn read_line(s: &mut UnixStream) -> String {
+        let mut out = Vec::new();
+        let mut b = [0u8; 1];
+        while s.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
+            out.push(b[0]);
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn host_initiated_connection_echoes_both_ways() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 1234\n").unwrap();
+        let req = g.recv();
+        assert_eq!((req.op, req.dst_port), (OP_REQUEST, 1234));
+        let local = req.src_port;
+        g.send(1234, local, OP_RESPONSE, 0, &[]);
+        assert_eq!(read_line(&mut host), format!("OK {local}"));
+
+        host.write_all(b"ping").unwrap();
+        let rw = g.recv();
+        assert_eq!((rw.op, rw.src_port, rw.dst_port), (OP_RW, local, 1234));
+        assert_eq!(rw.data, b"ping");
+
+        g.send(1234, local, OP_RW, 0, b"pong");
+        let mut b = [0u8; 4];
+        host.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"pong");
+
+        // The guest closes: the host sees EOF, the device answers with a reset.
+        g.send(1234, local, OP_SHUTDOWN, SHUTDOWN_RCV | SHUTDOWN_SEND, &[]);
+        assert_eq!(host.read(&mut b).unwrap(), 0);
+        assert_eq!(g.recv().op, OP_RST);
+    }
+
+    #[test]
+    fn host_half_close_lets_the_guest_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 1234\n").unwrap();
+        let local = g.recv().src_port;
+        g.send(1234, local, OP_RESPONSE, 0, &[]);
+        assert_eq!(read_line(&mut host), format!("OK {local}"));
+        host.write_all(b"question").unwrap();
+        host.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(g.recv().data, b"question");
+        let sd = g.recv();
+        // Only SEND: the host may still receive.
+        assert_eq!((sd.op, sd.flags), (OP_SHUTDOWN, SHUTDOWN_SEND));
+        g.send(1234, local, OP_RW, 0, b"answer");
+        let mut b = [0u8; 6];
+        host.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"answer");
+        g.send(1234, local, OP_SHUTDOWN, SHUTDOWN_SEND | SHUTDOWN_RCV, &[]);
+        assert_eq!(host.read(&mut b).unwrap(), 0);
+        assert_eq!(g.recv().op, OP_RST);
+    }
+
+    #[test]
+    fn host_connect_to_a_port_nobody_listens_on_is_closed_without_ok() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 9\n").unwrap();
+        let req = g.recv();
+        g.send(9, req.src_port, OP_RST, 0, &[]);
+        let mut b = [0u8; 8];
+        assert_eq!(host.read(&mut b).unwrap(), 0, "closed, no OK line");
+    }
+
+    #[test]
+    fn guest_initiated_connections_reach_uds_port() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let listener = UnixListener::bind(format!("{}_5000", uds.display())).unwrap();
+        let mut g = Guest::new(&uds);
+        g.send(777, 5000, OP_REQUEST, 0, &[]);
+        let resp = g.recv();
+        assert_eq!(
+            (resp.op, resp.src_port, resp.dst_port),
+            (OP_RESPONSE, 5000, 777)
+        );
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        g.send(777, 5000, OP_RW, 0, b"hello host");
+        let mut b = [0u8; 10];
+        s.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"hello host");
+        s.write_all(b"hello guest").unwrap();
+        let rw = g.recv();
+        assert_eq!((rw.op, rw.data.as_slice()), (OP_RW, &b"hello guest"[..]));
+        // Host closes: the guest gets a shutdown.
+        drop(s);
+        let sd = g.recv();
+        assert_eq!(sd.op, OP_SHUTDOWN);
+
+        // Nobody at <uds>_5001: reset.
+        g.send(778, 5001, OP_REQUEST, 0, &[]);
+        let rst = g.recv();
+        assert_eq!((rst.op, rst.dst_port), (OP_RST, 778));
+    }
+
+    #[test]
+    fn socket_removed_on_drop_and_bad_cid_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let v = Vsock::new(3, &uds).unwrap();
+        assert!(uds.exists());
+        drop(v);
+        assert!(!uds.exists());
+        assert!(matches!(Vsock::new(2, &uds), Err(VsockError::BadCid(2))));
+        std::fs::write(&uds, b"").unwrap();
+        assert!(matches!(
+            Vsock::new(3, &uds),
+            Err(VsockError::Listen { .. })
+        ));
+    }
+}
