@@ -29,6 +29,10 @@ metrics_address = "127.0.0.1:9654"
 [runtime]
 # The pod agent binary. Empty: vessel-agent next to the vesseld binary.
 agent_binary = ""
+# What runtime handler "vm" does when microVMs cannot run (KVM absent, or unusable because it
+# runs guest code far below native speed, as nested emulating hypervisors do): "fallback" runs
+# the pod flat and says so in the log and in Status; "refuse" fails RunPodSandbox.
+vm_fallback = "fallback"
 
 [images]
 # The platform picked from multi-platform images (os/arch[/variant]).
@@ -63,6 +67,15 @@ pub struct Config {
 #[serde(default, deny_unknown_fields)]
 pub struct RuntimeConfig {
     pub agent_binary: String,
+    pub vm_fallback: VmFallback,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmFallback {
+    #[default]
+    Fallback,
+    Refuse,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -74,7 +74,19 @@ fn agent_err(ctx: &str, s: tonic::Status) -> RuntimeError {
     }
 }
 
+/// What the KVM probe found at start, for backend choice and Status.
+#[derive(Debug, Clone)]
+pub struct VmSupport {
+    /// KVM can run microVMs at near-native speed.
+    pub kvm_usable: bool,
+    /// The probe's verdict and evidence, in a sentence.
+    pub reason: String,
+    /// Fall back to flat (true) or refuse (false) when a `vm` pod cannot get a VM.
+    pub fallback: bool,
+}
+
 pub struct RuntimeOptions {
+    pub vm: VmSupport,
     pub agent_binary: PathBuf,
     pub log_level: String,
     pub root_dir: PathBuf,
@@ -217,6 +229,10 @@ impl Runtime {
         &self.opts.agent_binary
     }
 
+    pub fn vm_support(&self) -> &VmSupport {
+        &self.opts.vm
+    }
+
     // ---------- lookups ----------
 
     fn pod(&self, id: &str) -> Result<Arc<Pod>> {
@@ -336,10 +352,23 @@ impl Runtime {
             )));
         }
         let backend = match handler {
-            "" | "flat" => "flat",
-            // The VM backend is not built yet: fall back to flat, and say so.
-            "vm" => {
-                tracing::warn!(pod = %meta.name, "runtime handler vm: microVM backend not available in this build, running flat");
+            "flat" => "flat",
+            // The default handler, and "vm": a microVM when this node can run them. The VM
+            // sandbox backend is not part of this build yet, so both run flat, and say why.
+            "" | "vm" => {
+                let why = if self.opts.vm.kvm_usable {
+                    "the microVM sandbox backend is not built into this vesseld yet".to_string()
+                } else {
+                    self.opts.vm.reason.clone()
+                };
+                if handler == "vm" && !self.opts.vm.fallback {
+                    return Err(RuntimeError::FailedPrecondition(format!(
+                        "runtime handler vm: no microVM can run on this node ({why}) and runtime.vm_fallback is \"refuse\""
+                    )));
+                }
+                if handler == "vm" {
+                    tracing::warn!(pod = %meta.name, namespace = %meta.namespace, reason = %why, "runtime handler vm: running the pod flat");
+                }
                 "flat"
             }
             other => {

@@ -46,8 +46,32 @@ impl RuntimeService {
                 message: format!("pod agent {}: {e}", agent.display()),
             },
         };
+        let vm = self.rt.vm_support();
+        let vm_ready = cri::RuntimeCondition {
+            r#type: "VMBackendReady".into(),
+            status: false,
+            reason: if vm.kvm_usable {
+                "VMBackendNotBuilt".into()
+            } else {
+                "KVMUnusable".into()
+            },
+            message: format!(
+                "{}; pods with runtime handler vm {}",
+                if vm.kvm_usable {
+                    "KVM is usable but the microVM sandbox backend is not built into this vesseld yet".to_string()
+                } else {
+                    vm.reason.clone()
+                },
+                if vm.fallback {
+                    "run flat"
+                } else {
+                    "are refused"
+                }
+            ),
+        };
         vec![
             runtime_ready,
+            vm_ready,
             cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: false,
@@ -90,6 +114,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                     "rootDir": self.root_dir,
                     "agentBinary": self.rt.agent_binary(),
                     "sandboxBackends": ["flat"],
+                    "kvm": {"usable": self.rt.vm_support().kvm_usable, "reason": self.rt.vm_support().reason},
                     "podCIDR": self.rt.pod_cidr(),
                 })
                 .to_string(),

@@ -122,8 +122,31 @@ impl Daemon {
                 self.store.clone(),
             )))
         };
+        let probe = tokio::task::spawn_blocking(vessel_vmm::probe::probe)
+            .await
+            .map_err(|e| ServeError::Runtime(format!("KVM probe: {e}")))?;
+        let kvm_usable = probe.verdict == vessel_vmm::probe::Verdict::Usable;
+        let reason = format!("KVM {}: {}", probe.verdict, probe.reason);
+        if kvm_usable {
+            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, "KVM probe");
+        } else {
+            tracing::warn!(
+                verdict = %probe.verdict,
+                reason = %probe.reason,
+                ratio = probe.evidence.as_ref().map(|e| e.ratio),
+                probe_ms = probe.probe_ms,
+                fallback = ?self.config.runtime.vm_fallback,
+                "KVM probe: microVMs cannot run on this node; runtime handler vm falls back to flat pods"
+            );
+        }
         let rt = crate::runtime::Runtime::open(
             crate::runtime::RuntimeOptions {
+                vm: crate::runtime::VmSupport {
+                    kvm_usable,
+                    reason,
+                    fallback: self.config.runtime.vm_fallback
+                        == crate::config::VmFallback::Fallback,
+                },
                 agent_binary: self.config.agent_binary(),
                 log_level: self.config.daemon.log_level.clone(),
                 root_dir: self.config.daemon.root_dir.clone(),

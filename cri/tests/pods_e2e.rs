@@ -1064,3 +1064,89 @@ fn which(name: &str) -> Result<PathBuf, ()> {
         })
         .ok_or(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
+    let mut h = harness().await;
+    let st =
+        h.c.runtime
+            .status(cri::StatusRequest { verbose: true })
+            .await
+            .unwrap()
+            .into_inner();
+    let conds = st.status.unwrap().conditions;
+    let vm = conds
+        .iter()
+        .find(|c| c.r#type == "VMBackendReady")
+        .expect("a VMBackendReady condition");
+    assert!(!vm.status);
+    println!("VMBackendReady: {} {}", vm.reason, vm.message);
+    let kvm: serde_json::Value = serde_json::from_str(&st.info["config"]).unwrap();
+    if kvm["kvm"]["usable"] == false {
+        // This machine's nested, emulating KVM: the probe says why, with its number.
+        assert_eq!(vm.reason, "KVMUnusable");
+        assert!(vm.message.contains("KVM"), "{}", vm.message);
+        assert!(h.v.log().contains("microVMs cannot run on this node"));
+    }
+    // A vm pod runs flat, and the log says so.
+    let cfg = h.pod_config("vmpod");
+    let id =
+        h.c.runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cfg.clone()),
+                runtime_handler: "vm".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .pod_sandbox_id;
+    let s =
+        h.c.runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.clone(),
+                verbose: true,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    assert_eq!(s.status.unwrap().runtime_handler, "vm");
+    assert!(
+        s.info["info"].contains("\"backend\":\"flat\""),
+        "{}",
+        s.info["info"]
+    );
+    assert!(h
+        .v
+        .log()
+        .contains("runtime handler vm: running the pod flat"));
+    let c = h.run(&id, &cfg, "c", "echo in-a-vm-pod").await;
+    assert_eq!(h.wait_exit(&c, Duration::from_secs(10)).await.exit_code, 0);
+    h.remove_pod(&id).await;
+    h.assert_clean();
+
+    // With vm_fallback = "refuse", a vm pod is refused with the reason.
+    let v = Vesseld::start(
+        Path::new(env!("CARGO_BIN_EXE_vesseld")),
+        "[runtime]\nvm_fallback = \"refuse\"\n",
+    )
+    .unwrap();
+    let mut c = v.client().await;
+    let e = c
+        .runtime
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(h.pod_config("refused")),
+            runtime_handler: "vm".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("refuse"), "{e}");
+    let pods = c
+        .runtime
+        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    assert!(pods.is_empty());
+}
