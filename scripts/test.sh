@@ -15,6 +15,10 @@ step "cargo fmt --check"
 cargo fmt --all --check
 step "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+step "guest kernel for the VM suite (built once, then cached by content hash)"
+# The nested VM suite (shim/tests/vm_suite.rs) runs inside QEMU/TCG with our guest kernel;
+# a fresh machine builds it here (5-20 minutes), later runs hit the cache.
+bash scripts/build-guest-kernel.sh | tail -1
 step "cargo nextest (unit and end-to-end tests)"
 set +e
 cargo nextest run --workspace --locked --profile ci "$@"
