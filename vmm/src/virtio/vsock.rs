@@ -700,7 +700,7 @@ mod tests {
     const HDR: u32 = 44;
 
     #[allow(clippy::too_many_arguments)]
-    fn hdr(src_port: u32, dst_port: u32, len: u32, op: u16, flags: u32) -> Vec<u8> {
+    fn hdr(src_port: u32, dst_port: u32, len: u32, op: u16, flags: u32, fwd_cnt: u32) -> Vec<u8> {
         let mut h = Vec::new();
         h.extend_from_slice(&GUEST.to_le_bytes());
         h.extend_from_slice(&HOST_CID.to_le_bytes());
@@ -711,7 +711,7 @@ mod tests {
         h.extend_from_slice(&op.to_le_bytes());
         h.extend_from_slice(&flags.to_le_bytes());
         h.extend_from_slice(&65536u32.to_le_bytes()); // buf_alloc
-        h.extend_from_slice(&0u32.to_le_bytes()); // fwd_cnt
+        h.extend_from_slice(&fwd_cnt.to_le_bytes());
         h
     }
 
@@ -728,6 +728,8 @@ mod tests {
         rx_bufs: VecDeque<(u64, u64)>,
         /// Used lengths seen but not consumed yet.
         pending: VecDeque<u32>,
+        /// Bytes of host data this guest has consumed (its credit counter).
+        fwd_cnt: u32,
     }
 
     impl Guest {
@@ -741,6 +743,7 @@ mod tests {
                 d,
                 rx_bufs: VecDeque::new(),
                 pending: VecDeque::new(),
+                fwd_cnt: 0,
             };
             for _ in 0..8 {
                 g.post_rx();
@@ -788,9 +791,14 @@ mod tests {
         }
 
         fn send(&mut self, src_port: u32, dst_port: u32, op: u16, flags: u32, data: &[u8]) {
-            let h = self
-                .d
-                .buf(&hdr(src_port, dst_port, data.len() as u32, op, flags));
+            let h = self.d.buf(&hdr(
+                src_port,
+                dst_port,
+                data.len() as u32,
+                op,
+                flags,
+                self.fwd_cnt,
+            ));
             if data.is_empty() {
                 self.d.submit(TXQ, &[(h, HDR, F_READ)]);
             } else {
@@ -865,6 +873,64 @@ mod tests {
         g.send(1234, local, OP_SHUTDOWN, SHUTDOWN_SEND | SHUTDOWN_RCV, &[]);
         assert_eq!(host.read(&mut b).unwrap(), 0);
         assert_eq!(g.recv().op, OP_RST);
+    }
+
+    #[test]
+    fn bulk_transfer_respects_credit_both_ways() {
+        const N: usize = 256 * 1024;
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 2000\n").unwrap();
+        let local = g.recv().src_port;
+        g.send(2000, local, OP_RESPONSE, 0, &[]);
+        assert_eq!(read_line(&mut host), format!("OK {local}"));
+
+        // Host -> guest: the guest advertises 64 KiB and returns credit as it consumes.
+        let data: Vec<u8> = (0..N).map(|i| (i % 253) as u8).collect();
+        let mut w = host.try_clone().unwrap();
+        let expected = data.clone();
+        let writer = std::thread::spawn(move || w.write_all(&data).unwrap());
+        let mut got = Vec::new();
+        let mut unacked = 0usize;
+        while got.len() < N {
+            let p = g.recv();
+            match p.op {
+                OP_RW => {
+                    got.extend_from_slice(&p.data);
+                    unacked += p.data.len();
+                    assert!(unacked <= 65536, "the device exceeded the guest's credit");
+                    if unacked >= 32 * 1024 {
+                        g.fwd_cnt = g.fwd_cnt.wrapping_add(unacked as u32);
+                        unacked = 0;
+                        g.send(2000, local, OP_CREDIT_UPDATE, 0, &[]);
+                    }
+                }
+                OP_CREDIT_UPDATE | OP_CREDIT_REQUEST => {}
+                op => panic!("unexpected op {op}"),
+            }
+        }
+        writer.join().unwrap();
+        assert!(got == expected, "host->guest data differs");
+
+        // Guest -> host: 64 packets of 4 KiB, read back in full on the host.
+        let chunk: Vec<u8> = (0..4096).map(|i| (i % 241) as u8).collect();
+        let mut r = host.try_clone().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut b = vec![0u8; 64 * 4096];
+            r.read_exact(&mut b).unwrap();
+            b
+        });
+        for _ in 0..64 {
+            g.send(2000, local, OP_RW, 0, &chunk);
+        }
+        let b = reader.join().unwrap();
+        assert!(
+            b.chunks(4096).all(|c| c == chunk.as_slice()),
+            "guest->host data differs"
+        );
     }
 
     #[test]
