@@ -57,6 +57,7 @@ pub enum Console {
 
 /// What to boot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VmConfig {
     pub kernel: PathBuf,
     #[serde(default)]
@@ -91,6 +92,7 @@ pub struct VmConfig {
 /// A virtio-net interface on a tap: an existing tap interface by name, or an open tap fd
 /// the VMM process inherited (which it then owns).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NetConfig {
     #[serde(default)]
     pub tap: Option<String>,
@@ -105,6 +107,7 @@ pub struct NetConfig {
 /// ports; guest connections to host port P go to `<uds_path>_P`). The socket is removed when
 /// the VM ends.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VsockConfig {
     #[serde(default = "default_cid")]
     pub guest_cid: u64,
@@ -117,6 +120,7 @@ fn default_cid() -> u64 {
 
 /// A raw disk image attached with virtio-blk.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DiskConfig {
     pub path: PathBuf,
     #[serde(default)]
