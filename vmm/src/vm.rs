@@ -371,6 +371,12 @@ impl Vm {
         if n_devices > max_devices {
             return Err(VmError::TooManyDevices(max_devices));
         }
+        // The vsock socket is bound first, so that a failure further on also shows that it is
+        // removed again (its Drop does that); it is placed last on the bus.
+        let vsock = match &cfg.vsock {
+            Some(v) => Some(Vsock::new(v.guest_cid, &v.uds_path)?),
+            None => None,
+        };
         let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &cfg.disks {
             devices.push(Box::new(Block::new(&d.path, d.read_only, &d.serial)?));
@@ -398,8 +404,8 @@ impl Vm {
             };
             devices.push(Box::new(dev));
         }
-        if let Some(v) = &cfg.vsock {
-            devices.push(Box::new(Vsock::new(v.guest_cid, &v.uds_path)?));
+        if let Some(v) = vsock {
+            devices.push(Box::new(v));
         }
         for (i, dev) in devices.into_iter().enumerate() {
             let base = boot::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW;
