@@ -101,6 +101,16 @@ mod tests {
         ));
         std::fs::write(&j, "{").unwrap();
         assert!(matches!(read_spec(&j), Err(SpecError::Parse { .. })));
+        // A misspelt key is an error, not silently ignored.
+        std::fs::write(
+            &j,
+            r#"{"kernel":"/k","mem_mib":128,"vcpus":1,"mem_mb":256}"#,
+        )
+        .unwrap();
+        match read_spec(&j) {
+            Err(SpecError::Parse { detail, .. }) => assert!(detail.contains("mem_mb"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -48,6 +48,9 @@ enum Cmd {
         /// Bytes to send after the connection is up; the write side is then shut down.
         #[arg(long)]
         send: Option<String>,
+        /// Instead of --send: send this many pattern bytes and check they come back (an echo).
+        #[arg(long)]
+        echo_bytes: Option<usize>,
         /// Keep retrying a refused connection for this many milliseconds.
         #[arg(long, default_value_t = 0)]
         retry_ms: u64,
@@ -101,8 +104,9 @@ fn main() -> Result<()> {
             socket,
             port,
             send,
+            echo_bytes,
             retry_ms,
-        } => vsock_connect(&socket, port, send.as_deref(), retry_ms),
+        } => vsock_connect(&socket, port, send.as_deref(), echo_bytes, retry_ms),
         Cmd::VsockEcho { path } => vsock_echo(&path),
         Cmd::Bench {
             kernel,
@@ -268,6 +272,7 @@ fn vsock_connect(
     socket: &std::path::Path,
     port: u32,
     send: Option<&str>,
+    echo_bytes: Option<usize>,
     retry_ms: u64,
 ) -> Result<()> {
     use std::io::{Read, Write};
@@ -285,6 +290,33 @@ fn vsock_connect(
         }
     };
     let connected_ms = start.elapsed().as_secs_f64() * 1e3;
+    if let Some(n) = echo_bytes {
+        let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+        let mut w = s.try_clone()?;
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            w.write_all(&data)?;
+            w.shutdown(std::net::Shutdown::Write)
+        });
+        let mut back = Vec::with_capacity(n);
+        s.read_to_end(&mut back)?;
+        writer
+            .join()
+            .map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        let secs = start.elapsed().as_secs_f64() - connected_ms / 1e3;
+        let ok = back.len() == n && back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8);
+        if !ok {
+            bail!(
+                "echo of {n} bytes came back as {} bytes, or different",
+                back.len()
+            );
+        }
+        println!(
+            "echo ok {n} bytes in {:.1} ms ({:.1} MB/s)",
+            secs * 1e3,
+            n as f64 / secs / 1e6
+        );
+        return Ok(());
+    }
     if let Some(msg) = send {
         s.write_all(msg.as_bytes())?;
         s.shutdown(std::net::Shutdown::Write)?;

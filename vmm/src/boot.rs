@@ -214,3 +214,73 @@ pub fn initrd_addr_max(kernel: &LoadedKernel) -> u64 {
         _ => 0x8000_0000,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ram_ranges_skip_the_mmio_hole() {
+        assert_eq!(ram_ranges(128 << 20), vec![(GuestAddress(0), 128 << 20)]);
+        let r = ram_ranges(4 << 30);
+        assert_eq!(r[0], (GuestAddress(0), MMIO_HOLE_START as usize));
+        assert_eq!(
+            r[1],
+            (
+                GuestAddress(MMIO_HOLE_END),
+                ((4u64 << 30) - MMIO_HOLE_START) as usize
+            )
+        );
+        const { assert!(VIRTIO_MMIO_BASE >= MMIO_HOLE_START && VIRTIO_MMIO_BASE < 0xfec0_0000) };
+    }
+
+    #[test]
+    fn zero_page_e820_and_initrd_placement() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&ram_ranges(64 << 20)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let initrd = dir.path().join("initrd");
+        std::fs::write(&initrd, vec![7u8; 10_000]).unwrap();
+        let (addr, size) = load_initrd(&mem, &initrd, 0x8000_0000).unwrap();
+        assert_eq!(size, 10_000);
+        assert_eq!(addr % 4096, 0);
+        assert!(addr + size <= 64 << 20);
+        let k = LoadedKernel {
+            entry: 0x100_0000,
+            setup_header: None,
+        };
+        write_boot_params(&mem, &k, "console=ttyS0", Some((addr, size))).unwrap();
+        let p: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE)).unwrap();
+        assert_eq!(p.e820_entries, 2);
+        let e = p.e820_table[1];
+        let (addr1, size1) = (e.addr, e.size);
+        assert_eq!(addr1, HIMEM_START);
+        assert_eq!(size1, (64 << 20) - HIMEM_START);
+        let (ramdisk, cmd_line) = (p.hdr.ramdisk_image, p.hdr.cmd_line_ptr);
+        assert_eq!(u64::from(ramdisk), addr);
+        assert_eq!(u64::from(cmd_line), CMDLINE_ADDR);
+        let mut cl = [0u8; 14];
+        mem.read_slice(&mut cl, GuestAddress(CMDLINE_ADDR)).unwrap();
+        assert_eq!(&cl, b"console=ttyS0\0");
+        // An initrd that cannot fit is a clear error.
+        std::fs::write(&initrd, vec![0u8; 70 << 20]).unwrap();
+        assert!(matches!(
+            load_initrd(&mem, &initrd, 0x8000_0000),
+            Err(BootError::InitrdTooBig { .. })
+        ));
+    }
+
+    #[test]
+    fn non_kernels_are_refused() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&ram_ranges(64 << 20)).unwrap();
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), vec![0x55u8; 100_000]).unwrap();
+        assert!(matches!(
+            load_kernel(&mem, f.path()),
+            Err(BootError::KernelFormat { .. })
+        ));
+        assert!(matches!(
+            load_kernel(&mem, Path::new("/nonexistent/vmlinux")),
+            Err(BootError::KernelOpen { .. })
+        ));
+    }
+}

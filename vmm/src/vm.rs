@@ -57,6 +57,7 @@ pub enum Console {
 
 /// What to boot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VmConfig {
     pub kernel: PathBuf,
     #[serde(default)]
@@ -91,6 +92,7 @@ pub struct VmConfig {
 /// A virtio-net interface on a tap: an existing tap interface by name, or an open tap fd
 /// the VMM process inherited (which it then owns).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NetConfig {
     #[serde(default)]
     pub tap: Option<String>,
@@ -105,6 +107,7 @@ pub struct NetConfig {
 /// ports; guest connections to host port P go to `<uds_path>_P`). The socket is removed when
 /// the VM ends.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VsockConfig {
     #[serde(default = "default_cid")]
     pub guest_cid: u64,
@@ -117,6 +120,7 @@ fn default_cid() -> u64 {
 
 /// A raw disk image attached with virtio-blk.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DiskConfig {
     pub path: PathBuf,
     #[serde(default)]
@@ -367,6 +371,12 @@ impl Vm {
         if n_devices > max_devices {
             return Err(VmError::TooManyDevices(max_devices));
         }
+        // The vsock socket is bound first, so that a failure further on also shows that it is
+        // removed again (its Drop does that); it is placed last on the bus.
+        let vsock = match &cfg.vsock {
+            Some(v) => Some(Vsock::new(v.guest_cid, &v.uds_path)?),
+            None => None,
+        };
         let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &cfg.disks {
             devices.push(Box::new(Block::new(&d.path, d.read_only, &d.serial)?));
@@ -394,8 +404,8 @@ impl Vm {
             };
             devices.push(Box::new(dev));
         }
-        if let Some(v) = &cfg.vsock {
-            devices.push(Box::new(Vsock::new(v.guest_cid, &v.uds_path)?));
+        if let Some(v) = vsock {
+            devices.push(Box::new(v));
         }
         for (i, dev) in devices.into_iter().enumerate() {
             let base = boot::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW;

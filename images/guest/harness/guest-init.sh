@@ -47,6 +47,7 @@ case "$t" in
     l=$!
     echo "vessel-event: vsock-guest-reply-$(/bin/vsock-echo connect 5678 hello-from-guest)"
     wait $l
+    /bin/vsock-echo listen 1236 >/dev/null && echo "vessel-event: vsock-bulk-done"
     poweroff -f ;;
   *)
     echo "vessel-event: unknown-test-$t"

@@ -96,11 +96,14 @@ t_vsock() {
   "$SHIM" vsock-connect --socket "$W/v.sock" --port 4321 >"$W/vsock.refused" 2>&1 && refused=no
   "$SHIM" vsock-connect --socket "$W/v.sock" --port 1234 --send hello-from-host --retry-ms 30000 \
     >"$W/vsock.reply" 2>"$W/vsock.reply.err"
+  "$SHIM" vsock-connect --socket "$W/v.sock" --port 1236 --echo-bytes 4000000 --retry-ms 30000 \
+    >"$W/vsock.bulk" 2>&1
   wait $s; kill $e 2>/dev/null
-  cat "$W/vsock.out" "$W/vsock.refused" "$W/vsock.reply" "$W/vsock.reply.err"
+  cat "$W/vsock.out" "$W/vsock.refused" "$W/vsock.reply" "$W/vsock.reply.err" "$W/vsock.bulk"
   [ $refused = yes ] && grep -q "refused the connection to vsock port 4321" "$W/vsock.refused" &&
     grep -qx hello-from-host "$W/vsock.reply" && rc_is vsock 0 &&
-    out_has vsock '"vsock-guest-reply-hello-from-guest":' && [ ! -e "$W/v.sock" ]
+    out_has vsock '"vsock-guest-reply-hello-from-guest":' && grep -q "^echo ok 4000000 bytes" "$W/vsock.bulk" &&
+    out_has vsock '"vsock-bulk-done":' && [ ! -e "$W/v.sock" ]
 }
 wait_console() { # name text
   i=0; while ! grep -q "$2" "$W/$1.console" 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done

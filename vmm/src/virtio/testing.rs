@@ -13,6 +13,7 @@ pub const F_READ: u16 = 0;
 
 const QSIZE: u16 = 16;
 const MEM: usize = 0x40_0000;
+const BUF_START: u64 = 0x8_0000;
 
 pub struct Driver {
     pub mem: GuestMemoryMmap,
@@ -29,7 +30,7 @@ impl Driver {
         Driver {
             mem,
             t,
-            next_buf: 0x8_0000,
+            next_buf: BUF_START,
             queues: Vec::new(),
         }
     }
@@ -91,12 +92,16 @@ impl Driver {
         assert_eq!(self.read_reg(0x70) & 0x80, 0, "device FAILED");
     }
 
-    /// Allocates a guest buffer holding `data`; returns its address.
+    /// Allocates a guest buffer holding `data`; returns its address. The arena is reused
+    /// round-robin, so a buffer stays valid until ~3.5 MiB more have been allocated.
     pub fn buf(&mut self, data: &[u8]) -> u64 {
+        let len = (data.len() as u64 + 15) & !15;
+        if self.next_buf + len > MEM as u64 {
+            self.next_buf = BUF_START;
+        }
         let a = self.next_buf;
         self.mem.write_slice(data, GuestAddress(a)).unwrap();
-        self.next_buf += (data.len() as u64 + 15) & !15;
-        assert!(self.next_buf < MEM as u64);
+        self.next_buf += len;
         a
     }
 

@@ -378,9 +378,7 @@ impl Inner {
                     self.close(key, true);
                     return;
                 }
-                if c.fwd_cnt.wrapping_sub(c.last_fwd_cnt_sent) >= CONN_BUF / 2 {
-                    self.ctl.push_back((OP_CREDIT_UPDATE, key.0, key.1, 0));
-                }
+                self.credit_update_if_due(key);
             }
             OP_CREDIT_REQUEST => {
                 if self.conns.contains_key(&key) {
@@ -411,6 +409,21 @@ impl Inner {
                 self.close(key, false);
             }
             _ => self.ctl.push_back((OP_RST, key.0, key.1, 0)),
+        }
+    }
+
+    /// Tells the guest how much it may send again once a quarter of our buffer has been
+    /// delivered since it last heard: a guest that used up its credit waits for this (data
+    /// packets to it carry the count too, but none may be coming). Checked wherever bytes
+    /// reach the host stream.
+    fn credit_update_if_due(&mut self, key: Key) {
+        let Some(c) = self.conns.get(&key) else {
+            return;
+        };
+        if c.fwd_cnt.wrapping_sub(c.last_fwd_cnt_sent) >= CONN_BUF / 4
+            && !self.ctl.contains(&(OP_CREDIT_UPDATE, key.0, key.1, 0))
+        {
+            self.ctl.push_back((OP_CREDIT_UPDATE, key.0, key.1, 0));
         }
     }
 
@@ -665,6 +678,7 @@ fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
                             if c.flush_to_stream().is_err() {
                                 g.close(*k, true);
                             } else {
+                                g.credit_update_if_due(*k);
                                 g.finish_if_flushed(*k);
                             }
                         }
@@ -700,7 +714,7 @@ mod tests {
     const HDR: u32 = 44;
 
     #[allow(clippy::too_many_arguments)]
-    fn hdr(src_port: u32, dst_port: u32, len: u32, op: u16, flags: u32) -> Vec<u8> {
+    fn hdr(src_port: u32, dst_port: u32, len: u32, op: u16, flags: u32, fwd_cnt: u32) -> Vec<u8> {
         let mut h = Vec::new();
         h.extend_from_slice(&GUEST.to_le_bytes());
         h.extend_from_slice(&HOST_CID.to_le_bytes());
@@ -711,7 +725,7 @@ mod tests {
         h.extend_from_slice(&op.to_le_bytes());
         h.extend_from_slice(&flags.to_le_bytes());
         h.extend_from_slice(&65536u32.to_le_bytes()); // buf_alloc
-        h.extend_from_slice(&0u32.to_le_bytes()); // fwd_cnt
+        h.extend_from_slice(&fwd_cnt.to_le_bytes());
         h
     }
 
@@ -720,6 +734,8 @@ mod tests {
         dst_port: u32,
         op: u16,
         flags: u32,
+        buf_alloc: u32,
+        fwd_cnt: u32,
         data: Vec<u8>,
     }
 
@@ -728,6 +744,8 @@ mod tests {
         rx_bufs: VecDeque<(u64, u64)>,
         /// Used lengths seen but not consumed yet.
         pending: VecDeque<u32>,
+        /// Bytes of host data this guest has consumed (its credit counter).
+        fwd_cnt: u32,
     }
 
     impl Guest {
@@ -741,6 +759,7 @@ mod tests {
                 d,
                 rx_bufs: VecDeque::new(),
                 pending: VecDeque::new(),
+                fwd_cnt: 0,
             };
             for _ in 0..8 {
                 g.post_rx();
@@ -779,6 +798,8 @@ mod tests {
                         dst_port: u32at(20),
                         op,
                         flags: u32at(32),
+                        buf_alloc: u32at(36),
+                        fwd_cnt: u32at(40),
                         data: self.d.read(data, dlen as usize),
                     };
                 }
@@ -788,9 +809,14 @@ mod tests {
         }
 
         fn send(&mut self, src_port: u32, dst_port: u32, op: u16, flags: u32, data: &[u8]) {
-            let h = self
-                .d
-                .buf(&hdr(src_port, dst_port, data.len() as u32, op, flags));
+            let h = self.d.buf(&hdr(
+                src_port,
+                dst_port,
+                data.len() as u32,
+                op,
+                flags,
+                self.fwd_cnt,
+            ));
             if data.is_empty() {
                 self.d.submit(TXQ, &[(h, HDR, F_READ)]);
             } else {
@@ -865,6 +891,134 @@ mod tests {
         g.send(1234, local, OP_SHUTDOWN, SHUTDOWN_SEND | SHUTDOWN_RCV, &[]);
         assert_eq!(host.read(&mut b).unwrap(), 0);
         assert_eq!(g.recv().op, OP_RST);
+    }
+
+    #[test]
+    fn bulk_transfer_respects_credit_both_ways() {
+        const N: usize = 256 * 1024;
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 2000\n").unwrap();
+        let local = g.recv().src_port;
+        g.send(2000, local, OP_RESPONSE, 0, &[]);
+        assert_eq!(read_line(&mut host), format!("OK {local}"));
+
+        // Host -> guest: the guest advertises 64 KiB and returns credit as it consumes.
+        let data: Vec<u8> = (0..N).map(|i| (i % 253) as u8).collect();
+        let mut w = host.try_clone().unwrap();
+        let expected = data.clone();
+        let writer = std::thread::spawn(move || w.write_all(&data).unwrap());
+        let mut got = Vec::new();
+        let mut unacked = 0usize;
+        while got.len() < N {
+            let p = g.recv();
+            match p.op {
+                OP_RW => {
+                    got.extend_from_slice(&p.data);
+                    unacked += p.data.len();
+                    assert!(unacked <= 65536, "the device exceeded the guest's credit");
+                    if unacked >= 32 * 1024 {
+                        g.fwd_cnt = g.fwd_cnt.wrapping_add(unacked as u32);
+                        unacked = 0;
+                        g.send(2000, local, OP_CREDIT_UPDATE, 0, &[]);
+                    }
+                }
+                OP_CREDIT_UPDATE | OP_CREDIT_REQUEST => {}
+                op => panic!("unexpected op {op}"),
+            }
+        }
+        writer.join().unwrap();
+        assert!(got == expected, "host->guest data differs");
+
+        // Guest -> host: 64 packets of 4 KiB, read back in full on the host.
+        let chunk: Vec<u8> = (0..4096).map(|i| (i % 241) as u8).collect();
+        let mut r = host.try_clone().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut b = vec![0u8; 64 * 4096];
+            r.read_exact(&mut b).unwrap();
+            b
+        });
+        for _ in 0..64 {
+            g.send(2000, local, OP_RW, 0, &chunk);
+        }
+        let b = reader.join().unwrap();
+        assert!(
+            b.chunks(4096).all(|c| c == chunk.as_slice()),
+            "guest->host data differs"
+        );
+    }
+
+    #[test]
+    fn concurrent_echo_of_a_large_stream() {
+        // The guest echoes everything while the host is still writing, within the credit the
+        // device grants, and the host starts reading late so the device's writes to it stall:
+        // the device must then return credit on its own, or the guest waits forever.
+        const N: usize = 2 * 1024 * 1024;
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let mut g = Guest::new(&uds);
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        host.write_all(b"CONNECT 3000\n").unwrap();
+        let local = g.recv().src_port;
+        g.send(3000, local, OP_RESPONSE, 0, &[]);
+        assert_eq!(read_line(&mut host), format!("OK {local}"));
+        let mut w = host.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            let data: Vec<u8> = (0..N).map(|i| (i % 251) as u8).collect();
+            w.write_all(&data).unwrap();
+            w.shutdown(std::net::Shutdown::Write).unwrap();
+        });
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let mut back = Vec::new();
+            host.read_to_end(&mut back).map(|_| back)
+        });
+        let (mut peer_buf, mut peer_fwd) = (0u32, 0u32);
+        let mut pending: VecDeque<Vec<u8>> = VecDeque::new();
+        let (mut sent, mut unacked, mut host_done) = (0u32, 0usize, false);
+        while !(host_done && pending.is_empty()) {
+            // Send what the device's credit allows.
+            while let Some(d) = pending.front() {
+                let in_flight = sent.wrapping_sub(peer_fwd);
+                if in_flight as usize + d.len() > peer_buf as usize {
+                    break;
+                }
+                let d = pending.pop_front().unwrap();
+                g.send(3000, local, OP_RW, 0, &d);
+                sent = sent.wrapping_add(d.len() as u32);
+            }
+            if host_done && pending.is_empty() {
+                break;
+            }
+            let p = g.recv();
+            peer_buf = p.buf_alloc;
+            peer_fwd = p.fwd_cnt;
+            match p.op {
+                OP_RW => {
+                    unacked += p.data.len();
+                    pending.push_back(p.data);
+                    if unacked >= 32 * 1024 {
+                        g.fwd_cnt = g.fwd_cnt.wrapping_add(unacked as u32);
+                        unacked = 0;
+                        g.send(3000, local, OP_CREDIT_UPDATE, 0, &[]);
+                    }
+                }
+                OP_SHUTDOWN => host_done = true,
+                OP_CREDIT_UPDATE | OP_CREDIT_REQUEST => {}
+                op => panic!("unexpected op {op} after {sent} bytes"),
+            }
+        }
+        assert_eq!(sent as usize, N);
+        g.send(3000, local, OP_SHUTDOWN, SHUTDOWN_SEND | SHUTDOWN_RCV, &[]);
+        writer.join().unwrap();
+        let back = reader.join().unwrap().expect("host read");
+        assert_eq!(back.len(), N);
+        assert!(back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
     }
 
     #[test]
