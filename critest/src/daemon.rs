@@ -32,13 +32,18 @@ impl Vesseld {
         let dir = tempfile::Builder::new().prefix("vessel-test-").tempdir()?;
         let socket = dir.path().join("vessel.sock");
         let config_path = dir.path().join("config.toml");
+        let level = if daemon_keys.contains("log_level") {
+            ""
+        } else {
+            "log_level = \"debug\"\n"
+        };
         let metrics = if daemon_keys.contains("metrics_address") {
             ""
         } else {
             "metrics_address = \"\"\n"
         };
         let config = format!(
-            "[daemon]\nsocket = \"{sock}\"\nroot_dir = \"{root}\"\nstate_dir = \"{state}\"\nlog_level = \"debug\"\n{metrics}{daemon_keys}\n{extra_config}\n",
+            "[daemon]\nsocket = \"{sock}\"\nroot_dir = \"{root}\"\nstate_dir = \"{state}\"\n{level}{metrics}{daemon_keys}\n{extra_config}\n",
             sock = socket.display(),
             root = dir.path().join("root").display(),
             state = dir.path().join("state").display(),
