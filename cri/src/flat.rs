@@ -155,24 +155,65 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// Whether `pid` is still the process that started at `start_time`.
+/// Whether `pid` is still the process that started at `start_time`, and not a zombie (an
+/// agent that exited is reparented to init, which on some hosts never reaps it).
 pub fn is_alive(pid: u32, start_time: u64) -> bool {
-    pid != 0 && process_start_time(pid) == Some(start_time)
+    if pid == 0 {
+        return false;
+    }
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let Some(rest) = s.rfind(')').map(|i| &s[i + 2..]) else {
+        return false;
+    };
+    let mut f = rest.split_whitespace();
+    let state = f.next().unwrap_or("");
+    if state == "Z" || state == "X" {
+        return false;
+    }
+    f.nth(18).and_then(|v| v.parse::<u64>().ok()) == Some(start_time)
+}
+
+/// Reaps `pid` if it is our (zombie) child; agents become vesseld's children when their
+/// launcher exits, because vesseld is a child subreaper.
+pub fn reap(pid: u32) {
+    if pid == 0 {
+        return;
+    }
+    let mut status = 0;
+    // SAFETY: waitpid(2) with WNOHANG on one pid and a valid status pointer; it only reaps
+    // that pid, and only if it is our child.
+    unsafe {
+        libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG);
+    }
+}
+
+/// Makes this process a child subreaper: pod agents orphaned by their launcher become our
+/// children, so we can reap them; they are reparented to init when vesseld exits.
+pub fn become_subreaper() {
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
+    let r = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    if r != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot become a child subreaper");
+    }
 }
 
 /// SIGKILLs the agent if it is still ours. As PID 1 of its pid namespace its death takes
 /// every container process of the pod with it.
 pub fn kill_agent(pid: u32, start_time: u64) {
+    reap(pid);
     if is_alive(pid, start_time) {
         // SAFETY: kill(2) on a pid we verified (by start time) to be our agent.
         unsafe {
             libc::kill(pid as libc::pid_t, libc::SIGKILL);
         }
-        for _ in 0..200 {
+        for _ in 0..400 {
+            reap(pid);
             if !is_alive(pid, start_time) {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(Duration::from_millis(1));
         }
         tracing::warn!(pid, "pod agent did not die within 1 s of SIGKILL");
     }

@@ -518,13 +518,12 @@ impl Runtime {
         })
         .await
         .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+        // Not saved yet: until the Ready record is written, a crash is cleaned up through the
+        // Creating record (the agent is found by its socket path).
         let rec = pod.update(|r| {
             r.agent_pid = launched.pid;
             r.agent_start_time = launched.start_time;
         });
-        self.dirs
-            .save_pod(&rec)
-            .map_err(|e| internal("saving pod record")(&e))?;
         if !share.net {
             flat::pin_netns(launched.pid, &rec.netns_path)
                 .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
@@ -1471,6 +1470,103 @@ impl Runtime {
                 Ok(s) => out.push(s),
                 Err(RuntimeError::NotFound(_)) => {}
                 Err(e) => tracing::debug!(container = %id, error = %e, "stats unavailable"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Pod-level stats: the sum of its running containers' (flat pods have no pause process,
+    /// and the agent's own usage is not the workload's).
+    pub async fn pod_sandbox_stats(&self, id: &str) -> Result<cri::PodSandboxStats> {
+        let pod = self.pod(id)?;
+        let rec = pod.record();
+        let mut containers = Vec::new();
+        for ctr in self.ctrs_of(&rec.id) {
+            let cid = ctr.record().id;
+            match self.container_stats(&cid).await {
+                Ok(s) => containers.push(s),
+                Err(RuntimeError::NotFound(_)) => {}
+                Err(e) => tracing::debug!(container = %cid, error = %e, "stats unavailable"),
+            }
+        }
+        let ts = state::now_nanos();
+        let sum = |f: &dyn Fn(&cri::ContainerStats) -> Option<u64>| -> Option<cri::UInt64Value> {
+            let v: Vec<u64> = containers.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| cri::UInt64Value {
+                value: v.iter().sum(),
+            })
+        };
+        let cpu = cri::CpuUsage {
+            timestamp: ts,
+            usage_core_nano_seconds: sum(&|c| {
+                c.cpu
+                    .as_ref()?
+                    .usage_core_nano_seconds
+                    .as_ref()
+                    .map(|v| v.value)
+            }),
+            ..Default::default()
+        };
+        let memory = cri::MemoryUsage {
+            timestamp: ts,
+            working_set_bytes: sum(&|c| {
+                c.memory
+                    .as_ref()?
+                    .working_set_bytes
+                    .as_ref()
+                    .map(|v| v.value)
+            }),
+            usage_bytes: sum(&|c| c.memory.as_ref()?.usage_bytes.as_ref().map(|v| v.value)),
+            rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref().map(|v| v.value)),
+            page_faults: sum(&|c| c.memory.as_ref()?.page_faults.as_ref().map(|v| v.value)),
+            major_page_faults: sum(&|c| {
+                c.memory
+                    .as_ref()?
+                    .major_page_faults
+                    .as_ref()
+                    .map(|v| v.value)
+            }),
+            ..Default::default()
+        };
+        Ok(cri::PodSandboxStats {
+            attributes: Some(cri::PodSandboxAttributes {
+                id: rec.id.clone(),
+                metadata: rec.config.metadata.clone(),
+                labels: rec.config.labels.clone(),
+                annotations: rec.config.annotations.clone(),
+            }),
+            linux: Some(cri::LinuxPodSandboxStats {
+                cpu: Some(cpu),
+                memory: Some(memory),
+                containers,
+                ..Default::default()
+            }),
+            windows: None,
+        })
+    }
+
+    pub async fn list_pod_sandbox_stats(
+        &self,
+        filter: Option<cri::PodSandboxStatsFilter>,
+    ) -> Result<Vec<cri::PodSandboxStats>> {
+        let f = filter.unwrap_or_default();
+        let ids: Vec<String> = self
+            .list_pod_sandbox(Some(cri::PodSandboxFilter {
+                id: f.id,
+                label_selector: f.label_selector,
+                state: Some(cri::PodSandboxStateValue {
+                    state: cri::PodSandboxState::SandboxReady as i32,
+                }),
+            }))
+            .into_iter()
+            .map(|p| p.id)
+            .collect();
+        let mut out = Vec::new();
+        for id in ids {
+            match self.pod_sandbox_stats(&id).await {
+                Ok(s) => out.push(s),
+                Err(RuntimeError::NotFound(_)) => {}
+                Err(e) => tracing::debug!(pod = %id, error = %e, "pod stats unavailable"),
             }
         }
         Ok(out)

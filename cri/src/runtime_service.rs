@@ -337,16 +337,28 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn pod_sandbox_stats(
         &self,
-        _req: Request<cri::PodSandboxStatsRequest>,
+        req: Request<cri::PodSandboxStatsRequest>,
     ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
-        Err(not_built("PodSandboxStats"))
+        let s = self
+            .rt
+            .pod_sandbox_stats(&req.into_inner().pod_sandbox_id)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::PodSandboxStatsResponse {
+            stats: Some(s),
+        }))
     }
 
     async fn list_pod_sandbox_stats(
         &self,
-        _req: Request<cri::ListPodSandboxStatsRequest>,
+        req: Request<cri::ListPodSandboxStatsRequest>,
     ) -> Result<Response<cri::ListPodSandboxStatsResponse>, Status> {
-        Err(not_built("ListPodSandboxStats"))
+        let s = self
+            .rt
+            .list_pod_sandbox_stats(req.into_inner().filter)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::ListPodSandboxStatsResponse { stats: s }))
     }
 
     async fn update_runtime_config(

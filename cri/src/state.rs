@@ -167,7 +167,9 @@ impl StateDirs {
             path: path.to_path_buf(),
             source,
         })?;
-        fsutil::atomic_write(path, &data).map_err(io("write", path))
+        // Write, fsync, rename: a record is never half written. The directory is not synced:
+        // a record a crash rolls back is reconciled with the pod agents at the next start.
+        fsutil::atomic_write_fast(path, &data).map_err(io("write", path))
     }
 
     fn read_all<T: for<'de> Deserialize<'de>>(files: Vec<PathBuf>) -> Vec<T> {

@@ -576,6 +576,45 @@ async fn exec_sync_output_exit_codes_and_timeout() {
             "{e}"
         ),
     }
+    // Stats: the running container's, and the pod's (its containers summed).
+    let cs =
+        h.c.runtime
+            .container_stats(cri::ContainerStatsRequest {
+                container_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .stats
+            .unwrap();
+    assert!(cs.cpu.unwrap().usage_core_nano_seconds.is_some());
+    assert!(cs.memory.unwrap().working_set_bytes.unwrap().value > 0);
+    let ps =
+        h.c.runtime
+            .list_pod_sandbox_stats(cri::ListPodSandboxStatsRequest {
+                filter: Some(cri::PodSandboxStatsFilter {
+                    id: pod.clone(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .stats;
+    assert_eq!(ps.len(), 1);
+    let linux = ps[0].linux.as_ref().unwrap();
+    assert_eq!(linux.containers.len(), 1);
+    assert!(
+        linux
+            .memory
+            .as_ref()
+            .unwrap()
+            .working_set_bytes
+            .as_ref()
+            .unwrap()
+            .value
+            > 0
+    );
     // Exec in a container that is not running is refused.
     let done = h.run(&pod, &pcfg, "done", "true").await;
     h.wait_exit(&done, Duration::from_secs(10)).await;

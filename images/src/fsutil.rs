@@ -63,6 +63,24 @@ pub fn atomic_write(path: &Path, data: &[u8]) -> io::Result<()> {
     res
 }
 
+/// Like [`atomic_write`] without the directory fsync: the content is durable before it
+/// becomes visible, but after a crash the rename itself may be lost (the old content, or
+/// none, remains). For records whose loss the next start reconciles anyway.
+pub fn atomic_write_fast(path: &Path, data: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = temp_path(dir, "w");
+    let res = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_data()?;
+        fs::rename(&tmp, path)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
 /// Removes temp entries in `dir` left by processes that no longer exist.
 pub fn clean_dead_temps(dir: &Path) -> io::Result<usize> {
     let mut n = 0;
