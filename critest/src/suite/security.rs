@@ -30,7 +30,8 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "ipc namespace is shared by the pod's containers", ipc_pod),
         spec!("security", "ipc namespace NODE: the host's ipc namespace", ipc_node,
             vm = "a VM pod's IPC objects live in the guest kernel"),
-        spec!("security", "pod sysctls are applied", sysctls),
+        spec!("security", "pod sysctl kernel.shm_rmid_forced (ipc namespace) is applied", sysctl_ipc),
+        spec!("security", "pod sysctl net.ipv4.ip_local_port_range (network namespace) is applied", sysctl_net),
     ]
 }
 
@@ -285,23 +286,24 @@ async fn ipc_node(c: Ctx) -> SpecResult {
     same_ns_as_host(&c, &id, "ipc").await
 }
 
-async fn sysctls(c: Ctx) -> SpecResult {
+async fn sysctl_check(c: &Ctx, key: &str, value: &str) -> SpecResult {
     let mut pcfg = c.pod_config("sysctl");
-    pcfg.linux.get_or_insert_with(Default::default).sysctls = HashMap::from([
-        (
-            "net.ipv4.ip_local_port_range".to_string(),
-            "40000 50000".to_string(),
-        ),
-        ("kernel.shm_rmid_forced".to_string(), "1".to_string()),
-    ]);
+    pcfg.linux.get_or_insert_with(Default::default).sysctls =
+        HashMap::from([(key.to_string(), value.to_string())]);
     let pod = c.run_pod_with(&pcfg).await?;
     let id = c.run(&pod, &pcfg, "s", "sleep 100000").await?;
-    let got = c
-        .sh_ok(&id, "cat /proc/sys/net/ipv4/ip_local_port_range")
-        .await?;
+    let path = format!("/proc/sys/{}", key.replace('.', "/"));
+    let got = c.sh_ok(&id, &format!("cat {path}")).await?;
     let got: Vec<&str> = got.split_whitespace().collect();
-    check!(got == vec!["40000", "50000"], "ip_local_port_range {got:?}");
-    let got = c.sh_ok(&id, "cat /proc/sys/kernel/shm_rmid_forced").await?;
-    check!(got == "1", "kernel.shm_rmid_forced {got:?}");
+    let want: Vec<&str> = value.split_whitespace().collect();
+    check!(got == want, "{key} reads {got:?}, want {want:?}");
     Ok(())
+}
+
+async fn sysctl_ipc(c: Ctx) -> SpecResult {
+    sysctl_check(&c, "kernel.shm_rmid_forced", "1").await
+}
+
+async fn sysctl_net(c: Ctx) -> SpecResult {
+    sysctl_check(&c, "net.ipv4.ip_local_port_range", "40000 50000").await
 }
