@@ -244,7 +244,7 @@ impl Summary {
         )
     }
 
-    /// The spec reports with the given outcome kind (`"pass"`, `"fail"`, `"skip"`).
+    /// The reports of the specs that failed.
     pub fn failures(&self) -> Vec<&SpecReport> {
         self.specs
             .iter()
