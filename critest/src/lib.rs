@@ -1,10 +1,12 @@
-//! vessel's CRI test harness, shared by the end-to-end tests, the benchmarks and (later) the
+//! vessel's CRI test harness, shared by the end-to-end tests, the benchmarks and the
 //! `vessel-critest` conformance binary:
 //!
 //! - [`registry`]: a real Debian `docker-registry` on 127.0.0.1 (plain, htpasswd, TLS, token).
 //! - [`daemon`]: a real `vesseld` on a temporary socket and state dir, restartable.
 //! - [`client`]: CRI clients over a Unix socket.
+//! - [`suite`]: the conformance specs and their runner ([`suite::run`]), for any CRI runtime.
 
 pub mod client;
 pub mod daemon;
 pub mod registry;
+pub mod suite;

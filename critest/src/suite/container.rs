@@ -1,0 +1,742 @@
+//! Container lifecycle, exec sync, logs, stats, multiple containers, OOM, mounts.
+
+use super::{ctr_state, spec, Ctx, Spec, SpecResult, Stop};
+use crate::{check, fail, skip};
+use k8s_cri::v1 as cri;
+use std::time::Duration;
+use tonic::Code;
+
+pub(super) fn specs() -> Vec<Spec> {
+    vec![
+        spec!("container", "create, start, stop, remove", lifecycle),
+        spec!("container", "exit code and reason of a finished container", exit_codes),
+        spec!("container", "status carries metadata, image, labels, annotations and log path", status_fields),
+        spec!("container", "list filters by id, state, pod and label", list_filters),
+        spec!("container", "command, args, env and working dir", command_env),
+        spec!("container", "host path mounts, read-write and read-only", host_mounts),
+        spec!("container", "UpdateContainerResources changes the memory limit", update_resources),
+        spec!("exec", "ExecSync returns stdout, stderr and the exit code", exec_sync),
+        spec!("exec", "ExecSync past its timeout returns DeadlineExceeded", exec_timeout),
+        spec!("exec", "ExecSync in an exited container fails", exec_exited),
+        spec!("logs", "stdout and stderr lines in CRI format", logs_format),
+        spec!("logs", "a line longer than the buffer is split into P records then F", logs_partial),
+        spec!("logs", "ReopenContainerLog after a rename writes to a new file", logs_reopen),
+        spec!("logs", "ReopenContainerLog of an exited container fails", logs_reopen_exited),
+        spec!("stats", "ContainerStats reports cpu and memory of a running container", stats),
+        spec!("stats", "ListContainerStats filters by container and pod", list_stats),
+        spec!("multi", "two containers of a pod share localhost", shared_localhost),
+        spec!("multi", "containers of a pod have their own pid namespace by default", own_pid_ns),
+        spec!("oom", "a container over its memory limit is OOMKilled", oom),
+        spec!("mount", "private propagation: host mounts made later are not seen", prop_private),
+        spec!("mount", "rslave (HostToContainer) propagation: later host mounts are seen", prop_rslave,
+            vm = "a VM pod shares host directories into the guest (virtiofs); host mount events do not cross the VM boundary"),
+        spec!("mount", "rshared (Bidirectional) propagation: container mounts reach the host", prop_bidirectional,
+            vm = "a VM pod's mounts live in the guest kernel and cannot appear in the host's mount table"),
+    ]
+}
+
+async fn lifecycle(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("life").await?;
+    let id = c
+        .create(&pod, &pcfg, c.ctr_config("sleeper", "sleep 100000"))
+        .await?;
+    let s = c.status(&id).await?;
+    check!(
+        s.state == cri::ContainerState::ContainerCreated as i32,
+        "{} after create, want CREATED",
+        ctr_state(s.state)
+    );
+    check!(s.created_at > 0, "created_at {}", s.created_at);
+    c.start(&id).await?;
+    let s = c.status(&id).await?;
+    check!(
+        s.state == cri::ContainerState::ContainerRunning as i32,
+        "{} after start, want RUNNING",
+        ctr_state(s.state)
+    );
+    check!(
+        s.started_at >= s.created_at,
+        "started_at {} < created_at {}",
+        s.started_at,
+        s.created_at
+    );
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 1,
+        })
+        .await?;
+    let s = c.status(&id).await?;
+    check!(
+        s.state == cri::ContainerState::ContainerExited as i32,
+        "{} after stop, want EXITED",
+        ctr_state(s.state)
+    );
+    check!(
+        s.finished_at >= s.started_at,
+        "finished_at {} < started_at {}",
+        s.finished_at,
+        s.started_at
+    );
+    check!(
+        s.exit_code == 137 || s.exit_code == 143,
+        "exit code {} after stop, want 137 or 143",
+        s.exit_code
+    );
+    cl.runtime
+        .remove_container(cri::RemoveContainerRequest {
+            container_id: id.clone(),
+        })
+        .await?;
+    match cl
+        .runtime
+        .container_status(cri::ContainerStatusRequest {
+            container_id: id,
+            verbose: false,
+        })
+        .await
+    {
+        Err(e) if e.code() == Code::NotFound => Ok(()),
+        other => fail!("ContainerStatus after remove: {other:?}, want NotFound"),
+    }
+}
+
+async fn exit_codes(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("exit").await?;
+    let bad = c.run(&pod, &pcfg, "bad", "exit 3").await?;
+    let good = c.run(&pod, &pcfg, "good", "true").await?;
+    let s = c.wait_exit(&bad).await?;
+    check!(s.exit_code == 3, "exit code {}, want 3", s.exit_code);
+    check!(
+        s.reason == "Error",
+        "reason {:?} for exit 3, want Error",
+        s.reason
+    );
+    check!(s.finished_at > 0, "finished_at {}", s.finished_at);
+    let s = c.wait_exit(&good).await?;
+    check!(s.exit_code == 0, "exit code {}, want 0", s.exit_code);
+    check!(
+        s.reason == "Completed",
+        "reason {:?} for exit 0, want Completed",
+        s.reason
+    );
+    Ok(())
+}
+
+async fn status_fields(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("fields").await?;
+    let cfg = c.ctr_config("sleeper", "sleep 100000");
+    let id = c.run_cfg(&pod, &pcfg, cfg.clone()).await?;
+    let s = c.status(&id).await?;
+    check!(s.id == id, "id {}", s.id);
+    check!(s.metadata == cfg.metadata, "metadata {:?}", s.metadata);
+    check!(
+        s.image.as_ref().map(|i| i.image.as_str()) == Some(c.env.images.busybox.as_str())
+            || s.image
+                .as_ref()
+                .is_some_and(|i| i.image.starts_with("sha256:")),
+        "image {:?}",
+        s.image
+    );
+    check!(!s.image_ref.is_empty(), "empty image_ref");
+    check!(s.labels == cfg.labels, "labels {:?}", s.labels);
+    check!(
+        s.annotations == cfg.annotations,
+        "annotations {:?}",
+        s.annotations
+    );
+    let want = c.log_path(&pcfg, "sleeper");
+    check!(
+        std::path::Path::new(&s.log_path) == want || s.log_path == "sleeper.log",
+        "log_path {:?}, want {want:?}",
+        s.log_path
+    );
+    Ok(())
+}
+
+async fn list_ctrs(c: &Ctx, f: cri::ContainerFilter) -> Result<Vec<String>, Stop> {
+    let mut cl = c.c.clone();
+    let mut v: Vec<String> = cl
+        .runtime
+        .list_containers(cri::ListContainersRequest { filter: Some(f) })
+        .await?
+        .into_inner()
+        .containers
+        .into_iter()
+        .map(|x| x.id)
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+async fn list_filters(c: Ctx) -> SpecResult {
+    let (p1, c1) = c.run_pod("one").await?;
+    let (p2, c2) = c.run_pod("two").await?;
+    let mut cfg = c.ctr_config("a", "sleep 100000");
+    cfg.labels.insert("which".into(), "a".into());
+    let a = c.run_cfg(&p1, &c1, cfg).await?;
+    let b = c
+        .create(&p1, &c1, c.ctr_config("b", "sleep 100000"))
+        .await?;
+    let x = c.run(&p2, &c2, "x", "sleep 100000").await?;
+    let mine = c.labels();
+    let mut all = vec![a.clone(), b.clone(), x.clone()];
+    all.sort();
+    let got = list_ctrs(
+        &c,
+        cri::ContainerFilter {
+            label_selector: mine.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(got == all, "by spec label: {got:?}, want {all:?}");
+    let got = list_ctrs(
+        &c,
+        cri::ContainerFilter {
+            id: b.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(got == vec![b.clone()], "by id: {got:?}");
+    let mut want = vec![a.clone(), b.clone()];
+    want.sort();
+    let got = list_ctrs(
+        &c,
+        cri::ContainerFilter {
+            pod_sandbox_id: p1.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(got == want, "by pod: {got:?}, want {want:?}");
+    let got = list_ctrs(
+        &c,
+        cri::ContainerFilter {
+            state: Some(cri::ContainerStateValue {
+                state: cri::ContainerState::ContainerCreated as i32,
+            }),
+            label_selector: mine.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(got == vec![b.clone()], "CREATED: {got:?}");
+    let mut sel = mine;
+    sel.insert("which".into(), "a".into());
+    let got = list_ctrs(
+        &c,
+        cri::ContainerFilter {
+            label_selector: sel,
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(got == vec![a], "by label which=a: {got:?}");
+    Ok(())
+}
+
+async fn command_env(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("cmd").await?;
+    let mut cfg = c.ctr_config("cmd", "");
+    cfg.command = vec!["sh".into(), "-c".into()];
+    cfg.args = vec!["echo \"$FOO $(pwd) $0\"".into(), "zero".into()];
+    cfg.envs = vec![cri::KeyValue {
+        key: "FOO".into(),
+        value: "bar baz".into(),
+    }];
+    cfg.working_dir = "/tmp".into();
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.wait_exit(&id).await?;
+    let lines = c.read_log(&c.log_path(&pcfg, "cmd"))?;
+    let got: Vec<&str> = lines.iter().map(|l| l.content.as_str()).collect();
+    check!(
+        got == vec!["bar baz /tmp zero"],
+        "output {got:?}, want [\"bar baz /tmp zero\"]"
+    );
+    Ok(())
+}
+
+async fn host_mounts(c: Ctx) -> SpecResult {
+    let rw = c.dir("rw")?;
+    let ro = c.dir("ro")?;
+    std::fs::write(ro.join("hello"), "from-host").map_err(|e| Stop::Fail(e.to_string()))?;
+    let id = c
+        .sleeper_with("mnt", |cfg| {
+            cfg.mounts = vec![
+                cri::Mount {
+                    container_path: "/mnt/rw".into(),
+                    host_path: rw.display().to_string(),
+                    ..Default::default()
+                },
+                cri::Mount {
+                    container_path: "/mnt/ro".into(),
+                    host_path: ro.display().to_string(),
+                    readonly: true,
+                    ..Default::default()
+                },
+            ];
+        })
+        .await?;
+    c.sh_ok(&id, "echo from-container > /mnt/rw/out").await?;
+    let got = std::fs::read_to_string(rw.join("out")).unwrap_or_default();
+    check!(
+        got == "from-container\n",
+        "host sees {got:?} in the rw mount"
+    );
+    let got = c.sh_ok(&id, "cat /mnt/ro/hello").await?;
+    check!(
+        got == "from-host",
+        "container reads {got:?} from the ro mount"
+    );
+    let (code, _, _) = c.sh(&id, "echo x > /mnt/ro/new").await?;
+    check!(code != 0, "writing to the read-only mount succeeded");
+    Ok(())
+}
+
+async fn update_resources(c: Ctx) -> SpecResult {
+    let id = c.sleeper_with("upd", |_| {}).await?;
+    let mut cl = c.c.clone();
+    cl.runtime
+        .update_container_resources(cri::UpdateContainerResourcesRequest {
+            container_id: id.clone(),
+            linux: Some(cri::LinuxContainerResources {
+                memory_limit_in_bytes: 64 << 20,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await?;
+    let got = c
+        .sh_ok(&id, "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
+        .await?;
+    check!(
+        got == (64u64 << 20).to_string(),
+        "memory limit in the container's cgroup {got:?}, want {}",
+        64u64 << 20
+    );
+    Ok(())
+}
+
+async fn exec_sync(c: Ctx) -> SpecResult {
+    let id = c.sleeper_with("exec", |_| {}).await?;
+    let r = c
+        .exec(&id, &["sh", "-c", "echo out; echo err >&2; exit 3"], 10)
+        .await?;
+    check!(
+        r.stdout == b"out\n",
+        "stdout {:?}",
+        String::from_utf8_lossy(&r.stdout)
+    );
+    check!(
+        r.stderr == b"err\n",
+        "stderr {:?}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    check!(r.exit_code == 3, "exit code {}", r.exit_code);
+    let r = c.exec(&id, &["true"], 0).await?;
+    check!(r.exit_code == 0, "true exited {}", r.exit_code);
+    Ok(())
+}
+
+async fn exec_timeout(c: Ctx) -> SpecResult {
+    let id = c.sleeper_with("exect", |_| {}).await?;
+    let start = std::time::Instant::now();
+    match c.exec(&id, &["sleep", "30"], 1).await {
+        Err(e) if e.code() == Code::DeadlineExceeded => {}
+        Err(e) => fail!("{:?}: {}, want DeadlineExceeded", e.code(), e.message()),
+        Ok(r) => fail!(
+            "returned {r:?} after {:?}, want DeadlineExceeded",
+            start.elapsed()
+        ),
+    }
+    check!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?} for a 1 s timeout",
+        start.elapsed()
+    );
+    Ok(())
+}
+
+async fn exec_exited(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("execx").await?;
+    let id = c.run(&pod, &pcfg, "done", "true").await?;
+    c.wait_exit(&id).await?;
+    match c.exec(&id, &["true"], 5).await {
+        Err(_) => Ok(()),
+        Ok(r) => fail!("ExecSync in an exited container returned {r:?}"),
+    }
+}
+
+async fn logs_format(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("logs").await?;
+    let id = c
+        .run(&pod, &pcfg, "out", "echo hello; echo oops >&2; echo bye")
+        .await?;
+    c.wait_exit(&id).await?;
+    let path = c.log_path(&pcfg, "out");
+    let lines = c.wait_log(&path, "three lines", |l| l.len() >= 3).await?;
+    let got: Vec<(&str, &str, &str)> = lines
+        .iter()
+        .map(|l| (l.stream.as_str(), l.tag.as_str(), l.content.as_str()))
+        .collect();
+    let mut sorted = got.clone();
+    sorted.sort();
+    let mut want = vec![
+        ("stdout", "F", "hello"),
+        ("stderr", "F", "oops"),
+        ("stdout", "F", "bye"),
+    ];
+    want.sort();
+    check!(sorted == want, "log records {got:?}");
+    let out: Vec<_> = got
+        .iter()
+        .filter(|l| l.0 == "stdout")
+        .map(|l| l.2)
+        .collect();
+    check!(out == vec!["hello", "bye"], "stdout order {out:?}");
+    Ok(())
+}
+
+async fn logs_partial(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("long").await?;
+    let id = c
+        .run(
+            &pod,
+            &pcfg,
+            "long",
+            "head -c 40000 /dev/zero | tr '\\0' a; echo",
+        )
+        .await?;
+    c.wait_exit(&id).await?;
+    let lines = c
+        .wait_log(&c.log_path(&pcfg, "long"), "the final F record", |l| {
+            l.last().is_some_and(|x| x.tag == "F")
+        })
+        .await?;
+    check!(
+        lines.len() >= 2,
+        "{} record(s) for a 40000-byte line, want P records then F",
+        lines.len()
+    );
+    let tags: Vec<&str> = lines.iter().map(|l| l.tag.as_str()).collect();
+    check!(
+        lines[..lines.len() - 1].iter().all(|l| l.tag == "P"),
+        "tags {tags:?}"
+    );
+    let total: usize = lines.iter().map(|l| l.content.len()).sum();
+    check!(total == 40000, "{total} bytes in the records, want 40000");
+    Ok(())
+}
+
+async fn logs_reopen(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("reopen").await?;
+    let id = c
+        .run(
+            &pod,
+            &pcfg,
+            "ticker",
+            "while true; do echo tick; sleep 0.1; done",
+        )
+        .await?;
+    let log = c.log_path(&pcfg, "ticker");
+    c.wait_log(&log, "first ticks", |l| l.len() >= 2).await?;
+    let rotated = log.with_extension("log.1");
+    std::fs::rename(&log, &rotated).map_err(|e| Stop::Fail(format!("rename: {e}")))?;
+    let mut cl = c.c.clone();
+    cl.runtime
+        .reopen_container_log(cri::ReopenContainerLogRequest { container_id: id })
+        .await?;
+    c.wait_log(&log, "ticks in the new file", |l| l.len() >= 2)
+        .await?;
+    let before = c.read_log(&rotated)?.len();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = c.read_log(&rotated)?.len();
+    check!(
+        after == before,
+        "the renamed file is still written after reopen ({before} -> {after} lines)"
+    );
+    Ok(())
+}
+
+async fn logs_reopen_exited(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("reopenx").await?;
+    let id = c.run(&pod, &pcfg, "done", "true").await?;
+    c.wait_exit(&id).await?;
+    let mut cl = c.c.clone();
+    match cl
+        .runtime
+        .reopen_container_log(cri::ReopenContainerLogRequest { container_id: id })
+        .await
+    {
+        Err(_) => Ok(()),
+        Ok(_) => fail!("ReopenContainerLog of an exited container succeeded"),
+    }
+}
+
+async fn stats(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("stats", |cfg| {
+            cfg.command = vec![
+                "sh".into(),
+                "-c".into(),
+                "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; sleep 100000".into(),
+            ];
+        })
+        .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut cl = c.c.clone();
+    let s = cl
+        .runtime
+        .container_stats(cri::ContainerStatsRequest {
+            container_id: id.clone(),
+        })
+        .await?
+        .into_inner();
+    let Some(st) = s.stats else { fail!("no stats") };
+    check!(
+        st.attributes.as_ref().is_some_and(|a| a.id == id),
+        "attributes {:?}",
+        st.attributes
+    );
+    let cpu = st.cpu.unwrap_or_default();
+    check!(cpu.timestamp > 0, "cpu timestamp {}", cpu.timestamp);
+    check!(
+        cpu.usage_core_nano_seconds.is_some_and(|v| v.value > 0),
+        "cpu usage_core_nano_seconds {:?}",
+        cpu.usage_core_nano_seconds
+    );
+    let mem = st.memory.unwrap_or_default();
+    check!(mem.timestamp > 0, "memory timestamp {}", mem.timestamp);
+    check!(
+        mem.working_set_bytes.is_some_and(|v| v.value > 0),
+        "memory working_set_bytes {:?}",
+        mem.working_set_bytes
+    );
+    Ok(())
+}
+
+async fn list_stats(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("lstats").await?;
+    let a = c.run(&pod, &pcfg, "a", "sleep 100000").await?;
+    let b = c.run(&pod, &pcfg, "b", "sleep 100000").await?;
+    let mut cl = c.c.clone();
+    let ids = |r: cri::ListContainerStatsResponse| {
+        let mut v: Vec<String> = r
+            .stats
+            .into_iter()
+            .filter_map(|s| s.attributes.map(|a| a.id))
+            .collect();
+        v.sort();
+        v
+    };
+    let got = ids(cl
+        .runtime
+        .list_container_stats(cri::ListContainerStatsRequest {
+            filter: Some(cri::ContainerStatsFilter {
+                id: a.clone(),
+                ..Default::default()
+            }),
+        })
+        .await?
+        .into_inner());
+    check!(got == vec![a.clone()], "by id: {got:?}");
+    let got = ids(cl
+        .runtime
+        .list_container_stats(cri::ListContainerStatsRequest {
+            filter: Some(cri::ContainerStatsFilter {
+                pod_sandbox_id: pod,
+                ..Default::default()
+            }),
+        })
+        .await?
+        .into_inner());
+    let mut want = vec![a, b];
+    want.sort();
+    check!(got == want, "by pod: {got:?}, want {want:?}");
+    Ok(())
+}
+
+async fn shared_localhost(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("net").await?;
+    c.run(&pod, &pcfg, "server", "mkdir -p /tmp/www && echo hello-from-server > /tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www").await?;
+    let client = c.run(&pod, &pcfg, "client", "sleep 100000").await?;
+    let mut last = String::new();
+    for _ in 0..50 {
+        let (code, out, err) = c.sh(&client, "wget -qO- http://127.0.0.1:8080/").await?;
+        if code == 0 {
+            check!(out == "hello-from-server\n", "body {out:?}");
+            return Ok(());
+        }
+        last = err;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fail!(
+        "wget to the other container on 127.0.0.1:8080 failed: {}",
+        last.trim()
+    )
+}
+
+async fn own_pid_ns(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("pid").await?;
+    let a = c.run(&pod, &pcfg, "a", "sleep 100001").await?;
+    let b = c.run(&pod, &pcfg, "b", "sleep 100002").await?;
+    let pid1 = c.sh_ok(&a, "cat /proc/1/cmdline | tr '\\0' ' '").await?;
+    check!(pid1 == "sleep 100001", "pid 1 of container a is {pid1:?}");
+    let ps = c.sh_ok(&b, "ps").await?;
+    check!(!ps.contains("100001"), "container b sees a's process: {ps}");
+    Ok(())
+}
+
+async fn oom(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("oom").await?;
+    let mut cfg = c.ctr_config("hog", "");
+    cfg.command = vec!["tail".into(), "/dev/zero".into()];
+    cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
+        memory_limit_in_bytes: 16 << 20,
+        memory_swap_limit_in_bytes: 16 << 20,
+        ..Default::default()
+    });
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let s = c.wait_exit(&id).await?;
+    check!(
+        s.reason == "OOMKilled",
+        "reason {:?} (exit code {}), want OOMKilled",
+        s.reason,
+        s.exit_code
+    );
+    check!(s.exit_code == 137, "exit code {}, want 137", s.exit_code);
+    Ok(())
+}
+
+// Mount propagation. The host side needs root on the runtime's host: a directory made a
+// shared mount point, and a tmpfs mounted below it after the container started.
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn mount(
+    src: &str,
+    target: &std::path::Path,
+    fstype: &str,
+    flags: libc::c_ulong,
+) -> Result<(), Stop> {
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|e| Stop::Fail(e.to_string()));
+    let src = c(src)?;
+    let tgt = c(&target.display().to_string())?;
+    let fs = c(fstype)?;
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is null.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            fs.as_ptr(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        fail!("mount {target:?}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A host directory that is a shared mount point (bind-mounted onto itself).
+fn shared_dir(c: &Ctx, name: &str) -> Result<std::path::PathBuf, Stop> {
+    if !is_root() {
+        skip!("needs root on the runtime's host to make host mounts");
+    }
+    let d = c.dir(name)?;
+    let s = d.display().to_string();
+    mount(&s, &d, "", libc::MS_BIND)?;
+    c.track_host_mount(&d);
+    mount("", &d, "", libc::MS_SHARED | libc::MS_REC)?;
+    Ok(d)
+}
+
+async fn propagation(
+    c: &Ctx,
+    mode: cri::MountPropagation,
+    privileged: bool,
+) -> Result<(String, std::path::PathBuf), Stop> {
+    let d = shared_dir(c, "prop")?;
+    let id = c
+        .sleeper_with("prop", |cfg| {
+            cfg.mounts = vec![cri::Mount {
+                container_path: "/mnt/prop".into(),
+                host_path: d.display().to_string(),
+                propagation: mode as i32,
+                ..Default::default()
+            }];
+            if privileged {
+                Ctx::sec(cfg).privileged = true;
+            }
+        })
+        .await?;
+    Ok((id, d))
+}
+
+async fn host_mount_later(c: &Ctx, d: &std::path::Path) -> Result<(), Stop> {
+    let sub = d.join("sub");
+    std::fs::create_dir_all(&sub).map_err(|e| Stop::Fail(e.to_string()))?;
+    mount("tmpfs", &sub, "tmpfs", 0)?;
+    c.track_host_mount(&sub);
+    std::fs::write(sub.join("marker"), "on-tmpfs").map_err(|e| Stop::Fail(e.to_string()))?;
+    Ok(())
+}
+
+async fn prop_private(c: Ctx) -> SpecResult {
+    let (id, d) = propagation(&c, cri::MountPropagation::PropagationPrivate, false).await?;
+    host_mount_later(&c, &d).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, out, _) = c
+        .sh(&id, "cat /mnt/prop/sub/marker 2>/dev/null; true")
+        .await?;
+    check!(
+        out.trim().is_empty(),
+        "a host mount made after start is visible through a private mount"
+    );
+    Ok(())
+}
+
+async fn prop_rslave(c: Ctx) -> SpecResult {
+    let (id, d) = propagation(&c, cri::MountPropagation::PropagationHostToContainer, false).await?;
+    host_mount_later(&c, &d).await?;
+    let mut out = String::new();
+    for _ in 0..20 {
+        out = c
+            .sh(&id, "cat /mnt/prop/sub/marker 2>/dev/null; true")
+            .await?
+            .1;
+        if out.trim() == "on-tmpfs" {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fail!(
+        "a host mount made after start is not visible through a HostToContainer mount ({:?})",
+        out.trim()
+    )
+}
+
+async fn prop_bidirectional(c: Ctx) -> SpecResult {
+    let (id, d) = propagation(&c, cri::MountPropagation::PropagationBidirectional, true).await?;
+    c.track_host_mount(&d.join("fromctr"));
+    c.sh_ok(&id, "mkdir -p /mnt/prop/fromctr && mount -t tmpfs tmpfs /mnt/prop/fromctr && echo x > /mnt/prop/fromctr/f").await?;
+    let want = d.join("fromctr").display().to_string();
+    for _ in 0..20 {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        if info
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fail!("a mount made in the container under a Bidirectional mount did not reach the host")
+}

@@ -1,0 +1,416 @@
+//! Runtime info, pod sandbox lifecycle and status, idempotence.
+
+use super::{spec, Ctx, Spec, SpecResult};
+use crate::{check, fail};
+use k8s_cri::v1 as cri;
+use tonic::Code;
+
+pub(super) fn runtime_specs() -> Vec<Spec> {
+    vec![
+        spec!(
+            "runtime",
+            "Version reports the runtime name and version and API v1",
+            version
+        ),
+        spec!("runtime", "Status reports RuntimeReady=true", runtime_ready),
+        spec!("runtime", "Status reports NetworkReady=true", network_ready),
+        spec!(
+            "runtime",
+            "RuntimeConfig reports a cgroup driver",
+            runtime_config
+        ),
+    ]
+}
+
+pub(super) fn specs() -> Vec<Spec> {
+    vec![
+        spec!("pod", "run, status, stop, remove", lifecycle),
+        spec!("pod", "list filters by id, state and label", list_filters),
+        spec!(
+            "pod",
+            "a second pod with the same metadata is refused",
+            duplicate
+        ),
+        spec!(
+            "pod",
+            "removing a pod removes its containers",
+            remove_with_containers
+        ),
+        spec!("pod", "PodSandboxStats reports the pod", pod_stats),
+        spec!(
+            "idempotence",
+            "StopPodSandbox twice succeeds",
+            stop_pod_twice
+        ),
+        spec!(
+            "idempotence",
+            "RemovePodSandbox twice (and of an unknown id) succeeds",
+            remove_pod_twice
+        ),
+        spec!(
+            "idempotence",
+            "StopContainer twice succeeds",
+            stop_ctr_twice
+        ),
+        spec!(
+            "idempotence",
+            "RemoveContainer twice succeeds",
+            remove_ctr_twice
+        ),
+    ]
+}
+
+async fn version(c: Ctx) -> SpecResult {
+    let mut cl = c.c.clone();
+    let v = cl
+        .runtime
+        .version(cri::VersionRequest {
+            version: "v1".into(),
+        })
+        .await?
+        .into_inner();
+    check!(!v.runtime_name.is_empty(), "empty runtime_name: {v:?}");
+    check!(
+        !v.runtime_version.is_empty(),
+        "empty runtime_version: {v:?}"
+    );
+    check!(
+        v.runtime_api_version == "v1",
+        "runtime_api_version {:?}, want v1",
+        v.runtime_api_version
+    );
+    check!(!v.version.is_empty(), "empty version: {v:?}");
+    Ok(())
+}
+
+async fn condition(c: &Ctx, kind: &str) -> Result<cri::RuntimeCondition, super::Stop> {
+    let mut cl = c.c.clone();
+    let s = cl
+        .runtime
+        .status(cri::StatusRequest { verbose: false })
+        .await?
+        .into_inner();
+    let Some(st) = s.status else {
+        fail!("StatusResponse without status")
+    };
+    match st.conditions.into_iter().find(|x| x.r#type == kind) {
+        Some(x) => Ok(x),
+        None => fail!("no {kind} condition"),
+    }
+}
+
+async fn runtime_ready(c: Ctx) -> SpecResult {
+    let r = condition(&c, "RuntimeReady").await?;
+    check!(r.status, "RuntimeReady=false: {} {}", r.reason, r.message);
+    Ok(())
+}
+
+async fn network_ready(c: Ctx) -> SpecResult {
+    let r = condition(&c, "NetworkReady").await?;
+    check!(r.status, "NetworkReady=false: {} {}", r.reason, r.message);
+    Ok(())
+}
+
+async fn runtime_config(c: Ctx) -> SpecResult {
+    let mut cl = c.c.clone();
+    let r = cl
+        .runtime
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await?
+        .into_inner();
+    check!(r.linux.is_some(), "no linux runtime configuration: {r:?}");
+    Ok(())
+}
+
+async fn lifecycle(c: Ctx) -> SpecResult {
+    let (id, cfg) = c.run_pod("life").await?;
+    let s = c.pod_status(&id).await?;
+    check!(s.id == id, "status id {} != {id}", s.id);
+    check!(
+        s.state == cri::PodSandboxState::SandboxReady as i32,
+        "state {} after run, want READY",
+        s.state
+    );
+    check!(
+        s.metadata == cfg.metadata,
+        "metadata {:?} != {:?}",
+        s.metadata,
+        cfg.metadata
+    );
+    check!(s.created_at > 0, "created_at {}", s.created_at);
+    for (k, v) in &cfg.labels {
+        check!(
+            s.labels.get(k) == Some(v),
+            "label {k} missing: {:?}",
+            s.labels
+        );
+    }
+    check!(
+        s.annotations == cfg.annotations,
+        "annotations {:?}",
+        s.annotations
+    );
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: id.clone(),
+        })
+        .await?;
+    let s = c.pod_status(&id).await?;
+    check!(
+        s.state == cri::PodSandboxState::SandboxNotready as i32,
+        "state {} after stop, want NOTREADY",
+        s.state
+    );
+    cl.runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: id.clone(),
+        })
+        .await?;
+    match cl
+        .runtime
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: id.clone(),
+            verbose: false,
+        })
+        .await
+    {
+        Err(e) if e.code() == Code::NotFound => {}
+        other => fail!("PodSandboxStatus after remove: {other:?}, want NotFound"),
+    }
+    let pods = list_pods(
+        &c,
+        cri::PodSandboxFilter {
+            id: id.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(pods.is_empty(), "removed pod still listed");
+    Ok(())
+}
+
+async fn list_pods(c: &Ctx, f: cri::PodSandboxFilter) -> Result<Vec<String>, super::Stop> {
+    let mut cl = c.c.clone();
+    Ok(cl
+        .runtime
+        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: Some(f) })
+        .await?
+        .into_inner()
+        .items
+        .into_iter()
+        .map(|p| p.id)
+        .collect())
+}
+
+async fn list_filters(c: Ctx) -> SpecResult {
+    let mut a = c.pod_config("a");
+    a.labels.insert("which".into(), "a".into());
+    let mut b = c.pod_config("b");
+    b.labels.insert("which".into(), "b".into());
+    let ida = c.run_pod_with(&a).await?;
+    let idb = c.run_pod_with(&b).await?;
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: idb.clone(),
+        })
+        .await?;
+    let mine = c.labels();
+    let all = list_pods(
+        &c,
+        cri::PodSandboxFilter {
+            label_selector: mine.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(
+        all.len() == 2 && all.contains(&ida) && all.contains(&idb),
+        "by spec label: {all:?}"
+    );
+    let by_id = list_pods(
+        &c,
+        cri::PodSandboxFilter {
+            id: ida.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(by_id == vec![ida.clone()], "by id: {by_id:?}");
+    let ready = list_pods(
+        &c,
+        cri::PodSandboxFilter {
+            state: Some(cri::PodSandboxStateValue {
+                state: cri::PodSandboxState::SandboxReady as i32,
+            }),
+            label_selector: mine.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(ready == vec![ida.clone()], "READY: {ready:?}");
+    let notready = list_pods(
+        &c,
+        cri::PodSandboxFilter {
+            state: Some(cri::PodSandboxStateValue {
+                state: cri::PodSandboxState::SandboxNotready as i32,
+            }),
+            label_selector: mine.clone(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(notready == vec![idb.clone()], "NOTREADY: {notready:?}");
+    let mut sel = mine;
+    sel.insert("which".into(), "b".into());
+    let by_label = list_pods(
+        &c,
+        cri::PodSandboxFilter {
+            label_selector: sel,
+            ..Default::default()
+        },
+    )
+    .await?;
+    check!(by_label == vec![idb], "by label which=b: {by_label:?}");
+    Ok(())
+}
+
+async fn duplicate(c: Ctx) -> SpecResult {
+    let (_, cfg) = c.run_pod("dup").await?;
+    match c.run_pod_with(&cfg).await {
+        Err(_) => Ok(()),
+        Ok(id) => {
+            fail!("a second pod {id} with the same name, namespace, uid and attempt was accepted")
+        }
+    }
+}
+
+async fn remove_with_containers(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("rm").await?;
+    let ctr = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await?;
+    let s = c.status(&ctr).await?;
+    check!(
+        s.state == cri::ContainerState::ContainerExited as i32,
+        "container {} after StopPodSandbox, want EXITED",
+        super::ctr_state(s.state)
+    );
+    cl.runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: pod,
+        })
+        .await?;
+    match cl
+        .runtime
+        .container_status(cri::ContainerStatusRequest {
+            container_id: ctr,
+            verbose: false,
+        })
+        .await
+    {
+        Err(e) if e.code() == Code::NotFound => Ok(()),
+        other => fail!("ContainerStatus after RemovePodSandbox: {other:?}, want NotFound"),
+    }
+}
+
+async fn pod_stats(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("stats").await?;
+    c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    let mut cl = c.c.clone();
+    let s = cl
+        .runtime
+        .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await?
+        .into_inner();
+    let Some(st) = s.stats else { fail!("no stats") };
+    check!(
+        st.attributes.as_ref().is_some_and(|a| a.id == pod),
+        "attributes {:?}",
+        st.attributes
+    );
+    let linux = st.linux.unwrap_or_default();
+    check!(
+        linux.cpu.is_some() && linux.memory.is_some(),
+        "no cpu or memory: {linux:?}"
+    );
+    Ok(())
+}
+
+async fn stop_pod_twice(c: Ctx) -> SpecResult {
+    let (pod, _) = c.run_pod("stop2").await?;
+    let mut cl = c.c.clone();
+    for _ in 0..2 {
+        cl.runtime
+            .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await?;
+    }
+    Ok(())
+}
+
+async fn remove_pod_twice(c: Ctx) -> SpecResult {
+    let (pod, _) = c.run_pod("rm2").await?;
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await?;
+    for _ in 0..2 {
+        cl.runtime
+            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await?;
+    }
+    cl.runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: format!("{}deadbeef", c.id.replace('-', "")),
+        })
+        .await?;
+    Ok(())
+}
+
+async fn stop_ctr_twice(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("cstop2").await?;
+    let id = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    let mut cl = c.c.clone();
+    for _ in 0..2 {
+        cl.runtime
+            .stop_container(cri::StopContainerRequest {
+                container_id: id.clone(),
+                timeout: 1,
+            })
+            .await?;
+    }
+    Ok(())
+}
+
+async fn remove_ctr_twice(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("crm2").await?;
+    let id = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 1,
+        })
+        .await?;
+    for _ in 0..2 {
+        cl.runtime
+            .remove_container(cri::RemoveContainerRequest {
+                container_id: id.clone(),
+            })
+            .await?;
+    }
+    Ok(())
+}

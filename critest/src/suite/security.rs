@@ -1,0 +1,309 @@
+//! Security context: users and groups, read-only rootfs, privileged and capabilities,
+//! masked and read-only paths, no-new-privs, seccomp, namespaces, sysctls.
+
+use super::network::{node_ns_pod, same_ns_as_host};
+use super::{spec, Ctx, Spec, SpecResult, Stop};
+use crate::{check, fail};
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+
+const CAP_CHOWN: u32 = 0;
+const CAP_SYS_ADMIN: u32 = 21;
+
+pub(super) fn specs() -> Vec<Spec> {
+    vec![
+        spec!("security", "run_as_user, run_as_group and supplemental groups", users),
+        spec!("security", "run_as_username resolves in the image's /etc/passwd", username),
+        spec!("security", "the image's User applies when the pod sets none", image_user),
+        spec!("security", "readonly_rootfs makes / read-only", readonly_rootfs),
+        spec!("security", "a default container lacks CAP_SYS_ADMIN", default_caps),
+        spec!("security", "privileged: every capability, and mount works", privileged),
+        spec!("security", "dropping CAP_CHOWN makes chown fail", drop_chown),
+        spec!("security", "adding CAP_SYS_ADMIN shows in CapEff", add_sys_admin),
+        spec!("security", "masked paths read empty", masked_paths),
+        spec!("security", "read-only paths cannot be written", readonly_paths),
+        spec!("security", "no_new_privs sets NoNewPrivs", no_new_privs),
+        spec!("security", "seccomp RuntimeDefault filters, Unconfined does not", seccomp),
+        spec!("security", "pid namespace POD: containers see each other's processes", pid_pod),
+        spec!("security", "pid namespace NODE: the host's pid namespace", pid_node,
+            vm = "a VM pod's processes run under the guest kernel; the host's pid namespace is out of reach"),
+        spec!("security", "ipc namespace is shared by the pod's containers", ipc_pod),
+        spec!("security", "ipc namespace NODE: the host's ipc namespace", ipc_node,
+            vm = "a VM pod's IPC objects live in the guest kernel"),
+        spec!("security", "pod sysctl kernel.shm_rmid_forced (ipc namespace) is applied", sysctl_ipc),
+        spec!("security", "pod sysctl net.ipv4.ip_local_port_range (network namespace) is applied", sysctl_net),
+    ]
+}
+
+async fn status_field(c: &Ctx, id: &str, field: &str) -> Result<String, Stop> {
+    let s = c.sh_ok(id, "cat /proc/self/status").await?;
+    match s.lines().find_map(|l| l.strip_prefix(&format!("{field}:"))) {
+        Some(v) => Ok(v.trim().to_string()),
+        None => fail!("no {field} in /proc/self/status"),
+    }
+}
+
+async fn cap_eff(c: &Ctx, id: &str) -> Result<u64, Stop> {
+    let v = status_field(c, id, "CapEff").await?;
+    u64::from_str_radix(&v, 16).map_err(|e| Stop::Fail(format!("CapEff {v:?}: {e}")))
+}
+
+async fn users(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("users", |cfg| {
+            let s = Ctx::sec(cfg);
+            s.run_as_user = Some(cri::Int64Value { value: 1234 });
+            s.run_as_group = Some(cri::Int64Value { value: 5678 });
+            s.supplemental_groups = vec![1111, 2222];
+        })
+        .await?;
+    let got = c.sh_ok(&id, "echo $(id -u) $(id -g)").await?;
+    check!(got == "1234 5678", "id -u, -g: {got:?}, want 1234 5678");
+    let groups = c.sh_ok(&id, "id -G").await?;
+    let groups: Vec<&str> = groups.split_whitespace().collect();
+    check!(
+        groups.contains(&"1111") && groups.contains(&"2222"),
+        "id -G {groups:?} lacks 1111 and 2222"
+    );
+    Ok(())
+}
+
+async fn username(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("username", |cfg| {
+            Ctx::sec(cfg).run_as_username = "vessel".into()
+        })
+        .await?;
+    let got = c.sh_ok(&id, "id -u").await?;
+    check!(
+        got == "1000",
+        "uid {got:?} for run_as_username vessel, want 1000"
+    );
+    Ok(())
+}
+
+async fn image_user(c: Ctx) -> SpecResult {
+    let img = c.env.images.user_uid.clone();
+    let id = c
+        .sleeper_with("imguser", |cfg| cfg.image = super::ctx::spec(&img))
+        .await?;
+    let got = c.sh_ok(&id, "id -u").await?;
+    check!(got == "1000", "uid {got:?} in an image with User 1000");
+    Ok(())
+}
+
+async fn readonly_rootfs(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("rorootfs", |cfg| Ctx::sec(cfg).readonly_rootfs = true)
+        .await?;
+    let (code, _, _) = c.sh(&id, "touch /newfile").await?;
+    check!(code != 0, "touch /newfile succeeded on a read-only rootfs");
+    Ok(())
+}
+
+async fn default_caps(c: Ctx) -> SpecResult {
+    let id = c.sleeper_with("caps", |_| {}).await?;
+    let eff = cap_eff(&c, &id).await?;
+    check!(
+        eff & (1 << CAP_SYS_ADMIN) == 0,
+        "CapEff {eff:#x} has CAP_SYS_ADMIN"
+    );
+    check!(
+        eff & (1 << CAP_CHOWN) != 0,
+        "CapEff {eff:#x} lacks CAP_CHOWN"
+    );
+    Ok(())
+}
+
+async fn privileged(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = {
+        let mut pcfg = c.pod_config("priv");
+        pcfg.linux
+            .get_or_insert_with(Default::default)
+            .security_context = Some(cri::LinuxSandboxSecurityContext {
+            privileged: true,
+            ..Default::default()
+        });
+        (c.run_pod_with(&pcfg).await?, pcfg)
+    };
+    let mut cfg = c.ctr_config("priv", "sleep 100000");
+    Ctx::sec(&mut cfg).privileged = true;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let eff = cap_eff(&c, &id).await?;
+    check!(
+        eff & (1 << CAP_SYS_ADMIN) != 0 && eff.count_ones() >= 38,
+        "CapEff {eff:#x} of a privileged container"
+    );
+    c.sh_ok(
+        &id,
+        "mkdir -p /tmp/m && mount -t tmpfs tmpfs /tmp/m && umount /tmp/m",
+    )
+    .await?;
+    Ok(())
+}
+
+async fn drop_chown(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("nochown", |cfg| {
+            Ctx::sec(cfg).capabilities = Some(cri::Capability {
+                drop_capabilities: vec!["CHOWN".into()],
+                ..Default::default()
+            });
+        })
+        .await?;
+    let eff = cap_eff(&c, &id).await?;
+    check!(
+        eff & (1 << CAP_CHOWN) == 0,
+        "CapEff {eff:#x} still has CAP_CHOWN"
+    );
+    let (code, _, _) = c.sh(&id, "touch /tmp/f && chown 1:1 /tmp/f").await?;
+    check!(code != 0, "chown succeeded without CAP_CHOWN");
+    Ok(())
+}
+
+async fn add_sys_admin(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("sysadmin", |cfg| {
+            Ctx::sec(cfg).capabilities = Some(cri::Capability {
+                add_capabilities: vec!["SYS_ADMIN".into()],
+                ..Default::default()
+            });
+        })
+        .await?;
+    let eff = cap_eff(&c, &id).await?;
+    check!(
+        eff & (1 << CAP_SYS_ADMIN) != 0,
+        "CapEff {eff:#x} lacks CAP_SYS_ADMIN"
+    );
+    Ok(())
+}
+
+async fn masked_paths(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("masked", |cfg| {
+            Ctx::sec(cfg).masked_paths = vec!["/proc/timer_list".into(), "/etc/group".into()];
+        })
+        .await?;
+    for p in ["/proc/timer_list", "/etc/group"] {
+        let (_, out, _) = c.sh(&id, &format!("cat {p} 2>/dev/null | wc -c")).await?;
+        check!(out.trim() == "0", "masked {p} reads {} bytes", out.trim());
+    }
+    Ok(())
+}
+
+async fn readonly_paths(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("ropaths", |cfg| {
+            Ctx::sec(cfg).readonly_paths = vec!["/tmp".into()]
+        })
+        .await?;
+    let (code, _, _) = c.sh(&id, "touch /tmp/x").await?;
+    check!(code != 0, "writing under the read-only path /tmp succeeded");
+    Ok(())
+}
+
+async fn no_new_privs(c: Ctx) -> SpecResult {
+    let id = c
+        .sleeper_with("nnp", |cfg| Ctx::sec(cfg).no_new_privs = true)
+        .await?;
+    let v = status_field(&c, &id, "NoNewPrivs").await?;
+    check!(v == "1", "NoNewPrivs {v}, want 1");
+    Ok(())
+}
+
+async fn seccomp(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("seccomp").await?;
+    let mut cfg = c.ctr_config("default", "sleep 100000");
+    Ctx::sec(&mut cfg).seccomp = Some(cri::SecurityProfile {
+        profile_type: cri::security_profile::ProfileType::RuntimeDefault as i32,
+        ..Default::default()
+    });
+    let d = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let mut cfg = c.ctr_config("unconfined", "sleep 100000");
+    Ctx::sec(&mut cfg).seccomp = Some(cri::SecurityProfile {
+        profile_type: cri::security_profile::ProfileType::Unconfined as i32,
+        ..Default::default()
+    });
+    let u = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let v = status_field(&c, &d, "Seccomp").await?;
+    check!(v == "2", "Seccomp {v} with RuntimeDefault, want 2 (filter)");
+    let v = status_field(&c, &u, "Seccomp").await?;
+    check!(v == "0", "Seccomp {v} with Unconfined, want 0");
+    Ok(())
+}
+
+async fn pid_pod(c: Ctx) -> SpecResult {
+    let ns = cri::NamespaceOption {
+        pid: cri::NamespaceMode::Pod as i32,
+        ..Default::default()
+    };
+    let mut pcfg = c.pod_config("pidpod");
+    pcfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context = Some(cri::LinuxSandboxSecurityContext {
+        namespace_options: Some(ns.clone()),
+        ..Default::default()
+    });
+    let pod = c.run_pod_with(&pcfg).await?;
+    let mut a = c.ctr_config("a", "sleep 100001");
+    Ctx::sec(&mut a).namespace_options = Some(ns.clone());
+    c.run_cfg(&pod, &pcfg, a).await?;
+    let mut b = c.ctr_config("b", "sleep 100002");
+    Ctx::sec(&mut b).namespace_options = Some(ns);
+    let b = c.run_cfg(&pod, &pcfg, b).await?;
+    let ps = c.sh_ok(&b, "ps").await?;
+    check!(
+        ps.contains("sleep 100001"),
+        "container b does not see a's process: {ps}"
+    );
+    Ok(())
+}
+
+async fn pid_node(c: Ctx) -> SpecResult {
+    let id = node_ns_pod(&c, "hostpid", false, true, false).await?;
+    same_ns_as_host(&c, &id, "pid").await
+}
+
+async fn ipc_pod(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("ipc").await?;
+    let a = c.run(&pod, &pcfg, "a", "sleep 100000").await?;
+    let b = c.run(&pod, &pcfg, "b", "sleep 100000").await?;
+    let na = c.sh_ok(&a, "readlink /proc/self/ns/ipc").await?;
+    let nb = c.sh_ok(&b, "readlink /proc/self/ns/ipc").await?;
+    check!(
+        na == nb,
+        "the pod's containers have ipc namespaces {na} and {nb}"
+    );
+    let host = std::fs::read_link("/proc/self/ns/ipc")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    check!(na != host, "the pod shares the host's ipc namespace");
+    Ok(())
+}
+
+async fn ipc_node(c: Ctx) -> SpecResult {
+    let id = node_ns_pod(&c, "hostipc", false, false, true).await?;
+    same_ns_as_host(&c, &id, "ipc").await
+}
+
+async fn sysctl_check(c: &Ctx, key: &str, value: &str) -> SpecResult {
+    let mut pcfg = c.pod_config("sysctl");
+    pcfg.linux.get_or_insert_with(Default::default).sysctls =
+        HashMap::from([(key.to_string(), value.to_string())]);
+    let pod = c.run_pod_with(&pcfg).await?;
+    let id = c.run(&pod, &pcfg, "s", "sleep 100000").await?;
+    let path = format!("/proc/sys/{}", key.replace('.', "/"));
+    let got = c.sh_ok(&id, &format!("cat {path}")).await?;
+    let got: Vec<&str> = got.split_whitespace().collect();
+    let want: Vec<&str> = value.split_whitespace().collect();
+    check!(got == want, "{key} reads {got:?}, want {want:?}");
+    Ok(())
+}
+
+async fn sysctl_ipc(c: Ctx) -> SpecResult {
+    sysctl_check(&c, "kernel.shm_rmid_forced", "1").await
+}
+
+async fn sysctl_net(c: Ctx) -> SpecResult {
+    sysctl_check(&c, "net.ipv4.ip_local_port_range", "40000 50000").await
+}
