@@ -135,7 +135,6 @@ const SECCOMP_DENY: &[&str] = &[
     "request_key",
     "set_mempolicy",
     "settimeofday",
-    "stime",
     "swapoff",
     "swapon",
     "sysfs",
@@ -143,8 +142,6 @@ const SECCOMP_DENY: &[&str] = &[
     "uselib",
     "userfaultfd",
     "ustat",
-    "vm86",
-    "vm86old",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -530,7 +527,9 @@ fn seccomp(
 pub fn default_seccomp() -> Value {
     json!({
         "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        // Native ABI only: syscalls of other ABIs (i386, x32) hit libseccomp's bad-arch action
+        // and are killed, so the denylist cannot be bypassed through them.
+        "architectures": ["SCMP_ARCH_X86_64"],
         "syscalls": [{
             "names": SECCOMP_DENY,
             "action": "SCMP_ACT_ERRNO",
@@ -813,8 +812,13 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             "effective": capabilities(sc, privileged),
             "permitted": capabilities(sc, privileged),
         },
-        "noNewPrivileges": sc.map(|s| s.no_new_privs).unwrap_or(false),
     });
+    // Only when true: libcontainer 0.7 picks the moment it loads the seccomp filter by whether
+    // this key is present, not by its value; `false` made it load after dropping
+    // CAP_SYS_ADMIN without no_new_privs, which the kernel refuses.
+    if sc.map(|s| s.no_new_privs).unwrap_or(false) {
+        process["noNewPrivileges"] = json!(true);
+    }
     if user.uid != 0 {
         // Like containerd: a non-root user keeps no effective/permitted capabilities unless asked.
         process["capabilities"]["effective"] = json!(Vec::<String>::new());

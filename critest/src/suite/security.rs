@@ -24,6 +24,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "read-only paths cannot be written", readonly_paths),
         spec!("security", "no_new_privs sets NoNewPrivs", no_new_privs),
         spec!("security", "seccomp RuntimeDefault filters, Unconfined does not", seccomp),
+        spec!("security", "seccomp RuntimeDefault also filters exec'd processes", seccomp_exec),
         spec!("security", "pid namespace POD: containers see each other's processes", pid_pod),
         spec!("security", "pid namespace NODE: the host's pid namespace", pid_node,
             vm = "a VM pod's processes run under the guest kernel; the host's pid namespace is out of reach"),
@@ -225,11 +226,36 @@ async fn seccomp(c: Ctx) -> SpecResult {
         ..Default::default()
     });
     let u = c.run_cfg(&pod, &pcfg, cfg).await?;
-    let v = status_field(&c, &d, "Seccomp").await?;
+    // The container's own process (pid 1 of its pid namespace).
+    let v = pid1_status_field(&c, &d, "Seccomp").await?;
     check!(v == "2", "Seccomp {v} with RuntimeDefault, want 2 (filter)");
-    let v = status_field(&c, &u, "Seccomp").await?;
+    let v = pid1_status_field(&c, &u, "Seccomp").await?;
     check!(v == "0", "Seccomp {v} with Unconfined, want 0");
     Ok(())
+}
+
+async fn seccomp_exec(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("seccompx").await?;
+    let mut cfg = c.ctr_config("default", "sleep 100000");
+    Ctx::sec(&mut cfg).seccomp = Some(cri::SecurityProfile {
+        profile_type: cri::security_profile::ProfileType::RuntimeDefault as i32,
+        ..Default::default()
+    });
+    let d = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let v = status_field(&c, &d, "Seccomp").await?;
+    check!(
+        v == "2",
+        "an exec'd process has Seccomp {v} with RuntimeDefault, want 2 (filter)"
+    );
+    Ok(())
+}
+
+async fn pid1_status_field(c: &Ctx, id: &str, field: &str) -> Result<String, Stop> {
+    let s = c.sh_ok(id, "cat /proc/1/status").await?;
+    match s.lines().find_map(|l| l.strip_prefix(&format!("{field}:"))) {
+        Some(v) => Ok(v.trim().to_string()),
+        None => fail!("no {field} in /proc/1/status"),
+    }
 }
 
 async fn pid_pod(c: Ctx) -> SpecResult {
@@ -266,8 +292,19 @@ async fn pid_node(c: Ctx) -> SpecResult {
 
 async fn ipc_pod(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("ipc").await?;
-    let a = c.run(&pod, &pcfg, "a", "sleep 100000").await?;
-    let b = c.run(&pod, &pcfg, "b", "sleep 100000").await?;
+    // What kubelet sends for every container: the pod's ipc and network, its own pids.
+    let ns = k8s_cri::v1::NamespaceOption {
+        network: k8s_cri::v1::NamespaceMode::Pod as i32,
+        pid: k8s_cri::v1::NamespaceMode::Container as i32,
+        ipc: k8s_cri::v1::NamespaceMode::Pod as i32,
+        ..Default::default()
+    };
+    let mut ca = c.ctr_config("a", "sleep 100000");
+    Ctx::sec(&mut ca).namespace_options = Some(ns.clone());
+    let mut cb = c.ctr_config("b", "sleep 100000");
+    Ctx::sec(&mut cb).namespace_options = Some(ns);
+    let a = c.run_cfg(&pod, &pcfg, ca).await?;
+    let b = c.run_cfg(&pod, &pcfg, cb).await?;
     let na = c.sh_ok(&a, "readlink /proc/self/ns/ipc").await?;
     let nb = c.sh_ok(&b, "readlink /proc/self/ns/ipc").await?;
     check!(
