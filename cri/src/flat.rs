@@ -343,3 +343,60 @@ pub fn remove_cgroup(rel: &str) {
         }
     }
 }
+
+/// Applies `net.*` sysctls inside the pod's network namespace (pinned at `netns`), from a
+/// thread that joins it: they are per network namespace and belong to the pod, not to a
+/// container.
+pub fn apply_net_sysctls(
+    netns: &Path,
+    sysctls: &std::collections::HashMap<String, String>,
+) -> Result<(), FlatError> {
+    let net: Vec<(String, String)> = sysctls
+        .iter()
+        .filter(|(k, _)| k.starts_with("net."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if net.is_empty() {
+        return Ok(());
+    }
+    for (k, _) in &net {
+        let ok = k.split(['.', '/']).all(|p| {
+            !p.is_empty()
+                && p != ".."
+                && p.bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
+        });
+        if !ok {
+            return Err(FlatError::Agent(format!("invalid sysctl name {k:?}")));
+        }
+    }
+    let ns = std::fs::File::open(netns).map_err(|source| FlatError::Io {
+        op: "open netns",
+        path: netns.to_path_buf(),
+        source,
+    })?;
+    let netns = netns.to_path_buf();
+    std::thread::spawn(move || -> Result<(), FlatError> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns(2) on this thread only, with a valid open namespace fd; the thread
+        // exits right after, so no other code runs in the pod's network namespace.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(FlatError::Io {
+                op: "setns",
+                path: netns,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        for (k, v) in net {
+            let p = PathBuf::from("/proc/sys").join(k.replace('.', "/"));
+            std::fs::write(&p, v.as_bytes()).map_err(|source| FlatError::Io {
+                op: "write sysctl",
+                path: p.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    })
+    .join()
+    .map_err(|_| FlatError::Agent("sysctl thread panicked".into()))?
+}

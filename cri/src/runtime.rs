@@ -524,9 +524,22 @@ impl Runtime {
             r.agent_pid = launched.pid;
             r.agent_start_time = launched.start_time;
         });
+        let sysctls = config
+            .linux
+            .as_ref()
+            .map(|l| l.sysctls.clone())
+            .unwrap_or_default();
         if !share.net {
             flat::pin_netns(launched.pid, &rec.netns_path)
                 .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+            flat::apply_net_sysctls(&rec.netns_path, &sysctls).map_err(|e| {
+                RuntimeError::InvalidArgument(format!("pod {}: sysctls: {e}", rec.id))
+            })?;
+        } else if sysctls.keys().any(|k| k.starts_with("net.")) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "pod {}: net.* sysctls need the pod's own network namespace, not the host's",
+                rec.id
+            )));
         }
         let rec = pod.update(|r| r.state = PodState::Ready);
         let mut c = self.client(pod).await?;

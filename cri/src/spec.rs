@@ -8,6 +8,7 @@
 
 use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use vessel_images::oci::RunConfig;
 
@@ -852,12 +853,16 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             _ => DEFAULT_READONLY.iter().map(|s| s.to_string()).collect(),
         }
     };
-    let sysctl = input
+    // net.* sysctls are the pod network namespace's, set once by vesseld at RunPodSandbox.
+    let sysctl: HashMap<String, String> = input
         .pod
         .linux
         .as_ref()
         .map(|l| l.sysctls.clone())
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("net."))
+        .collect();
 
     let mut linux = json!({
         "namespaces": namespaces,

@@ -52,10 +52,6 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "[security] seccomp RuntimeDefault also filters exec'd processes",
         "libcontainer 0.7's tenant (exec) builder drops linux.seccomp",
     ),
-    (
-        "[security] pod sysctl net.ipv4.ip_local_port_range (network namespace) is applied",
-        "bug: libcontainer sees no netns",
-    ),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
