@@ -19,7 +19,6 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "[network] a host port mapping reaches the container",
         "CNI not built",
     ),
-    ("[pod] PodSandboxStats reports the pod", "not built"),
     (
         "[container] UpdateContainerResources changes the memory limit",
         "not built",
@@ -38,15 +37,11 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
     ),
     (
         "[mount] private propagation: host mounts made later are not seen",
-        "bug: bind mounts inherit rslave",
+        "bug: libcontainer 0.7 ORs propagation flags into the bind mount(2), which ignores them",
     ),
     (
         "[mount] rshared (Bidirectional) propagation: container mounts reach the host",
-        "bug: privileged containers fail to start",
-    ),
-    (
-        "[security] privileged: every capability, and mount works",
-        "bug: privileged containers fail to start",
+        "the flat agent's mount namespace is rslave (so its mounts never leak to the host)",
     ),
     (
         "[security] seccomp RuntimeDefault also filters exec'd processes",
