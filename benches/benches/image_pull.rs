@@ -41,6 +41,7 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
+use vessel_benches::Stats;
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::Vesseld;
 use vessel_critest::registry::{Registry, RegistryOptions};
@@ -286,52 +287,6 @@ fn assert_store_empty(daemon: &Vesseld) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // Statistics and output
-
-struct Stats {
-    n: usize,
-    median: f64,
-    p95: f64,
-    min: f64,
-    max: f64,
-    mean: f64,
-}
-
-impl Stats {
-    fn of(samples: &[f64]) -> Option<Stats> {
-        if samples.is_empty() {
-            return None;
-        }
-        let mut s = samples.to_vec();
-        s.sort_by(f64::total_cmp);
-        let n = s.len();
-        let median = if n % 2 == 1 {
-            s[n / 2]
-        } else {
-            (s[n / 2 - 1] + s[n / 2]) / 2.0
-        };
-        // Nearest rank: with 10 samples the 95th percentile is the largest.
-        let rank = ((0.95 * n as f64).ceil() as usize).clamp(1, n);
-        Some(Stats {
-            n,
-            median,
-            p95: s[rank - 1],
-            min: s[0],
-            max: s[n - 1],
-            mean: s.iter().sum::<f64>() / n as f64,
-        })
-    }
-
-    fn json(&self) -> serde_json::Value {
-        json!({
-            "n": self.n,
-            "median_ms": round2(self.median),
-            "p95_ms": round2(self.p95),
-            "min_ms": round2(self.min),
-            "max_ms": round2(self.max),
-            "mean_ms": round2(self.mean),
-        })
-    }
-}
 
 fn round2(v: f64) -> f64 {
     (v * 100.0).round() / 100.0

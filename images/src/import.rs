@@ -11,7 +11,7 @@ use crate::digest::Digest;
 use crate::error::{ImageError, Result};
 use crate::oci::{self, Descriptor, ImageConfig, Index, Manifest, Platform};
 use crate::reference::Reference;
-use crate::store::{ImageRecord, ImageStore, LayerInfo};
+use crate::store::{ImageRecord, ImageStore};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::fs::File;
@@ -378,35 +378,16 @@ fn finish(
             store.unpack_layer_blob(&l.digest, diff, lowers)?;
         }
     }
-    let mut platform = format!("{}/{}", config.os, config.architecture);
-    if let Some(v) = &config.variant {
-        platform.push('/');
-        platform.push_str(v);
-    }
-    let rec = ImageRecord {
-        id: manifest.config.digest.clone(),
-        repo_tags: names.iter().filter_map(|r| r.repo_tag()).collect(),
-        repo_digests: match registry_digest {
+    let rec = ImageRecord::new(
+        manifest_desc,
+        manifest,
+        &config,
+        names.iter().filter_map(|r| r.repo_tag()).collect(),
+        match registry_digest {
             Some(d) => names.iter().map(|r| r.repo_digest(d)).collect(),
             None => vec![],
         },
-        manifest: manifest_desc,
-        config: manifest.config.clone(),
-        layers: manifest
-            .layers
-            .iter()
-            .zip(&config.rootfs.diff_ids)
-            .map(|(b, d)| LayerInfo {
-                diff_id: d.clone(),
-                blob: b.clone(),
-            })
-            .collect(),
-        platform,
-        run_config: config.config.clone().unwrap_or_default(),
-        size: manifest.config.size + manifest.layers.iter().map(|l| l.size).sum::<u64>(),
-        pulled_at: chrono::Utc::now().timestamp(),
-        pinned: false,
-    };
+    );
     // The index blob (if any) must survive GC: it is referenced through repo_digests.
     let rec = store.commit_image(rec)?;
     tracing::info!(image = %rec.id, tags = ?rec.repo_tags, "import: image recorded");

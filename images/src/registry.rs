@@ -12,7 +12,7 @@ use crate::digest::Digest;
 use crate::error::{ImageError, Result};
 use crate::oci::{self, Descriptor, ImageConfig, Index, Manifest, Platform};
 use crate::reference::Reference;
-use crate::store::{ImageRecord, ImageStore, LayerInfo};
+use crate::store::{ImageRecord, ImageStore};
 use base64::Engine as _;
 use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
@@ -924,32 +924,13 @@ impl Puller {
             ImageError::io("store manifest", PathBuf::new())(std::io::Error::other(e))
         })??;
 
-        let mut platform = format!("{}/{}", config.os, config.architecture);
-        if let Some(v) = &config.variant {
-            platform.push('/');
-            platform.push_str(v);
-        }
-        let rec = ImageRecord {
-            id: manifest.config.digest.clone(),
-            repo_tags: r.repo_tag().into_iter().collect(),
-            repo_digests: vec![r.repo_digest(&top_digest)],
-            manifest: manifest_desc,
-            config: manifest.config.clone(),
-            layers: manifest
-                .layers
-                .iter()
-                .zip(&config.rootfs.diff_ids)
-                .map(|(b, d)| LayerInfo {
-                    diff_id: d.clone(),
-                    blob: b.clone(),
-                })
-                .collect(),
-            platform,
-            run_config: config.config.clone().unwrap_or_default(),
-            size: manifest.config.size + total,
-            pulled_at: chrono::Utc::now().timestamp(),
-            pinned: false,
-        };
+        let rec = ImageRecord::new(
+            manifest_desc,
+            &manifest,
+            &config,
+            r.repo_tag().into_iter().collect(),
+            vec![r.repo_digest(&top_digest)],
+        );
         let store = self.store.clone();
         let rec = tokio::task::spawn_blocking(move || store.commit_image(rec))
             .await

@@ -62,6 +62,43 @@ pub struct ImageRecord {
 }
 
 impl ImageRecord {
+    /// A record for the image `manifest` describes (its config parsed as `config`), named by
+    /// `repo_tags` and `repo_digests`.
+    pub fn new(
+        manifest_desc: Descriptor,
+        manifest: &crate::oci::Manifest,
+        config: &crate::oci::ImageConfig,
+        repo_tags: Vec<String>,
+        repo_digests: Vec<String>,
+    ) -> ImageRecord {
+        let mut platform = format!("{}/{}", config.os, config.architecture);
+        if let Some(v) = &config.variant {
+            platform.push('/');
+            platform.push_str(v);
+        }
+        ImageRecord {
+            id: manifest.config.digest.clone(),
+            repo_tags,
+            repo_digests,
+            manifest: manifest_desc,
+            config: manifest.config.clone(),
+            layers: manifest
+                .layers
+                .iter()
+                .zip(&config.rootfs.diff_ids)
+                .map(|(b, d)| LayerInfo {
+                    diff_id: d.clone(),
+                    blob: b.clone(),
+                })
+                .collect(),
+            platform,
+            run_config: config.config.clone().unwrap_or_default(),
+            size: manifest.config.size + manifest.layers.iter().map(|l| l.size).sum::<u64>(),
+            pulled_at: chrono::Utc::now().timestamp(),
+            pinned: false,
+        }
+    }
+
     /// Whether `reference` (already normalised) names this image by tag or digest.
     pub fn matches(&self, r: &Reference) -> bool {
         if let Some(d) = &r.digest {
