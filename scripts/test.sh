@@ -20,14 +20,23 @@ step "guest kernel for the VM suite (built once, then cached by content hash)"
 # a fresh machine builds it here (5-20 minutes), later runs hit the cache.
 bash scripts/build-guest-kernel.sh | tail -1
 step "cargo nextest (unit and end-to-end tests)"
+out=$(mktemp)
 set +e
-cargo nextest run --workspace --locked --profile ci "$@"
-rc=$?
+cargo nextest run --workspace --locked --profile ci "$@" 2>&1 | tee "$out"
+rc=${PIPESTATUS[0]}
 set -e
+# nextest: "Summary [ 95s] 146 tests run: 146 passed (1 slow), 3 failed, 0 skipped"
+summary=$(grep -E '^ *Summary \[' "$out" | tail -1)
+rm -f "$out"
+n_passed=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$summary")
+n_failed=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$summary")
+n_skipped=$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")
 echo
 echo "test.sh: $(( $(date +%s) - start ))s in all; nextest exit code $rc"
 if [ $rc -ne 0 ]; then
+  echo "tests: ${n_passed:-0} passed, ${n_failed:-1} failed, ${n_skipped:-0} skipped"
   echo "test.sh: FAILED" >&2
   exit $rc
 fi
 echo "test.sh: all passed"
+echo "tests: ${n_passed:-0} passed, ${n_failed:-0} failed, ${n_skipped:-0} skipped"

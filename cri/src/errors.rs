@@ -30,7 +30,5 @@ pub fn image_status(e: &ImageError) -> Status {
 
 /// The answer to an RPC that this build does not serve yet.
 pub fn not_built(rpc: &str) -> Status {
-    Status::unimplemented(format!(
-        "vessel: {rpc} is not implemented yet (this build serves Version, Status and the ImageService)"
-    ))
+    Status::unimplemented(format!("vessel: {rpc} is not implemented yet"))
 }

@@ -79,8 +79,10 @@ fn init_logging(c: &Config) {
             lvl = c.daemon.log_level
         ))
     });
+    // Colours only on a terminal: a log file or the journal gets plain text.
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match c.daemon.log_format {
         LogFormat::Json => b.json().init(),
