@@ -36,10 +36,6 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "streaming server not built",
     ),
     (
-        "[mount] private propagation: host mounts made later are not seen",
-        "bug: libcontainer 0.7 ORs propagation flags into the bind mount(2), which ignores them",
-    ),
-    (
         "[mount] rshared (Bidirectional) propagation: container mounts reach the host",
         "the flat agent's mount namespace is rslave (so its mounts never leak to the host)",
     ),

@@ -185,13 +185,14 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
                 b = b.with_stdin(i).with_stdout(o).with_stderr(e);
             }
             let c = b
-                .as_init(bundle)
+                .as_init(bundle.clone())
                 .with_systemd(false)
                 .with_detach(true)
                 .build()?;
             let pid = c
                 .pid()
                 .ok_or_else(|| LibcontainerError::Other("created container has no pid".into()))?;
+            apply_bind_propagation(pid.as_raw(), &bundle)?;
             say(&format!("PID {pid}"));
             Ok(())
         }
@@ -210,6 +211,59 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             args,
         } => exec(root, id, cwd, env, console_socket, stdio, args),
     }
+}
+
+/// Applies the propagation options (`rprivate`, `rslave`, `rshared` and their non-recursive
+/// forms) of the spec's bind mounts inside the created container's mount namespace.
+/// libcontainer 0.7 passes them in the same mount(2) call as MS_BIND, where the kernel ignores
+/// them, so a bind mount would keep its source's propagation (the agent's rslave: host mounts
+/// made later would show through a "private" mount). Like runc, we change propagation with a
+/// separate mount(2) per mount point. Safe here: this helper is single-threaded (setns into a
+/// mount namespace requires that) and exits right after.
+fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerError> {
+    use nix::mount::MsFlags;
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
+        .map_err(|e| LibcontainerError::Other(format!("reading the bundle spec: {e}")))?;
+    let mut wanted = Vec::new();
+    for m in spec.mounts().iter().flatten() {
+        let opts = m.options().clone().unwrap_or_default();
+        if !opts.iter().any(|o| o == "bind" || o == "rbind") {
+            continue;
+        }
+        let mut flags = MsFlags::empty();
+        for o in &opts {
+            flags |= match o.as_str() {
+                "rprivate" => MsFlags::MS_PRIVATE | MsFlags::MS_REC,
+                "private" => MsFlags::MS_PRIVATE,
+                "rslave" => MsFlags::MS_SLAVE | MsFlags::MS_REC,
+                "slave" => MsFlags::MS_SLAVE,
+                "rshared" => MsFlags::MS_SHARED | MsFlags::MS_REC,
+                "shared" => MsFlags::MS_SHARED,
+                _ => MsFlags::empty(),
+            };
+        }
+        if !flags.is_empty() {
+            wanted.push((m.destination().clone(), flags));
+        }
+    }
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt")).map_err(|e| {
+        LibcontainerError::Other(format!("opening the container's mount namespace: {e}"))
+    })?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| {
+        LibcontainerError::Other(format!("joining the container's mount namespace: {e}"))
+    })?;
+    for (dest, flags) in wanted {
+        nix::mount::mount(None::<&str>, &dest, None::<&str>, flags, None::<&str>).map_err(|e| {
+            LibcontainerError::Other(format!(
+                "setting the propagation of {} ({flags:?}): {e}",
+                dest.display()
+            ))
+        })?;
+    }
+    Ok(())
 }
 
 fn exec(
