@@ -50,6 +50,9 @@ async fn critest_conformance_against_flat_pods() {
     let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), "").expect("vesseld");
     let mut cfg = suite::Config::new(format!("unix://{}", v.socket.display()));
     cfg.parallel = 2;
+    // One labelled summary below instead of a line per spec, so that the expected failures
+    // are not mistaken for this test's result in CI logs.
+    cfg.print = false;
     // VESSEL_CRITEST_FOCUS narrows the run when debugging one spec.
     if let Ok(f) = std::env::var("VESSEL_CRITEST_FOCUS") {
         cfg.focus = Some(f);
@@ -65,6 +68,16 @@ async fn critest_conformance_against_flat_pods() {
             (Outcome::Pass, true) => fixed.push(name),
             _ => {}
         }
+    }
+    println!(
+        "vessel-critest against flat pods: {} specs, {} pass, {} skipped, {} expected failures:",
+        summary.specs.len(),
+        summary.passed,
+        summary.skipped,
+        KNOWN_FAILURES.len()
+    );
+    for (name, why) in KNOWN_FAILURES {
+        println!("  expected failure {name}: {why}");
     }
     assert!(
         unexpected.is_empty() && fixed.is_empty(),
