@@ -226,11 +226,12 @@ impl ImageStore {
                 reference: image.id.to_string(),
                 reason: e.to_string(),
             })?;
+            // The metadata is durable before the snapshot appears under its id; the renames
+            // are not synced: a snapshot a crash loses is reconciled at start (its container
+            // is marked lost, and snapshots without a container are removed).
             let mp = tmp.join("snapshot.json");
-            fsutil::atomic_write(&mp, &data).map_err(ImageError::io("write", &mp))?;
-            fs::rename(&tmp, &dir).map_err(ImageError::io("create snapshot", &dir))?;
-            let sd = self.root().join("snapshots");
-            fsutil::sync_dir(&sd).map_err(ImageError::io("fsync", &sd))
+            fsutil::atomic_write_fast(&mp, &data).map_err(ImageError::io("write", &mp))?;
+            fs::rename(&tmp, &dir).map_err(ImageError::io("create snapshot", &dir))
         })();
         if let Err(e) = res {
             let _ = fsutil::remove_any(&tmp);
