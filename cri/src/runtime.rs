@@ -1252,6 +1252,15 @@ impl Runtime {
             mounts: r.config.mounts.clone(),
             log_path: r.log_path.clone(),
             image_id: r.image_id.clone(),
+            resources: r
+                .config
+                .linux
+                .as_ref()
+                .and_then(|l| l.resources.clone())
+                .map(|l| cri::ContainerResources {
+                    linux: Some(l),
+                    ..Default::default()
+                }),
             user: Some(cri::ContainerUser {
                 linux: Some(cri::LinuxContainerUser {
                     uid: r.uid as i64,
@@ -1259,7 +1268,6 @@ impl Runtime {
                     supplemental_groups: r.groups.iter().map(|g| *g as i64).collect(),
                 }),
             }),
-            ..Default::default()
         }
     }
 
@@ -1583,6 +1591,58 @@ impl Runtime {
             }
         }
         Ok(out)
+    }
+
+    /// CRI UpdateContainerResources: new cgroup limits for a created or running container.
+    pub async fn update_container_resources(
+        &self,
+        id: &str,
+        linux: Option<cri::LinuxContainerResources>,
+    ) -> Result<()> {
+        let ctr = self.ctr(id)?;
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        if !matches!(rec.state, ContainerState::Created | ContainerState::Running) {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "UpdateContainerResources: container {} is {:?}",
+                rec.id, rec.state
+            )));
+        }
+        let Some(r) = linux else {
+            return Ok(());
+        };
+        if r.memory_limit_in_bytes < 0 || r.cpu_shares < 0 || r.cpu_period < 0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "UpdateContainerResources {}: negative limits",
+                rec.id
+            )));
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = self.client(&pod).await?;
+        c.update_resources(ap::UpdateResourcesRequest {
+            id: rec.id.clone(),
+            resources: Some(ap::LinuxResources {
+                cpu_period: r.cpu_period,
+                cpu_quota: r.cpu_quota,
+                cpu_shares: r.cpu_shares,
+                memory_limit_in_bytes: r.memory_limit_in_bytes,
+                cpuset_cpus: r.cpuset_cpus.clone(),
+                cpuset_mems: r.cpuset_mems.clone(),
+                memory_swap_limit_in_bytes: r.memory_swap_limit_in_bytes,
+                unified: r.unified.clone(),
+            }),
+        })
+        .await
+        .map_err(|s| agent_err(&format!("UpdateContainerResources {}", rec.id), s))?;
+        let rec = ctr.update(|c| {
+            let l = c.config.linux.get_or_insert_with(Default::default);
+            l.resources = Some(r.clone());
+        });
+        self.dirs
+            .save_container(&rec)
+            .map_err(|e| internal("saving container record")(&e))?;
+        tracing::info!(container = %rec.id, "container resources updated");
+        Ok(())
     }
 
     pub fn set_pod_cidr(&self, cidr: &str) {

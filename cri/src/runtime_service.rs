@@ -259,9 +259,14 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn update_container_resources(
         &self,
-        _req: Request<cri::UpdateContainerResourcesRequest>,
+        req: Request<cri::UpdateContainerResourcesRequest>,
     ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
-        Err(not_built("UpdateContainerResources"))
+        let r = req.into_inner();
+        self.rt
+            .update_container_resources(&r.container_id, r.linux)
+            .await
+            .map_err(st)?;
+        Ok(Response::new(cri::UpdateContainerResourcesResponse {}))
     }
 
     async fn reopen_container_log(

@@ -20,10 +20,6 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "CNI not built",
     ),
     (
-        "[container] UpdateContainerResources changes the memory limit",
-        "not built",
-    ),
-    (
         "[streaming] Exec returns a streaming URL",
         "streaming server not built",
     ),

@@ -615,6 +615,52 @@ async fn exec_sync_output_exit_codes_and_timeout() {
             .value
             > 0
     );
+    // UpdateContainerResources reaches the container's cgroup and its status.
+    h.c.runtime
+        .update_container_resources(cri::UpdateContainerResourcesRequest {
+            container_id: id.clone(),
+            linux: Some(cri::LinuxContainerResources {
+                memory_limit_in_bytes: 96 << 20,
+                cpu_shares: 512,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let rel = format!("vessel/{pod}/{id}");
+    let limit = vessel_cri::flat::cgroup_dirs(&rel)
+        .into_iter()
+        .find_map(|d| {
+            std::fs::read_to_string(d.join("memory.limit_in_bytes"))
+                .or_else(|_| std::fs::read_to_string(d.join("memory.max")))
+                .ok()
+        })
+        .expect("the container's memory cgroup");
+    assert_eq!(limit.trim(), (96u64 << 20).to_string());
+    // Inside, the container sees its own limit (cgroup v1 and v2 paths) and cannot raise it.
+    let inside = h
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "f=/sys/fs/cgroup/memory/memory.limit_in_bytes; [ -e $f ] || f=/sys/fs/cgroup/memory.max; \
+                 cat $f; echo 999999999 > $f && echo WRITABLE; cat $f",
+            ],
+            5,
+        )
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&inside.stdout).to_string();
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        vec!["100663296", "100663296"],
+        "container view of its cgroup: {out:?}"
+    );
+    let s = h.status(&id).await;
+    let res = s.resources.unwrap().linux.unwrap();
+    assert_eq!(res.memory_limit_in_bytes, 96 << 20);
     // Exec in a container that is not running is refused.
     let done = h.run(&pod, &pcfg, "done", "true").await;
     h.wait_exit(&done, Duration::from_secs(10)).await;

@@ -131,6 +131,107 @@ impl Cgroup {
         out
     }
 
+    /// Writes new limits into the cgroup's files (v1 controllers or v2). Zero/empty fields
+    /// are left alone.
+    pub fn update(&self, r: &crate::proto::LinuxResources) -> std::io::Result<()> {
+        let write = |p: PathBuf, v: String| -> std::io::Result<()> {
+            std::fs::write(&p, v.as_bytes()).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("writing {v:?} to {}: {e}", p.display()))
+            })
+        };
+        if self.unified {
+            let d = self.v2();
+            if r.cpu_shares > 0 {
+                // The cgroup v2 weight for a v1 share, as runc converts it.
+                let w = 1 + ((r.cpu_shares.clamp(2, 262_144) - 2) * 9999) / 262_142;
+                write(d.join("cpu.weight"), w.to_string())?;
+            }
+            if r.cpu_quota != 0 || r.cpu_period > 0 {
+                let quota = if r.cpu_quota > 0 {
+                    r.cpu_quota.to_string()
+                } else {
+                    "max".into()
+                };
+                let period = if r.cpu_period > 0 {
+                    r.cpu_period
+                } else {
+                    100_000
+                };
+                write(d.join("cpu.max"), format!("{quota} {period}"))?;
+            }
+            if !r.cpuset_cpus.is_empty() {
+                write(d.join("cpuset.cpus"), r.cpuset_cpus.clone())?;
+            }
+            if !r.cpuset_mems.is_empty() {
+                write(d.join("cpuset.mems"), r.cpuset_mems.clone())?;
+            }
+            if r.memory_limit_in_bytes > 0 {
+                write(d.join("memory.max"), r.memory_limit_in_bytes.to_string())?;
+                if r.memory_swap_limit_in_bytes > 0 {
+                    let swap = (r.memory_swap_limit_in_bytes - r.memory_limit_in_bytes).max(0);
+                    write(d.join("memory.swap.max"), swap.to_string())?;
+                }
+            }
+            for (k, v) in &r.unified {
+                if k.contains('/') || k.starts_with('.') {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("bad cgroup file name {k:?}"),
+                    ));
+                }
+                write(d.join(k), v.clone())?;
+            }
+            return Ok(());
+        }
+        let v1 = |c: &str, f: &str| -> std::io::Result<PathBuf> {
+            self.v1(c).map(|d| d.join(f)).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("cgroup v1 controller {c} is not mounted"),
+                )
+            })
+        };
+        if r.cpu_shares > 0 {
+            write(v1("cpu", "cpu.shares")?, r.cpu_shares.to_string())?;
+        }
+        if r.cpu_period > 0 {
+            write(v1("cpu", "cpu.cfs_period_us")?, r.cpu_period.to_string())?;
+        }
+        if r.cpu_quota != 0 {
+            write(v1("cpu", "cpu.cfs_quota_us")?, r.cpu_quota.to_string())?;
+        }
+        if !r.cpuset_cpus.is_empty() {
+            write(v1("cpuset", "cpuset.cpus")?, r.cpuset_cpus.clone())?;
+        }
+        if !r.cpuset_mems.is_empty() {
+            write(v1("cpuset", "cpuset.mems")?, r.cpuset_mems.clone())?;
+        }
+        if r.memory_limit_in_bytes > 0 {
+            let mem = v1("memory", "memory.limit_in_bytes")?;
+            let memsw = v1("memory", "memory.memsw.limit_in_bytes")?;
+            let limit = r.memory_limit_in_bytes.to_string();
+            if r.memory_swap_limit_in_bytes > 0 && memsw.exists() {
+                // memsw must stay >= the memory limit: raise first whichever must grow.
+                let swap = r.memory_swap_limit_in_bytes.to_string();
+                if write(memsw.clone(), swap.clone()).is_err() {
+                    write(mem, limit)?;
+                    write(memsw, swap)?;
+                } else {
+                    write(mem, limit)?;
+                }
+            } else {
+                write(mem, limit)?;
+            }
+        }
+        if !r.unified.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "unified (cgroup v2) resources on a cgroup v1 host",
+            ));
+        }
+        Ok(())
+    }
+
     /// The pids in the cgroup (empty if it does not exist).
     pub fn procs(&self) -> Vec<i32> {
         let mut pids: Vec<i32> = Vec::new();

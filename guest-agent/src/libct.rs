@@ -225,6 +225,11 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
     let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
         .map_err(|e| LibcontainerError::Other(format!("reading the bundle spec: {e}")))?;
     let mut wanted = Vec::new();
+    // Read-only cgroup mounts: libcontainer 0.7 mounts cgroup v1 hierarchies read-write
+    // whatever the options say, which would let a container raise its own limits.
+    let ro_cgroup = spec.mounts().iter().flatten().any(|m| {
+        m.typ().as_deref() == Some("cgroup") && m.options().iter().flatten().any(|o| o == "ro")
+    });
     for m in spec.mounts().iter().flatten() {
         let opts = m.options().clone().unwrap_or_default();
         if !opts.iter().any(|o| o == "bind" || o == "rbind") {
@@ -246,9 +251,13 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
             wanted.push((m.destination().clone(), flags));
         }
     }
-    if wanted.is_empty() {
+    if wanted.is_empty() && !ro_cgroup {
         return Ok(());
     }
+    // The init's mounts, with paths as the container sees them (read before joining: the
+    // container's /proc has no entry for this helper).
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .map_err(|e| LibcontainerError::Other(format!("reading the container's mountinfo: {e}")))?;
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt")).map_err(|e| {
         LibcontainerError::Other(format!("opening the container's mount namespace: {e}"))
     })?;
@@ -262,6 +271,25 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
                 dest.display()
             ))
         })?;
+    }
+    if ro_cgroup {
+        let mut points: Vec<&str> = mountinfo
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|p| *p == "/sys/fs/cgroup" || p.starts_with("/sys/fs/cgroup/"))
+            .collect();
+        // Children first, then the tmpfs holding them.
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            let flags = MsFlags::MS_REMOUNT
+                | MsFlags::MS_BIND
+                | MsFlags::MS_RDONLY
+                | MsFlags::MS_NOSUID
+                | MsFlags::MS_NODEV
+                | MsFlags::MS_NOEXEC;
+            nix::mount::mount(None::<&str>, p, None::<&str>, flags, None::<&str>)
+                .map_err(|e| LibcontainerError::Other(format!("making {p} read-only: {e}")))?;
+        }
     }
     Ok(())
 }

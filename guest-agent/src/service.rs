@@ -887,6 +887,22 @@ impl Agent for AgentService {
         Ok(Response::new(self.state.stats(&req.into_inner().id)?))
     }
 
+    async fn update_resources(
+        &self,
+        req: Request<proto::UpdateResourcesRequest>,
+    ) -> Result<Response<proto::UpdateResourcesResponse>, Status> {
+        let r = req.into_inner();
+        let c = self.state.get(&r.id)?;
+        let res = r.resources.unwrap_or_default();
+        c.cgroup.update(&res).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported => {
+                Status::invalid_argument(format!("container {}: {e}", r.id))
+            }
+            _ => Status::failed_precondition(format!("container {}: {e}", r.id)),
+        })?;
+        Ok(Response::new(proto::UpdateResourcesResponse {}))
+    }
+
     async fn reopen_log(
         &self,
         req: Request<proto::ReopenLogRequest>,
