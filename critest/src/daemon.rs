@@ -184,9 +184,74 @@ impl Vesseld {
     }
 }
 
+/// Kills every pod agent serving under `dir` and removes its pods' cgroups: pods outlive
+/// vesseld by design, so a test that failed midway would otherwise leave them running.
+pub fn kill_pods_under(dir: &Path) {
+    let prefix = dir.to_string_lossy().to_string();
+    if let Ok(rd) = fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(cmd) = fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains("vessel-agent") && cmd.contains(&prefix) {
+                // SAFETY: kill(2) of a pod agent this fixture's daemon started (its command
+                // line names our temporary directory).
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+    // Let the kernel tear down the killed pods' pid namespaces before removing cgroups.
+    std::thread::sleep(Duration::from_millis(100));
+    let pods: Vec<String> = fs::read_dir(dir.join("root/pods"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    if pods.is_empty() {
+        return;
+    }
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let roots: Vec<PathBuf> = info
+        .lines()
+        .filter(|l| l.contains(" - cgroup ") || l.contains(" - cgroup2 "))
+        .filter_map(|l| l.split(' ').nth(4).map(PathBuf::from))
+        .collect();
+    for id in pods {
+        for r in &roots {
+            let top = r.join("vessel").join(&id);
+            // Deepest first: rmdir only removes empty cgroups.
+            let mut dirs = vec![];
+            let mut stack = vec![top];
+            while let Some(d) = stack.pop() {
+                if let Ok(rd) = fs::read_dir(&d) {
+                    for e in rd.flatten() {
+                        if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                            stack.push(e.path());
+                        }
+                    }
+                    dirs.push(d);
+                }
+            }
+            dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+            for d in dirs {
+                let _ = fs::remove_dir(d);
+            }
+        }
+    }
+}
+
 impl Drop for Vesseld {
     fn drop(&mut self) {
         self.kill9();
+        kill_pods_under(self.dir.path());
         // Never follow a mount into the host: unmount whatever is left under our dir first.
         if let Ok(info) = fs::read_to_string("/proc/self/mountinfo") {
             let prefix = self.dir.path().to_string_lossy().to_string();
