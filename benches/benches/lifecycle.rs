@@ -185,6 +185,7 @@ fn main() -> Result<()> {
             .await?;
 
         let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        let mut samples_rate: Vec<(usize, f64)> = Vec::new();
         for i in 0..warmup + runs {
             let keep = i >= warmup;
             let mut rec = |k: &'static str, v: f64| {
@@ -238,6 +239,39 @@ fn main() -> Result<()> {
             b.teardown(&pod).await?;
         }
 
+        // Throughput: whole pod lifecycles (run, create, start, stop, remove) per second, with
+        // one and with four clients at once.
+        let mut throughput = serde_json::Map::new();
+        for workers in [1usize, 4] {
+            let per_worker = if measure { 10 } else { 1 };
+            let t = Instant::now();
+            let mut tasks = Vec::new();
+            for w in 0..workers {
+                let mut wb = Bench {
+                    c: b.c.clone(),
+                    image: b.image.clone(),
+                    logs: tempfile::tempdir()?,
+                    n: 10_000 * (w + 1) + 1000 * workers,
+                };
+                tasks.push(tokio::spawn(async move {
+                    for _ in 0..per_worker {
+                        let (pod, pcfg) = wb.run_pod().await?;
+                        let id = wb.create(&pod, &pcfg).await?;
+                        wb.start(&id).await?;
+                        wb.teardown(&pod).await?;
+                    }
+                    anyhow::Ok(())
+                }));
+            }
+            for task in tasks {
+                task.await??;
+            }
+            let pods = (workers * per_worker) as f64;
+            let rate = pods / t.elapsed().as_secs_f64();
+            throughput.insert(format!("concurrency_{workers}"), serde_json::json!({"pods": pods, "pods_per_second": (rate * 100.0).round() / 100.0}));
+            samples_rate.push((workers, rate));
+        }
+
         // Memory.
         let (idle_pod, _) = b.run_pod().await?;
         let pid = b.agent_pid(&idle_pod).await?;
@@ -288,6 +322,10 @@ fn main() -> Result<()> {
             j["samples_ms"] = serde_json::json!(samples[name]);
             ops.insert(name.to_string(), j);
         }
+        println!("\nthroughput (run, create, start, stop, remove a pod)");
+        for (w, r) in &samples_rate {
+            println!("  concurrency {w}: {r:>7.1} pods/s");
+        }
         println!("\nmemory");
         println!("  pod agent PSS, pod without containers:   {:>7.2} MiB", pss_empty as f64 / 1024.0);
         println!("  pod agent PSS, one sleeping container:   {:>7.2} MiB  (containerd shim: 3.7 MiB PSS; aim < 2 MiB)", pss_one as f64 / 1024.0);
@@ -302,6 +340,7 @@ fn main() -> Result<()> {
                     "machine": machine_info(),
                     "method": {"runs": runs, "warmup": warmup, "timed": "CRI RPCs over the Unix socket, measured by the client", "backend": "flat", "vesseld_log_level": "info"},
                     "operations": ops,
+                    "throughput": throughput,
                     "memory_kib": {"agent_pss_no_containers": pss_empty, "agent_pss_one_container": pss_one, "agent_pss_one_container_all": pss_with, "vesseld_rss_0_pods": rss0, "vesseld_rss_10_pods": rss10},
                 }),
             )?;
