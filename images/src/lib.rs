@@ -8,6 +8,7 @@
 //! - [`import`]: offline import of OCI layouts and docker-archive tarballs.
 //! - [`push`] and [`testimages`]: building and pushing the deterministic test images.
 
+pub mod challenge;
 pub mod digest;
 pub mod error;
 pub mod fsutil;

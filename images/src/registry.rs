@@ -8,6 +8,7 @@
 //! registry token given directly). Every blob is verified against its digest and size before
 //! it enters the store; concurrent pulls share one download per blob.
 
+use crate::challenge::{parse_challenges, Challenge};
 use crate::digest::Digest;
 use crate::error::{ImageError, Result};
 use crate::oci::{self, Descriptor, ImageConfig, Index, Manifest, Platform};
@@ -132,55 +133,6 @@ enum Auth {
     None,
     Basic(String),
     Bearer(String),
-}
-
-#[derive(Debug, Clone)]
-struct Challenge {
-    scheme: String,
-    params: HashMap<String, String>,
-}
-
-fn parse_challenge(h: &str) -> Option<Challenge> {
-    let h = h.trim();
-    let (scheme, rest) = h.split_once(' ').unwrap_or((h, ""));
-    let mut params = HashMap::new();
-    let mut s = rest.trim();
-    while !s.is_empty() {
-        let Some((k, v)) = s.split_once('=') else {
-            break;
-        };
-        let k = k.trim().to_ascii_lowercase();
-        let v = v.trim_start();
-        let (val, remainder) = if let Some(q) = v.strip_prefix('"') {
-            let mut out = String::new();
-            let mut chars = q.char_indices();
-            let mut end = q.len();
-            while let Some((i, c)) = chars.next() {
-                match c {
-                    '\\' => {
-                        if let Some((_, n)) = chars.next() {
-                            out.push(n);
-                        }
-                    }
-                    '"' => {
-                        end = i + 1;
-                        break;
-                    }
-                    c => out.push(c),
-                }
-            }
-            (out, &q[end.min(q.len())..])
-        } else {
-            let end = v.find(',').unwrap_or(v.len());
-            (v[..end].trim().to_string(), &v[end..])
-        };
-        params.insert(k, val);
-        s = remainder.trim_start().trim_start_matches(',').trim_start();
-    }
-    Some(Challenge {
-        scheme: scheme.to_ascii_lowercase(),
-        params,
-    })
 }
 
 fn registry_error_message(body: &[u8]) -> String {
@@ -387,21 +339,18 @@ impl Puller {
         creds: &Credentials,
         reference: &Reference,
     ) -> Result<String> {
-        let realm = ch
-            .params
-            .get("realm")
-            .cloned()
-            .ok_or_else(|| ImageError::Unauthorized {
-                reference: reference.to_string(),
-                registry: ep.name.clone(),
-                message: "bearer challenge without realm".into(),
-            })?;
-        let service = ch.params.get("service").cloned().unwrap_or_default();
+        let realm =
+            ch.param("realm")
+                .map(str::to_string)
+                .ok_or_else(|| ImageError::Unauthorized {
+                    reference: reference.to_string(),
+                    registry: ep.name.clone(),
+                    message: "bearer challenge without realm".into(),
+                })?;
+        let service = ch.param("service").unwrap_or_default().to_string();
         let scope_q = ch
-            .params
-            .get("scope")
-            .cloned()
-            .unwrap_or_else(|| scope.to_string());
+            .param("scope")
+            .map_or_else(|| scope.to_string(), str::to_string);
         let transport = |e: reqwest::Error| ImageError::Transport {
             reference: reference.to_string(),
             registry: realm.clone(),
@@ -534,8 +483,11 @@ impl Puller {
                 .get_all("www-authenticate")
                 .iter()
                 .filter_map(|v| v.to_str().ok())
-                .filter_map(parse_challenge)
-                .find(|c| c.scheme == "bearer" || c.scheme == "basic");
+                .flat_map(parse_challenges)
+                .find(|c| {
+                    c.scheme.eq_ignore_ascii_case("bearer")
+                        || c.scheme.eq_ignore_ascii_case("basic")
+                });
             let body = resp.bytes().await.unwrap_or_default();
             let denied = |message: String| ImageError::Unauthorized {
                 reference: r.to_string(),
@@ -546,7 +498,7 @@ impl Puller {
                 return Err(denied(registry_error_message(&body)));
             }
             auth = match challenge {
-                Some(c) if c.scheme == "basic" => {
+                Some(c) if c.scheme.eq_ignore_ascii_case("basic") => {
                     if !creds.has_basic() {
                         return Err(denied(format!(
                             "credentials required: {}",
@@ -1053,21 +1005,6 @@ fn urlencode(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_bearer_challenge() {
-        let c = parse_challenge(
-            r#"Bearer realm="https://auth.docker.io/token",service="registry.docker.io",scope="repository:library/busybox:pull""#,
-        )
-        .unwrap();
-        assert_eq!(c.scheme, "bearer");
-        assert_eq!(c.params["realm"], "https://auth.docker.io/token");
-        assert_eq!(c.params["service"], "registry.docker.io");
-        assert_eq!(c.params["scope"], "repository:library/busybox:pull");
-        let b = parse_challenge(r#"Basic realm="basic-realm""#).unwrap();
-        assert_eq!(b.scheme, "basic");
-        assert_eq!(b.params["realm"], "basic-realm");
-    }
 
     #[test]
     fn registry_errors_keep_message() {
