@@ -139,23 +139,6 @@ pub struct Runtime {
     pod_cidr: Mutex<String>,
 }
 
-/// Connects to a pod agent's Unix socket.
-pub async fn agent_connect(path: &Path) -> Result<AgentClient<Channel>, tonic::transport::Error> {
-    let path = path.to_path_buf();
-    let ch = tonic::transport::Endpoint::try_from("http://[::1]:0")?
-        .connect_timeout(Duration::from_secs(5))
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await?;
-    Ok(AgentClient::new(ch).max_decoding_message_size(64 << 20))
-}
-
 fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
     format!("{}_{}_{}_{}", m.name, m.namespace, m.uid, m.attempt)
 }
@@ -322,13 +305,9 @@ impl Runtime {
                 }
             )));
         }
-        let c = agent_connect(&rec.agent_socket).await.map_err(|e| {
-            RuntimeError::Unavailable(format!(
-                "pod sandbox {}: cannot reach its agent at {}: {e}",
-                rec.id,
-                rec.agent_socket.display()
-            ))
-        })?;
+        let c = vessel_agent::client::connect_unix(&rec.agent_socket)
+            .await
+            .map_err(|e| RuntimeError::Unavailable(format!("pod sandbox {}: {e}", rec.id)))?;
         *g = Some(c.clone());
         Ok(c)
     }

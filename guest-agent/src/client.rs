@@ -24,6 +24,8 @@ pub async fn connect_unix(path: impl AsRef<Path>) -> Result<AgentClient<Channel>
     let p = path.clone();
     // The URI is not used for Unix sockets, but must parse.
     let channel = Endpoint::from_static("http://vessel-agent")
+        // A wedged agent (full listen backlog) must not hang vesseld's callers.
+        .connect_timeout(std::time::Duration::from_secs(5))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let p = p.clone();
             async move {
