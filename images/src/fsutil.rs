@@ -48,19 +48,8 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 /// Writes `data` to `path` atomically: temp file in the same directory, fsync, rename,
 /// fsync of the directory. A crash leaves either the old or the new content.
 pub fn atomic_write(path: &Path, data: &[u8]) -> io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = temp_path(dir, "w");
-    let res = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        sync_dir(dir)
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    res
+    atomic_write_fast(path, data)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
 /// Like [`atomic_write`] without the directory fsync: the content is durable before it
@@ -72,7 +61,7 @@ pub fn atomic_write_fast(path: &Path, data: &[u8]) -> io::Result<()> {
     let res = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         f.write_all(data)?;
-        f.sync_data()?;
+        f.sync_all()?;
         fs::rename(&tmp, path)
     })();
     if res.is_err() {
