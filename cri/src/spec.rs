@@ -615,12 +615,6 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         return Err(invalid(format!("working dir {cwd:?} is not absolute")));
     }
     let user = resolve_user(sc, input.image.user.as_deref(), input.layer_dirs)?;
-    if sc
-        .map(|s| s.run_as_username.is_empty() && s.run_as_user.is_none())
-        .unwrap_or(true)
-    {
-        // Keep the image's own user.
-    }
     let path_env = env
         .iter()
         .find_map(|e| e.strip_prefix("PATH="))
