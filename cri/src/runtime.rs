@@ -477,7 +477,7 @@ impl Runtime {
             .map_err(|e| io("writing hosts", e))?;
         std::fs::write(
             dir.join("resolv.conf"),
-            resolv_conf(config.dns_config.as_ref(), share.net)?,
+            resolv_conf(config.dns_config.as_ref())?,
         )
         .map_err(|e| io("writing resolv.conf", e))?;
         std::fs::create_dir_all(self.dirs.pod_run_dir(&rec.id))
@@ -1831,14 +1831,13 @@ fn hosts_file(hostname: &str, host_net: bool) -> String {
     )
 }
 
-fn resolv_conf(dns: Option<&cri::DnsConfig>, host_net: bool) -> Result<String> {
+fn resolv_conf(dns: Option<&cri::DnsConfig>) -> Result<String> {
     let host = || std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
     let Some(d) =
         dns.filter(|d| !d.servers.is_empty() || !d.searches.is_empty() || !d.options.is_empty())
     else {
         return Ok(host());
     };
-    let _ = host_net;
     let mut s = String::new();
     for srv in &d.servers {
         if srv.parse::<std::net::IpAddr>().is_err() {
