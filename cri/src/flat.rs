@@ -149,30 +149,23 @@ fn log_tail(p: &Path) -> String {
 
 /// Start time (clock ticks after boot) of a process, from /proc/<pid>/stat field 22.
 pub fn process_start_time(pid: u32) -> Option<u64> {
+    proc_stat(pid).map(|(_, start)| start)
+}
+
+/// State letter (field 3) and start time (field 22) from /proc/<pid>/stat.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces and parentheses: skip past its end.
-    let rest = &s[s.rfind(')')? + 2..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut f = s.get(s.rfind(')')? + 2..)?.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    Some((state, f.nth(18)?.parse().ok()?))
 }
 
 /// Whether `pid` is still the process that started at `start_time`, and not a zombie (an
 /// agent that exited is reparented to init, which on some hosts never reaps it).
 pub fn is_alive(pid: u32, start_time: u64) -> bool {
-    if pid == 0 {
-        return false;
-    }
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let Some(rest) = s.rfind(')').map(|i| &s[i + 2..]) else {
-        return false;
-    };
-    let mut f = rest.split_whitespace();
-    let state = f.next().unwrap_or("");
-    if state == "Z" || state == "X" {
-        return false;
-    }
-    f.nth(18).and_then(|v| v.parse::<u64>().ok()) == Some(start_time)
+    pid != 0
+        && matches!(proc_stat(pid), Some((state, start)) if state != 'Z' && state != 'X' && start == start_time)
 }
 
 /// Reaps `pid` if it is our (zombie) child; agents become vesseld's children when their
@@ -399,4 +392,19 @@ pub fn apply_net_sysctls(
     })
     .join()
     .map_err(|_| FlatError::Agent("sysctl thread panicked".into()))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_is_keyed_on_pid_and_start_time() {
+        let me = std::process::id();
+        let start = process_start_time(me).expect("our own start time");
+        assert!(is_alive(me, start));
+        assert!(!is_alive(me, start + 1));
+        assert!(!is_alive(0, start));
+        assert_eq!(process_start_time(u32::MAX), None);
+    }
 }
