@@ -253,20 +253,13 @@ impl Drop for Vesseld {
         self.kill9();
         kill_pods_under(self.dir.path());
         // Never follow a mount into the host: unmount whatever is left under our dir first.
-        if let Ok(info) = fs::read_to_string("/proc/self/mountinfo") {
-            let prefix = self.dir.path().to_string_lossy().to_string();
-            let mut mps: Vec<&str> = info
-                .lines()
-                .filter_map(|l| l.split(' ').nth(4))
-                .filter(|m| m.starts_with(&prefix))
-                .collect();
-            mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
-            for m in mps {
-                if let Ok(c) = std::ffi::CString::new(m) {
-                    // SAFETY: umount2 with a valid NUL-terminated path; failure is ignored.
-                    unsafe {
-                        libc::umount2(c.as_ptr(), libc::MNT_DETACH);
-                    }
+        let mut mps = mounts_under(self.dir.path());
+        mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mps {
+            if let Ok(c) = std::ffi::CString::new(m) {
+                // SAFETY: umount2 with a valid NUL-terminated path; failure is ignored.
+                unsafe {
+                    libc::umount2(c.as_ptr(), libc::MNT_DETACH);
                 }
             }
         }
