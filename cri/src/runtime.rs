@@ -186,6 +186,23 @@ fn exit_reason(exit: &ap::ExitInfo) -> (i32, String) {
     (code, reason.to_string())
 }
 
+/// An object by full id or by a unique id prefix, as crictl users type them.
+fn lookup<T>(map: &HashMap<String, Arc<T>>, id: &str, what: &str) -> Result<Arc<T>> {
+    if let Some(v) = map.get(id) {
+        return Ok(v.clone());
+    }
+    let mut hits = map
+        .iter()
+        .filter(|(k, _)| !id.is_empty() && k.starts_with(id));
+    match (hits.next(), hits.next()) {
+        (Some((_, v)), None) => Ok(v.clone()),
+        (None, _) => Err(RuntimeError::NotFound(format!("{what} {id:?} not found"))),
+        (Some(_), Some(_)) => Err(RuntimeError::InvalidArgument(format!(
+            "{what} id prefix {id:?} is ambiguous"
+        ))),
+    }
+}
+
 fn matches_labels(labels: &HashMap<String, String>, selector: &HashMap<String, String>) -> bool {
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
@@ -219,45 +236,19 @@ impl Runtime {
     // ---------- lookups ----------
 
     fn pod(&self, id: &str) -> Result<Arc<Pod>> {
-        let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = pods.get(id) {
-            return Ok(p.clone());
-        }
-        let hits: Vec<_> = if id.is_empty() {
-            vec![]
-        } else {
-            pods.iter().filter(|(k, _)| k.starts_with(id)).collect()
-        };
-        match hits.len() {
-            1 => Ok(hits[0].1.clone()),
-            0 => Err(RuntimeError::NotFound(format!(
-                "pod sandbox {id:?} not found"
-            ))),
-            _ => Err(RuntimeError::InvalidArgument(format!(
-                "pod sandbox id prefix {id:?} is ambiguous"
-            ))),
-        }
+        lookup(
+            &self.pods.lock().unwrap_or_else(|p| p.into_inner()),
+            id,
+            "pod sandbox",
+        )
     }
 
     fn ctr(&self, id: &str) -> Result<Arc<Ctr>> {
-        let ctrs = self.ctrs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = ctrs.get(id) {
-            return Ok(c.clone());
-        }
-        let hits: Vec<_> = if id.is_empty() {
-            vec![]
-        } else {
-            ctrs.iter().filter(|(k, _)| k.starts_with(id)).collect()
-        };
-        match hits.len() {
-            1 => Ok(hits[0].1.clone()),
-            0 => Err(RuntimeError::NotFound(format!(
-                "container {id:?} not found"
-            ))),
-            _ => Err(RuntimeError::InvalidArgument(format!(
-                "container id prefix {id:?} is ambiguous"
-            ))),
-        }
+        lookup(
+            &self.ctrs.lock().unwrap_or_else(|p| p.into_inner()),
+            id,
+            "container",
+        )
     }
 
     fn ctrs_of(&self, pod_id: &str) -> Vec<Arc<Ctr>> {
@@ -1854,4 +1845,29 @@ fn resolv_conf(dns: Option<&cri::DnsConfig>) -> Result<String> {
         s.push_str(&format!("options {}\n", d.options.join(" ")));
     }
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_by_id_or_unique_prefix() {
+        let m: HashMap<String, Arc<u8>> =
+            [("abc1".into(), Arc::new(1)), ("abc2".into(), Arc::new(2))]
+                .into_iter()
+                .collect();
+        assert_eq!(*lookup(&m, "abc2", "container").unwrap(), 2);
+        assert_eq!(*lookup(&m, "abc1", "container").unwrap(), 1);
+        let e = lookup(&m, "abc", "container").unwrap_err();
+        assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{e}");
+        let e = lookup(&m, "x", "pod sandbox").unwrap_err();
+        assert_eq!(e.to_string(), "pod sandbox \"x\" not found");
+        assert!(matches!(
+            lookup(&m, "", "container"),
+            Err(RuntimeError::NotFound(_))
+        ));
+        let one: HashMap<String, Arc<u8>> = [("zz9".into(), Arc::new(9))].into_iter().collect();
+        assert_eq!(*lookup(&one, "zz", "container").unwrap(), 9);
+    }
 }
