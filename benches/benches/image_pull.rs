@@ -21,7 +21,7 @@
 //! information, in `benches/results/image_pull-<hostname>-<date>.json`.
 //!
 //! **Which vesseld.** `VESSELD=/path/to/vesseld` uses that binary as is. Otherwise the bench
-//! runs `$CARGO build --release -p vessel-cri --bin vesseld --target-dir <T>` from the
+//! runs `$CARGO build --release -p vessel-cri --target-dir <T>` (`vessel_benches::release_vesseld`) from the
 //! workspace root (a no-op when it is up to date, so the daemon measured is always built from
 //! the checked-out sources) and uses `<T>/release/vesseld`. `<T>` is the target directory this
 //! bench binary itself was built in (it runs from `<T>/release/deps/`), else
@@ -35,13 +35,13 @@
 //!
 //! Needs `docker-registry` and `busybox` (busybox-static), as the e2e tests do.
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use k8s_cri::v1 as cri;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use vessel_benches::Stats;
+use vessel_benches::{cmd_out, release_vesseld, workspace_root, Stats};
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::Vesseld;
 use vessel_critest::registry::{Registry, RegistryOptions};
@@ -93,7 +93,7 @@ struct Outcome {
 fn main() -> Result<()> {
     let bench_mode = std::env::args().any(|a| a == "--bench");
     let runs = if bench_mode { RUNS } else { 1 };
-    let vesseld = vesseld_binary()?;
+    let vesseld = release_vesseld(&["vessel-cri"])?;
     eprintln!("image_pull: vesseld {}", vesseld.display());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -456,87 +456,10 @@ fn write_json(
 // ---------------------------------------------------------------------------------------------
 // The vesseld binary and machine information
 
-fn workspace_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
-}
-
-/// `$VESSELD`, or vesseld built (release) into this bench's own target directory.
-fn vesseld_binary() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("VESSELD") {
-        let p = PathBuf::from(p);
-        ensure!(p.is_file(), "VESSELD={} is not a file", p.display());
-        return Ok(p);
-    }
-    let workspace = workspace_root();
-    // This binary is <target>/release/deps/image_pull-<hash>.
-    let from_exe = std::env::current_exe().ok().and_then(|exe| {
-        let deps = exe.parent()?;
-        let profile = deps.parent()?;
-        (deps.file_name()? == "deps" && profile.file_name()? == "release")
-            .then(|| profile.parent().map(Path::to_path_buf))
-            .flatten()
-    });
-    let target = from_exe
-        .or_else(|| {
-            std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .map(|p| workspace.join(p))
-        })
-        .unwrap_or_else(|| workspace.join("target"));
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    eprintln!(
-        "image_pull: building vesseld (cargo build --release -p vessel-cri --bin vesseld --target-dir {})",
-        target.display()
-    );
-    let mut build = Command::new(&cargo);
-    build
-        .current_dir(&workspace)
-        .args(["build", "--release", "-p", "vessel-cri", "--bin", "vesseld"])
-        .arg("--target-dir")
-        .arg(&target);
-    // Not the variables cargo set for running this bench: build scripts watch some of them
-    // (ring's `rerun-if-env-changed=CARGO_MANIFEST_DIR`), and inheriting them would rebuild
-    // ring, rustls, reqwest, vessel-images and vesseld here and again in the next `cargo bench`.
-    for (k, _) in std::env::vars_os() {
-        let k = k.to_string_lossy();
-        if k.starts_with("CARGO_PKG_")
-            || k.starts_with("CARGO_MANIFEST_")
-            || [
-                "CARGO_CRATE_NAME",
-                "CARGO_BIN_NAME",
-                "CARGO_PRIMARY_PACKAGE",
-                "CARGO_TARGET_TMPDIR",
-                "CARGO_RUSTC_CURRENT_DIR",
-                "OUT_DIR",
-            ]
-            .contains(&k.as_ref())
-        {
-            build.env_remove(k.as_ref());
-        }
-    }
-    let status = build
-        .status()
-        .with_context(|| format!("running {}", Path::new(&cargo).display()))?;
-    if !status.success() {
-        bail!("building vesseld failed ({status}); set VESSELD=/path/to/vesseld to use a prebuilt one");
-    }
-    let bin = target.join("release/vesseld");
-    ensure!(bin.is_file(), "{} missing after the build", bin.display());
-    Ok(bin)
-}
-
 fn registry_binary() -> PathBuf {
     std::env::var_os("VESSEL_DOCKER_REGISTRY")
         .map(PathBuf::from)
         .unwrap_or_else(|| "docker-registry".into())
-}
-
-fn cmd_out(cmd: &mut Command) -> Option<String> {
-    let out = cmd.output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn hostname() -> String {

@@ -19,7 +19,7 @@ use anyhow::{Context, Result};
 use k8s_cri::v1 as cri;
 use std::collections::BTreeMap;
 use std::time::Instant;
-use vessel_benches::{machine_info, pss_kib, release_binaries, rss_kib, write_result, Stats};
+use vessel_benches::{machine_info, pss_kib, release_vesseld, rss_kib, write_result, Stats};
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::Vesseld;
 use vessel_critest::registry::{Registry, RegistryOptions};
@@ -167,7 +167,7 @@ fn main() -> Result<()> {
     let measure = std::env::args().any(|a| a == "--bench");
     let runs = if measure { RUNS } else { 1 };
     let warmup = if measure { WARMUP } else { 0 };
-    let vesseld = release_binaries()?;
+    let vesseld = release_vesseld(&["vessel-cri", "vessel-agent"])?;
     // Info-level logging, as a production daemon runs.
     std::env::set_var("VESSEL_TEST_RUST_LOG", "info");
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(async {

@@ -14,49 +14,76 @@ pub fn workspace_root() -> PathBuf {
 }
 
 /// The target directory the running bench binary was built in (it runs from
-/// `<T>/release/deps/`), else `$CARGO_TARGET_DIR`, else `<workspace>/target`.
+/// `<T>/release/deps/`), else `$CARGO_TARGET_DIR` (relative to the workspace), else
+/// `<workspace>/target`.
 pub fn target_dir() -> PathBuf {
-    if let Ok(exe) = std::env::current_exe() {
-        if let Some(t) = exe
-            .parent()
-            .and_then(|d| d.parent())
-            .and_then(|d| d.parent())
-        {
-            if t.join("release").is_dir() || t.join("debug").is_dir() {
-                return t.to_path_buf();
-            }
-        }
-    }
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"))
+    let from_exe = std::env::current_exe().ok().and_then(|exe| {
+        let deps = exe.parent()?;
+        let profile = deps.parent()?;
+        (deps.file_name()? == "deps" && profile.file_name()? == "release")
+            .then(|| profile.parent().map(Path::to_path_buf))
+            .flatten()
+    });
+    let workspace = workspace_root();
+    from_exe
+        .or_else(|| std::env::var_os("CARGO_TARGET_DIR").map(|p| workspace.join(p)))
+        .unwrap_or_else(|| workspace.join("target"))
 }
 
-/// Release builds of `vesseld` and `vessel-agent` from the checked-out sources (a no-op when
-/// up to date), unless `VESSELD` names a binary to use as is (its `vessel-agent` sibling is
-/// then used). Returns the vesseld path.
-pub fn release_binaries() -> Result<PathBuf> {
+/// The `vesseld` to measure: `$VESSELD` as is (its `vessel-agent` sibling is used with it),
+/// else a release build of `packages` from the checked-out sources into [`target_dir`] (a
+/// no-op when up to date), so that what is measured is always what is checked out.
+pub fn release_vesseld(packages: &[&str]) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("VESSELD") {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        anyhow::ensure!(p.is_file(), "VESSELD={} is not a file", p.display());
+        return Ok(p);
     }
-    let t = target_dir();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
+    let target = target_dir();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    eprintln!(
+        "building {} (cargo build --release, target dir {})",
+        packages.join(", "),
+        target.display()
+    );
+    let mut build = Command::new(&cargo);
+    build
         .current_dir(workspace_root())
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "vessel-cri",
-            "-p",
-            "vessel-agent",
-            "--target-dir",
-        ])
-        .arg(&t)
+        .args(["build", "--release"]);
+    for p in packages {
+        build.args(["-p", p]);
+    }
+    build.arg("--target-dir").arg(&target);
+    // Not the variables cargo set for running this bench: build scripts watch some of them
+    // (ring's `rerun-if-env-changed=CARGO_MANIFEST_DIR`), and inheriting them would rebuild
+    // ring, rustls, reqwest, vessel-images and vesseld here and again in the next `cargo bench`.
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if k.starts_with("CARGO_PKG_")
+            || k.starts_with("CARGO_MANIFEST_")
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&k.as_ref())
+        {
+            build.env_remove(k.as_ref());
+        }
+    }
+    let status = build
         .status()
-        .context("running cargo build --release for vesseld and vessel-agent")?;
-    anyhow::ensure!(status.success(), "cargo build --release failed");
-    Ok(t.join("release/vesseld"))
+        .with_context(|| format!("running {}", Path::new(&cargo).display()))?;
+    anyhow::ensure!(
+        status.success(),
+        "the release build failed ({status}); set VESSELD=/path/to/vesseld to use a prebuilt one"
+    );
+    let bin = target.join("release/vesseld");
+    anyhow::ensure!(bin.is_file(), "{} missing after the build", bin.display());
+    Ok(bin)
 }
 
 /// Order statistics of a sample, in milliseconds.
@@ -104,7 +131,8 @@ impl Stats {
     }
 }
 
-fn cmd_out(cmd: &mut Command) -> Option<String> {
+/// A command's trimmed stdout, if it ran and succeeded.
+pub fn cmd_out(cmd: &mut Command) -> Option<String> {
     let o = cmd.output().ok()?;
     o.status
         .success()
