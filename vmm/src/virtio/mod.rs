@@ -11,11 +11,63 @@ pub mod net;
 pub(crate) mod testing;
 pub mod vsock;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
+
+/// A device's worker thread (vsock, net): woken through an eventfd when the guest or the
+/// host side has news, and stopped, woken and joined when the device is dropped.
+pub(crate) struct Worker {
+    wake: Arc<EventFd>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Spawns `run(wake, stop)` on a thread named `name`; `run` returns once `stop` is set.
+    pub(crate) fn spawn(
+        name: &str,
+        run: impl FnOnce(&EventFd, &AtomicBool) + Send + 'static,
+    ) -> std::io::Result<Worker> {
+        let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (wake, stop) = (wake.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || run(&wake, &stop))?
+        };
+        Ok(Worker {
+            wake,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Makes the thread look at its work now.
+    pub(crate) fn wake(&self) {
+        let _ = self.wake.write(1);
+    }
+
+    /// Stops the thread and waits for it (idempotent).
+    pub(crate) fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
 
 /// VIRTIO_F_VERSION_1: the modern (1.0+) interface, the only one we offer.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;

@@ -10,13 +10,12 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice};
+use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
 
 pub const VIRTIO_ID_NET: u32 = 1;
 const QUEUE_SIZE: u16 = 256;
@@ -104,9 +103,7 @@ struct Inner {
 /// The virtio-net device.
 pub struct Net {
     inner: Arc<Mutex<Inner>>,
-    wake: Arc<EventFd>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    worker: Worker,
     queue_sizes: [u16; 2],
     mac: Option<[u8; 6]>,
 }
@@ -130,19 +127,15 @@ impl Net {
             rx_blocked: false,
             held: None,
         }));
-        let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (inner, wake, stop) = (inner.clone(), wake.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("virtio-net".into())
-                .spawn(move || event_loop(&inner, &wake, &stop))?
+        let worker = {
+            let inner = inner.clone();
+            Worker::spawn("virtio-net", move |wake, stop| {
+                event_loop(&inner, wake, stop)
+            })?
         };
         Ok(Net {
             inner,
-            wake,
-            stop,
-            thread: Some(thread),
+            worker,
             queue_sizes: [QUEUE_SIZE; 2],
             mac,
         })
@@ -155,16 +148,6 @@ impl Net {
     pub unsafe fn from_raw_fd(fd: i32, mac: Option<[u8; 6]>) -> Result<Self, NetError> {
         // SAFETY: the caller guarantees `fd` is open and owned by no one else.
         Self::new(unsafe { OwnedFd::from_raw_fd(fd) }, mac)
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = self.wake.write(1);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
@@ -199,7 +182,7 @@ impl VirtioDevice for Net {
         let tx = queues.pop().ok_or(DeviceError::BadQueue(TXQ))?;
         let rx = queues.pop().ok_or(DeviceError::BadQueue(RXQ))?;
         lock(&self.inner).active = Some((mem, rx, tx, interrupt));
-        let _ = self.wake.write(1);
+        self.worker.wake();
         Ok(())
     }
 
@@ -212,7 +195,7 @@ impl VirtioDevice for Net {
             g.fill_rx();
         }
         drop(g);
-        let _ = self.wake.write(1);
+        self.worker.wake();
     }
 
     fn reset(&mut self) {

@@ -19,14 +19,13 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use virtio_vsock::packet::VsockPacket;
 use vm_memory::{Bytes, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice};
+use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
 
 pub const VIRTIO_ID_VSOCK: u32 = 19;
 /// The host's CID.
@@ -153,9 +152,7 @@ struct Inner {
 /// The vsock device.
 pub struct Vsock {
     inner: Arc<Mutex<Inner>>,
-    wake: Arc<EventFd>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    worker: Worker,
     queue_sizes: [u16; 3],
     config: [u8; 8],
 }
@@ -185,19 +182,13 @@ impl Vsock {
             next_port: HOST_PORT_BASE,
             active: None,
         }));
-        let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (inner, wake, stop) = (inner.clone(), wake.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("vsock".into())
-                .spawn(move || event_loop(&inner, &wake, &stop))?
+        let worker = {
+            let inner = inner.clone();
+            Worker::spawn("vsock", move |wake, stop| event_loop(&inner, wake, stop))?
         };
         Ok(Vsock {
             inner,
-            wake,
-            stop,
-            thread: Some(thread),
+            worker,
             queue_sizes: [QUEUE_SIZE; 3],
             config: guest_cid.to_le_bytes(),
         })
@@ -206,11 +197,8 @@ impl Vsock {
 
 impl Drop for Vsock {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = self.wake.write(1);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        // The worker may still accept on the socket: stop it before removing the path.
+        self.worker.stop();
         let uds = lock(&self.inner).uds.clone();
         let _ = std::fs::remove_file(&uds);
     }
@@ -250,13 +238,13 @@ impl VirtioDevice for Vsock {
         g.active = Some((mem, rx, tx, interrupt));
         g.process();
         drop(g);
-        let _ = self.wake.write(1);
+        self.worker.wake();
         Ok(())
     }
 
     fn process_queue(&mut self, _index: usize) {
         lock(&self.inner).process();
-        let _ = self.wake.write(1);
+        self.worker.wake();
     }
 
     fn reset(&mut self) {
