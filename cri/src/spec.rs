@@ -835,13 +835,8 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             "effective": capabilities(sc, privileged),
             "permitted": capabilities(sc, privileged),
         },
+        "noNewPrivileges": sc.map(|s| s.no_new_privs).unwrap_or(false),
     });
-    // Only when true: libcontainer 0.7 picks the moment it loads the seccomp filter by whether
-    // this key is present, not by its value; `false` made it load after dropping
-    // CAP_SYS_ADMIN without no_new_privs, which the kernel refuses.
-    if sc.map(|s| s.no_new_privs).unwrap_or(false) {
-        process["noNewPrivileges"] = json!(true);
-    }
     if user.uid != 0 {
         // Like containerd: a non-root user keeps no effective/permitted capabilities unless asked.
         process["capabilities"]["effective"] = json!(Vec::<String>::new());

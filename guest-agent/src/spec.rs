@@ -65,6 +65,12 @@ pub fn prepare(
         ));
     }
     process.set_terminal(Some(tty));
+    // libcontainer 0.7 picks the moment it loads the seccomp filter by whether
+    // noNewPrivileges is present, not by its value: `false` made it load after dropping
+    // CAP_SYS_ADMIN without no_new_privs, which the kernel refuses. Absent means false.
+    if process.no_new_privileges() == Some(false) {
+        process.set_no_new_privileges(None);
+    }
 
     if spec.linux().is_none() {
         spec.set_linux(Some(LinuxBuilder::default().build().map_err(|e| {
@@ -126,5 +132,26 @@ mod tests {
             prepare(b"{", "c1", Path::new("/r"), false, 1),
             Err(AgentError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn no_new_privileges_false_is_dropped_true_kept() {
+        let spec = |nnp: &str| {
+            format!(
+                r#"{{"ociVersion": "1.0.2", "root": {{"path": "rootfs"}},
+                "process": {{"args": ["sh"], "cwd": "/", "user": {{"uid": 0, "gid": 0}}{nnp}}}}}"#
+            )
+        };
+        let nnp = |j: String| {
+            prepare(j.as_bytes(), "c1", Path::new("/r"), false, 1)
+                .unwrap()
+                .process()
+                .as_ref()
+                .unwrap()
+                .no_new_privileges()
+        };
+        assert_eq!(nnp(spec(r#", "noNewPrivileges": false"#)), None);
+        assert_eq!(nnp(spec(r#", "noNewPrivileges": true"#)), Some(true));
+        assert_eq!(nnp(spec("")), None);
     }
 }
