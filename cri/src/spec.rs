@@ -448,34 +448,7 @@ pub fn environment(
     env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
-/// The capabilities this process may hand out: its bounding set (a host's root may lack some,
-/// e.g. CAP_SYS_RESOURCE in some sandboxes). Asking for more makes capset fail.
-fn bounding_set() -> Option<u64> {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("CapBnd:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-}
-
 fn capabilities(sc: Option<&cri::LinuxContainerSecurityContext>, privileged: bool) -> Vec<String> {
-    let mut caps = requested_capabilities(sc, privileged);
-    if let Some(bnd) = bounding_set() {
-        // ALL_CAPS is in capability-number order.
-        caps.retain(|c| {
-            ALL_CAPS
-                .iter()
-                .position(|a| a == c)
-                .is_none_or(|n| n < 64 && bnd & (1u64 << n) != 0)
-        });
-    }
-    caps
-}
-
-fn requested_capabilities(
-    sc: Option<&cri::LinuxContainerSecurityContext>,
-    privileged: bool,
-) -> Vec<String> {
     if privileged {
         return ALL_CAPS.iter().map(|s| s.to_string()).collect();
     }
@@ -824,6 +797,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         }
     }
 
+    let caps = capabilities(sc, privileged);
     let mut process = json!({
         "terminal": c.tty,
         "user": {"uid": user.uid, "gid": user.gid, "additionalGids": user.additional_gids},
@@ -831,9 +805,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         "env": env,
         "cwd": cwd,
         "capabilities": {
-            "bounding": capabilities(sc, privileged),
-            "effective": capabilities(sc, privileged),
-            "permitted": capabilities(sc, privileged),
+            "bounding": caps,
+            "effective": caps,
+            "permitted": caps,
         },
         "noNewPrivileges": sc.map(|s| s.no_new_privs).unwrap_or(false),
     });
@@ -846,8 +820,8 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             .is_some_and(|c| !c.add_capabilities.is_empty())
             || privileged
         {
-            process["capabilities"]["effective"] = json!(capabilities(sc, privileged));
-            process["capabilities"]["permitted"] = json!(capabilities(sc, privileged));
+            process["capabilities"]["effective"] = json!(caps);
+            process["capabilities"]["permitted"] = json!(caps);
         }
     }
     if let Some(adj) = oom_score_adj {
@@ -1058,13 +1032,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(capabilities(Some(&sc), false), ["CAP_NET_ADMIN"]);
-        assert_eq!(requested_capabilities(None, true).len(), ALL_CAPS.len());
-        // What is handed out is limited to our own bounding set.
-        let bnd = bounding_set().unwrap();
-        assert_eq!(
-            capabilities(None, true).len(),
-            bnd.count_ones().min(ALL_CAPS.len() as u32) as usize
-        );
+        assert_eq!(capabilities(None, true).len(), ALL_CAPS.len());
     }
 
     #[test]

@@ -71,6 +71,7 @@ pub fn prepare(
     if process.no_new_privileges() == Some(false) {
         process.set_no_new_privileges(None);
     }
+    clamp_capabilities(process)?;
 
     if spec.linux().is_none() {
         spec.set_linux(Some(LinuxBuilder::default().build().map_err(|e| {
@@ -101,6 +102,36 @@ pub fn prepare(
 }
 
 /// The cgroups path of a prepared spec.
+/// Limits every capability set to the agent's own bounding set: asking for a capability the
+/// agent does not hold (a host's root may lack some, e.g. CAP_SYS_RESOURCE in some
+/// sandboxes) makes capset fail and the container with it. Privileged means "all we have".
+fn clamp_capabilities(process: &mut oci_spec::runtime::Process) -> Result<(), AgentError> {
+    let Some(mut c) = process.capabilities().clone() else {
+        return Ok(());
+    };
+    let bounding = caps::read(None, caps::CapSet::Bounding)
+        .map_err(|e| AgentError::Internal(format!("reading our bounding capability set: {e}")))?;
+    let keep = |set: &Option<oci_spec::runtime::Capabilities>| {
+        set.as_ref().map(|s| {
+            s.iter()
+                .copied()
+                .filter(|x| {
+                    format!("CAP_{x}")
+                        .parse::<caps::Capability>()
+                        .map_or(true, |k| bounding.contains(&k))
+                })
+                .collect()
+        })
+    };
+    c.set_bounding(keep(c.bounding()));
+    c.set_effective(keep(c.effective()));
+    c.set_permitted(keep(c.permitted()));
+    c.set_inheritable(keep(c.inheritable()));
+    c.set_ambient(keep(c.ambient()));
+    process.set_capabilities(Some(c));
+    Ok(())
+}
+
 pub fn cgroups_path(spec: &Spec, id: &str) -> PathBuf {
     spec.linux()
         .as_ref()
@@ -132,6 +163,50 @@ mod tests {
             prepare(b"{", "c1", Path::new("/r"), false, 1),
             Err(AgentError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn capabilities_are_limited_to_our_bounding_set() {
+        let all: Vec<String> = [
+            "CHOWN",
+            "KILL",
+            "SYS_ADMIN",
+            "SYS_RESOURCE",
+            "SYS_TIME",
+            "BPF",
+        ]
+        .iter()
+        .map(|c| format!("\"CAP_{c}\""))
+        .collect();
+        let json = format!(
+            r#"{{"ociVersion": "1.0.2", "root": {{"path": "rootfs"}},
+            "process": {{"args": ["sh"], "cwd": "/", "user": {{"uid": 0, "gid": 0}},
+            "capabilities": {{"bounding": [{l}], "effective": [{l}], "permitted": [{l}]}}}}}}"#,
+            l = all.join(",")
+        );
+        let spec = prepare(json.as_bytes(), "c1", Path::new("/r"), false, 1).unwrap();
+        let caps = spec
+            .process()
+            .as_ref()
+            .unwrap()
+            .capabilities()
+            .clone()
+            .unwrap();
+        let bounding = caps::read(None, caps::CapSet::Bounding).unwrap();
+        let held = [
+            "CHOWN",
+            "KILL",
+            "SYS_ADMIN",
+            "SYS_RESOURCE",
+            "SYS_TIME",
+            "BPF",
+        ]
+        .iter()
+        .filter(|c| bounding.contains(&format!("CAP_{c}").parse().unwrap()))
+        .count();
+        assert_eq!(caps.bounding().as_ref().unwrap().len(), held);
+        assert_eq!(caps.effective().as_ref().unwrap().len(), held);
+        assert_eq!(caps.permitted().as_ref().unwrap().len(), held);
     }
 
     #[test]
