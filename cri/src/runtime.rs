@@ -134,7 +134,6 @@ pub struct Runtime {
     ctrs: Mutex<HashMap<String, Arc<Ctr>>>,
     /// Reserved names (pod and container name keys) -> id.
     names: Mutex<HashMap<String, String>>,
-    min_oom_score_adj: i64,
     /// The pod CIDR kubelet announced with UpdateRuntimeConfig.
     pod_cidr: Mutex<String>,
 }
@@ -148,26 +147,6 @@ fn valid_dns_label(s: &str) -> bool {
         && s.len() <= 253
         && s.bytes()
             .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.')
-}
-
-/// Our own oom_score_adj: the lowest we may give containers when we lack CAP_SYS_RESOURCE.
-fn min_oom_score_adj() -> i64 {
-    let has_sys_resource = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .map(|caps| caps & (1 << 24) != 0)
-        .unwrap_or(false);
-    if has_sys_resource {
-        return -1000;
-    }
-    std::fs::read_to_string("/proc/self/oom_score_adj")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0)
 }
 
 fn exit_reason(exit: &ap::ExitInfo) -> (i32, String) {
@@ -218,7 +197,6 @@ impl Runtime {
             pods: Mutex::default(),
             ctrs: Mutex::default(),
             names: Mutex::default(),
-            min_oom_score_adj: min_oom_score_adj(),
             pod_cidr: Mutex::default(),
         });
         rt.recover().await;
@@ -801,7 +779,6 @@ impl Runtime {
             pod_dir: &self.dirs.pod_dir(&prec.id),
             cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
             target_pid,
-            min_oom_score_adj: self.min_oom_score_adj,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         let log_path = if prec.config.log_directory.is_empty() || config.log_path.is_empty() {

@@ -558,8 +558,6 @@ pub struct SpecInput<'a> {
     pub cgroups_path: String,
     /// The pid (in the agent's namespace) of the TARGET container, for NamespaceMode TARGET.
     pub target_pid: Option<u32>,
-    /// Lowest oom_score_adj we may set (ours, when we lack CAP_SYS_RESOURCE).
-    pub min_oom_score_adj: i64,
 }
 
 fn ns_mode(m: i32) -> cri::NamespaceMode {
@@ -793,7 +791,8 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             resources["unified"] = json!(r.unified);
         }
         if r.oom_score_adj != 0 {
-            oom_score_adj = Some(r.oom_score_adj.max(input.min_oom_score_adj));
+            // The agent clamps a value it is not allowed to set (no CAP_SYS_RESOURCE).
+            oom_score_adj = Some(r.oom_score_adj);
         }
     }
 
@@ -1098,11 +1097,11 @@ mod tests {
             pod_dir: d.path(),
             cgroups_path: "/vessel/p/c".into(),
             target_pid: None,
-            min_oom_score_adj: 0,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);
-        assert_eq!(spec["process"]["oomScoreAdj"], 0);
+        // Passed as asked; the agent clamps what it may not set (tested in guest-agent).
+        assert_eq!(spec["process"]["oomScoreAdj"], -999);
         let parsed: oci_spec::runtime::Spec = serde_json::from_value(spec.clone()).unwrap();
         // Every key we wrote is one oci-spec knows: nothing is silently dropped.
         let back = serde_json::to_value(&parsed).unwrap();
