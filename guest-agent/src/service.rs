@@ -228,6 +228,11 @@ impl AgentState {
                 let upper = (!ov.upperdir.is_empty()).then(|| PathBuf::from(&ov.upperdir));
                 (target, true, upper)
             }
+            Some(rootfs::Kind::Disks(_)) => {
+                return Err(AgentError::InvalidArgument(
+                    "disk layer rootfs is for VM pods; this agent runs a flat pod".into(),
+                ))
+            }
             None => return Err(AgentError::InvalidArgument("rootfs is required".into())),
         };
 
@@ -921,5 +926,32 @@ impl Agent for AgentService {
         self.state.shutdown_all().await;
         self.state.request_exit();
         Ok(Response::new(proto::ShutdownResponse {}))
+    }
+
+    async fn configure_sandbox(
+        &self,
+        _req: Request<proto::ConfigureSandboxRequest>,
+    ) -> Result<Response<proto::ConfigureSandboxResponse>, Status> {
+        Err(Status::failed_precondition(
+            "ConfigureSandbox is for VM pods; vesseld configures a flat pod on the host",
+        ))
+    }
+
+    async fn write_files(
+        &self,
+        _req: Request<proto::WriteFilesRequest>,
+    ) -> Result<Response<proto::WriteFilesResponse>, Status> {
+        Err(Status::failed_precondition(
+            "WriteFiles is for VM pods; a flat pod's files live on the host",
+        ))
+    }
+
+    async fn remove_files(
+        &self,
+        _req: Request<proto::RemoveFilesRequest>,
+    ) -> Result<Response<proto::RemoveFilesResponse>, Status> {
+        Err(Status::failed_precondition(
+            "RemoveFiles is for VM pods; a flat pod's files live on the host",
+        ))
     }
 }
