@@ -33,6 +33,41 @@ agent_binary = ""
 # runs guest code far below native speed, as nested emulating hypervisors do): "fallback" runs
 # the pod flat and says so in the log and in Status; "refuse" fails RunPodSandbox.
 vm_fallback = "fallback"
+# The backend of pods whose runtime handler is empty: "vm" (a microVM when this node can run
+# them, flat otherwise, without a warning) or "flat".
+default_handler = "vm"
+
+[vm]
+# The guest kernel (an ELF vmlinux boots faster than a bzImage) and the initrd whose /init is
+# vessel-agent: scripts/build-guest-kernel.sh and scripts/build-guest-initrd.sh build them and
+# scripts/install.sh installs them here.
+kernel = "/usr/local/share/vessel/guest/vmlinux"
+initrd = "/usr/local/share/vessel/guest/initrd.img"
+# The per-pod VMM process. Empty: vessel-shim next to the vesseld binary.
+shim_binary = ""
+# vCPUs of a pod without a CPU limit; a limit (quota/period, rounded up) overrides it, up to
+# the host's CPU count.
+vcpus = 1
+# Guest memory of a pod without a memory limit. Memory the guest never touches costs the
+# host nothing.
+memory_mib = 256
+# Added to a pod's memory limit for the guest kernel and the agent.
+memory_overhead_mib = 64
+# How long the guest may take from the VMM's start until its agent answers.
+boot_timeout_secs = 10
+# Hot-swappable disk slots per VM for image layers (EROFS images): one per distinct layer
+# in use by the pod's containers at once. A slot whose layer no container uses any more is
+# reused.
+spare_disks = 12
+# Keep the guest console in <state_dir>/vms/<pod>/console.log (and boot verbosely).
+console_log = false
+# Pods that ask for the host's network, pid or ipc namespace, or a privileged pod, cannot be
+# given what they ask in a VM: "flat" runs them flat (with a log line), "refuse" fails them.
+host_namespaces = "flat"
+# CRI mounts of host paths are copied into the guest when a container is created (a
+# snapshot: later host changes do not reach the guest, nor guest writes the host); a
+# mount larger than this is refused.
+copy_in_limit_mib = 64
 
 [images]
 # The platform picked from multi-platform images (os/arch[/variant]).
@@ -60,14 +95,70 @@ connect_timeout_secs = 10
 pub struct Config {
     pub daemon: DaemonConfig,
     pub runtime: RuntimeConfig,
+    pub vm: VmConfig,
     pub images: ImagesConfig,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RuntimeConfig {
     pub agent_binary: String,
     pub vm_fallback: VmFallback,
+    pub default_handler: String,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            agent_binary: String::new(),
+            vm_fallback: VmFallback::Fallback,
+            default_handler: "vm".into(),
+        }
+    }
+}
+
+/// `[vm]`: how VM pods are booted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VmConfig {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub shim_binary: String,
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    pub memory_overhead_mib: u64,
+    pub boot_timeout_secs: u64,
+    pub spare_disks: u32,
+    pub console_log: bool,
+    pub host_namespaces: HostNamespacesPolicy,
+    pub copy_in_limit_mib: u64,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            kernel: "/usr/local/share/vessel/guest/vmlinux".into(),
+            initrd: "/usr/local/share/vessel/guest/initrd.img".into(),
+            shim_binary: String::new(),
+            vcpus: 1,
+            memory_mib: 256,
+            memory_overhead_mib: 64,
+            boot_timeout_secs: 10,
+            spare_disks: 12,
+            console_log: false,
+            host_namespaces: HostNamespacesPolicy::Flat,
+            copy_in_limit_mib: 64,
+        }
+    }
+}
+
+/// What happens to a `vm` pod that asks for host namespaces or privileges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostNamespacesPolicy {
+    #[default]
+    Flat,
+    Refuse,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +316,39 @@ impl Config {
                 self.daemon.metrics_address
             )));
         }
+        if !matches!(self.runtime.default_handler.as_str(), "vm" | "flat") {
+            return Err(invalid(format!(
+                "runtime.default_handler {:?} is not \"vm\" or \"flat\"",
+                self.runtime.default_handler
+            )));
+        }
+        if self.vm.vcpus == 0 {
+            return Err(invalid("vm.vcpus must be at least 1".into()));
+        }
+        if self.vm.memory_mib < 64 {
+            return Err(invalid(format!(
+                "vm.memory_mib {} is too small (at least 64)",
+                self.vm.memory_mib
+            )));
+        }
+        if self.vm.boot_timeout_secs == 0 {
+            return Err(invalid("vm.boot_timeout_secs must be at least 1".into()));
+        }
+        // 19 virtio devices fit the IOAPIC: the vsock device and up to 18 disks.
+        if self.vm.spare_disks == 0 || self.vm.spare_disks > 18 {
+            return Err(invalid(format!(
+                "vm.spare_disks {} must be 1..=18",
+                self.vm.spare_disks
+            )));
+        }
+        for (k, v) in [
+            ("vm.kernel", &self.vm.kernel),
+            ("vm.initrd", &self.vm.initrd),
+        ] {
+            if !v.is_absolute() {
+                return Err(invalid(format!("{k} must be an absolute path, not {v:?}")));
+            }
+        }
         for (host, r) in &self.images.registries {
             for m in &r.mirrors {
                 if m.trim().is_empty() {
@@ -245,6 +369,18 @@ impl Config {
             .and_then(|p| p.parent().map(|d| d.join("vessel-agent")))
             .filter(|p| p.exists())
             .unwrap_or_else(|| PathBuf::from("/usr/local/bin/vessel-agent"))
+    }
+
+    /// The VM shim binary to run.
+    pub fn shim_binary(&self) -> PathBuf {
+        if !self.vm.shim_binary.is_empty() {
+            return PathBuf::from(&self.vm.shim_binary);
+        }
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.join("vessel-shim")))
+            .filter(|p| p.exists())
+            .unwrap_or_else(|| PathBuf::from("/usr/local/bin/vessel-shim"))
     }
 
     /// The image store lives here.
@@ -307,6 +443,11 @@ ca_file = "/etc/ca.pem"
             "[daemon]\nlog_level = \"loud\"",
             "[images]\nmax_concurrent_downloads = 0",
             "[images.registries.\"x\"]\nmirror = [\"a\"]",
+            "[runtime]\ndefault_handler = \"kata\"",
+            "[vm]\nspare_disks = 0",
+            "[vm]\nvcpus = 0",
+            "[vm]\nkernel = \"vmlinux\"",
+            "[vm]\nhost_namespaces = \"maybe\"",
         ] {
             assert!(Config::parse(bad, Path::new("x")).is_err(), "{bad}");
         }

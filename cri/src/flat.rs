@@ -214,7 +214,13 @@ pub fn kill_agent(pid: u32, start_time: u64) {
 
 /// Kills any agent process serving `socket` (for cleanup when the pid is unknown).
 pub fn kill_agents_by_socket(socket: &Path) {
-    let want = socket.as_os_str().as_encoded_bytes();
+    kill_by_arg("--socket", socket);
+}
+
+/// Kills any process whose command line has `flag value` (a pod agent's `--socket`, a VM
+/// shim's `--spec`): cleanup of a pod whose host process's pid was never recorded.
+pub fn kill_by_arg(flag: &str, value: &Path) {
+    let want = value.as_os_str().as_encoded_bytes();
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return;
     };
@@ -226,10 +232,12 @@ pub fn kill_agents_by_socket(socket: &Path) {
             continue;
         };
         let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        let serves = args.windows(2).any(|w| w[0] == b"--socket" && w[1] == want);
+        let serves = args
+            .windows(2)
+            .any(|w| w[0] == flag.as_bytes() && w[1] == want);
         if serves {
             if let Some(st) = process_start_time(pid) {
-                tracing::info!(pid, socket = %socket.display(), "killing leftover pod agent");
+                tracing::info!(pid, %flag, value = %value.display(), "killing leftover pod process");
                 kill_agent(pid, st);
             }
         }

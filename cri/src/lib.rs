@@ -15,3 +15,4 @@ pub mod runtime_service;
 pub mod server;
 pub mod spec;
 pub mod state;
+pub mod vm;

@@ -8,7 +8,10 @@
 
 use crate::flat::{self, HostShare};
 use crate::spec::{self, SpecInput};
-use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState, StateDirs};
+use crate::state::{
+    self, ContainerRecord, ContainerState, PodRecord, PodState, StateDirs, VmPodState,
+};
+use crate::vm;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -77,8 +80,14 @@ fn agent_err(ctx: &str, s: tonic::Status) -> RuntimeError {
 /// What the KVM probe found at start, for backend choice and Status.
 #[derive(Debug, Clone)]
 pub struct VmSupport {
-    /// KVM can run microVMs at near-native speed.
+    /// KVM can run microVMs at near-native speed, and the guest kernel, initrd and shim
+    /// are there.
+    pub ready: bool,
+    /// The KVM probe's verdict alone.
     pub kvm_usable: bool,
+    /// A CamelCase reason for the Status condition (`VMBackendReady`, `KVMUnusable`,
+    /// `GuestKernelMissing`, ...).
+    pub reason_code: String,
     /// The probe's verdict and evidence, in a sentence.
     pub reason: String,
     /// Fall back to flat (true) or refuse (false) when a `vm` pod cannot get a VM.
@@ -87,6 +96,10 @@ pub struct VmSupport {
 
 pub struct RuntimeOptions {
     pub vm: VmSupport,
+    pub vm_cfg: crate::config::VmConfig,
+    pub shim_binary: PathBuf,
+    /// "vm" or "flat": the backend of pods with no runtime handler.
+    pub default_handler: String,
     pub agent_binary: PathBuf,
     pub log_level: String,
     pub root_dir: PathBuf,
@@ -274,9 +287,19 @@ impl Runtime {
                 }
             )));
         }
-        let c = vessel_agent::client::connect_unix(&rec.agent_socket)
+        let c = if rec.vm.is_some() {
+            vessel_agent::client::connect_hybrid_vsock(
+                &rec.agent_socket,
+                vm::AGENT_PORT,
+                Duration::from_secs(5),
+            )
             .await
-            .map_err(|e| RuntimeError::Unavailable(format!("pod sandbox {}: {e}", rec.id)))?;
+            .map_err(|e| RuntimeError::Unavailable(format!("pod sandbox {}: {e}", rec.id)))?
+        } else {
+            vessel_agent::client::connect_unix(&rec.agent_socket)
+                .await
+                .map_err(|e| RuntimeError::Unavailable(format!("pod sandbox {}: {e}", rec.id)))?
+        };
         *g = Some(c.clone());
         Ok(c)
     }
@@ -299,32 +322,7 @@ impl Runtime {
                 meta.name, meta.namespace, meta.uid
             )));
         }
-        let backend = match handler {
-            "flat" => "flat",
-            // The default handler, and "vm": a microVM when this node can run them. The VM
-            // sandbox backend is not part of this build yet, so both run flat, and say why.
-            "" | "vm" => {
-                let why = if self.opts.vm.kvm_usable {
-                    "the microVM sandbox backend is not built into this vesseld yet".to_string()
-                } else {
-                    self.opts.vm.reason.clone()
-                };
-                if handler == "vm" && !self.opts.vm.fallback {
-                    return Err(RuntimeError::FailedPrecondition(format!(
-                        "runtime handler vm: no microVM can run on this node ({why}) and runtime.vm_fallback is \"refuse\""
-                    )));
-                }
-                if handler == "vm" {
-                    tracing::warn!(pod = %meta.name, namespace = %meta.namespace, reason = %why, "runtime handler vm: running the pod flat");
-                }
-                "flat"
-            }
-            other => {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "unknown runtime handler {other:?} (known: flat, vm)"
-                )))
-            }
-        };
+        let backend = self.choose_backend(&config, handler)?;
         let id = state::new_id();
         let key = pod_name_key(&meta);
         self.reserve(&key, &id, "pod sandbox")?;
@@ -333,6 +331,78 @@ impl Runtime {
             self.release(&key, &id);
         }
         res.map(|_| id)
+    }
+
+    /// The backend a pod runs on: its handler, the node's VM support and the policy for
+    /// pods a VM cannot honour.
+    fn choose_backend(
+        &self,
+        config: &cri::PodSandboxConfig,
+        handler: &str,
+    ) -> Result<&'static str> {
+        let meta = config.metadata.clone().unwrap_or_default();
+        let wants_vm = match handler {
+            "flat" => false,
+            "vm" => true,
+            "" => self.opts.default_handler == "vm",
+            other => {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "unknown runtime handler {other:?} (known: flat, vm)"
+                )))
+            }
+        };
+        if !wants_vm {
+            return Ok("flat");
+        }
+        let sc = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref());
+        let ns = sc
+            .and_then(|s| s.namespace_options.clone())
+            .unwrap_or_default();
+        let node = cri::NamespaceMode::Node as i32;
+        let mut host = Vec::new();
+        if ns.network == node {
+            host.push("network namespace");
+        }
+        if ns.pid == node {
+            host.push("pid namespace");
+        }
+        if ns.ipc == node {
+            host.push("ipc namespace");
+        }
+        if sc.is_some_and(|s| s.privileged) {
+            host.push("privileges");
+        }
+        if !host.is_empty() {
+            let what = format!("the host's {}", host.join(", "));
+            if self.opts.vm_cfg.host_namespaces == crate::config::HostNamespacesPolicy::Refuse
+                && handler == "vm"
+            {
+                return Err(RuntimeError::FailedPrecondition(format!(
+                    "pod {:?}: asks for {what}, which a VM cannot give, and vm.host_namespaces is \"refuse\"",
+                    meta.name
+                )));
+            }
+            tracing::info!(pod = %meta.name, namespace = %meta.namespace, asks = %what, "pod runs flat by policy: a VM cannot give it the host's namespaces or privileges");
+            return Ok("flat");
+        }
+        if self.opts.vm.ready {
+            return Ok("vm");
+        }
+        let why = self.opts.vm.reason.clone();
+        if handler == "vm" && !self.opts.vm.fallback {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "runtime handler vm: no microVM can run on this node ({why}) and runtime.vm_fallback is \"refuse\""
+            )));
+        }
+        if handler == "vm" {
+            tracing::warn!(pod = %meta.name, namespace = %meta.namespace, reason = %why, "runtime handler vm: running the pod flat");
+        } else {
+            tracing::debug!(pod = %meta.name, reason = %why, "default handler: running the pod flat");
+        }
+        Ok("flat")
     }
 
     async fn create_pod(
@@ -381,6 +451,24 @@ impl Runtime {
             linux.cgroup_parent.clone()
         };
         let run_dir = self.dirs.pod_run_dir(id);
+        let vm = (backend == "vm").then(|| {
+            let dir = self.dirs.vm_dir(id);
+            let paths = vm::VmPaths::new(&dir);
+            let (vcpus, mem_mib) = vm::size_of(
+                &config,
+                self.opts.vm_cfg.vcpus,
+                self.opts.vm_cfg.memory_mib,
+                self.opts.vm_cfg.memory_overhead_mib,
+            );
+            VmPodState {
+                dir,
+                vsock: paths.vsock,
+                control: paths.control,
+                vcpus,
+                mem_mib,
+                slots: vec![String::new(); self.opts.vm_cfg.spare_disks as usize],
+            }
+        });
         let rec = PodRecord {
             id: id.to_string(),
             name_key: key.to_string(),
@@ -391,9 +479,13 @@ impl Runtime {
             created_at: state::now_nanos(),
             agent_pid: 0,
             agent_start_time: 0,
-            agent_socket: self.dirs.agent_socket(id),
+            agent_socket: match &vm {
+                Some(v) => v.vsock.clone(),
+                None => self.dirs.agent_socket(id),
+            },
             agent_state_dir: run_dir.join("agent"),
-            netns_path: if share.net {
+            // A VM pod's network namespace is the guest's.
+            netns_path: if share.net || vm.is_some() {
                 PathBuf::new()
             } else {
                 self.dirs.netns_dir().join(id)
@@ -401,6 +493,7 @@ impl Runtime {
             hostname: hostname.clone(),
             cgroup_parent,
             reason: String::new(),
+            vm,
         };
         // The record comes first: a crash from here on leaves something recovery cleans.
         self.dirs
@@ -411,7 +504,12 @@ impl Runtime {
             op: tokio::sync::Mutex::new(()),
             client: tokio::sync::Mutex::new(None),
         });
-        match self.setup_pod(&pod, &config, share).await {
+        let setup = if backend == "vm" {
+            self.setup_vm_pod(&pod, &config).await
+        } else {
+            self.setup_pod(&pod, &config, share).await
+        };
+        match setup {
             Ok(()) => {
                 self.pods
                     .lock()
@@ -500,8 +598,93 @@ impl Runtime {
         Ok(())
     }
 
-    /// Kills the agent, unpins the netns, removes the pod's cgroup. Idempotent.
+    /// Boots a VM pod: the shim, then the agent in the guest, then the pod's identity and
+    /// files in the guest.
+    async fn setup_vm_pod(&self, pod: &Pod, config: &cri::PodSandboxConfig) -> Result<()> {
+        let rec = pod.record();
+        let v = rec.vm.clone().unwrap_or_default();
+        let fail =
+            |e: &dyn std::fmt::Display| RuntimeError::Internal(format!("pod {}: {e}", rec.id));
+        if !config.log_directory.is_empty() {
+            std::fs::create_dir_all(&config.log_directory)
+                .map_err(|e| fail(&format!("creating log directory: {e}")))?;
+        }
+        let cfg = &self.opts.vm_cfg;
+        let launch = vm::LaunchSpec {
+            shim_binary: &self.opts.shim_binary,
+            kernel: &cfg.kernel,
+            initrd: &cfg.initrd,
+            dir: &v.dir,
+            vcpus: v.vcpus,
+            mem_mib: v.mem_mib,
+            spare_disks: cfg.spare_disks,
+            console_log: cfg.console_log,
+            boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
+            log_level: &self.opts.log_level,
+        };
+        let shim = vm::spawn(&launch).map_err(|e| fail(&e))?;
+        // Saved at once: a crash from here on finds the shim through the Creating record.
+        let rec = pod.update(|r| {
+            r.agent_pid = shim.pid;
+            r.agent_start_time = shim.start_time;
+        });
+        self.dirs
+            .save_pod(&rec)
+            .map_err(|e| internal("saving pod record")(&e))?;
+        let mut c = vm::wait_for_agent(&v.dir, &shim, launch.boot_timeout)
+            .await
+            .map_err(|e| match e {
+                vm::VmError::BootTimeout { .. } => {
+                    RuntimeError::DeadlineExceeded(format!("pod {}: {e}", rec.id))
+                }
+                e => fail(&e),
+            })?;
+        let sysctls = config
+            .linux
+            .as_ref()
+            .map(|l| l.sysctls.clone())
+            .unwrap_or_default();
+        c.configure_sandbox(ap::ConfigureSandboxRequest {
+            hostname: rec.hostname.clone(),
+            sysctls,
+        })
+        .await
+        .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        let file = |name: &str, data: String| ap::FileEntry {
+            path: format!("{}/pod/{name}", vm::GUEST_FILES),
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            kind: Some(ap::file_entry::Kind::Data(data.into_bytes())),
+        };
+        c.write_files(ap::WriteFilesRequest {
+            entries: vec![
+                file("hostname", format!("{}\n", rec.hostname)),
+                file("hosts", hosts_file(&rec.hostname, false)),
+                file("resolv.conf", resolv_conf(config.dns_config.as_ref())?),
+            ],
+        })
+        .await
+        .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        *pod.client.lock().await = Some(c);
+        let rec = pod.update(|r| r.state = PodState::Ready);
+        self.dirs
+            .save_pod(&rec)
+            .map_err(|e| internal("saving pod record")(&e))?;
+        Ok(())
+    }
+
+    /// Kills the agent (or the VM's shim), unpins the netns, removes the pod's cgroup and VM
+    /// files. Idempotent.
     fn teardown_pod_resources(&self, rec: &PodRecord) {
+        if let Some(v) = &rec.vm {
+            vm::kill_shim(rec.agent_pid, rec.agent_start_time);
+            flat::kill_by_arg("--spec", &vm::VmPaths::new(&v.dir).spec);
+            if let Err(e) = vessel_images::fsutil::remove_any(&v.dir) {
+                tracing::warn!(pod = %rec.id, error = %e, "cannot remove the VM's files");
+            }
+            return;
+        }
         if rec.agent_pid != 0 {
             flat::kill_agent(rec.agent_pid, rec.agent_start_time);
         }
@@ -538,6 +721,10 @@ impl Runtime {
                     c.shutdown(ap::ShutdownRequest {}),
                 )
                 .await;
+            }
+            if rec.vm.is_some() {
+                // The guest powers off after Shutdown; the shim then exits by itself.
+                vm::stop_shim(rec.agent_pid, rec.agent_start_time, Duration::from_secs(5)).await;
             }
         }
         *pod.client.lock().await = None;
@@ -627,6 +814,10 @@ impl Runtime {
                     "hostname": rec.hostname,
                     "cgroupParent": rec.cgroup_parent,
                     "reason": rec.reason,
+                    "vm": rec.vm.as_ref().map(|v| serde_json::json!({
+                        "dir": v.dir, "vcpus": v.vcpus, "memoryMiB": v.mem_mib,
+                        "shimPid": rec.agent_pid, "diskSlots": v.slots,
+                    })),
                 })
                 .to_string(),
             );
@@ -770,17 +961,46 @@ impl Runtime {
             }
             None => None,
         };
-        let (spec, user) = spec::build(&SpecInput {
+        let is_vm = prec.vm.is_some();
+        if is_vm && !config.devices.is_empty() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CreateContainer {key:?}: host devices cannot be passed into a VM pod (pod {})",
+                prec.id
+            )));
+        }
+        let guest_pod_dir = PathBuf::from(format!("{}/pod", vm::GUEST_FILES));
+        let (mut spec, user) = spec::build(&SpecInput {
             pod: &prec.config,
             config: &config,
             image: &image.run_config,
             layer_dirs: &layer_dirs,
             hostname: &prec.hostname,
-            pod_dir: &self.dirs.pod_dir(&prec.id),
+            pod_dir: &if is_vm {
+                guest_pod_dir
+            } else {
+                self.dirs.pod_dir(&prec.id)
+            },
             cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
             target_pid,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        // VM pods: CRI mounts of host paths are copied into the guest.
+        let copy_in = if is_vm {
+            let limit = self.opts.vm_cfg.copy_in_limit_mib << 20;
+            let mounts = config.mounts.clone();
+            let cid = id.to_string();
+            let (entries, rewritten) =
+                tokio::task::spawn_blocking(move || vm::copy_in_mounts(&cid, &mounts, limit))
+                    .await
+                    .map_err(|e| internal("copy-in")(&e))?
+                    .map_err(|e| {
+                        RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}"))
+                    })?;
+            vm::rewrite_mount_sources(&mut spec, &rewritten);
+            entries
+        } else {
+            Vec::new()
+        };
         let log_path = if prec.config.log_directory.is_empty() || config.log_path.is_empty() {
             String::new()
         } else {
@@ -822,6 +1042,7 @@ impl Runtime {
             groups: user.additional_gids.clone(),
             stop_signal,
             snapshot: id.to_string(),
+            layers: image.layers.iter().map(|l| l.diff_id.to_string()).collect(),
         };
         self.dirs
             .save_container(&rec)
@@ -837,25 +1058,62 @@ impl Runtime {
                 return Err(RuntimeError::Internal(format!("preparing rootfs: {e}")));
             }
         };
-        let rootfs = ap::Rootfs {
-            kind: Some(ap::rootfs::Kind::Overlay(ap::OverlayRootfs {
-                lowerdirs: snap
-                    .layer_dirs
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect(),
-                upperdir: snap.upper().display().to_string(),
-                workdir: snap.work().display().to_string(),
-            })),
+        let rootfs = if is_vm {
+            // Layers as EROFS disks in the pod's slots, the log file handed to the shim, the
+            // copied-in mounts written in the guest.
+            let prepared = async {
+                let serials = self.attach_layers(pod, &rec.layers).await?;
+                let v = prec.vm.clone().unwrap_or_default();
+                if !log_path.is_empty() {
+                    let (ctl, cid, lp) = (v.control.clone(), id.to_string(), log_path.clone());
+                    tokio::task::spawn_blocking(move || vm::set_log(&ctl, &cid, Path::new(&lp)))
+                        .await
+                        .map_err(|e| internal("set_log")(&e))?
+                        .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
+                }
+                if !copy_in.is_empty() {
+                    let mut c = self.client(pod).await?;
+                    c.write_files(ap::WriteFilesRequest { entries: copy_in })
+                        .await
+                        .map_err(|s| {
+                            agent_err(&format!("CreateContainer {key:?}: copying mounts in"), s)
+                        })?;
+                }
+                Ok::<_, RuntimeError>(serials)
+            }
+            .await;
+            match prepared {
+                Ok(serials) => ap::Rootfs {
+                    kind: Some(ap::rootfs::Kind::Disks(ap::DiskLayersRootfs { serials })),
+                },
+                Err(e) => {
+                    self.forget_vm_container_files(pod, id).await;
+                    cleanup(self);
+                    return Err(e);
+                }
+            }
+        } else {
+            ap::Rootfs {
+                kind: Some(ap::rootfs::Kind::Overlay(ap::OverlayRootfs {
+                    lowerdirs: snap
+                        .layer_dirs
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect(),
+                    upperdir: snap.upper().display().to_string(),
+                    workdir: snap.work().display().to_string(),
+                })),
+            }
         };
         let req = ap::CreateContainerRequest {
             id: id.to_string(),
             oci_spec: serde_json::to_vec(&spec).map_err(|e| internal("spec")(&e))?,
             rootfs: Some(rootfs),
-            log_path,
+            log_path: if is_vm { String::new() } else { log_path },
             tty: config.tty,
             stdin: config.stdin,
             stdin_once: config.stdin_once,
+            log_vsock_port: if is_vm { vm::LOG_PORT } else { 0 },
         };
         let created = async {
             let mut c = self.client(pod).await?;
@@ -872,6 +1130,9 @@ impl Runtime {
                     let _ = c
                         .delete_container(ap::DeleteContainerRequest { id: id.to_string() })
                         .await;
+                }
+                if is_vm {
+                    self.forget_vm_container_files(pod, id).await;
                 }
                 cleanup(self);
                 return Err(e);
@@ -897,6 +1158,98 @@ impl Runtime {
         );
         tracing::info!(container = %id, pod = %prec.id, name = %key, image = %image_name, "container created");
         Ok(())
+    }
+
+    /// Puts each layer's EROFS image in a disk slot of the pod's VM (reusing the slot of a
+    /// layer already there, then empty slots, then slots whose layer no container of the pod
+    /// uses any more) and returns their serials, bottom layer first. The caller holds the
+    /// pod's op lock.
+    async fn attach_layers(&self, pod: &Pod, layers: &[String]) -> Result<Vec<String>> {
+        let prec = pod.record();
+        let v = prec.vm.clone().unwrap_or_default();
+        let in_use: std::collections::HashSet<String> = self
+            .ctrs_of(&prec.id)
+            .iter()
+            .flat_map(|c| c.record().layers)
+            .collect();
+        let mut slots = v.slots.clone();
+        let mut plan = Vec::new(); // (slot, diff id) to attach
+        for l in layers {
+            if slots.iter().any(|s| s == l) {
+                continue;
+            }
+            let free = slots
+                .iter()
+                .position(|s| s.is_empty())
+                .or_else(|| {
+                    slots
+                        .iter()
+                        .position(|s| !in_use.contains(s) && !layers.contains(s))
+                })
+                .ok_or_else(|| {
+                    RuntimeError::FailedPrecondition(format!(
+                        "pod {}: no free disk slot for layer {l}: the pod's VM has {} (vm.spare_disks) and its containers use them all",
+                        prec.id,
+                        slots.len()
+                    ))
+                })?;
+            slots[free] = l.clone();
+            plan.push((free, l.clone()));
+        }
+        for (slot, l) in plan {
+            let store = self.store.clone();
+            let digest: vessel_images::Digest = l
+                .parse()
+                .map_err(|e| RuntimeError::Internal(format!("layer {l}: {e}")))?;
+            let img = tokio::task::spawn_blocking(move || store.erofs_layer(&digest))
+                .await
+                .map_err(|e| internal("erofs")(&e))?
+                .map_err(|e| RuntimeError::Internal(format!("EROFS image of layer {l}: {e}")))?;
+            let (ctl, serial) = (v.control.clone(), vm::layer_serial(&l));
+            let req = serde_json::json!({
+                "op": "attach_disk", "slot": slot, "path": img,
+                "read_only": true, "serial": serial,
+            });
+            tokio::task::spawn_blocking(move || vm::Control::connect(&ctl)?.call(&req, None))
+                .await
+                .map_err(|e| internal("attach_disk")(&e))?
+                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
+            let rec = pod.update(|r| {
+                if let Some(v) = r.vm.as_mut() {
+                    if let Some(s) = v.slots.get_mut(slot) {
+                        *s = l.clone();
+                    }
+                }
+            });
+            self.dirs
+                .save_pod(&rec)
+                .map_err(|e| internal("saving pod record")(&e))?;
+            tracing::debug!(pod = %prec.id, slot, layer = %l, "layer disk attached");
+        }
+        Ok(layers.iter().map(|l| vm::layer_serial(l)).collect())
+    }
+
+    /// Best effort: forgets a VM container's log fd in the shim and its copied-in files in
+    /// the guest.
+    async fn forget_vm_container_files(&self, pod: &Pod, id: &str) {
+        let rec = pod.record();
+        let Some(v) = rec.vm.clone() else { return };
+        if rec.state != PodState::Ready {
+            return;
+        }
+        let cid = id.to_string();
+        let _ = tokio::task::spawn_blocking(move || {
+            vm::Control::connect(&v.control)?
+                .call(&serde_json::json!({"op": "drop_log", "id": cid}), None)
+        })
+        .await;
+        if let Ok(mut c) = self.client(pod).await {
+            let _ = c
+                .remove_files(ap::RemoveFilesRequest {
+                    paths: vec![format!("{}/ctr/{id}", vm::GUEST_FILES)],
+                })
+                .await;
+        }
     }
 
     pub async fn start_container(self: &Arc<Self>, id: &str) -> Result<()> {
@@ -1042,15 +1395,20 @@ impl Runtime {
         if rec.state != PodState::Ready || flat::is_alive(rec.agent_pid, rec.agent_start_time) {
             return;
         }
-        tracing::warn!(pod = %rec.id, pid = rec.agent_pid, "pod agent died; pod is not ready");
+        let what = if rec.vm.is_some() {
+            "the VM shim exited unexpectedly"
+        } else {
+            "the pod agent exited unexpectedly"
+        };
+        tracing::warn!(pod = %rec.id, pid = rec.agent_pid, reason = what, "pod lost; pod is not ready");
         *pod.client.lock().await = None;
         self.teardown_pod_resources(&rec);
         for ctr in self.ctrs_of(&rec.id) {
-            self.mark_lost(&ctr, "the pod agent exited");
+            self.mark_lost(&ctr, what);
         }
         let rec = pod.update(|r| {
             r.state = PodState::NotReady;
-            r.reason = "the pod agent exited unexpectedly".into();
+            r.reason = what.into();
         });
         let _ = self.dirs.save_pod(&rec);
     }
@@ -1147,13 +1505,19 @@ impl Runtime {
                         return Err(agent_err(&format!("RemoveContainer {}", rec.id), s));
                     }
                 }
+                self.forget_vm_container_files(&pod, &rec.id).await;
             }
         }
         self.store
             .remove_snapshot(&rec.snapshot)
             .map_err(|e| RuntimeError::Internal(format!("removing rootfs of {}: {e}", rec.id)))?;
-        // The agent removes the cgroup of containers it deletes; one whose agent died is ours.
-        if let Ok(pod) = self.pod(&rec.pod_id) {
+        // The agent removes the cgroup of containers it deletes; one whose agent died is ours
+        // (a VM pod's cgroups die with its guest).
+        if let Some(pod) = self
+            .pod(&rec.pod_id)
+            .ok()
+            .filter(|p| p.record().vm.is_none())
+        {
             let parent = pod.record().cgroup_parent;
             flat::remove_cgroup(&format!("{}/{}", parent.trim_end_matches('/'), rec.id));
         }
@@ -1358,6 +1722,19 @@ impl Runtime {
 
     pub async fn reopen_log(&self, id: &str) -> Result<()> {
         let (rec, mut c) = self.running(id, "ReopenContainerLog").await?;
+        let pod = self.pod(&rec.pod_id)?;
+        if let Some(v) = pod.record().vm {
+            if rec.log_path.is_empty() {
+                return Ok(());
+            }
+            let (ctl, cid, lp) = (v.control, rec.id.clone(), rec.log_path.clone());
+            return tokio::task::spawn_blocking(move || vm::set_log(&ctl, &cid, Path::new(&lp)))
+                .await
+                .map_err(|e| internal("reopen")(&e))?
+                .map_err(|e| {
+                    RuntimeError::Internal(format!("ReopenContainerLog {}: {e}", rec.id))
+                });
+        }
         c.reopen_log(ap::ReopenLogRequest { id: rec.id.clone() })
             .await
             .map_err(|s| agent_err(&format!("ReopenContainerLog {}", rec.id), s))?;
@@ -1612,6 +1989,21 @@ impl Runtime {
         for dir in self.dirs.orphan_pod_dirs() {
             tracing::info!(dir = %dir.display(), "removing pod dir without record");
             let _ = vessel_images::fsutil::remove_any(&dir);
+        }
+        let vm_dirs: std::collections::HashSet<PathBuf> = self
+            .dirs
+            .load_pods()
+            .iter()
+            .filter_map(|r| r.vm.as_ref().map(|v| v.dir.clone()))
+            .collect();
+        if let Ok(rd) = std::fs::read_dir(self.dirs.run.join("vms")) {
+            for e in rd.flatten() {
+                if !vm_dirs.contains(&e.path()) {
+                    tracing::info!(dir = %e.path().display(), "removing VM files without a pod");
+                    flat::kill_by_arg("--spec", &vm::VmPaths::new(&e.path()).spec);
+                    let _ = vessel_images::fsutil::remove_any(&e.path());
+                }
+            }
         }
         for rec in self.dirs.load_pods() {
             if rec.state == PodState::Creating {

@@ -49,25 +49,21 @@ impl RuntimeService {
         let vm = self.rt.vm_support();
         let vm_ready = cri::RuntimeCondition {
             r#type: "VMBackendReady".into(),
-            status: false,
-            reason: if vm.kvm_usable {
-                "VMBackendNotBuilt".into()
+            status: vm.ready,
+            reason: vm.reason_code.clone(),
+            message: if vm.ready {
+                vm.reason.clone()
             } else {
-                "KVMUnusable".into()
+                format!(
+                    "{}; pods with runtime handler vm {}",
+                    vm.reason,
+                    if vm.fallback {
+                        "run flat"
+                    } else {
+                        "are refused"
+                    }
+                )
             },
-            message: format!(
-                "{}; pods with runtime handler vm {}",
-                if vm.kvm_usable {
-                    "KVM is usable but the microVM sandbox backend is not built into this vesseld yet".to_string()
-                } else {
-                    vm.reason.clone()
-                },
-                if vm.fallback {
-                    "run flat"
-                } else {
-                    "are refused"
-                }
-            ),
         };
         vec![
             runtime_ready,
@@ -113,7 +109,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                     "version": env!("CARGO_PKG_VERSION"),
                     "rootDir": self.root_dir,
                     "agentBinary": self.rt.agent_binary(),
-                    "sandboxBackends": ["flat"],
+                    "sandboxBackends": if self.rt.vm_support().ready { vec!["flat", "vm"] } else { vec!["flat"] },
                     "kvm": {"usable": self.rt.vm_support().kvm_usable, "reason": self.rt.vm_support().reason},
                     "podCIDR": self.rt.pod_cidr(),
                 })

@@ -127,27 +127,67 @@ impl Daemon {
             .await
             .map_err(|e| ServeError::Runtime(format!("KVM probe: {e}")))?;
         let kvm_usable = probe.verdict == vessel_vmm::probe::Verdict::Usable;
-        let reason = format!("KVM {}: {}", probe.verdict, probe.reason);
-        if kvm_usable {
-            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, "KVM probe");
+        let kvm_reason = format!("KVM {}: {}", probe.verdict, probe.reason);
+        // The VM backend also needs its guest kernel, initrd and shim.
+        let shim = self.config.shim_binary();
+        let missing = [
+            (
+                "guest kernel",
+                "GuestKernelMissing",
+                self.config.vm.kernel.clone(),
+            ),
+            (
+                "guest initrd",
+                "GuestInitrdMissing",
+                self.config.vm.initrd.clone(),
+            ),
+            ("VM shim", "ShimMissing", shim.clone()),
+        ]
+        .into_iter()
+        .find(|(_, _, p)| !p.is_file());
+        let (ready, reason_code, reason) = match (kvm_usable, &missing) {
+            (false, _) => (
+                false,
+                if probe.verdict == vessel_vmm::probe::Verdict::Absent {
+                    "KVMAbsent"
+                } else {
+                    "KVMUnusable"
+                },
+                kvm_reason,
+            ),
+            (true, Some((what, code, p))) => (
+                false,
+                *code,
+                format!("{kvm_reason}; but the {what} {} is missing", p.display()),
+            ),
+            (true, None) => (true, "VMBackendReady", kvm_reason),
+        };
+        let reason_code = reason_code.to_string();
+        if ready {
+            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, kernel = %self.config.vm.kernel.display(), initrd = %self.config.vm.initrd.display(), shim = %shim.display(), "KVM probe: microVM pods enabled");
         } else {
             tracing::warn!(
                 verdict = %probe.verdict,
-                reason = %probe.reason,
+                reason = %reason,
                 ratio = probe.evidence.as_ref().map(|e| e.ratio),
                 probe_ms = probe.probe_ms,
                 fallback = ?self.config.runtime.vm_fallback,
-                "KVM probe: microVMs cannot run on this node; runtime handler vm falls back to flat pods"
+                "microVMs cannot run on this node; runtime handler vm falls back to flat pods"
             );
         }
         let rt = crate::runtime::Runtime::open(
             crate::runtime::RuntimeOptions {
                 vm: crate::runtime::VmSupport {
+                    ready,
                     kvm_usable,
+                    reason_code,
                     reason,
                     fallback: self.config.runtime.vm_fallback
                         == crate::config::VmFallback::Fallback,
                 },
+                vm_cfg: self.config.vm.clone(),
+                shim_binary: self.config.shim_binary(),
+                default_handler: self.config.runtime.default_handler.clone(),
                 agent_binary: self.config.agent_binary(),
                 log_level: self.config.daemon.log_level.clone(),
                 root_dir: self.config.daemon.root_dir.clone(),

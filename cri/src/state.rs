@@ -48,6 +48,24 @@ pub struct PodRecord {
     /// Why the pod is not ready, when it is not.
     #[serde(default)]
     pub reason: String,
+    /// The microVM of a VM pod (`backend == "vm"`).
+    #[serde(default)]
+    pub vm: Option<VmPodState>,
+}
+
+/// A VM pod's host side: its shim process, sockets and disk slots.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct VmPodState {
+    /// `<run>/vms/<32 hex>`: spec.json, the sockets, console.log, shim.log.
+    /// The shim's pid and start time are the record's `agent_pid` and `agent_start_time`:
+    /// the pod's host process.
+    pub dir: PathBuf,
+    pub vsock: PathBuf,
+    pub control: PathBuf,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    /// The layer (diff ID) each spare disk slot holds; empty for an empty slot.
+    pub slots: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +105,9 @@ pub struct ContainerRecord {
     /// The signal StopContainer sends first.
     pub stop_signal: i32,
     pub snapshot: String,
+    /// Diff IDs of the image's layers, bottom first (VM pods attach them as disks).
+    #[serde(default)]
+    pub layers: Vec<String>,
 }
 
 /// Where records live, and their atomic reads and writes.
@@ -129,6 +150,7 @@ impl StateDirs {
             s.containers_dir(),
             s.run.join("pods"),
             s.netns_dir(),
+            s.run.join("vms"),
         ] {
             fs::create_dir_all(&d).map_err(io("create", &d))?;
         }
@@ -155,6 +177,11 @@ impl StateDirs {
         self.run
             .join("agents")
             .join(format!("{}.sock", &id[..id.len().min(32)]))
+    }
+
+    /// The files of a VM pod's shim: short, for the Unix socket path limit.
+    pub fn vm_dir(&self, id: &str) -> PathBuf {
+        self.run.join("vms").join(&id[..id.len().min(32)])
     }
 
     /// Runtime files of a pod (agent state), cleared by a reboot.
@@ -201,6 +228,8 @@ impl StateDirs {
         fsutil::remove_any(&dir).map_err(io("remove", &dir))?;
         let run = self.pod_run_dir(id);
         fsutil::remove_any(&run).map_err(io("remove", &run))?;
+        let vm = self.vm_dir(id);
+        fsutil::remove_any(&vm).map_err(io("remove", &vm))?;
         let sock = self.agent_socket(id);
         fsutil::remove_any(&sock).map_err(io("remove", &sock))
     }

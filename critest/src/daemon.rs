@@ -197,9 +197,11 @@ pub fn kill_pods_under(dir: &Path) {
                 continue;
             };
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.contains("vessel-agent") && cmd.contains(&prefix) {
-                // SAFETY: kill(2) of a pod agent this fixture's daemon started (its command
-                // line names our temporary directory).
+            if (cmd.contains("vessel-agent") || cmd.contains("vessel-shim"))
+                && cmd.contains(&prefix)
+            {
+                // SAFETY: kill(2) of a pod agent or VM shim this fixture's daemon started (its
+                // command line names our temporary directory).
                 unsafe {
                     libc::kill(pid, libc::SIGKILL);
                 }
