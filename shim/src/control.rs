@@ -78,6 +78,7 @@ enum Request {
     AttachDisk {
         slot: usize,
         path: PathBuf,
+        /// As for configured disks, read-write unless asked (layers: `true`).
         #[serde(default)]
         read_only: bool,
         #[serde(default)]

@@ -41,14 +41,19 @@ pub struct LogRouter {
 fn write_line(id: &str, f: &File, line: &[u8]) {
     // One write(2) per line: with O_APPEND each line lands whole, even with other writers.
     let mut w = f;
-    match w.write(line) {
-        Ok(n) if n == line.len() => {}
-        Ok(n) => {
-            if let Err(e) = w.write_all(&line[n..]) {
-                tracing::warn!(id, "log write: {e}");
-            }
+    let rest = match w.write(line) {
+        Ok(n) => &line[n..],
+        // Nothing was written: try again, whole.
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => line,
+        Err(e) => {
+            tracing::warn!(id, "log write: {e}");
+            return;
         }
-        Err(e) => tracing::warn!(id, "log write: {e}"),
+    };
+    if !rest.is_empty() {
+        if let Err(e) = w.write_all(rest) {
+            tracing::warn!(id, "log write: {e}");
+        }
     }
 }
 
