@@ -16,6 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub const HELD_LIMIT: usize = 1 << 20;
 /// The longest line accepted (bytes, newline included); a longer one is dropped.
 pub const MAX_LINE: usize = 1 << 20;
+/// At most this many ids without an fd have lines held (a guest cannot grow the shim
+/// without bound by inventing ids).
+pub const HELD_IDS: usize = 256;
 /// The longest container id line.
 const MAX_ID: usize = 256;
 
@@ -98,6 +101,10 @@ impl LogRouter {
             match g.fds.get(id) {
                 Some(f) => f.clone(),
                 None => {
+                    if !g.held.contains_key(id) && g.held.len() >= HELD_IDS {
+                        tracing::warn!(id, "lines held for {HELD_IDS} ids already: dropping");
+                        return;
+                    }
                     let h = g.held.entry(id.to_string()).or_default();
                     if h.bytes + line.len() > HELD_LIMIT {
                         if h.dropped == 0 {
@@ -290,6 +297,11 @@ mod tests {
         }
         assert!(r.held_bytes("c") <= HELD_LIMIT);
         assert!(r.held_bytes("c") >= HELD_LIMIT - 1000);
+        for i in 0..HELD_IDS + 10 {
+            r.line(&format!("id{i}"), b"x\n");
+        }
+        assert_eq!(r.held_bytes(&format!("id{}", HELD_IDS - 2)), 2);
+        assert_eq!(r.held_bytes(&format!("id{}", HELD_IDS + 5)), 0);
     }
 
     #[test]
