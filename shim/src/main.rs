@@ -55,8 +55,19 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         retry_ms: u64,
     },
+    /// Send one request to a shim's control socket and print the answer (exit 1 if it is
+    /// `{"ok":false,...}`). With --fd-file, FILE is opened O_WRONLY|O_APPEND|O_CREAT and its
+    /// descriptor goes with the request (for `set_log`).
+    Ctl {
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        /// The request, e.g. '{"op":"ping"}'.
+        request: String,
+        #[arg(long)]
+        fd_file: Option<std::path::PathBuf>,
+    },
     /// Remove what a VM of this spec left behind if its shim died without cleaning up
-    /// (SIGKILL): its vsock socket, when no live shim answers on it.
+    /// (SIGKILL): its vsock, log and control sockets, when no live shim answers on them.
     Cleanup {
         #[arg(long)]
         spec: std::path::PathBuf,
@@ -108,6 +119,11 @@ fn main() -> Result<()> {
             retry_ms,
         } => vsock_connect(&socket, port, send.as_deref(), echo_bytes, retry_ms),
         Cmd::VsockEcho { path } => vsock_echo(&path),
+        Cmd::Ctl {
+            socket,
+            request,
+            fd_file,
+        } => ctl(&socket, &request, fd_file.as_deref()),
         Cmd::Bench {
             kernel,
             initrd,
@@ -179,17 +195,46 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
+    let fail = |e: String| -> Result<i32> {
+        eprintln!("vessel-shim: {e}");
+        println!("{}", serde_json::json!({"outcome": "error", "detail": e}));
+        Ok(1)
+    };
     let cfg = vessel_shim::read_spec(spec)?;
-    let vm = match vessel_vmm::vm::Vm::new(&cfg) {
+    let logs = std::sync::Arc::new(vessel_shim::logs::LogRouter::default());
+    // The log listener is bound before the guest boots; these guards remove the sockets when
+    // run() returns, however it ends.
+    let _log_socket = match cfg.log_socket() {
+        Some(p) => match vessel_shim::logs::bind_private(&p) {
+            Ok((l, guard)) => {
+                vessel_shim::logs::serve(l, logs.clone())?;
+                Some(guard)
+            }
+            Err(e) => return fail(format!("log socket: {e}")),
+        },
+        None => None,
+    };
+    let control_socket = match &cfg.shim.control_socket {
+        Some(p) => match vessel_shim::logs::bind_private(p) {
+            Ok(x) => Some(x),
+            Err(e) => return fail(format!("control socket: {e}")),
+        },
+        None => None,
+    };
+    let vm = match vessel_vmm::vm::Vm::new(&cfg.vm) {
         Ok(vm) => vm,
-        Err(e) => {
-            eprintln!("vessel-shim: {e}");
-            println!(
-                "{}",
-                serde_json::json!({"outcome": "error", "detail": e.to_string()})
-            );
-            return Ok(1);
+        Err(e) => return fail(e.to_string()),
+    };
+    let _control_socket = match control_socket {
+        Some((l, guard)) => {
+            let server = std::sync::Arc::new(vessel_shim::control::Server {
+                disks: std::sync::Arc::new(vessel_shim::control::Slots(vm.disk_slots())),
+                logs: logs.clone(),
+            });
+            server.serve(l)?;
+            Some(guard)
         }
+        None => None,
     };
     let control = vm.control();
     let built_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -329,6 +374,28 @@ fn vsock_connect(
     );
     std::io::stdout().write_all(&reply)?;
     println!();
+    Ok(())
+}
+
+fn ctl(socket: &std::path::Path, request: &str, fd_file: Option<&std::path::Path>) -> Result<()> {
+    use std::os::fd::AsFd;
+    let req: serde_json::Value =
+        serde_json::from_str(request).context("the request is not JSON")?;
+    let file = fd_file
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))
+        })
+        .transpose()?;
+    let mut c = vessel_shim::control::Client::connect(socket)?;
+    let answer = c.request(&req, file.as_ref().map(|f| f.as_fd()))?;
+    println!("{answer}");
+    if answer.get("ok") != Some(&serde_json::Value::Bool(true)) {
+        std::process::exit(1);
+    }
     Ok(())
 }
 

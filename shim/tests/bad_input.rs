@@ -145,3 +145,23 @@ fn vsock_connect_without_a_vm_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("none.sock"), "{err}");
 }
+
+#[test]
+fn a_failed_start_leaves_no_control_or_log_socket() {
+    let d = tempfile::tempdir().unwrap();
+    let (ctl, vs) = (d.path().join("control.sock"), d.path().join("v.sock"));
+    let s = write_spec(
+        d.path(),
+        "s.json",
+        &format!(
+            r#"{{"kernel":"/nonexistent/vmlinux","mem_mib":64,"vcpus":1,"spare_disks":2,
+                "control_socket":"{}","log_port":1025,"vsock":{{"uds_path":"{}"}}}}"#,
+            ctl.display(),
+            vs.display()
+        ),
+    );
+    let (rc, out, err) = run(&s);
+    assert_eq!(rc, 1, "{err}");
+    assert!(out.contains(r#""outcome":"error""#), "{out}");
+    assert!(!ctl.exists() && !vs.exists() && !d.path().join("v.sock_1025").exists());
+}

@@ -19,7 +19,7 @@ use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion}
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::legacy::{ConsoleSink, PioBus, SERIAL_IRQ};
-use crate::virtio::block::Block;
+use crate::virtio::block::{Block, BlockError, DiskSlot};
 use crate::virtio::mmio::{MmioBus, MmioTransport, MMIO_WINDOW};
 use crate::virtio::net::{self, Net};
 use crate::virtio::vsock::Vsock;
@@ -81,6 +81,10 @@ pub struct VmConfig {
     /// virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
+    /// Extra virtio-blk devices after `disks` that start empty (0 sectors, serial "") and get
+    /// an image while the guest runs ([`VmHandle::attach_disk`]).
+    #[serde(default)]
+    pub spare_disks: usize,
     /// virtio-net interfaces, in order (`eth0`, `eth1`, ...).
     #[serde(default)]
     pub nets: Vec<NetConfig>,
@@ -282,6 +286,7 @@ pub struct Vm {
     pio: Arc<PioBus>,
     mmio: Arc<MmioBus>,
     control: Arc<Control>,
+    disk_slots: Vec<DiskSlot>,
     entry: u64,
     stop_timeout: Duration,
 }
@@ -367,7 +372,8 @@ impl Vm {
         let mut mmio = MmioBus::default();
         let mut device_args = Vec::new();
         let max_devices = (mptable::IOAPIC_PINS as u32 - VIRTIO_IRQ_BASE) as usize;
-        let n_devices = cfg.disks.len() + cfg.nets.len() + usize::from(cfg.vsock.is_some());
+        let n_devices =
+            cfg.disks.len() + cfg.spare_disks + cfg.nets.len() + usize::from(cfg.vsock.is_some());
         if n_devices > max_devices {
             return Err(VmError::TooManyDevices(max_devices));
         }
@@ -380,6 +386,12 @@ impl Vm {
         let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for d in &cfg.disks {
             devices.push(Box::new(Block::new(&d.path, d.read_only, &d.serial)?));
+        }
+        let mut disk_slots = Vec::new();
+        for _ in 0..cfg.spare_disks {
+            let b = Block::empty();
+            disk_slots.push(b.slot());
+            devices.push(Box::new(b));
         }
         for n in &cfg.nets {
             let mac = n.mac.as_deref().map(net::parse_mac).transpose()?;
@@ -493,6 +505,7 @@ impl Vm {
             pio,
             mmio,
             control,
+            disk_slots,
             entry: kernel.entry,
             stop_timeout: Duration::from_millis(cfg.stop_timeout_ms),
         })
@@ -506,6 +519,11 @@ impl Vm {
     /// The run state shared with the devices.
     pub fn control(&self) -> Arc<Control> {
         self.control.clone()
+    }
+
+    /// The spare disk slots (`spare_disks`), in order.
+    pub fn disk_slots(&self) -> Vec<DiskSlot> {
+        self.disk_slots.clone()
     }
 
     /// Starts the vCPU threads.
@@ -531,6 +549,7 @@ impl Vm {
             threads,
             control: self.control,
             pio: self.pio,
+            disk_slots: self.disk_slots,
             stop_timeout: self.stop_timeout,
         })
     }
@@ -592,14 +611,17 @@ pub struct RunningVm {
     threads: Vec<JoinHandle<()>>,
     control: Arc<Control>,
     pio: Arc<PioBus>,
+    disk_slots: Vec<DiskSlot>,
     stop_timeout: Duration,
 }
 
-/// A handle to stop a running VM from another thread (e.g. a signal handler thread).
+/// A handle on a running VM for other threads (a signal handler thread, a control socket):
+/// stop it, change its spare disks.
 #[derive(Clone)]
 pub struct VmHandle {
     control: Arc<Control>,
     pio: Arc<PioBus>,
+    disk_slots: Vec<DiskSlot>,
     stop_timeout: Duration,
 }
 
@@ -621,6 +643,36 @@ impl VmHandle {
     pub fn stop_now(&self) {
         self.control.finish(Outcome::Stopped);
     }
+
+    /// The number of spare disk slots.
+    pub fn spare_disks(&self) -> usize {
+        self.disk_slots.len()
+    }
+
+    fn slot(&self, slot: usize) -> Result<&DiskSlot, BlockError> {
+        self.disk_slots.get(slot).ok_or(BlockError::NoSlot {
+            slot,
+            count: self.disk_slots.len(),
+        })
+    }
+
+    /// Spare slot `slot` (0-based) now serves `path`; the guest gets a configuration-change
+    /// interrupt. On error (no such slot, the image cannot be opened) the slot is unchanged.
+    pub fn attach_disk(
+        &self,
+        slot: usize,
+        path: &std::path::Path,
+        read_only: bool,
+        serial: &str,
+    ) -> Result<(), BlockError> {
+        self.slot(slot)?.attach(path, read_only, serial)
+    }
+
+    /// Spare slot `slot` is empty again (0 sectors, serial "").
+    pub fn detach_disk(&self, slot: usize) -> Result<(), BlockError> {
+        self.slot(slot)?.detach();
+        Ok(())
+    }
 }
 
 impl RunningVm {
@@ -632,6 +684,7 @@ impl RunningVm {
         VmHandle {
             control: self.control.clone(),
             pio: self.pio.clone(),
+            disk_slots: self.disk_slots.clone(),
             stop_timeout: self.stop_timeout,
         }
     }
@@ -700,6 +753,7 @@ mod tests {
             kvm_device: default_kvm(),
             stop_timeout_ms: default_stop_timeout(),
             disks: Vec::new(),
+            spare_disks: 0,
             nets: Vec::new(),
             vsock: None,
         };

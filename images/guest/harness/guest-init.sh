@@ -49,6 +49,36 @@ case "$t" in
     wait $l
     /bin/vsock-echo listen 1236 >/dev/null && echo "vessel-event: vsock-bulk-done"
     poweroff -f ;;
+  hotplug)
+    # Spare disk slots filled by the host through the shim's control socket: wait for a vdX
+    # with the serial and a non-zero size (the capacity comes with a config-change interrupt).
+    hp_find() {
+      for b in /sys/block/vd*; do
+        [ "$(cat "$b/serial" 2>/dev/null)" = "$1" ] && [ "$(cat "$b/size")" != 0 ] &&
+          { echo "${b##*/}"; return 0; }
+      done
+      return 1
+    }
+    hp_wait() { i=0; while [ $i -lt 1500 ]; do hp_find "$1" && return 0; sleep 0.02; i=$((i+1)); done; return 1; }
+    hp_read() { # dev: drop cached blocks, then size and marker
+      /bin/busybox blockdev --flushbufs "/dev/$1"; echo 3 >/proc/sys/vm/drop_caches
+      echo "$1-$(cat "/sys/block/$1/size")-$(head -c 16 "/dev/$1")"
+    }
+    echo "vessel-event: hotplug-ready-$(cat /sys/block/vda/size)-$(cat /sys/block/vdb/size)"
+    d=$(hp_wait vessel-hp-a) && echo "vessel-event: hotplug-a-$(hp_read "$d")"
+    d=$(hp_wait vessel-hp-b) && echo "vessel-event: hotplug-b-$(hp_read "$d")"
+    poweroff -f ;;
+  logs)
+    # Container logs to the host (vsock port 1025): the id line, then lines; the second part
+    # only after the host connected to port 1234 (it has reopened the log file by then).
+    {
+      echo ctr-log-1
+      echo "2024-01-01T00:00:00.000000001Z stdout F first line"
+      echo "2024-01-01T00:00:00.000000002Z stderr F second line"
+      /bin/vsock-echo listen 1234 >/dev/null
+      echo "2024-01-01T00:00:00.000000003Z stdout F after reopen"
+    } | /bin/vsock-echo send 1025 && echo "vessel-event: logs-sent"
+    poweroff -f ;;
   *)
     echo "vessel-event: unknown-test-$t"
     poweroff -f ;;

@@ -147,7 +147,56 @@ t_memory_too_large() {
   rc_is memory_too_large 1 && grep -q "more than this host has" "$W/memory_too_large.err"
 }
 
+# --- shim_: the shim's control socket (spare disk slots, log files) and log listener.
+shim_wait_sock() { i=0; while [ ! -S "$1" ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; [ -S "$1" ]; }
+t_shim_hotplug() {
+  n=shim_hotplug; C="$W/hp.ctl"
+  printf 'vessel-hp-AAAAAA' >"$W/hp-a.img"; dd if=/dev/zero of="$W/hp-a.img" bs=1024 seek=1 count=1023 2>/dev/null
+  printf 'vessel-hp-BBBBBB' >"$W/hp-b.img"; dd if=/dev/zero of="$W/hp-b.img" bs=1024 seek=1 count=2047 2>/dev/null
+  spec $n hotplug 1 128 "" "\"spare_disks\":2,\"control_socket\":\"$C\","
+  "$SHIM" run --spec "$W/$n.json" --timeout 60 >"$W/$n.out" 2>"$W/$n.err" & pid=$!
+  shim_wait_sock "$C"
+  mode=$(stat -c %a "$C" 2>/dev/null)
+  ctl() { "$SHIM" ctl --socket "$C" "$@" >>"$W/$n.ctl" 2>&1; }
+  ok=yes
+  ctl '{"op":"ping"}' || ok=no
+  wait_console $n "vessel-event: hotplug-ready"
+  # Errors are answers, and leave the slot as it was.
+  ctl '{"op":"attach_disk","slot":2,"path":"'"$W"'/hp-a.img"}' && ok=no
+  ctl '{"op":"attach_disk","slot":1,"path":"/nonexistent.img","serial":"vessel-hp-a"}' && ok=no
+  ctl '{"op":"attach_disk","slot":1,"path":"'"$W"'/hp-a.img","read_only":true,"serial":"vessel-hp-a"}' || ok=no
+  wait_console $n "vessel-event: hotplug-a-"
+  ctl '{"op":"detach_disk","slot":1}' || ok=no
+  ctl '{"op":"attach_disk","slot":1,"path":"'"$W"'/hp-b.img","read_only":true,"serial":"vessel-hp-b"}' || ok=no
+  wait $pid; echo $? >"$W/$n.rc"
+  cat "$W/$n.out" "$W/$n.ctl"; echo "control socket mode $mode"
+  [ $ok = yes ] && [ "$mode" = 600 ] && rc_is $n 0 && out_has $n '"hotplug-ready-0-0":' &&
+    out_has $n '"hotplug-a-vdb-2048-vessel-hp-AAAAAA":' && out_has $n '"hotplug-b-vdb-4096-vessel-hp-BBBBBB":' &&
+    grep -q '"error":"no spare disk slot 2' "$W/$n.ctl" && grep -q 'nonexistent.img' "$W/$n.ctl" && [ ! -e "$C" ]
+}
+t_shim_logs() {
+  n=shim_logs; C="$W/lg.ctl"; V="$W/lg.sock"
+  spec $n logs 1 128 "" "\"control_socket\":\"$C\",\"log_port\":1025,\"vsock\":{\"uds_path\":\"$V\"},"
+  "$SHIM" run --spec "$W/$n.json" --timeout 60 >"$W/$n.out" 2>"$W/$n.err" & pid=$!
+  shim_wait_sock "$C"
+  ok=yes
+  [ -S "${V}_1025" ] || ok=no
+  "$SHIM" ctl --socket "$C" '{"op":"set_log","id":"ctr-log-1"}' --fd-file "$W/ctr-1.log" >>"$W/$n.ctl" 2>&1 || ok=no
+  i=0; while [ "$(wc -l <"$W/ctr-1.log")" -lt 2 ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
+  # ReopenContainerLog: the file is rotated, a new one registered; later lines go there.
+  mv "$W/ctr-1.log" "$W/ctr-1.log.0"
+  "$SHIM" ctl --socket "$C" '{"op":"set_log","id":"ctr-log-1"}' --fd-file "$W/ctr-1.log" >>"$W/$n.ctl" 2>&1 || ok=no
+  "$SHIM" vsock-connect --socket "$V" --port 1234 --send go --retry-ms 30000 >/dev/null 2>&1 || ok=no
+  wait $pid; echo $? >"$W/$n.rc"
+  cat "$W/$n.out" "$W/$n.ctl"; echo "--- first file"; cat "$W/ctr-1.log.0"; echo "--- after reopen"; cat "$W/ctr-1.log"
+  printf '%s\n' "2024-01-01T00:00:00.000000001Z stdout F first line" "2024-01-01T00:00:00.000000002Z stderr F second line" >"$W/$n.want0"
+  echo "2024-01-01T00:00:00.000000003Z stdout F after reopen" >"$W/$n.want1"
+  [ $ok = yes ] && rc_is $n 0 && out_has $n '"logs-sent":' && cmp -s "$W/ctr-1.log.0" "$W/$n.want0" &&
+    cmp -s "$W/ctr-1.log" "$W/$n.want1" && [ ! -e "$C" ] && [ ! -e "${V}_1025" ] && [ ! -e "$V" ]
+}
+
 TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigterm_deadline sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
+[ -n "${VESSEL_TESTS:-}" ] || TESTS="$TESTS shim_hotplug shim_logs"
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]

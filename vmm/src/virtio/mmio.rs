@@ -102,7 +102,9 @@ impl MmioTransport {
             0x44 => self.queue().map(|q| u32::from(q.ready())).unwrap_or(0),
             0x60 => self.interrupt.status.load(Ordering::SeqCst),
             0x70 => self.status,
-            0xfc => self.config_generation,
+            0xfc => self
+                .config_generation
+                .wrapping_add(self.device.config_generation()),
             _ => 0,
         };
         data.copy_from_slice(&v.to_le_bytes());

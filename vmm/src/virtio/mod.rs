@@ -98,6 +98,14 @@ impl Interrupt {
             tracing::warn!("virtio interrupt: {e}");
         }
     }
+
+    /// Tells the driver the device configuration changed (it re-reads config space).
+    pub fn signal_config(&self) {
+        self.status.fetch_or(INT_CONFIG, Ordering::SeqCst);
+        if let Err(e) = self.evt.write(1) {
+            tracing::warn!("virtio interrupt: {e}");
+        }
+    }
 }
 
 /// Errors a device reports while activating or processing.
@@ -121,6 +129,12 @@ pub trait VirtioDevice: Send {
     fn features(&self) -> u64;
     /// Reads device configuration space at `offset`.
     fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// The device's part of the configuration generation: a device whose configuration
+    /// changes while the driver runs bumps it, so that the driver's config reads see one
+    /// consistent snapshot.
+    fn config_generation(&self) -> u32 {
+        0
+    }
     /// Writes device configuration space (most devices ignore it).
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
     /// The driver is ready: the device gets memory, queues, negotiated features and its interrupt.
