@@ -1210,7 +1210,7 @@ impl Runtime {
                 "op": "attach_disk", "slot": slot, "path": img,
                 "read_only": true, "serial": serial,
             });
-            tokio::task::spawn_blocking(move || vm::Control::connect(&ctl)?.call(&req, None))
+            tokio::task::spawn_blocking(move || vm::control(&ctl, &req, None))
                 .await
                 .map_err(|e| internal("attach_disk")(&e))?
                 .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
@@ -1239,8 +1239,11 @@ impl Runtime {
         }
         let cid = id.to_string();
         let _ = tokio::task::spawn_blocking(move || {
-            vm::Control::connect(&v.control)?
-                .call(&serde_json::json!({"op": "drop_log", "id": cid}), None)
+            vm::control(
+                &v.control,
+                &serde_json::json!({"op": "drop_log", "id": cid}),
+                None,
+            )
         })
         .await;
         if let Ok(mut c) = self.client(pod).await {

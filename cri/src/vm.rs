@@ -2,9 +2,7 @@
 //! PID 1 is `vessel-agent`, reached through the shim's hybrid vsock socket. See
 //! docs/vm-pods.md for the files, the shim spec and its control protocol.
 
-use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -255,78 +253,27 @@ pub fn kill_shim(pid: u32, start_time: u64) {
     }
 }
 
-/// A connection to a shim's control socket (blocking; call from spawn_blocking).
-pub struct Control {
-    stream: BufReader<UnixStream>,
-    path: PathBuf,
-}
-
-impl Control {
-    pub fn connect(path: &Path) -> Result<Control, VmError> {
-        let s = UnixStream::connect(path).map_err(io("connect", path))?;
-        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-        Ok(Control {
-            stream: BufReader::new(s),
-            path: path.to_path_buf(),
-        })
+/// One request to a shim's control socket (blocking; call from spawn_blocking): the
+/// answer, or the shim's error as a [`VmError::Control`].
+pub fn control(
+    path: &Path,
+    req: &serde_json::Value,
+    fd: Option<BorrowedFd<'_>>,
+) -> Result<serde_json::Value, VmError> {
+    let op = req["op"].as_str().unwrap_or("?").to_string();
+    let err = |detail: String| VmError::Control {
+        op: op.clone(),
+        detail,
+    };
+    let mut c = vessel_shim::control::Client::connect(path).map_err(|e| err(e.to_string()))?;
+    let v = c.request(req, fd).map_err(|e| err(e.to_string()))?;
+    if v["ok"].as_bool() != Some(true) {
+        return Err(err(v["error"]
+            .as_str()
+            .unwrap_or("no reason given")
+            .to_string()));
     }
-
-    /// Sends one request (with an fd if given) and returns the answer, or the shim's error.
-    pub fn call(
-        &mut self,
-        req: &serde_json::Value,
-        fd: Option<BorrowedFd<'_>>,
-    ) -> Result<serde_json::Value, VmError> {
-        let op = req["op"].as_str().unwrap_or("?").to_string();
-        let err = |detail: String| VmError::Control {
-            op: op.clone(),
-            detail,
-        };
-        let mut line = serde_json::to_vec(req).map_err(|e| err(e.to_string()))?;
-        line.push(b'\n');
-        let sock = self.stream.get_mut();
-        match fd {
-            Some(fd) => {
-                let fds = [fd];
-                let mut space =
-                    [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-                let mut anc = rustix::net::SendAncillaryBuffer::new(&mut space);
-                if !anc.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)) {
-                    return Err(err("no room for the fd".into()));
-                }
-                let n = rustix::net::sendmsg(
-                    sock.as_fd(),
-                    &[std::io::IoSlice::new(&line)],
-                    &mut anc,
-                    rustix::net::SendFlags::empty(),
-                )
-                .map_err(|e| err(format!("{}: {e}", self.path.display())))?;
-                if n < line.len() {
-                    sock.write_all(&line[n..])
-                        .map_err(|e| err(format!("{}: {e}", self.path.display())))?;
-                }
-            }
-            None => sock
-                .write_all(&line)
-                .map_err(|e| err(format!("{}: {e}", self.path.display())))?,
-        }
-        let mut answer = String::new();
-        self.stream
-            .read_line(&mut answer)
-            .map_err(|e| err(format!("{}: {e}", self.path.display())))?;
-        if answer.is_empty() {
-            return Err(err("the shim closed the connection".into()));
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(answer.trim()).map_err(|e| err(format!("{answer:?}: {e}")))?;
-        if v["ok"].as_bool() != Some(true) {
-            return Err(err(v["error"]
-                .as_str()
-                .unwrap_or(answer.trim())
-                .to_string()));
-        }
-        Ok(v)
-    }
+    Ok(v)
 }
 
 /// Opens (creating) a container's log file for appending and hands it to the shim.
@@ -339,7 +286,8 @@ pub fn set_log(control: &Path, id: &str, log_path: &Path) -> Result<(), VmError>
         .append(true)
         .open(log_path)
         .map_err(io("open", log_path))?;
-    Control::connect(control)?.call(
+    self::control(
+        control,
         &serde_json::json!({"op": "set_log", "id": id}),
         Some(f.as_fd()),
     )?;
@@ -599,71 +547,5 @@ mod tests {
             .as_str()
             .unwrap()
             .starts_with(d.path().to_str().unwrap()));
-    }
-
-    #[test]
-    fn control_passes_fds_and_reports_errors() {
-        use std::os::unix::net::UnixListener;
-        let d = tempfile::tempdir().unwrap();
-        let sock = d.path().join("ctl.sock");
-        let l = UnixListener::bind(&sock).unwrap();
-        let server = std::thread::spawn(move || {
-            let (s, _) = l.accept().unwrap();
-            let mut buf = [0u8; 256];
-            let mut space =
-                [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-            let mut anc = rustix::net::RecvAncillaryBuffer::new(&mut space);
-            let r = rustix::net::recvmsg(
-                &s,
-                &mut [std::io::IoSliceMut::new(&mut buf)],
-                &mut anc,
-                rustix::net::RecvFlags::empty(),
-            )
-            .unwrap();
-            let mut got = 0;
-            for m in anc.drain() {
-                if let rustix::net::RecvAncillaryMessage::ScmRights(fds) = m {
-                    for fd in fds {
-                        let mut f = std::fs::File::from(fd);
-                        f.write_all(b"via fd\n").unwrap();
-                        got += 1;
-                    }
-                }
-            }
-            let req: serde_json::Value = serde_json::from_slice(&buf[..r.bytes]).unwrap();
-            assert_eq!(req["op"], "set_log");
-            let mut s = s;
-            if got == 1 {
-                s.write_all(b"{\"ok\":true}\n").unwrap();
-            } else {
-                s.write_all(b"{\"ok\":false,\"error\":\"no fd\"}\n")
-                    .unwrap();
-            }
-            // A second request on the same connection fails with the shim's message.
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            let mut line = String::new();
-            r.read_line(&mut line).unwrap();
-            s.write_all(b"{\"ok\":false,\"error\":\"slot 9 out of range\"}\n")
-                .unwrap();
-        });
-        let log = d.path().join("logs/c.log");
-        let mut c = Control::connect(&sock).unwrap();
-        std::fs::create_dir_all(log.parent().unwrap()).unwrap();
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap();
-        c.call(
-            &serde_json::json!({"op":"set_log","id":"c"}),
-            Some(f.as_fd()),
-        )
-        .unwrap();
-        let e = c
-            .call(&serde_json::json!({"op":"detach_disk","slot":9}), None)
-            .unwrap_err();
-        assert!(e.to_string().contains("slot 9 out of range"), "{e}");
-        server.join().unwrap();
-        assert_eq!(std::fs::read_to_string(&log).unwrap(), "via fd\n");
     }
 }
