@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs vessel on a Debian machine and starts vesseld with its default configuration.
-#   - Debian packages (scripts/deps.sh), a release build, /usr/local/bin/{vesseld,vessel-agent}
+#   - Debian packages (scripts/deps.sh), a release build,
+#     /usr/local/bin/{vesseld,vessel-agent,vessel-shim}
+#   - the microVM guest kernel and initrd (built, cached by content hash) in
+#     /usr/local/share/vessel/guest/ (VESSEL_NO_VM=1 skips them: flat pods only)
 #   - /etc/vessel/config.toml from `vesseld config default` (an existing one is kept)
 #   - starts vesseld: as a systemd service where systemd runs, else as a detached daemon
 #     logging to /var/log/vessel/vesseld.log
@@ -10,9 +13,21 @@ cd "$(dirname "$0")/.."
 [ "$(id -u)" -eq 0 ] || { echo "install.sh: run as root (vesseld manages mounts and namespaces)" >&2; exit 1; }
 
 bash scripts/deps.sh
-cargo build --release --locked -p vessel-cri -p vessel-agent
+cargo build --release --locked -p vessel-cri -p vessel-agent -p vessel-shim
 install -D -m 0755 target/release/vesseld /usr/local/bin/vesseld
 install -D -m 0755 target/release/vessel-agent /usr/local/bin/vessel-agent
+install -D -m 0755 target/release/vessel-shim /usr/local/bin/vessel-shim
+if [ "${VESSEL_NO_VM:-0}" != 1 ]; then
+  # A failure here leaves flat pods working; vesseld's Status says what VM pods lack.
+  if KDIR=$(bash scripts/build-guest-kernel.sh | tail -1) &&
+     INITRD=$(bash scripts/build-guest-initrd.sh target/release/vessel-agent | tail -1); then
+    install -D -m 0644 "$KDIR/vmlinux" /usr/local/share/vessel/guest/vmlinux
+    install -D -m 0644 "$INITRD" /usr/local/share/vessel/guest/initrd.img
+    echo "install: guest kernel and initrd in /usr/local/share/vessel/guest"
+  else
+    echo "install: building the guest kernel or initrd failed; VM pods are unavailable (flat pods work)" >&2
+  fi
+fi
 mkdir -p /etc/vessel /var/log/vessel
 if [ ! -f /etc/vessel/config.toml ]; then
   /usr/local/bin/vesseld config default > /etc/vessel/config.toml
