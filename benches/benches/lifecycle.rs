@@ -14,6 +14,13 @@
 //! with 10 such pods. Results go to stdout and `benches/results/lifecycle-<host>-<date>.json`.
 //! The containerd 1.6 + runc reference figures are the issue's, measured on this kind of
 //! machine. `VESSELD=/path` measures a given binary (with its `vessel-agent` sibling).
+//!
+//! VM pods: `VESSEL_BENCH_HANDLER=vm` asks every pod for the `vm` handler and
+//! `VESSEL_BENCH_CONFIG` adds TOML to vesseld's config (guest kernel, initrd); memory is then
+//! the shim's: guest RAM the guest touched plus the VMM's own PSS. The nested VM harness runs
+//! it that way (`scripts/vm-harness.sh pods`, see images/guest/README.md); the JSON result is
+//! also printed on a `RESULT-JSON:` line there, since L1's files do not come back.
+//! `VESSEL_BENCH_RUNS` overrides the number of runs.
 
 use anyhow::{Context, Result};
 use k8s_cri::v1 as cri;
@@ -94,7 +101,7 @@ impl Bench {
             .runtime
             .run_pod_sandbox(cri::RunPodSandboxRequest {
                 config: Some(cfg.clone()),
-                runtime_handler: String::new(),
+                runtime_handler: handler(),
             })
             .await?
             .into_inner()
@@ -159,22 +166,37 @@ impl Bench {
     }
 }
 
+fn handler() -> String {
+    std::env::var("VESSEL_BENCH_HANDLER").unwrap_or_default()
+}
+
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1000.0
 }
 
 fn main() -> Result<()> {
     let measure = std::env::args().any(|a| a == "--bench");
-    let runs = if measure { RUNS } else { 1 };
+    let runs_env = std::env::var("VESSEL_BENCH_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok());
+    let runs = if measure { runs_env.unwrap_or(RUNS) } else { 1 };
+    let vm = handler() == "vm";
+    let backend = if vm { "vm" } else { "flat" };
+    let extra = std::env::var("VESSEL_BENCH_CONFIG").unwrap_or_default();
     let warmup = if measure { WARMUP } else { 0 };
-    let vesseld = release_vesseld(&["vessel-cri", "vessel-agent"])?;
+    let vesseld = release_vesseld(&["vessel-cri", "vessel-agent", "vessel-shim"])?;
     // Info-level logging, as a production daemon runs.
     std::env::set_var("VESSEL_TEST_RUST_LOG", "info");
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(async {
         let reg = Registry::start(RegistryOptions::default())?;
         let img = testimages::busybox_image(Compression::Gzip);
         push_image(&PushTarget::new(&reg.url(), "library/busybox"), &img, Some("latest")).await?;
-        let v = Vesseld::start_with(&vesseld, "log_level = \"info\"", "")?;
+        let v = Vesseld::start_with(&vesseld, "log_level = \"info\"", &extra)?;
+        let guest_mib: u64 = extra
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("memory_mib"))
+            .and_then(|v| v.trim().trim_start_matches('=').trim().parse().ok())
+            .unwrap_or(256);
         let image = format!("{}/library/busybox:latest", reg.host());
         let mut b = Bench { c: v.client().await, image: image.clone(), logs: tempfile::tempdir()?, n: 0 };
         b.c.images
@@ -277,6 +299,8 @@ fn main() -> Result<()> {
         let pid = b.agent_pid(&idle_pod).await?;
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         let pss_empty = pss_kib(pid).unwrap_or(0);
+        let vm_mem = |pid: u32| vessel_benches::vm_memory_kib(pid, guest_mib).unwrap_or((0, 0));
+        let vm_empty = vm_mem(pid);
         b.teardown(&idle_pod).await?;
         let daemon_pid = v.pid().context("vesseld pid")?;
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -290,20 +314,25 @@ fn main() -> Result<()> {
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         let mut pss_with = Vec::new();
+        let mut vm_with = Vec::new();
         for p in pods.clone() {
             let pid = b.agent_pid(&p).await?;
             pss_with.push(pss_kib(pid).unwrap_or(0));
+            vm_with.push(vm_mem(pid));
         }
         let rss10 = rss_kib(daemon_pid).unwrap_or(0);
         for p in pods {
             b.teardown(&p).await?;
         }
         let pss_one = pss_with.iter().copied().min().unwrap_or(0);
+        let vm_one = vm_with.iter().copied().min().unwrap_or((0, 0));
 
-        println!("\nvessel flat pod lifecycle ({runs} runs after {warmup} warm-up; client-side ms)");
+        println!("\nvessel {backend} pod lifecycle ({runs} runs after {warmup} warm-up; client-side ms)");
         println!("{:<18} {:>8} {:>8} {:>8}   {:>11} {:>7} {:>6}", "operation", "median", "p95", "min", "containerd", "ratio", "aim");
         let mut ops = serde_json::Map::new();
-        for (name, reference, aim) in REFERENCE {
+        for &(name, reference, aim) in REFERENCE {
+            // VM pods: the aim is pod ready under 150 ms on real KVM.
+            let aim = if vm { (name == "RunPodSandbox").then_some(150.0) } else { aim };
             let Some(s) = samples.get(name).and_then(|v| Stats::of(v)) else { continue };
             let ratio = if reference.is_nan() { String::from("-") } else { format!("{:.2}", s.median / reference) };
             println!(
@@ -327,24 +356,40 @@ fn main() -> Result<()> {
             println!("  concurrency {w}: {r:>7.1} pods/s");
         }
         println!("\nmemory");
-        println!("  pod agent PSS, pod without containers:   {:>7.2} MiB", pss_empty as f64 / 1024.0);
-        println!("  pod agent PSS, one sleeping container:   {:>7.2} MiB  (containerd shim: 3.7 MiB PSS; aim < 2 MiB)", pss_one as f64 / 1024.0);
+        if vm {
+            let mib = |k: u64| k as f64 / 1024.0;
+            println!("  VM pod without containers: guest RAM touched {:>7.2} MiB, VMM PSS {:>6.2} MiB (shim PSS {:>7.2} MiB)", mib(vm_empty.0), mib(vm_empty.1), mib(pss_empty));
+            println!("  VM pod, one sleeping busybox: guest RAM touched {:>7.2} MiB, VMM PSS {:>6.2} MiB (shim PSS {:>7.2} MiB; aims on real KVM: guest < 40 MiB, VMM < 10 MiB)", mib(vm_one.0), mib(vm_one.1), mib(pss_one));
+        } else {
+            println!("  pod agent PSS, pod without containers:   {:>7.2} MiB", pss_empty as f64 / 1024.0);
+            println!("  pod agent PSS, one sleeping container:   {:>7.2} MiB  (containerd shim: 3.7 MiB PSS; aim < 2 MiB)", pss_one as f64 / 1024.0);
+        }
         println!("  vesseld RSS, 0 pods:                     {:>7.2} MiB  (containerd: 50 MiB; aim < 20 MiB)", rss0 as f64 / 1024.0);
         println!("  vesseld RSS, 10 pods:                    {:>7.2} MiB", rss10 as f64 / 1024.0);
         if measure {
-            let p = write_result(
-                "lifecycle",
-                &serde_json::json!({
-                    "benchmark": "lifecycle",
-                    "date": chrono::Utc::now().to_rfc3339(),
-                    "machine": machine_info(),
-                    "method": {"runs": runs, "warmup": warmup, "timed": "CRI RPCs over the Unix socket, measured by the client", "backend": "flat", "vesseld_log_level": "info"},
-                    "operations": ops,
-                    "throughput": throughput,
-                    "memory_kib": {"agent_pss_no_containers": pss_empty, "agent_pss_one_container": pss_one, "agent_pss_one_container_all": pss_with, "vesseld_rss_0_pods": rss0, "vesseld_rss_10_pods": rss10},
-                }),
-            )?;
+            let mut memory = serde_json::json!({"agent_pss_no_containers": pss_empty, "agent_pss_one_container": pss_one, "agent_pss_one_container_all": pss_with, "vesseld_rss_0_pods": rss0, "vesseld_rss_10_pods": rss10});
+            if vm {
+                memory["note"] = serde_json::json!("VM pods: agent_pss_* is the shim's PSS (guest RAM it touched included)");
+                memory["vm_guest_mib"] = serde_json::json!(guest_mib);
+                memory["vm_no_containers"] = serde_json::json!({"guest_touched": vm_empty.0, "vmm_pss": vm_empty.1});
+                memory["vm_one_container"] = serde_json::json!({"guest_touched": vm_one.0, "vmm_pss": vm_one.1});
+                memory["vm_one_container_all"] = serde_json::json!(vm_with);
+            }
+            let result = serde_json::json!({
+                "benchmark": "lifecycle",
+                "date": chrono::Utc::now().to_rfc3339(),
+                "machine": machine_info(),
+                "method": {"runs": runs, "warmup": warmup, "timed": "CRI RPCs over the Unix socket, measured by the client", "backend": backend, "vesseld_log_level": "info"},
+                "operations": ops,
+                "throughput": throughput,
+                "memory_kib": memory,
+            });
+            let name = if vm { "lifecycle-vmpods" } else { "lifecycle" };
+            let p = write_result(name, &result)?;
             println!("\nresults: {}", p.display());
+            if vm {
+                println!("RESULT-JSON: {}", serde_json::to_string(&result)?);
+            }
         }
         drop(v);
         drop(reg);

@@ -187,3 +187,29 @@ fn field_kib(path: &str, key: &str) -> Option<u64> {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
+
+/// A VM pod's host memory from its shim's `/proc/<pid>/smaps`: (guest RAM the guest has
+/// touched, i.e. the RSS of the guest memory mapping of `guest_mib`; PSS of everything else
+/// in the shim: the VMM itself). KiB.
+pub fn vm_memory_kib(pid: u32, guest_mib: u64) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let (mut guest, mut other) = (0u64, 0u64);
+    let mut in_guest = false;
+    let val = |l: &str| -> u64 {
+        l.split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    for l in s.lines() {
+        if let Some(v) = l.strip_prefix("Size:") {
+            // Guest RAM is one anonymous mapping of exactly its size (below the 32-bit gap).
+            in_guest = val(&format!("x {v}")) == guest_mib * 1024;
+        } else if l.starts_with("Rss:") && in_guest {
+            guest += val(l);
+        } else if l.starts_with("Pss:") && !in_guest {
+            other += val(l);
+        }
+    }
+    Some((guest, other))
+}
