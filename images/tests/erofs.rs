@@ -1,0 +1,286 @@
+//! EROFS layer images: built from an unpacked layer with `mkfs.erofs`, cached, shared, collected.
+//!
+//! Content is checked with erofs-utils (`fsck.erofs --extract`, `dump.erofs`) and, where this
+//! runs as root on a kernel with EROFS, by mounting the image read-only on a loop device.
+
+use std::fs;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use vessel_images::erofs::{ErofsCompression, ErofsOptions};
+use vessel_images::testimages::LayerBuilder;
+use vessel_images::{Digest, ImageStore};
+
+fn have(tool: &str) -> bool {
+    Command::new(tool).arg("--help").output().is_ok()
+}
+
+/// erofs-utils present, and root (the layer's whiteout device and foreign owners need it).
+fn usable() -> bool {
+    if !have("mkfs.erofs") || !have("fsck.erofs") || !have("dump.erofs") {
+        eprintln!("skipping: erofs-utils (mkfs.erofs, fsck.erofs, dump.erofs) not installed");
+        return false;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipping: needs root (whiteout devices, ownership)");
+        return false;
+    }
+    true
+}
+
+/// A file (owned 1000:2000, 0640, mtime 2020), a dir, a symlink, a hard link, a whiteout and an
+/// opaque dir, unpacked into a fresh store. Returns the store and the diff ID.
+fn store_with_layer(root: &Path) -> (Arc<ImageStore>, Digest) {
+    let tar = LayerBuilder::new()
+        .mtime(1_577_836_800)
+        .dir("etc", 0o755)
+        .file_owned("etc/hello", 0o640, 1000, 2000, b"hello erofs\n")
+        .dir("usr/share/empty", 0o700)
+        .symlink("etc/link", "hello")
+        .hardlink("etc/hard", "etc/hello")
+        .whiteout("etc/gone")
+        .dir("var/opq", 0o755)
+        .file("var/opq/kept", 0o644, b"kept\n")
+        .opaque("var/opq")
+        .finish();
+    let diff_id = Digest::of(&tar);
+    let store = ImageStore::open(root).unwrap();
+    store
+        .unpack_layer_from(&tar[..], &diff_id, Vec::new())
+        .unwrap();
+    (Arc::new(store), diff_id)
+}
+
+fn dump(image: &Path, path: &str) -> String {
+    let out = Command::new("dump.erofs")
+        .arg(format!("--path={path}"))
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "dump.erofs {path}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn field<'a>(dump: &'a str, name: &str) -> &'a str {
+    let i = dump
+        .find(name)
+        .unwrap_or_else(|| panic!("{name} in {dump}"))
+        + name.len();
+    dump[i..].split_whitespace().next().unwrap()
+}
+
+fn check_image(image: &Path, work: &Path) {
+    // Every file decodes; content, types, owners and modes as in the layer.
+    let x = work.join("extract");
+    let out = Command::new("fsck.erofs")
+        .arg(format!("--extract={}", x.display()))
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "fsck.erofs: {out:?}");
+    assert_eq!(fs::read(x.join("etc/hello")).unwrap(), b"hello erofs\n");
+    let m = fs::metadata(x.join("etc/hello")).unwrap();
+    assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1000, 2000, 0o640));
+    assert_eq!(
+        fs::metadata(x.join("usr/share/empty"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777,
+        0o700
+    );
+    assert_eq!(
+        fs::read_link(x.join("etc/link")).unwrap(),
+        PathBuf::from("hello")
+    );
+    let wh = fs::symlink_metadata(x.join("etc/gone")).unwrap();
+    assert!(
+        wh.file_type().is_char_device() && wh.rdev() == 0,
+        "whiteout"
+    );
+    assert_eq!(fs::read(x.join("var/opq/kept")).unwrap(), b"kept\n");
+    assert!(!x.join("var/opq/.wh..wh..opq").exists());
+
+    // The hard link is one inode; per-file mtimes are kept; the opaque dir carries its xattr.
+    let a = dump(image, "/etc/hello");
+    let b = dump(image, "/etc/hard");
+    assert_eq!(field(&a, "NID:"), field(&b, "NID:"));
+    assert_eq!(field(&a, "Links:"), "2");
+    assert!(a.contains("Timestamp: 2020-01-01 00:00:00"), "{a}");
+    let o = dump(image, "/var/opq");
+    assert_ne!(field(&o, "Xattr size:"), "0", "{o}");
+
+    mount_check(image, work);
+}
+
+/// Mounts the image (root, kernel EROFS, loop) and checks what only a mount shows: the
+/// `trusted.overlay.opaque` value and the hard link's inode.
+fn mount_check(image: &Path, work: &Path) {
+    let _ = Command::new("modprobe").args(["-q", "erofs"]).status();
+    let fss = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !fss.lines().any(|l| l.trim_end().ends_with("erofs")) {
+        eprintln!("not mounting: no EROFS in this kernel");
+        return;
+    }
+    let mnt = work.join("mnt");
+    fs::create_dir_all(&mnt).unwrap();
+    let st = Command::new("mount")
+        .args(["-t", "erofs", "-o", "loop,ro"])
+        .arg(image)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    if !st.status.success() {
+        eprintln!("not mounting: {}", String::from_utf8_lossy(&st.stderr));
+        return;
+    }
+    let res = std::panic::catch_unwind(|| {
+        let mut v = [0u8; 8];
+        let n = rustix::fs::getxattr(mnt.join("var/opq"), "trusted.overlay.opaque", &mut v[..])
+            .unwrap();
+        assert_eq!(&v[..n], b"y");
+        let a = fs::metadata(mnt.join("etc/hello")).unwrap();
+        let b = fs::metadata(mnt.join("etc/hard")).unwrap();
+        assert_eq!(a.ino(), b.ino());
+        assert_eq!(a.mtime(), 1_577_836_800);
+        let wh = fs::symlink_metadata(mnt.join("etc/gone")).unwrap();
+        assert!(wh.file_type().is_char_device() && wh.rdev() == 0);
+        assert_eq!(
+            fs::read(mnt.join("etc/hello")).unwrap(),
+            b"hello erofs\n".to_vec()
+        );
+    });
+    let _ = Command::new("umount").arg(&mnt).status();
+    if let Err(p) = res {
+        std::panic::resume_unwind(p);
+    }
+}
+
+#[tokio::test]
+async fn builds_a_faithful_image_once() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (store, diff_id) = store_with_layer(&d.path().join("store"));
+    let img = store.erofs_layer(&diff_id).await.unwrap();
+    assert_eq!(
+        img,
+        store.root().join(format!("erofs/{}.img", diff_id.hex()))
+    );
+    let first = fs::metadata(&img).unwrap();
+    check_image(&img, d.path());
+
+    // Idempotent: the second call returns the same file without building again.
+    let again = store.erofs_layer(&diff_id).await.unwrap();
+    assert_eq!(again, img);
+    assert_eq!(fs::metadata(&again).unwrap().ino(), first.ino());
+    assert_eq!(store.stats.erofs_built.load(Ordering::Relaxed), 1);
+    // Nothing left in tmp/.
+    assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+}
+
+#[tokio::test]
+async fn uncompressed_variant_is_separate_and_faithful() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (store, diff_id) = store_with_layer(&d.path().join("store"));
+    let opts = ErofsOptions {
+        compression: ErofsCompression::None,
+        ..ErofsOptions::default()
+    };
+    let img = store.erofs_layer_with(&diff_id, &opts).await.unwrap();
+    assert!(img.ends_with(format!("{}.uncompressed.img", diff_id.hex())));
+    check_image(&img, d.path());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_callers_build_once() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (store, diff_id) = store_with_layer(&d.path().join("store"));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let s = store.clone();
+            let id = diff_id.clone();
+            tokio::spawn(async move { s.erofs_layer(&id).await.unwrap() })
+        })
+        .collect();
+    let mut paths = Vec::new();
+    for t in tasks {
+        paths.push(t.await.unwrap());
+    }
+    assert!(paths.iter().all(|p| p == &paths[0]));
+    assert_eq!(store.stats.erofs_built.load(Ordering::Relaxed), 1);
+    assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+}
+
+#[tokio::test]
+async fn gc_removes_the_image_with_its_layer() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (store, diff_id) = store_with_layer(&d.path().join("store"));
+    let pin = store.pin([diff_id.hex().to_string()]);
+    let img = store.erofs_layer(&diff_id).await.unwrap();
+    let (used_before, _) = store.usage().unwrap();
+    assert!(used_before >= fs::metadata(&img).unwrap().len());
+    // Kept while the layer is.
+    store.gc().unwrap();
+    assert!(img.is_file() && store.has_layer(&diff_id));
+    drop(pin);
+    store.gc().unwrap();
+    assert!(!store.has_layer(&diff_id));
+    assert!(!img.exists());
+    assert_eq!(fs::read_dir(store.erofs_dir()).unwrap().count(), 0);
+    // And the layer is needed to build one.
+    let err = store.erofs_layer(&diff_id).await.unwrap_err();
+    assert!(err.to_string().contains("not in the store"), "{err}");
+}
+
+#[tokio::test]
+async fn crash_debris_is_collected_at_open() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("store");
+    let (store, _) = store_with_layer(&root);
+    // What a build killed mid-way leaves: a temp image of a dead process in tmp/.
+    let debris = store.tmp_dir().join("2147483632.erofs.1.tmp");
+    fs::write(&debris, b"half an image").unwrap();
+    drop(store);
+    let store = ImageStore::open(&root).unwrap();
+    assert!(!debris.exists());
+    drop(store);
+}
+
+#[tokio::test]
+async fn mkfs_failure_is_reported_and_leaves_nothing() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (store, diff_id) = store_with_layer(&d.path().join("store"));
+    let opts = ErofsOptions {
+        mkfs: PathBuf::from("false"),
+        ..ErofsOptions::default()
+    };
+    let err = store.erofs_layer_with(&diff_id, &opts).await.unwrap_err();
+    assert!(err.to_string().contains("EROFS"), "{err}");
+    assert!(!store.erofs_path(&diff_id, &opts).exists());
+    assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+    let opts = ErofsOptions {
+        mkfs: PathBuf::from("/nonexistent/mkfs.erofs"),
+        ..ErofsOptions::default()
+    };
+    let err = store.erofs_layer_with(&diff_id, &opts).await.unwrap_err();
+    assert!(err.to_string().contains("erofs-utils"), "{err}");
+}
