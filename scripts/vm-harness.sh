@@ -214,7 +214,7 @@ if [ -d /newroot ] && [ "${1:-}" != stage2 ]; then
 fi
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
-if [ -d /var/lib ]; then
+if [ -f /vessel/pods-env ]; then
   mkdir -p /dev/pts /dev/shm /run; mount -t devpts devpts /dev/pts; mount -t tmpfs shm /dev/shm; mount -t tmpfs run /run
   hostname -F /etc/hostname
 fi

@@ -28,12 +28,16 @@ done
 
 # The config: state under /run/vessel-test, root under /var/lib/vessel-test. For the vm handler,
 # the [vm] keys this vesseld knows (from `vesseld config default`) point at the staged guest.
+# With the vm handler, a pod that falls back to flat must fail, not pass as a flat pod.
+vesseld config default >"$STATE/default.toml" 2>/dev/null
 {
   printf '[daemon]\nsocket = "%s"\nroot_dir = "%s"\nstate_dir = "%s"\nlog_level = "debug"\nmetrics_address = ""\n\n' \
     "$VESSEL_SOCK" "$ROOT" "$STATE"
   printf '[runtime]\nagent_binary = "%s"\n' "$D/bin/vessel-agent"
+  if [ "$HANDLER" = vm ] && grep -q '^vm_fallback *=' "$STATE/default.toml"; then
+    echo 'vm_fallback = "refuse"'
+  fi
 } >"$STATE/config.toml"
-vesseld config default >"$STATE/default.toml" 2>/dev/null
 vm_keys=$(awk '/^\[/{s=$0} s=="[vm]" && /^[a-z_]+ *=/{print $1}' "$STATE/default.toml")
 if [ -n "$vm_keys" ]; then
   echo '' >>"$STATE/config.toml"
