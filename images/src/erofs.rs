@@ -107,6 +107,15 @@ fn mkfs_args(opts: &ErofsOptions, diff_id: &Digest, image: &Path, dir: &Path) ->
     a
 }
 
+/// A temp file path removed (if it exists) when dropped.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 impl ImageStore {
     /// `<root>/erofs`.
     pub fn erofs_dir(&self) -> PathBuf {
@@ -154,12 +163,11 @@ impl ImageStore {
         tokio::fs::create_dir_all(&dir)
             .await
             .map_err(ImageError::io("create", &dir))?;
-        let tmp = fsutil::temp_path(&self.tmp_dir(), "erofs");
-        let res = self.build_erofs(diff_id, opts, &layer, &tmp, &dest).await;
-        if res.is_err() {
-            let _ = tokio::fs::remove_file(&tmp).await;
-        }
-        res?;
+        // Removed on failure and when the caller's future is dropped mid-build (mkfs.erofs is
+        // killed then); after the rename there is nothing left to remove.
+        let tmp = TempFile(fsutil::temp_path(&self.tmp_dir(), "erofs"));
+        self.build_erofs(diff_id, opts, &layer, &tmp.0, &dest)
+            .await?;
         self.stats
             .erofs_built
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -284,3 +284,35 @@ async fn mkfs_failure_is_reported_and_leaves_nothing() {
     let err = store.erofs_layer_with(&diff_id, &opts).await.unwrap_err();
     assert!(err.to_string().contains("erofs-utils"), "{err}");
 }
+
+#[tokio::test]
+async fn a_cancelled_build_leaves_nothing() {
+    if !usable() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (store, diff_id) = store_with_layer(&d.path().join("store"));
+    // A "mkfs.erofs" that writes part of its output and hangs.
+    let slow = d.path().join("slow-mkfs");
+    fs::write(
+        &slow,
+        "#!/bin/sh\nfor a; do out=$prev; prev=$a; done\necho partial >\"$out\"\nexec sleep 30\n",
+    )
+    .unwrap();
+    fs::set_permissions(&slow, fs::Permissions::from_mode(0o755)).unwrap();
+    let opts = ErofsOptions {
+        mkfs: slow,
+        ..ErofsOptions::default()
+    };
+    let r = tokio::time::timeout(
+        std::time::Duration::from_millis(500),
+        store.erofs_layer_with(&diff_id, &opts),
+    )
+    .await;
+    assert!(r.is_err(), "the build should still be running");
+    assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+    assert!(!store.erofs_path(&diff_id, &opts).exists());
+    // The next call builds for real.
+    let img = store.erofs_layer(&diff_id).await.unwrap();
+    assert!(img.is_file());
+}
