@@ -217,6 +217,8 @@ mount -t tmpfs tmp /tmp
 if [ -f /vessel/pods-env ]; then
   mkdir -p /dev/pts /dev/shm /run; mount -t devpts devpts /dev/pts; mount -t tmpfs shm /dev/shm; mount -t tmpfs run /run
   hostname -F /etc/hostname
+  # As on a systemd host: / shared, so Bidirectional container mounts propagate back.
+  mount --make-rshared / 2>/dev/null || mount -o rshared /
 fi
 while read -r m; do insmod "/lib/modules/$m" 2>/dev/null; done </lib/modules/order
 [ -e /dev/kvm ] || echo "vm-harness: no /dev/kvm in L1 ($(cat /sys/module/kvm_amd/parameters/nested 2>/dev/null))"
