@@ -316,3 +316,92 @@ async fn a_cancelled_build_leaves_nothing() {
     let img = store.erofs_layer(&diff_id).await.unwrap();
     assert!(img.is_file());
 }
+
+/// Mounts `image` read-only on a loop device at `dir`; false where this kernel or user can't.
+fn loop_mount(image: &Path, dir: &Path) -> bool {
+    fs::create_dir_all(dir).unwrap();
+    Command::new("mount")
+        .args(["-t", "erofs", "-o", "loop,ro"])
+        .arg(image)
+        .arg(dir)
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+/// What the guest does: two layer images, loop-mounted and stacked with overlayfs. The upper
+/// layer's whiteout hides a lower file and its opaque directory hides the lower directory's
+/// content, so both survived mkfs.erofs in the form overlayfs reads.
+#[tokio::test]
+async fn overlayfs_honours_whiteouts_and_opaque_dirs_in_images() {
+    if !usable() {
+        return;
+    }
+    let _ = Command::new("modprobe").args(["-q", "erofs"]).status();
+    let _ = Command::new("modprobe").args(["-q", "overlay"]).status();
+    let fss = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !fss.contains("\terofs") || !fss.contains("\toverlay") {
+        eprintln!("skipping: no EROFS or overlayfs in this kernel");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let store = ImageStore::open(d.path().join("store")).unwrap();
+    let lower = LayerBuilder::new()
+        .dir("etc", 0o755)
+        .file("etc/keep", 0o644, b"keep\n")
+        .file("etc/gone", 0o644, b"gone\n")
+        .dir("var/opq", 0o755)
+        .file("var/opq/old", 0o644, b"old\n")
+        .finish();
+    let upper = LayerBuilder::new()
+        .whiteout("etc/gone")
+        .opaque("var/opq")
+        .file("var/opq/new", 0o644, b"new\n")
+        .finish();
+    let (lo, up) = (Digest::of(&lower), Digest::of(&upper));
+    store
+        .unpack_layer_from(&lower[..], &lo, Vec::new())
+        .unwrap();
+    store
+        .unpack_layer_from(&upper[..], &up, vec![store.layer_path(&lo)])
+        .unwrap();
+    let (lo_img, up_img) = (
+        store.erofs_layer(&lo).await.unwrap(),
+        store.erofs_layer(&up).await.unwrap(),
+    );
+    let (m1, m2, m) = (d.path().join("m1"), d.path().join("m2"), d.path().join("m"));
+    let mut mounted = Unmount(Vec::new());
+    if !loop_mount(&lo_img, &m1) {
+        eprintln!("skipping: cannot loop-mount EROFS here");
+        return;
+    }
+    mounted.0.push(m1.clone());
+    assert!(loop_mount(&up_img, &m2), "mount {}", up_img.display());
+    mounted.0.push(m2.clone());
+    fs::create_dir_all(&m).unwrap();
+    let opts = format!("ro,lowerdir={}:{}", m2.display(), m1.display());
+    let o = Command::new("mount")
+        .args(["-t", "overlay", "-o", &opts, "overlay"])
+        .arg(&m)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "overlay mount: {o:?}");
+    mounted.0.push(m.clone());
+    assert_eq!(fs::read(m.join("etc/keep")).unwrap(), b"keep\n");
+    assert!(!m.join("etc/gone").exists(), "whiteout ignored");
+    assert_eq!(fs::read(m.join("var/opq/new")).unwrap(), b"new\n");
+    assert!(!m.join("var/opq/old").exists(), "opaque directory ignored");
+    // Sanity: each image alone shows what the stack hides.
+    assert!(m1.join("etc/gone").exists() && m1.join("var/opq/old").exists());
+}
+
+/// Unmounts its paths, last first, when dropped (also when an assertion fails).
+struct Unmount(Vec<PathBuf>);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        for p in self.0.iter().rev() {
+            let _ = Command::new("umount").arg(p).status();
+        }
+    }
+}
