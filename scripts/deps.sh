@@ -16,6 +16,7 @@ PKGS=(
   linux-source-6.1 build-essential flex bison libelf-dev libssl-dev bc xz-utils lz4 cpio
   # the nested VM test harness (scripts/vm-harness.sh): QEMU/TCG boots a Debian kernel (L1)
   qemu-system-x86 linux-image-cloud-amd64 kmod
+  binutils            # strip: `vm-harness.sh pods` strips the debug binaries it puts in L1
 )
 
 missing=()

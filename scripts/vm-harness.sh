@@ -10,10 +10,18 @@
 #   scripts/vm-harness.sh bench [RUNS]        boot/vsock/memory benchmark in L1: vessel-shim vs
 #                                             qemu-system-x86_64 -M microvm -enable-kvm, same
 #                                             kernel and initrd, medians and ratios
+#   scripts/vm-harness.sh pods [CRITEST-ARGS] vesseld in L1 driven by vessel-critest (pods of
+#                                             handler $VESSEL_PODS_HANDLER, flat or vm), see
+#                                             images/guest/harness/l1-pods.sh and README.md
 #
 # Environment: VESSEL_TESTS="boot_to_init smp ..." selects tests; VESSEL_HARNESS_TIMEOUT (s,
 # default 300) is the watchdog of one L1 run; a run that hangs or crashes (no end marker) is
 # retried once. VESSEL_PROFILE=release|debug (default release) picks the shim build.
+# pods: VESSEL_PODS_HANDLER=flat|vm (default flat), VESSEL_PODS_FOCUS=REGEX (critest --focus),
+# VESSEL_PODS_EXTRA="CMD" (run in L1 after the suite), VESSEL_PODS_CONFIG="TOML" (appended to
+# vesseld's config), VESSEL_PODS_BINDIR=DIR (take vesseld, vessel-agent, vessel-shim and
+# vessel-critest from DIR instead of building them; default profile debug), VESSEL_HARNESS_MEM
+# (MiB of L1 RAM; default 2048, pods 3072). Ends with `PODS-HARNESS: N passed, N failed, N skipped`.
 # Output: the suite's `PASS name`/`FAIL name` lines and `N passed, N failed`; exit 0 iff all
 # passed. Work files: ${VESSEL_HARNESS_WORK:-/var/tmp/vessel-harness}.
 set -euo pipefail
@@ -22,6 +30,7 @@ ROOT=$(pwd)
 WORK=${VESSEL_HARNESS_WORK:-/var/tmp/vessel-harness}
 TIMEOUT=${VESSEL_HARNESS_TIMEOUT:-300}
 PROFILE=${VESSEL_PROFILE:-release}
+MEM=${VESSEL_HARNESS_MEM:-2048}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 log() { echo "vm-harness: $*" >&2; }
 
@@ -30,6 +39,17 @@ mode=test
 adds=(); cmd=()
 BENCH_RUNS=5
 if [ "$mode" = bench ] && [ $# -gt 0 ]; then BENCH_RUNS=$1; shift; fi
+pods_args=()
+if [ "$mode" = pods ]; then
+  pods_args=("$@")
+  PROFILE=${VESSEL_PROFILE:-debug}
+  TIMEOUT=${VESSEL_HARNESS_TIMEOUT:-900}
+  MEM=${VESSEL_HARNESS_MEM:-3072}
+  avail=$(awk '/^MemAvailable:/{print int($2/1024)}' /proc/meminfo)
+  if [ "$avail" -lt $((MEM + 512)) ]; then
+    echo "vm-harness: L1 needs ${MEM} MiB of RAM (+512 for QEMU) and this host has ${avail} MiB available" >&2; exit 1
+  fi
+fi
 if [ "$mode" = run ]; then
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -43,6 +63,7 @@ fi
 
 # --- dependencies
 need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod gcc libc6-dev iproute2)
+[ "$mode" = pods ] && need+=(docker-registry erofs-utils binutils)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -56,7 +77,21 @@ fi
 # --- build: guest kernel (cached), shim
 KDIR=${VESSEL_GUEST_KDIR:-$(bash scripts/build-guest-kernel.sh | tail -n1)}
 log "guest kernel: $KDIR"
-if [ "$PROFILE" = release ]; then
+if [ "$mode" = pods ]; then
+  # vesseld, the agent, the shim and the suite: from VESSEL_PODS_BINDIR, or built here.
+  if [ -n "${VESSEL_PODS_BINDIR:-}" ]; then
+    BINDIR=$VESSEL_PODS_BINDIR
+  else
+    BINDIR="$CARGO_TARGET_DIR/$PROFILE"
+    rel=(); [ "$PROFILE" = release ] && rel=(--release)
+    cargo build "${rel[@]}" -p vessel-cri -p vessel-agent -p vessel-shim -p vessel-critest --bins >&2 ||
+      { log "building the pods binaries failed (VESSEL_PODS_BINDIR=DIR uses binaries built elsewhere)"; exit 1; }
+  fi
+  for b in vesseld vessel-agent vessel-shim vessel-critest; do
+    [ -x "$BINDIR/$b" ] || { log "no $BINDIR/$b"; exit 1; }
+  done
+  SHIM="$BINDIR/vessel-shim"
+elif [ "$PROFILE" = release ]; then
   cargo build --release -p vessel-shim >&2; SHIM="$CARGO_TARGET_DIR/release/vessel-shim"
 else
   cargo build -p vessel-shim >&2; SHIM="$CARGO_TARGET_DIR/debug/vessel-shim"
@@ -68,6 +103,24 @@ rm -rf "$STAGE"; mkdir -p "$STAGE/bin" "$STAGE/guest"
 cp "$SHIM" "$STAGE/bin/vessel-shim"
 cp "$KDIR/bzImage" "$KDIR/vmlinux" "$STAGE/guest/"
 cp images/guest/harness/l1-tests.sh "$STAGE/bin/l1-tests.sh"
+if [ "$mode" = pods ]; then
+  # Debug builds are ~200-350 MB each, mostly DWARF: L1 holds them in RAM, so strip that.
+  for b in vesseld vessel-agent vessel-shim vessel-critest; do
+    strip --strip-debug -o "$STAGE/bin/$b" "$BINDIR/$b"
+  done
+  cp images/guest/harness/l1-pods.sh "$STAGE/bin/l1-pods.sh"
+  # The VM pods' guest initrd (/init = vessel-agent), when its build script exists.
+  if [ -f scripts/build-guest-initrd.sh ]; then
+    # Its last line names the initrd (or the directory holding initrd*).
+    GI=$(bash scripts/build-guest-initrd.sh | tail -n1)
+    if [ -d "$GI" ]; then GI=$(find "$GI" -maxdepth 1 -name 'initrd*' -type f | sort | head -n1); fi
+    [ -f "$GI" ] || { log "scripts/build-guest-initrd.sh did not name an initrd (got '$GI')"; exit 1; }
+    cp "$GI" "$STAGE/guest/vessel-initrd.img"
+    log "guest initrd: $GI"
+  else
+    log "skip: scripts/build-guest-initrd.sh does not exist yet; no VM pod initrd staged (the vm handler cannot boot pods)"
+  fi
+fi
 
 # The guest's initrd: busybox and the test /init.
 G="$WORK/guest-initrd"
@@ -97,6 +150,8 @@ add_mod() { # name, with dependencies first
   case " ${mods[*]:-} " in *" $f "*) ;; *) mods+=("$f") ;; esac
 }
 for m in kvm_amd tun vhost_vsock; do add_mod "$m"; done
+# Pods: overlayfs for flat pods' root filesystems, erofs and loop for layer images.
+if [ "$mode" = pods ]; then for m in overlay erofs loop; do add_mod "$m"; done; fi
 : >"$L/lib/modules/order"
 for f in "${mods[@]}"; do
   case "$f" in *.xz) xz -dc "$f" >"$L/lib/modules/$(basename "${f%.xz}")" ;; *) cp "$f" "$L/lib/modules/" ;; esac
@@ -107,6 +162,24 @@ done
 IPBIN=$(command -v ip)
 mkdir -p "$L/usr/local/bin"; cp "$IPBIN" "$L/usr/local/bin/ip"
 bins=("$SHIM" "$IPBIN")
+if [ "$mode" = pods ]; then
+  # docker-registry for vessel-critest's test images (plain HTTP on 127.0.0.1), mkfs.erofs for
+  # VM pods' layer images; /etc files that vesseld, the agent and the registry look at.
+  mkdir -p "$L/usr/bin" "$L/etc" "$L/var/lib" "$L/newroot"
+  for b in "$STAGE"/bin/vessel* /usr/bin/docker-registry /usr/bin/mkfs.erofs /usr/bin/fsck.erofs /usr/bin/dump.erofs; do
+    bins+=("$b")
+  done
+  cp /usr/bin/docker-registry /usr/bin/mkfs.erofs /usr/bin/fsck.erofs /usr/bin/dump.erofs "$L/usr/bin/"
+  printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$L/etc/passwd"
+  printf 'root:x:0:\nnogroup:x:65534:\n' >"$L/etc/group"
+  printf '127.0.0.1 localhost\n::1 localhost\n' >"$L/etc/hosts"
+  printf 'nameserver 127.0.0.1\n' >"$L/etc/resolv.conf"
+  echo vessel-l1 >"$L/etc/hostname"
+  : >"$L/vessel/pods-args"
+  if [ ${#pods_args[@]} -gt 0 ]; then printf '%s\n' "${pods_args[@]}" >"$L/vessel/pods-args"; fi
+  printf 'export VESSEL_PODS_HANDLER=%q VESSEL_PODS_FOCUS=%q VESSEL_PODS_EXTRA=%q VESSEL_PODS_CONFIG=%q\n' \
+    "${VESSEL_PODS_HANDLER:-flat}" "${VESSEL_PODS_FOCUS:-}" "${VESSEL_PODS_EXTRA:-}" "${VESSEL_PODS_CONFIG:-}" >"$L/vessel/pods-env"
+fi
 if [ "$mode" = bench ]; then
   bins+=(/usr/bin/qemu-system-x86_64)
   mkdir -p "$L/usr/bin" "$L/usr/share/qemu"
@@ -124,6 +197,8 @@ for a in "${adds[@]}"; do
 done
 if [ "$mode" = run ]; then
   printf '%q ' "${cmd[@]}" >"$L/vessel/cmd"; echo >>"$L/vessel/cmd"
+elif [ "$mode" = pods ]; then
+  echo '. /vessel/pods-env; set --; while IFS= read -r a; do set -- "$@" "$a"; done </vessel/pods-args; sh /vessel/bin/l1-pods.sh "$@"' >"$L/vessel/cmd"
 elif [ "$mode" = bench ]; then
   echo "/vessel/bin/vessel-shim bench --kernel /vessel/guest/bzImage --initrd /vessel/guest/initrd.cpio --runs $BENCH_RUNS --qemu /usr/bin/qemu-system-x86_64 --work /tmp/bench" >"$L/vessel/cmd"
 else
@@ -131,9 +206,22 @@ else
 fi
 cat >"$L/init" <<'EOS'
 #!/bin/sh
-export PATH=/usr/local/bin:/bin:/sbin HOME=/ TMPDIR=/tmp
+export PATH=/usr/local/bin:/bin:/sbin:/usr/bin HOME=/ TMPDIR=/tmp
+if [ -d /newroot ] && [ "${1:-}" != stage2 ]; then
+  # pivot_root(2) refuses to leave the initramfs, and container runtimes pivot_root into each
+  # container's rootfs: move everything onto a tmpfs and make that the root.
+  mount -t tmpfs -o size=80%,mode=0755 root /newroot
+  for e in /* ; do [ "$e" = /newroot ] || cp -a "$e" /newroot/; done
+  exec switch_root /newroot /init stage2
+fi
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
+if [ -f /vessel/pods-env ]; then
+  mkdir -p /dev/pts /dev/shm /run; mount -t devpts devpts /dev/pts; mount -t tmpfs shm /dev/shm; mount -t tmpfs run /run
+  hostname -F /etc/hostname
+  # As on a systemd host: / shared, so Bidirectional container mounts propagate back.
+  mount --make-rshared / 2>/dev/null || mount -o rshared /
+fi
 while read -r m; do insmod "/lib/modules/$m" 2>/dev/null; done </lib/modules/order
 [ -e /dev/kvm ] || echo "vm-harness: no /dev/kvm in L1 ($(cat /sys/module/kvm_amd/parameters/nested 2>/dev/null))"
 ip link set lo up
@@ -148,7 +236,7 @@ log "L1 initrd $(du -h "$WORK/l1-initrd.cpio" | cut -f1), L1 kernel $KVER"
 
 # --- boot L1 under a watchdog; retry once if it hangs or crashes
 run_l1() {
-  timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 -accel tcg -cpu EPYC -smp 1 -m 2048 \
+  timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 -accel tcg -cpu EPYC -smp 1 -m "$MEM" \
     -nographic -no-reboot -nodefaults -serial stdio -monitor none \
     -kernel "$L1K" -initrd "$WORK/l1-initrd.cpio" \
     -append "console=ttyS0 quiet panic=-1 kvm_amd.nested=1 rdinit=/init" </dev/null 2>&1 |

@@ -4,12 +4,14 @@
 //! - [`store`]: the content-addressed blob store, image records and unpacked layers.
 //! - [`registry`]: pulls over the OCI distribution API (auth, mirrors, platforms).
 //! - [`unpack`]: applying a layer tarball to a directory, safely.
+//! - [`erofs`]: read-only EROFS images of unpacked layers, the rootfs disks of VM pods.
 //! - [`snapshot`]: container root filesystems as overlayfs mounts over shared layers.
 //! - [`import`]: offline import of OCI layouts and docker-archive tarballs.
 //! - [`push`] and [`testimages`]: building and pushing the deterministic test images.
 
 pub mod challenge;
 pub mod digest;
+pub mod erofs;
 pub mod error;
 pub mod fsutil;
 pub mod import;

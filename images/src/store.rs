@@ -5,6 +5,7 @@
 //! <root>/layers/<hex>         unpacked layers, named by diff ID, used as overlayfs lower dirs
 //! <root>/records/<hex>.json   one record per image, named by image ID (config digest)
 //! <root>/snapshots/<id>/      container root filesystems (see `snapshot`)
+//! <root>/erofs/<hex>.img      EROFS images of unpacked layers for VM pods (see `erofs`)
 //! <root>/tmp/                 work in progress: `<pid>.<tag>.<n>.tmp`, removed at start if the pid is gone
 //! <root>/lock                 flock taken for every change of records, so `vesseld image import`
 //!                             and a running `vesseld` can share the store
@@ -118,6 +119,8 @@ pub struct StoreStats {
     pub blobs_committed: AtomicU64,
     /// Layers unpacked (a layer already present is not counted).
     pub layers_unpacked: AtomicU64,
+    /// EROFS layer images built (see `erofs`).
+    pub erofs_built: AtomicU64,
 }
 
 /// Async locks keyed by name, so that concurrent pulls share one download of each blob.
@@ -154,6 +157,7 @@ pub struct ImageStore {
     records_mutex: Mutex<()>,
     pub(crate) blob_locks: KeyedLocks,
     pub(crate) layer_locks: KeyedLocks,
+    pub(crate) erofs_locks: KeyedLocks,
     pub stats: StoreStats,
 }
 
@@ -266,7 +270,14 @@ impl ImageStore {
     /// Opens (creating if needed) the store at `root` and removes debris of dead processes.
     pub fn open(root: impl Into<PathBuf>) -> Result<ImageStore> {
         let root = root.into();
-        for d in ["blobs/sha256", "layers", "records", "snapshots", "tmp"] {
+        for d in [
+            "blobs/sha256",
+            "layers",
+            "records",
+            "snapshots",
+            "erofs",
+            "tmp",
+        ] {
             let p = root.join(d);
             fs::create_dir_all(&p).map_err(ImageError::io("create", &p))?;
         }
@@ -276,6 +287,7 @@ impl ImageStore {
             records_mutex: Mutex::new(()),
             blob_locks: KeyedLocks::default(),
             layer_locks: KeyedLocks::default(),
+            erofs_locks: KeyedLocks::default(),
             stats: StoreStats::default(),
         };
         let lock = store.root.join("lock");
@@ -788,8 +800,15 @@ impl ImageStore {
                 nl += 1;
             }
         }
-        if nb + nl > 0 {
-            tracing::info!(blobs = nb, layers = nl, "image store: garbage collected");
+        // A layer's EROFS images go with it (an image of a layer that is kept stays).
+        let ne = self.gc_erofs(&layers)?;
+        if nb + nl + ne > 0 {
+            tracing::info!(
+                blobs = nb,
+                layers = nl,
+                erofs = ne,
+                "image store: garbage collected"
+            );
         }
         Ok((nb, nl))
     }
