@@ -982,6 +982,7 @@ impl Runtime {
             },
             cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
             target_pid,
+            cgroup_ns: is_vm || spec::host_is_cgroup_v2(),
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         // VM pods: CRI mounts of host paths are copied into the guest.
@@ -1197,14 +1198,13 @@ impl Runtime {
             plan.push((free, l.clone()));
         }
         for (slot, l) in plan {
-            let store = self.store.clone();
             let digest: vessel_images::Digest = l
                 .parse()
                 .map_err(|e| RuntimeError::Internal(format!("layer {l}: {e}")))?;
-            let img = tokio::task::spawn_blocking(move || store.erofs_layer(&digest))
-                .await
-                .map_err(|e| internal("erofs")(&e))?
-                .map_err(|e| RuntimeError::Internal(format!("EROFS image of layer {l}: {e}")))?;
+            let img =
+                self.store.erofs_layer(&digest).await.map_err(|e| {
+                    RuntimeError::Internal(format!("EROFS image of layer {l}: {e}"))
+                })?;
             let (ctl, serial) = (v.control.clone(), vm::layer_serial(&l));
             let req = serde_json::json!({
                 "op": "attach_disk", "slot": slot, "path": img,

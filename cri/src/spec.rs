@@ -558,6 +558,14 @@ pub struct SpecInput<'a> {
     pub cgroups_path: String,
     /// The pid (in the agent's namespace) of the TARGET container, for NamespaceMode TARGET.
     pub target_pid: Option<u32>,
+    /// Give the container its own cgroup namespace, so that it sees its own cgroup as the
+    /// root of /sys/fs/cgroup: on cgroup v2 (a VM's guest, unified hosts), as containerd does.
+    pub cgroup_ns: bool,
+}
+
+/// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
+pub fn host_is_cgroup_v2() -> bool {
+    Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
 }
 
 fn ns_mode(m: i32) -> cri::NamespaceMode {
@@ -648,6 +656,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         cri::NamespaceMode::Container => namespaces.push(json!({"type": "ipc"})),
         cri::NamespaceMode::Node => {}
         _ => namespaces.push(json!({"type": "ipc", "path": "agent"})),
+    }
+    if input.cgroup_ns && !privileged {
+        namespaces.push(json!({"type": "cgroup"}));
     }
 
     // Mounts: the standard set, the pod's files, then the request's.
@@ -1097,6 +1108,7 @@ mod tests {
             pod_dir: d.path(),
             cgroups_path: "/vessel/p/c".into(),
             target_pid: None,
+            cgroup_ns: false,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);
