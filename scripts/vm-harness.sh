@@ -18,6 +18,7 @@
 # default 300) is the watchdog of one L1 run; a run that hangs or crashes (no end marker) is
 # retried once. VESSEL_PROFILE=release|debug (default release) picks the shim build.
 # pods: VESSEL_PODS_HANDLER=flat|vm (default flat), VESSEL_PODS_FOCUS=REGEX (critest --focus),
+# VESSEL_PODS_ADD="FILE..." (copied into /vessel/bin, on PATH in L1),
 # VESSEL_PODS_EXTRA="CMD" (run in L1 after the suite), VESSEL_PODS_CONFIG="TOML" (appended to
 # vesseld's config), VESSEL_PODS_BINDIR=DIR (take vesseld, vessel-agent, vessel-shim and
 # vessel-critest from DIR instead of building them; default profile debug), VESSEL_HARNESS_MEM
@@ -109,6 +110,11 @@ if [ "$mode" = pods ]; then
     strip --strip-debug -o "$STAGE/bin/$b" "$BINDIR/$b"
   done
   cp images/guest/harness/l1-pods.sh "$STAGE/bin/l1-pods.sh"
+  # More programs for VESSEL_PODS_EXTRA (e.g. the pods_e2e test binary), into /vessel/bin.
+  for f in ${VESSEL_PODS_ADD:-}; do
+    [ -f "$f" ] || { log "VESSEL_PODS_ADD: no file $f"; exit 1; }
+    strip --strip-debug -o "$STAGE/bin/$(basename "$f")" "$f" 2>/dev/null || cp "$f" "$STAGE/bin/"
+  done
   # The VM pods' guest initrd (/init = vessel-agent), when its build script exists.
   if [ -f scripts/build-guest-initrd.sh ]; then
     # Its last line names the initrd (or the directory holding initrd*).

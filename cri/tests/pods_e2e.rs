@@ -29,6 +29,14 @@ fn handler() -> String {
     std::env::var("VESSEL_E2E_HANDLER").unwrap_or_default()
 }
 
+/// The vesseld under test: this build's, or `VESSEL_E2E_VESSELD` (the nested VM harness
+/// stages the binaries elsewhere).
+fn vesseld_binary() -> PathBuf {
+    std::env::var_os("VESSEL_E2E_VESSELD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vesseld")))
+}
+
 /// Whether this run drives VM pods.
 fn vm_mode() -> bool {
     handler() == "vm"
@@ -41,7 +49,7 @@ async fn harness() -> H {
     t.insecure_tls = true;
     push_image(&t, &img, Some("latest")).await.unwrap();
     let extra = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default();
-    let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), &extra).expect("vesseld");
+    let v = Vesseld::start(&vesseld_binary(), &extra).expect("vesseld");
     let mut c = v.client().await;
     let image = format!("{}/library/busybox:latest", reg.host());
     c.images
@@ -1231,11 +1239,7 @@ async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
     h.assert_clean();
 
     // With vm_fallback = "refuse", a vm pod is refused with the reason.
-    let v = Vesseld::start(
-        Path::new(env!("CARGO_BIN_EXE_vesseld")),
-        "[runtime]\nvm_fallback = \"refuse\"\n",
-    )
-    .unwrap();
+    let v = Vesseld::start(&vesseld_binary(), "[runtime]\nvm_fallback = \"refuse\"\n").unwrap();
     let mut c = v.client().await;
     let e = c
         .runtime
