@@ -168,6 +168,40 @@ pub fn is_alive(pid: u32, start_time: u64) -> bool {
         && matches!(proc_stat(pid), Some((state, start)) if state != 'Z' && state != 'X' && start == start_time)
 }
 
+/// Waits until process `pid` (which started at `start_time`) exits, through a pidfd, which
+/// works whether or not the process is our child. Returns at once if it is already gone.
+pub async fn wait_exit(pid: u32, start_time: u64) {
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 || !is_alive(pid, start_time) {
+        if fd >= 0 {
+            // SAFETY: fd is the pidfd just opened and owned by nobody else.
+            drop(unsafe {
+                <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
+            });
+        }
+        return;
+    }
+    // SAFETY: fd is the pidfd just opened and owned by nobody else.
+    let owned = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    // SAFETY: `owned` is an open pidfd that the AsyncFd owns (and so keeps open, the same
+    // description) until it is dropped at the end of this function.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE)
+    };
+    match registered {
+        // A pidfd turns readable when its process exits.
+        Ok(afd) => {
+            let _ = afd.readable().await;
+        }
+        Err(_) => {
+            while is_alive(pid, start_time) {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
 /// Reaps `pid` if it is our (zombie) child; agents become vesseld's children when their
 /// launcher exits, because vesseld is a child subreaper.
 pub fn reap(pid: u32) {

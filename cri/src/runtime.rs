@@ -514,7 +514,8 @@ impl Runtime {
                 self.pods
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .insert(id.to_string(), pod);
+                    .insert(id.to_string(), pod.clone());
+                self.spawn_pod_watcher(pod);
                 tracing::info!(pod = %id, name = %meta.name, namespace = %meta.namespace, backend, "pod sandbox ready");
                 Ok(())
             }
@@ -1391,6 +1392,19 @@ impl Runtime {
         });
     }
 
+    /// Watches a ready pod's host process (flat agent or VM shim): when it exits without a
+    /// StopPodSandbox, the pod becomes NotReady and its containers exited, whether or not a
+    /// container was running to notice.
+    fn spawn_pod_watcher(self: &Arc<Self>, pod: Arc<Pod>) {
+        let rt = self.clone();
+        let rec = pod.record();
+        tokio::spawn(async move {
+            flat::wait_exit(rec.agent_pid, rec.agent_start_time).await;
+            flat::reap(rec.agent_pid);
+            rt.agent_died(&pod).await;
+        });
+    }
+
     /// The pod's agent is gone: the pod is NotReady and its containers have exited.
     async fn agent_died(&self, pod: &Pod) {
         let _op = pod.op.lock().await;
@@ -2046,9 +2060,16 @@ impl Runtime {
                     self.teardown_pod_resources(&rec);
                     let r = pod.update(|r| {
                         r.state = PodState::NotReady;
-                        r.reason = "the pod agent exited while vesseld was down".into();
+                        r.reason = if r.vm.is_some() {
+                            "the VM shim exited while vesseld was down"
+                        } else {
+                            "the pod agent exited while vesseld was down"
+                        }
+                        .into();
                     });
                     let _ = self.dirs.save_pod(&r);
+                } else {
+                    self.spawn_pod_watcher(pod.clone());
                 }
             } else {
                 // Not ready: make sure nothing of it runs or stays mounted.
