@@ -225,11 +225,6 @@ stop() {
     done
   done
   ip link del "$BRIDGE" 2>/dev/null || true
-  # runc's cgroupfs pod cgroups (<controller>/k8s.io/<id>); rmdir only removes empty ones.
-  for c in /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/k8s.io; do
-    [ -d "$c" ] || continue
-    find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
-  done
   rm -rf "$STATE" "$ROOT"
   local left
   left=$(grep -c "$NAME" /proc/self/mountinfo || true)
