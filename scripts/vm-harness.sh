@@ -68,6 +68,13 @@ rm -rf "$STAGE"; mkdir -p "$STAGE/bin" "$STAGE/guest"
 cp "$SHIM" "$STAGE/bin/vessel-shim"
 cp "$KDIR/bzImage" "$KDIR/vmlinux" "$STAGE/guest/"
 cp images/guest/harness/l1-tests.sh "$STAGE/bin/l1-tests.sh"
+# agent_* tests: the agent's guest initrd, the agent (its debug client) and a busybox EROFS layer.
+cargo build --release -p vessel-agent >&2; AGENT="$CARGO_TARGET_DIR/release/vessel-agent"
+cp "$(bash scripts/build-guest-initrd.sh "$AGENT" | tail -n1)" "$STAGE/guest/agent-initrd.img"
+cp "$AGENT" "$STAGE/bin/vessel-agent"
+BB="$WORK/busybox-layer"; rm -rf "$BB"; mkdir -p "$BB"/{bin,proc,sys,dev,etc,tmp,pod}
+cp /bin/busybox "$BB/bin/busybox"; for a in sh echo cat hostname sleep ls; do ln -s busybox "$BB/bin/$a"; done
+mkfs.erofs --quiet -T0 --all-root "$STAGE/guest/busybox.erofs" "$BB" >&2
 
 # The guest's initrd: busybox and the test /init.
 G="$WORK/guest-initrd"
@@ -106,7 +113,7 @@ done
 # iproute2's ip (busybox's lacks tuntap) for the net test.
 IPBIN=$(command -v ip)
 mkdir -p "$L/usr/local/bin"; cp "$IPBIN" "$L/usr/local/bin/ip"
-bins=("$SHIM" "$IPBIN")
+bins=("$SHIM" "$IPBIN" "$AGENT")
 if [ "$mode" = bench ]; then
   bins+=(/usr/bin/qemu-system-x86_64)
   mkdir -p "$L/usr/bin" "$L/usr/share/qemu"
