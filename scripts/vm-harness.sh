@@ -127,6 +127,16 @@ if [ "$mode" = pods ]; then
     log "skip: scripts/build-guest-initrd.sh does not exist yet; no VM pod initrd staged (the vm handler cannot boot pods)"
   fi
 fi
+# agent_* tests: the agent's guest initrd, the agent (its debug client) and a busybox EROFS layer.
+AGENT=
+if [ "$mode" != pods ]; then
+cargo build --release -p vessel-agent >&2; AGENT="$CARGO_TARGET_DIR/release/vessel-agent"
+cp "$(bash scripts/build-guest-initrd.sh "$AGENT" | tail -n1)" "$STAGE/guest/agent-initrd.img"
+cp "$AGENT" "$STAGE/bin/vessel-agent"
+BB="$WORK/busybox-layer"; rm -rf "$BB"; mkdir -p "$BB"/{bin,proc,sys,dev,etc,tmp,pod}
+cp /bin/busybox "$BB/bin/busybox"; for a in sh echo cat hostname sleep ls; do ln -s busybox "$BB/bin/$a"; done
+mkfs.erofs --quiet -T0 --all-root "$STAGE/guest/busybox.erofs" "$BB" >&2
+fi
 
 # The guest's initrd: busybox and the test /init.
 G="$WORK/guest-initrd"
@@ -168,6 +178,7 @@ done
 IPBIN=$(command -v ip)
 mkdir -p "$L/usr/local/bin"; cp "$IPBIN" "$L/usr/local/bin/ip"
 bins=("$SHIM" "$IPBIN")
+[ -n "$AGENT" ] && bins+=("$AGENT")
 if [ "$mode" = pods ]; then
   # docker-registry for vessel-critest's test images (plain HTTP on 127.0.0.1), mkfs.erofs for
   # VM pods' layer images; /etc files that vesseld, the agent and the registry look at.

@@ -30,7 +30,10 @@ pub mod proto {
 pub mod cgroups;
 pub mod client;
 pub mod container;
+pub mod debug_client;
+pub mod disks;
 pub mod error;
+pub mod files;
 pub mod flat;
 pub mod libct;
 pub mod listener;
@@ -40,6 +43,8 @@ pub mod rootfs;
 pub mod service;
 pub mod spec;
 pub mod stdio;
+pub mod vm;
+pub mod vsock;
 
 /// The agent's version, reported by `Ping`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

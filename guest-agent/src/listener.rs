@@ -1,4 +1,4 @@
-//! Where the agent listens: a Unix socket for flat pods; vsock for VM pods later.
+//! Where the agent listens: a Unix socket for flat pods, AF_VSOCK for VM pods.
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
@@ -17,7 +17,8 @@ pub enum AgentListener {
         listener: std::os::unix::net::UnixListener,
         path: PathBuf,
     },
-    // Vsock { port: u32 } — for VM pods, not implemented yet.
+    /// An AF_VSOCK socket on `port`, any CID (VM mode).
+    Vsock(crate::vsock::VsockListener),
 }
 
 impl AgentListener {
@@ -43,10 +44,16 @@ impl AgentListener {
         })
     }
 
+    /// Binds AF_VSOCK `port` on any CID.
+    pub fn bind_vsock(port: u32) -> std::io::Result<AgentListener> {
+        crate::vsock::VsockListener::bind(port).map(AgentListener::Vsock)
+    }
+
     /// Where a client connects, for logs.
     pub fn describe(&self) -> String {
         match self {
             AgentListener::Unix { path, .. } => format!("unix:{}", path.display()),
+            AgentListener::Vsock(l) => format!("vsock:any:{}", l.port),
         }
     }
 
@@ -61,17 +68,25 @@ impl AgentListener {
         svc: AgentService,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
+        let server = tonic::transport::Server::builder().add_service(
+            AgentServer::new(svc)
+                .max_decoding_message_size(64 * 1024 * 1024)
+                .max_encoding_message_size(64 * 1024 * 1024),
+        );
         match self {
             AgentListener::Unix { listener, .. } => {
                 let listener = tokio::net::UnixListener::from_std(listener)
                     .expect("a non-blocking Unix listener converts inside a runtime");
-                tonic::transport::Server::builder()
-                    .add_service(
-                        AgentServer::new(svc)
-                            .max_decoding_message_size(64 * 1024 * 1024)
-                            .max_encoding_message_size(64 * 1024 * 1024),
-                    )
+                server
                     .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+                    .await
+            }
+            AgentListener::Vsock(l) => {
+                let incoming = l
+                    .incoming()
+                    .expect("registering the vsock listener inside a runtime");
+                server
+                    .serve_with_incoming_shutdown(incoming, shutdown)
                     .await
             }
         }

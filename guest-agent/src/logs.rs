@@ -1,19 +1,27 @@
 //! Container logs in the CRI format: `<RFC3339Nano UTC> <stdout|stderr> <F|P> <content>\n`.
 //!
 //! A line longer than [`MAX_LINE`] is written as `P` (partial) records followed by a final `F`
-//! record; an unterminated last line at EOF is written as `F`. The file is opened in append
-//! mode and can be reopened after kubelet renamed it ([`LogFile::reopen`]). Output keeps
-//! flowing to the file whether or not any client is connected: the pumps are agent tasks.
+//! record; an unterminated last line at EOF is written as `F`. Records go to a sink:
+//! - a file opened in append mode, which can be reopened after kubelet renamed it
+//!   ([`LogFile::reopen`]);
+//! - a stream to the host (VM pods: a vsock connection to CID 2, see [`LogFile::vsock`]) that
+//!   starts with the line `<container-id>\n`; the host owns the file, so reopening is a no-op.
+//!
+//! Output keeps flowing whether or not any client is connected: the pumps are agent tasks.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The longest content of one log record; longer lines are split.
 pub const MAX_LINE: usize = 16 * 1024;
+
+/// How long one record may take to reach the host over vsock before it is dropped.
+pub const STREAM_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Which output stream a record came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,11 +39,46 @@ impl Stream {
     }
 }
 
-/// A CRI log file shared by a container's output pumps.
-#[derive(Debug)]
+/// Formats one CRI record (with its trailing newline), timestamped now.
+pub fn format_record(stream: Stream, partial: bool, content: &[u8]) -> Vec<u8> {
+    let ts = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true);
+    let mut rec = Vec::with_capacity(ts.len() + content.len() + 12);
+    rec.extend_from_slice(ts.as_bytes());
+    rec.push(b' ');
+    rec.extend_from_slice(stream.as_str().as_bytes());
+    rec.extend_from_slice(if partial { b" P " } else { b" F " });
+    rec.extend_from_slice(content);
+    rec.push(b'\n');
+    rec
+}
+
+/// Where a container's records go.
+enum Sink {
+    /// Output is discarded.
+    Discard,
+    /// A CRI log file on this machine.
+    File { path: PathBuf, file: Option<File> },
+    /// A stream to the host that owns the file (vsock); `None` once it broke.
+    Stream {
+        what: String,
+        conn: Option<Box<dyn Write + Send>>,
+    },
+}
+
+/// A container's log shared by its output pumps.
 pub struct LogFile {
-    path: Option<PathBuf>,
-    file: Mutex<Option<File>>,
+    sink: Mutex<Sink>,
+}
+
+impl std::fmt::Debug for LogFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sink = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+        match &*sink {
+            Sink::Discard => write!(f, "LogFile(discard)"),
+            Sink::File { path, .. } => write!(f, "LogFile({})", path.display()),
+            Sink::Stream { what, .. } => write!(f, "LogFile({what})"),
+        }
+    }
 }
 
 fn open_append(path: &Path) -> io::Result<File> {
@@ -46,49 +89,75 @@ fn open_append(path: &Path) -> io::Result<File> {
 }
 
 impl LogFile {
+    fn with(sink: Sink) -> Arc<LogFile> {
+        Arc::new(LogFile {
+            sink: Mutex::new(sink),
+        })
+    }
+
     /// Opens (creating it and its parent directories) `path`; an empty path discards output.
     pub fn open(path: &str) -> io::Result<Arc<LogFile>> {
         if path.is_empty() {
-            return Ok(Arc::new(LogFile {
-                path: None,
-                file: Mutex::new(None),
-            }));
+            return Ok(Self::with(Sink::Discard));
         }
         let path = PathBuf::from(path);
         let file = open_append(&path)?;
-        Ok(Arc::new(LogFile {
-            path: Some(path),
-            file: Mutex::new(Some(file)),
+        Ok(Self::with(Sink::File {
+            path,
+            file: Some(file),
         }))
     }
 
-    /// Closes the file and opens its path again (kubelet renamed the old one).
+    /// Sends `id`'s records over `conn` (already connected): writes the header line `<id>\n`,
+    /// then one complete record per write.
+    pub fn stream(
+        id: &str,
+        what: impl Into<String>,
+        mut conn: Box<dyn Write + Send>,
+    ) -> io::Result<Arc<LogFile>> {
+        conn.write_all(format!("{id}\n").as_bytes())?;
+        Ok(Self::with(Sink::Stream {
+            what: what.into(),
+            conn: Some(conn),
+        }))
+    }
+
+    /// Connects to the host (CID 2) at vsock `port` and sends `id`'s records there.
+    pub fn vsock(id: &str, port: u32) -> io::Result<Arc<LogFile>> {
+        let fd = crate::vsock::connect_blocking(crate::vsock::HOST_CID, port, STREAM_SEND_TIMEOUT)?;
+        Self::stream(id, format!("vsock:2:{port}"), Box::new(File::from(fd)))
+    }
+
+    /// Closes the file and opens its path again (kubelet renamed the old one). A stream sink
+    /// has nothing to reopen: the host reopens its file.
     pub fn reopen(&self) -> io::Result<()> {
-        let Some(path) = &self.path else {
-            return Ok(());
-        };
-        let mut guard = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        *guard = None;
-        *guard = Some(open_append(path)?);
+        let mut guard = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+        if let Sink::File { path, file } = &mut *guard {
+            *file = None;
+            *file = Some(open_append(path)?);
+        }
         Ok(())
     }
 
     /// Writes one record as a single `write` so records of both streams never interleave.
     pub fn write_record(&self, stream: Stream, partial: bool, content: &[u8]) {
-        let mut guard = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(file) = guard.as_mut() else {
-            return;
-        };
-        let ts = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true);
-        let mut rec = Vec::with_capacity(ts.len() + content.len() + 12);
-        rec.extend_from_slice(ts.as_bytes());
-        rec.push(b' ');
-        rec.extend_from_slice(stream.as_str().as_bytes());
-        rec.extend_from_slice(if partial { b" P " } else { b" F " });
-        rec.extend_from_slice(content);
-        rec.push(b'\n');
-        if let Err(e) = file.write_all(&rec) {
-            tracing::warn!(path = ?self.path, error = %e, "writing a container log record");
+        let mut guard = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *guard {
+            Sink::Discard => {}
+            Sink::File { path, file } => {
+                let Some(file) = file.as_mut() else { return };
+                if let Err(e) = file.write_all(&format_record(stream, partial, content)) {
+                    tracing::warn!(path = %path.display(), error = %e, "writing a container log record");
+                }
+            }
+            Sink::Stream { what, conn } => {
+                let Some(c) = conn.as_mut() else { return };
+                if let Err(e) = c.write_all(&format_record(stream, partial, content)) {
+                    // A partly written record would garble the host's file: give up on it.
+                    tracing::warn!(to = %what, error = %e, "sending container log records; dropping the rest");
+                    *conn = None;
+                }
+            }
         }
     }
 }
@@ -220,5 +289,41 @@ mod tests {
         assert_eq!(parts.next(), Some("stderr"));
         assert_eq!(parts.next(), Some("P"));
         assert_eq!(parts.next(), Some("abc\n"));
+    }
+
+    #[test]
+    fn stream_framing() {
+        use std::io::{BufRead, BufReader};
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let log = LogFile::stream("ctr-1", "test", Box::new(a)).unwrap();
+        log.write_record(Stream::Stdout, false, b"hello");
+        log.write_record(Stream::Stderr, true, b"par");
+        log.reopen().unwrap();
+        drop(log);
+        let lines: Vec<String> = BufReader::new(b).lines().map(|l| l.unwrap()).collect();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[0], "ctr-1");
+        let mut p = lines[1].splitn(4, ' ');
+        assert!(chrono::DateTime::parse_from_rfc3339(p.next().unwrap()).is_ok());
+        assert_eq!(p.collect::<Vec<_>>(), ["stdout", "F", "hello"]);
+        assert!(lines[2].ends_with(" stderr P par"), "{}", lines[2]);
+    }
+
+    #[tokio::test]
+    async fn pump_splits_long_lines_into_a_stream() {
+        use std::io::Read;
+        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let log = LogFile::stream("c", "test", Box::new(a)).unwrap();
+        let mut data = vec![b'z'; MAX_LINE + 3];
+        data.extend_from_slice(b"\nend");
+        pump(&data[..], Stream::Stdout, log).await;
+        let mut text = String::new();
+        b.read_to_string(&mut text).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4);
+        assert_eq!(lines[0], "c");
+        assert!(lines[1].contains(" stdout P ") && lines[1].ends_with(&"z".repeat(MAX_LINE)));
+        assert!(lines[2].ends_with(" stdout F zzz"));
+        assert!(lines[3].ends_with(" stdout F end"));
     }
 }

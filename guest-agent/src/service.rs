@@ -32,6 +32,37 @@ const HELPER_TIMEOUT: Duration = Duration::from_secs(60);
 const KILL_WAIT: Duration = Duration::from_secs(10);
 const EXEC_DRAIN: Duration = Duration::from_secs(1);
 
+/// What only a VM-mode agent has.
+pub struct VmParts {
+    /// The image layer disks, mounted once and shared.
+    pub layers: crate::disks::Layers,
+    /// Where `/run/vessel/files/` really is (itself, except in tests).
+    pub files_root: PathBuf,
+    /// `/proc/sys`.
+    pub proc_sys: PathBuf,
+    /// The layers each container uses, released on delete.
+    uses: Mutex<HashMap<String, Vec<String>>>,
+}
+
+impl VmParts {
+    pub fn new(layers: crate::disks::Layers, files_root: PathBuf, proc_sys: PathBuf) -> VmParts {
+        VmParts {
+            layers,
+            files_root,
+            proc_sys,
+            uses: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn take_uses(&self, id: &str) -> Vec<String> {
+        self.uses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id)
+            .unwrap_or_default()
+    }
+}
+
 /// Everything the service owns.
 pub struct AgentState {
     pub state_dir: PathBuf,
@@ -45,6 +76,8 @@ pub struct AgentState {
     lifecycle: tokio::sync::Mutex<()>,
     shutdown_tx: watch::Sender<bool>,
     shut_down: tokio::sync::Mutex<bool>,
+    /// Set in VM mode.
+    pub vm: Option<VmParts>,
 }
 
 /// The `Agent` gRPC service.
@@ -140,6 +173,20 @@ struct ExecParams<'a> {
 impl AgentState {
     /// `hostname` is reported by `Ping` only if the kernel's cannot be read.
     pub fn new(state_dir: PathBuf, libct: Libct, hostname: String) -> Arc<AgentState> {
+        Self::build(state_dir, libct, hostname, None)
+    }
+
+    /// The state of an agent in VM mode.
+    pub fn new_vm(state_dir: PathBuf, libct: Libct, vm: VmParts) -> Arc<AgentState> {
+        Self::build(state_dir, libct, String::new(), Some(vm))
+    }
+
+    fn build(
+        state_dir: PathBuf,
+        libct: Libct,
+        hostname: String,
+        vm: Option<VmParts>,
+    ) -> Arc<AgentState> {
         let (shutdown_tx, _) = watch::channel(false);
         // The pod's hostname as set (or the host's, for host-network pods).
         let hostname = nix::unistd::gethostname()
@@ -156,6 +203,7 @@ impl AgentState {
             lifecycle: tokio::sync::Mutex::new(()),
             shutdown_tx,
             shut_down: tokio::sync::Mutex::new(false),
+            vm,
         })
     }
 
@@ -200,6 +248,7 @@ impl AgentState {
             Err(e) => {
                 tracing::warn!(id = %req.id, error = %e, "create failed; cleaning up");
                 self.cleanup_dir(&req.id, &dir, true).await;
+                self.release_layers(&req.id).await;
                 Err(e)
             }
         }
@@ -228,10 +277,30 @@ impl AgentState {
                 let upper = (!ov.upperdir.is_empty()).then(|| PathBuf::from(&ov.upperdir));
                 (target, true, upper)
             }
-            Some(rootfs::Kind::Disks(_)) => {
-                return Err(AgentError::InvalidArgument(
-                    "disk layer rootfs is for VM pods; this agent runs a flat pod".into(),
-                ))
+            Some(rootfs::Kind::Disks(d)) => {
+                let Some(vm) = &self.vm else {
+                    return Err(AgentError::InvalidArgument(
+                        "disk layer rootfs is for VM pods; this agent runs a flat pod".into(),
+                    ));
+                };
+                let points = vm.layers.acquire(&d.serials).await?;
+                vm.uses
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.to_string(), d.serials.clone());
+                let path_str = |p: PathBuf| {
+                    p.into_os_string()
+                        .into_string()
+                        .map_err(|p| AgentError::Internal(format!("non-UTF-8 path {p:?}")))
+                };
+                let ov = proto::OverlayRootfs {
+                    lowerdirs: points.into_iter().map(path_str).collect::<Result<_, _>>()?,
+                    upperdir: path_str(dir.join("upper"))?,
+                    workdir: path_str(dir.join("work"))?,
+                };
+                let target = dir.join("rootfs");
+                crate::rootfs::mount_overlay(&target, &ov)?;
+                (target, true, Some(dir.join("upper")))
             }
             None => return Err(AgentError::InvalidArgument("rootfs is required".into())),
         };
@@ -244,8 +313,20 @@ impl AgentState {
         spec.save(bundle.join("config.json"))
             .map_err(|e| AgentError::internal("writing config.json", e))?;
 
-        let log = LogFile::open(&req.log_path)
-            .map_err(io_internal(format!("opening log {}", req.log_path)))?;
+        let log = if req.log_vsock_port != 0 {
+            if self.vm.is_none() {
+                return Err(AgentError::InvalidArgument(
+                    "log_vsock_port is for VM pods; use log_path".into(),
+                ));
+            }
+            LogFile::vsock(id, req.log_vsock_port).map_err(io_internal(format!(
+                "connecting to the host's log port {}",
+                req.log_vsock_port
+            )))?
+        } else {
+            LogFile::open(&req.log_path)
+                .map_err(io_internal(format!("opening log {}", req.log_path)))?
+        };
 
         let mut args: Vec<OsString> = vec![
             "create".into(),
@@ -413,6 +494,7 @@ impl AgentState {
         if c.mounted {
             crate::rootfs::unmount_all(&c.rootfs);
         }
+        self.release_layers(&c.id).await;
         if let Err(e) = std::fs::remove_dir_all(&c.dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 return Err(AgentError::internal(
@@ -424,6 +506,44 @@ impl AgentState {
         self.table().remove(&c.id);
         tracing::info!(id = %c.id, "container deleted");
         Ok(())
+    }
+
+    /// Drops the container's references to its layer disks (VM mode).
+    async fn release_layers(&self, id: &str) {
+        if let Some(vm) = &self.vm {
+            let serials = vm.take_uses(id);
+            if !serials.is_empty() {
+                vm.layers.release(&serials).await;
+            }
+        }
+    }
+
+    /// VM mode only: the guest is the pod.
+    fn vm(&self, what: &str) -> Result<&VmParts, AgentError> {
+        self.vm.as_ref().ok_or_else(|| {
+            AgentError::FailedPrecondition(format!(
+                "{what} is for VM pods; vesseld does this on the host for a flat pod"
+            ))
+        })
+    }
+
+    pub fn configure_sandbox(
+        &self,
+        req: &proto::ConfigureSandboxRequest,
+    ) -> Result<(), AgentError> {
+        let vm = self.vm("ConfigureSandbox")?;
+        if !req.hostname.is_empty() {
+            crate::files::validate_hostname(&req.hostname)?;
+        }
+        for k in req.sysctls.keys() {
+            crate::files::sysctl_path(&vm.proc_sys, k)?;
+        }
+        if !req.hostname.is_empty() {
+            nix::unistd::sethostname(&req.hostname)
+                .map_err(|e| AgentError::internal("sethostname", e))?;
+            tracing::info!(hostname = %req.hostname, "hostname set");
+        }
+        crate::files::apply_sysctls(&vm.proc_sys, &req.sysctls)
     }
 
     /// SIGTERM every container, SIGKILL what is left after [`STOP_GRACE`], delete them all.
@@ -772,7 +892,10 @@ impl Agent for AgentService {
         Ok(Response::new(proto::PingResponse {
             version: crate::VERSION.to_string(),
             pid: self.state.pid,
-            hostname: self.state.hostname.clone(),
+            hostname: nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| self.state.hostname.clone()),
             started_at: self.state.started_at,
         }))
     }
@@ -930,28 +1053,33 @@ impl Agent for AgentService {
 
     async fn configure_sandbox(
         &self,
-        _req: Request<proto::ConfigureSandboxRequest>,
+        req: Request<proto::ConfigureSandboxRequest>,
     ) -> Result<Response<proto::ConfigureSandboxResponse>, Status> {
-        Err(Status::failed_precondition(
-            "ConfigureSandbox is for VM pods; vesseld configures a flat pod on the host",
-        ))
+        self.state.configure_sandbox(&req.into_inner())?;
+        Ok(Response::new(proto::ConfigureSandboxResponse {}))
     }
 
     async fn write_files(
         &self,
-        _req: Request<proto::WriteFilesRequest>,
+        req: Request<proto::WriteFilesRequest>,
     ) -> Result<Response<proto::WriteFilesResponse>, Status> {
-        Err(Status::failed_precondition(
-            "WriteFiles is for VM pods; a flat pod's files live on the host",
-        ))
+        let root = self.state.vm("WriteFiles")?.files_root.clone();
+        let entries = req.into_inner().entries;
+        tokio::task::spawn_blocking(move || crate::files::write_files(&root, &entries))
+            .await
+            .map_err(|e| AgentError::internal("WriteFiles task", e))??;
+        Ok(Response::new(proto::WriteFilesResponse {}))
     }
 
     async fn remove_files(
         &self,
-        _req: Request<proto::RemoveFilesRequest>,
+        req: Request<proto::RemoveFilesRequest>,
     ) -> Result<Response<proto::RemoveFilesResponse>, Status> {
-        Err(Status::failed_precondition(
-            "RemoveFiles is for VM pods; a flat pod's files live on the host",
-        ))
+        let root = self.state.vm("RemoveFiles")?.files_root.clone();
+        let paths = req.into_inner().paths;
+        tokio::task::spawn_blocking(move || crate::files::remove_files(&root, &paths))
+            .await
+            .map_err(|e| AgentError::internal("RemoveFiles task", e))??;
+        Ok(Response::new(proto::RemoveFilesResponse {}))
     }
 }

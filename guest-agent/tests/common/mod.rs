@@ -157,6 +157,7 @@ impl TestAgent {
             tty: false,
             stdin: false,
             stdin_once: false,
+            log_vsock_port: 0,
         }
     }
 

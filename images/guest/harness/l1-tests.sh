@@ -194,9 +194,49 @@ t_shim_logs() {
   [ $ok = yes ] && rc_is $n 0 && out_has $n '"logs-sent":' && cmp -s "$W/ctr-1.log.0" "$W/$n.want0" &&
     cmp -s "$W/ctr-1.log" "$W/$n.want1" && [ ! -e "$C" ] && [ ! -e "${V}_1025" ] && [ ! -e "$V" ]
 }
+# --- vessel-agent in the guest (agent_* tests). Staged by vm-harness.sh: the agent's initrd
+# ($D/guest/agent-initrd.img, scripts/build-guest-initrd.sh), the agent binary for its hidden
+# debug client ($D/bin/vessel-agent) and a busybox EROFS layer ($D/guest/busybox.erofs).
+agent_spec() { # name [extra JSON fields]
+  cat >"$W/$1.json" <<EOS
+{"kernel":"$D/guest/vmlinux","initrd":"$D/guest/agent-initrd.img","mem_mib":256,"vcpus":1,${2:-}
+ "vsock":{"uds_path":"$W/$1.sock"},"console":{"file":"$W/$1.console"},
+ "cmdline":"vessel.log=info","verbose":${VERBOSE:-false}}
+EOS
+}
+t_agent_boot() {
+  # Boot with the agent as /init, reach it over hybrid vsock, run a container from an EROFS
+  # layer disk (overlay, libcontainer, cgroups), get its CRI log lines over vsock and its exit
+  # code, then Shutdown powers the guest off.
+  [ -f "$D/guest/agent-initrd.img" ] && [ -f "$D/guest/busybox.erofs" ] || { echo "agent files not staged"; return 1; }
+  agent_spec agent_boot "\"disks\":[{\"path\":\"$D/guest/busybox.erofs\",\"read_only\":true,\"serial\":\"layer-busybox\"}],"
+  "$SHIM" run --spec "$W/agent_boot.json" --timeout 120 >"$W/agent_boot.out" 2>"$W/agent_boot.err" & s=$!
+  "$D/bin/vessel-agent" debug-client --hybrid-vsock "$W/agent_boot.sock" --wait-secs 60 run \
+    --disk layer-busybox --hostname agent-pod --write-file /run/vessel/files/pod/msg=hello-from-files \
+    --bind /run/vessel/files/pod:/pod --shutdown -- \
+    sh -c 'echo out-line; echo err-line >&2; cat /pod/msg; echo; hostname; exit 7' >"$W/agent_boot.client" 2>&1
+  wait $s; echo $? >"$W/agent_boot.rc"
+  cat "$W/agent_boot.client" "$W/agent_boot.out"
+  c="$W/agent_boot.client"
+  grep -q '^ping ok pid=1 ' "$c" && grep -q '^configured hostname=agent-pod' "$c" &&
+    grep -q '^log-id: debug$' "$c" && grep -q '^log: [^ ]* stdout F out-line$' "$c" &&
+    grep -q '^log: [^ ]* stderr F err-line$' "$c" && grep -q '^log: [^ ]* stdout F hello-from-files$' "$c" &&
+    grep -q '^log: [^ ]* stdout F agent-pod$' "$c" && grep -q '^exit 7$' "$c" && grep -q '^shutdown ok' "$c" &&
+    rc_is agent_boot 0 && out_has agent_boot '"outcome":"poweroff"'
+}
+t_agent_stop() {
+  # The shim's stop request (a vessel-stop console line) makes the agent power the guest off.
+  agent_spec agent_stop
+  "$SHIM" run --spec "$W/agent_stop.json" --timeout 120 >"$W/agent_stop.out" 2>"$W/agent_stop.err" & s=$!
+  "$D/bin/vessel-agent" debug-client --hybrid-vsock "$W/agent_stop.sock" --wait-secs 60 ping >"$W/agent_stop.client" 2>&1
+  kill -TERM $s; wait $s; echo $? >"$W/agent_stop.rc"
+  cat "$W/agent_stop.client" "$W/agent_stop.out"
+  grep -q '^ping ok pid=1 ' "$W/agent_stop.client" && rc_is agent_stop 0 && out_has agent_stop '"outcome":"poweroff"'
+}
+# --- end of agent_* tests
 
 TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigterm_deadline sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
-[ -n "${VESSEL_TESTS:-}" ] || TESTS="$TESTS shim_hotplug shim_logs"
+[ -n "${VESSEL_TESTS:-}" ] || TESTS="$TESTS shim_hotplug shim_logs agent_boot agent_stop"
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]
