@@ -118,7 +118,7 @@ if [ "$mode" = pods ]; then
   # The VM pods' guest initrd (/init = vessel-agent), when its build script exists.
   if [ -f scripts/build-guest-initrd.sh ]; then
     # Its last line names the initrd (or the directory holding initrd*).
-    GI=$(bash scripts/build-guest-initrd.sh | tail -n1)
+    GI=$(bash scripts/build-guest-initrd.sh "$BINDIR/vessel-agent" | tail -n1)
     if [ -d "$GI" ]; then GI=$(find "$GI" -maxdepth 1 -name 'initrd*' -type f | sort | head -n1); fi
     [ -f "$GI" ] || { log "scripts/build-guest-initrd.sh did not name an initrd (got '$GI')"; exit 1; }
     cp "$GI" "$STAGE/guest/vessel-initrd.img"

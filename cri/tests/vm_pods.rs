@@ -178,7 +178,8 @@ fn run_nested(
         .env("VESSEL_PODS_HANDLER", "vm")
         .env("VESSEL_PODS_ADD", e2e)
         .env("VESSEL_PODS_EXTRA", extra)
-        .env("VESSEL_PODS_CONFIG", "[vm]\nboot_timeout_secs = 60\n")
+        // Appended to l1-pods.sh's config, whose last section is [vm].
+        .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
         .env(
             "VESSEL_HARNESS_TIMEOUT",
             std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("1500".into()),
