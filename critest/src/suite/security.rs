@@ -311,10 +311,14 @@ async fn ipc_pod(c: Ctx) -> SpecResult {
         na == nb,
         "the pod's containers have ipc namespaces {na} and {nb}"
     );
-    let host = std::fs::read_link("/proc/self/ns/ipc")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    check!(na != host, "the pod shares the host's ipc namespace");
+    // A VM pod's namespaces belong to the guest kernel: their inode numbers say nothing
+    // about the host's (the initial ones even have the same fixed numbers).
+    if !c.env.vm_pods {
+        let host = std::fs::read_link("/proc/self/ns/ipc")
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        check!(na != host, "the pod shares the host's ipc namespace");
+    }
     Ok(())
 }
 
