@@ -292,17 +292,26 @@ mod tests {
         let e = connect_hybrid_vsock(&dir.path().join("missing"), 1024, t)
             .await
             .unwrap_err();
-        assert!(matches!(e, ClientError::NoShim { .. }) && e.is_retryable(), "{e}");
+        assert!(
+            matches!(e, ClientError::NoShim { .. }) && e.is_retryable(),
+            "{e}"
+        );
 
         let refused = dir.path().join("refused.sock");
         let _a = fake_shim(&refused, None).await;
         let e = connect_hybrid_vsock(&refused, 1024, t).await.unwrap_err();
-        assert!(matches!(e, ClientError::Refused { port: 1024 }) && e.is_retryable(), "{e}");
+        assert!(
+            matches!(e, ClientError::Refused { port: 1024 }) && e.is_retryable(),
+            "{e}"
+        );
 
         let bad = dir.path().join("bad.sock");
         let _b = fake_shim(&bad, Some("NO way\n")).await;
         let e = connect_hybrid_vsock(&bad, 1024, t).await.unwrap_err();
-        assert!(matches!(e, ClientError::BadAnswer { .. }) && !e.is_retryable(), "{e}");
+        assert!(
+            matches!(e, ClientError::BadAnswer { .. }) && !e.is_retryable(),
+            "{e}"
+        );
         assert!(e.to_string().contains("NO way"), "{e}");
 
         let silent = dir.path().join("silent.sock");

@@ -1,8 +1,8 @@
 //! vessel-agent: the pod agent and its gRPC API.
 //!
-//! The same binary runs as PID 1 of a flat pod's namespaces on the host (see [`flat`]) and,
-//! later, as PID 1 of a microVM. It owns the pod's containers and drives them with youki's
-//! `libcontainer` through a re-executed helper (see [`libct`]).
+//! The same binary runs as PID 1 of a flat pod's namespaces on the host (see [`flat`]) and
+//! as PID 1 of a microVM (see [`vm`]). It owns the pod's containers and drives them with
+//! youki's `libcontainer` through a re-executed helper (see [`libct`]).
 //!
 //! # Driving a flat agent (what vesseld needs to know)
 //!
@@ -20,6 +20,22 @@
 //!   dir remain for vesseld to remove.
 //! - Exit codes are kept in memory until DeleteContainer; they survive client disconnects,
 //!   not agent restarts.
+//!
+//! # Driving a VM agent
+//!
+//! - Guest image: `scripts/build-guest-initrd.sh` (the agent is `/init`), the kernel from
+//!   `scripts/build-guest-kernel.sh`; `vessel.log=<filter>` on the kernel command line sets
+//!   the agent's console log level (default `warn`).
+//! - Connect with [`client::connect_hybrid_vsock`]`(uds, 1024, timeout)` (one attempt;
+//!   retry while [`client::ClientError::is_retryable`]) or
+//!   [`client::connect_hybrid_vsock_retry`]. Then `Ping` (pid 1), `ConfigureSandbox`,
+//!   `WriteFiles` under `/run/vessel/files/`.
+//! - `CreateContainer` with `Rootfs.disks` (serials, bottom first) and `log_vsock_port`
+//!   (1025): the agent connects to CID 2 at that port, sends `<id>\n`, then CRI lines.
+//! - `Shutdown` (or `vessel-stop` on the console) stops every container and powers the guest
+//!   off after answering.
+//! - `vessel-agent debug-client --hybrid-vsock UDS ping|shutdown|run ...` (hidden) is a
+//!   manual client for all of this.
 
 /// The generated agent API (`proto/agent.proto`): `agent_client::AgentClient`,
 /// `agent_server::{Agent, AgentServer}` and the messages.

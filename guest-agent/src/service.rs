@@ -1083,3 +1083,99 @@ impl Agent for AgentService {
         Ok(Response::new(proto::RemoveFilesResponse {}))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(dir: &Path, vm: bool) -> Arc<AgentState> {
+        let libct = Libct {
+            exe: PathBuf::from("/proc/self/exe"),
+            root: dir.join("libcontainer"),
+            reaper: crate::reaper::Reaper::new(),
+            log_level: "info".into(),
+        };
+        if vm {
+            let parts = VmParts::new(
+                crate::disks::Layers::new(
+                    crate::disks::DiskRoots {
+                        sys_block: dir.join("sys/block"),
+                        dev: dir.join("dev"),
+                    },
+                    dir.join("layers"),
+                ),
+                dir.join("files"),
+                dir.join("proc-sys"),
+            );
+            AgentState::new_vm(dir.join("state"), libct, parts)
+        } else {
+            AgentState::new(dir.join("state"), libct, "h".into())
+        }
+    }
+
+    #[tokio::test]
+    async fn vm_only_calls() {
+        let t = tempfile::tempdir().unwrap();
+        let flat = AgentService {
+            state: state(t.path(), false),
+        };
+        let e = flat
+            .configure_sandbox(Request::new(proto::ConfigureSandboxRequest::default()))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        let e = flat
+            .remove_files(Request::new(proto::RemoveFilesRequest::default()))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+
+        let vm = AgentService {
+            state: state(t.path(), true),
+        };
+        std::fs::create_dir_all(t.path().join("proc-sys/net/core")).unwrap();
+        std::fs::write(t.path().join("proc-sys/net/core/somaxconn"), "4096").unwrap();
+        // Sysctls only (the hostname would change this test machine's).
+        let req = proto::ConfigureSandboxRequest {
+            hostname: String::new(),
+            sysctls: [("net.core.somaxconn".to_string(), "1024".to_string())].into(),
+        };
+        vm.configure_sandbox(Request::new(req)).await.unwrap();
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("proc-sys/net/core/somaxconn")).unwrap(),
+            "1024"
+        );
+        for (h, k) in [("bad/host", "net.core.somaxconn"), ("", "../../etc/x")] {
+            let req = proto::ConfigureSandboxRequest {
+                hostname: h.into(),
+                sysctls: [(k.to_string(), "1".to_string())].into(),
+            };
+            let e = vm.configure_sandbox(Request::new(req)).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{h:?} {k:?}");
+        }
+        let entry = |p: &str| proto::FileEntry {
+            path: p.into(),
+            kind: Some(proto::file_entry::Kind::Data(b"x".to_vec())),
+            ..Default::default()
+        };
+        vm.write_files(Request::new(proto::WriteFilesRequest {
+            entries: vec![entry("/run/vessel/files/pod/hosts")],
+        }))
+        .await
+        .unwrap();
+        assert!(t.path().join("files/pod/hosts").is_file());
+        let e = vm
+            .write_files(Request::new(proto::WriteFilesRequest {
+                entries: vec![entry("/run/vessel/files/../../etc/passwd")],
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        vm.remove_files(Request::new(proto::RemoveFilesRequest {
+            paths: vec!["/run/vessel/files/pod".into()],
+        }))
+        .await
+        .unwrap();
+        assert!(!t.path().join("files/pod").exists());
+    }
+}

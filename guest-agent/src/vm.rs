@@ -122,6 +122,8 @@ fn run() -> Result<(), VmError> {
     if pid1 {
         mount_fs("proc", "/proc", "proc", MsFlags::empty(), None)?;
         if root_is_initramfs() {
+            // The VMM timestamps `vessel-event:` console lines (boot timing).
+            console("vessel-event: agent-init");
             let _ = nix::mount::umount("/proc");
             return switch_root_and_reexec();
         }
@@ -404,6 +406,9 @@ async fn serve(listener: AgentListener, level: String) -> Result<(), VmError> {
         }
     });
     tracing::info!(listen = %listener.describe(), "serving");
+    if std::process::id() == 1 {
+        console("vessel-event: agent-serving");
+    }
     let mut stop1 = state.shutdown_signal();
     let mut stop2 = state.shutdown_signal();
     let shutdown = async move {

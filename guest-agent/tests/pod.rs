@@ -371,3 +371,37 @@ async fn sigterm_shuts_the_agent_down() {
     assert!(!agent.state_dir.exists());
     agent.assert_clean();
 }
+
+#[tokio::test]
+async fn a_flat_agent_refuses_vm_pod_requests() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    let spec = SpecBuilder::sh("true");
+    let mut req = agent.create_request("disks", &spec);
+    req.rootfs = Some(proto::Rootfs {
+        kind: Some(proto::rootfs::Kind::Disks(proto::DiskLayersRootfs {
+            serials: vec!["layer-0".into()],
+        })),
+    });
+    let e = c.create_container(req).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let mut req = agent.create_request("vsocklog", &spec);
+    req.log_vsock_port = 1025;
+    let e = c.create_container(req).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let e = c
+        .configure_sandbox(proto::ConfigureSandboxRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    let containers = c
+        .list_containers(proto::ListContainersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert!(containers.is_empty(), "{containers:?}");
+}
