@@ -123,6 +123,13 @@ if [ "$mode" = pods ]; then
     [ -f "$GI" ] || { log "scripts/build-guest-initrd.sh did not name an initrd (got '$GI')"; exit 1; }
     cp "$GI" "$STAGE/guest/vessel-initrd.img"
     log "guest initrd: $GI"
+    # The same agent as an EROFS root disk, which vesseld prefers (VESSEL_PODS_GUEST=initrd:
+    # leave it out, to boot VM pods from the initrd).
+    if [ "${VESSEL_PODS_GUEST:-erofs}" = erofs ]; then
+      GR=$(FORMAT=erofs bash scripts/build-guest-initrd.sh "$BINDIR/vessel-agent" | tail -n1)
+      cp "$GR" "$STAGE/guest/vessel-rootfs.erofs"
+      log "guest root: $GR"
+    fi
   else
     log "skip: scripts/build-guest-initrd.sh does not exist yet; no VM pod initrd staged (the vm handler cannot boot pods)"
   fi

@@ -97,6 +97,8 @@ pub struct VmSupport {
 pub struct RuntimeOptions {
     pub vm: VmSupport,
     pub vm_cfg: crate::config::VmConfig,
+    /// What the guest boots from (initrd or EROFS root disk).
+    pub guest_root: crate::config::GuestRoot,
     pub shim_binary: PathBuf,
     /// "vm" or "flat": the backend of pods with no runtime handler.
     pub default_handler: String,
@@ -614,7 +616,7 @@ impl Runtime {
         let launch = vm::LaunchSpec {
             shim_binary: &self.opts.shim_binary,
             kernel: &cfg.kernel,
-            initrd: &cfg.initrd,
+            root: &self.opts.guest_root,
             dir: &v.dir,
             vcpus: v.vcpus,
             mem_mib: v.mem_mib,

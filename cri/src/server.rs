@@ -164,7 +164,7 @@ impl Daemon {
         };
         let reason_code = reason_code.to_string();
         if ready {
-            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, kernel = %self.config.vm.kernel.display(), initrd = %self.config.vm.initrd.display(), shim = %shim.display(), "KVM probe: microVM pods enabled");
+            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, kernel = %self.config.vm.kernel.display(), guest_root = ?self.config.guest_root(), shim = %shim.display(), "KVM probe: microVM pods enabled");
         } else {
             tracing::warn!(
                 verdict = %probe.verdict,
@@ -186,6 +186,7 @@ impl Daemon {
                         == crate::config::VmFallback::Fallback,
                 },
                 vm_cfg: self.config.vm.clone(),
+                guest_root: self.config.guest_root(),
                 shim_binary: self.config.shim_binary(),
                 default_handler: self.config.runtime.default_handler.clone(),
                 agent_binary: self.config.agent_binary(),

@@ -51,7 +51,7 @@ fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> VmError {
 pub struct LaunchSpec<'a> {
     pub shim_binary: &'a Path,
     pub kernel: &'a Path,
-    pub initrd: &'a Path,
+    pub root: &'a crate::config::GuestRoot,
     pub dir: &'a Path,
     pub vcpus: u8,
     pub mem_mib: u64,
@@ -92,9 +92,20 @@ pub struct Launched {
 /// The shim spec for a pod (docs/vm-pods.md).
 pub fn shim_spec(spec: &LaunchSpec<'_>) -> serde_json::Value {
     let p = VmPaths::new(spec.dir);
+    let (initrd, disks, cmdline) = match spec.root {
+        crate::config::GuestRoot::Initrd(i) => (Some(i.clone()), vec![], ""),
+        // The root disk is the first virtio-blk device, before the spare slots: /dev/vda.
+        crate::config::GuestRoot::Erofs(r) => (
+            None,
+            vec![serde_json::json!({"path": r, "read_only": true, "serial": "vessel-root"})],
+            "root=/dev/vda rootfstype=erofs ro init=/init",
+        ),
+    };
     serde_json::json!({
         "kernel": spec.kernel,
-        "initrd": spec.initrd,
+        "initrd": initrd,
+        "disks": disks,
+        "cmdline": cmdline,
         "mem_mib": spec.mem_mib,
         "vcpus": spec.vcpus,
         "console": if spec.console_log {
@@ -531,7 +542,7 @@ mod tests {
         let s = shim_spec(&LaunchSpec {
             shim_binary: Path::new("/bin/false"),
             kernel: Path::new("/k"),
-            initrd: Path::new("/i"),
+            root: &crate::config::GuestRoot::Erofs("/r.erofs".into()),
             dir: d.path(),
             vcpus: 2,
             mem_mib: 256,
@@ -543,6 +554,8 @@ mod tests {
         assert_eq!(s["spare_disks"], 4);
         assert_eq!(s["log_port"], LOG_PORT);
         assert_eq!(s["console"], "off");
+        assert_eq!(s["disks"][0]["serial"], "vessel-root");
+        assert!(s["cmdline"].as_str().unwrap().contains("root=/dev/vda"));
         assert!(s["vsock"]["uds_path"]
             .as_str()
             .unwrap()

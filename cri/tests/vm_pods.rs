@@ -69,11 +69,12 @@ fn pods_e2e_binary() -> Option<PathBuf> {
         .map(|e| e.path())
 }
 
-fn vm_config(kernel: &Path, initrd: &Path) -> String {
+fn vm_config(kernel: &Path, initrd: &Path, rootfs: &Path) -> String {
     format!(
-        "[runtime]\nvm_fallback = \"refuse\"\n[vm]\nkernel = \"{}\"\ninitrd = \"{}\"\nboot_timeout_secs = 60\n",
+        "[runtime]\nvm_fallback = \"refuse\"\n[vm]\nkernel = \"{}\"\ninitrd = \"{}\"\nrootfs = \"{}\"\nboot_timeout_secs = 60\n",
         kernel.display(),
-        initrd.display()
+        initrd.display(),
+        rootfs.display()
     )
 }
 
@@ -167,6 +168,7 @@ fn run_nested(
     let config = vm_config(
         Path::new("/vessel/guest/vmlinux"),
         Path::new("/vessel/guest/vessel-initrd.img"),
+        Path::new("/vessel/guest/vessel-rootfs.erofs"),
     );
     let extra = format!(
         "VESSEL_E2E_VESSELD=/vessel/bin/vesseld VESSEL_E2E_HANDLER=vm VESSEL_E2E_CONFIG='{config}' /vessel/bin/{e2e_name} --test-threads 1 {e2e_filter}"
@@ -205,20 +207,24 @@ fn run_direct(
     e2e_filter: &str,
 ) -> (String, bool) {
     let kernel = Path::new(kdir.expect("guest kernel")).join("vmlinux");
-    let initrd = Command::new("bash")
-        .arg(root.join("scripts/build-guest-initrd.sh"))
-        .arg(bindir.join("vessel-agent"))
-        .output()
-        .expect("scripts/build-guest-initrd.sh");
-    let initrd = PathBuf::from(
-        String::from_utf8_lossy(&initrd.stdout)
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .trim(),
-    );
-    assert!(initrd.is_file(), "no guest initrd: {}", initrd.display());
-    let config = vm_config(&kernel, &initrd);
+    let build = |format: &str| {
+        let o = Command::new("bash")
+            .arg(root.join("scripts/build-guest-initrd.sh"))
+            .arg(bindir.join("vessel-agent"))
+            .env("FORMAT", format)
+            .output()
+            .expect("scripts/build-guest-initrd.sh");
+        let p = PathBuf::from(
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .trim(),
+        );
+        assert!(p.is_file(), "no guest {format} image: {}", p.display());
+        p
+    };
+    let config = vm_config(&kernel, &build("cpio"), &build("erofs"));
     let mut out = String::new();
     let v =
         vessel_critest::daemon::Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), &config)

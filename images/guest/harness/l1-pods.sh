@@ -47,6 +47,7 @@ if [ -n "$vm_keys" ]; then
     case "$k" in
       kernel) v="$D/guest/vmlinux" ;;
       initrd) [ -f "$D/guest/vessel-initrd.img" ] && v="$D/guest/vessel-initrd.img" ;;
+      rootfs) v="$D/guest/vessel-rootfs.erofs" ;;
       shim|shim_binary) v="$D/bin/vessel-shim" ;;
     esac
     [ -n "$v" ] && echo "$k = \"$v\"" >>"$STATE/config.toml"
