@@ -20,9 +20,11 @@ install -D -m 0755 target/release/vessel-shim /usr/local/bin/vessel-shim
 if [ "${VESSEL_NO_VM:-0}" != 1 ]; then
   # A failure here leaves flat pods working; vesseld's Status says what VM pods lack.
   if KDIR=$(bash scripts/build-guest-kernel.sh | tail -1) &&
-     INITRD=$(bash scripts/build-guest-initrd.sh target/release/vessel-agent | tail -1); then
+     INITRD=$(bash scripts/build-guest-initrd.sh target/release/vessel-agent | tail -1) &&
+     ROOTFS=$(FORMAT=erofs bash scripts/build-guest-initrd.sh target/release/vessel-agent | tail -1); then
     install -D -m 0644 "$KDIR/vmlinux" /usr/local/share/vessel/guest/vmlinux
     install -D -m 0644 "$INITRD" /usr/local/share/vessel/guest/initrd.img
+    install -D -m 0644 "$ROOTFS" /usr/local/share/vessel/guest/rootfs.erofs
     echo "install: guest kernel and initrd in /usr/local/share/vessel/guest"
   else
     echo "install: building the guest kernel or initrd failed; VM pods are unavailable (flat pods work)" >&2

@@ -137,7 +137,11 @@ fi
 # agent_* tests: the agent's guest initrd, the agent (its debug client) and a busybox EROFS layer.
 AGENT=
 if [ "$mode" != pods ]; then
-cargo build --release -p vessel-agent >&2; AGENT="$CARGO_TARGET_DIR/release/vessel-agent"
+if [ "$PROFILE" = release ]; then
+  cargo build --release -p vessel-agent >&2; AGENT="$CARGO_TARGET_DIR/release/vessel-agent"
+else
+  cargo build -p vessel-agent >&2; AGENT="$CARGO_TARGET_DIR/debug/vessel-agent"
+fi
 cp "$(bash scripts/build-guest-initrd.sh "$AGENT" | tail -n1)" "$STAGE/guest/agent-initrd.img"
 cp "$AGENT" "$STAGE/bin/vessel-agent"
 BB="$WORK/busybox-layer"; rm -rf "$BB"; mkdir -p "$BB"/{bin,proc,sys,dev,etc,tmp,pod}
