@@ -558,9 +558,10 @@ async fn two_containers_share_localhost() {
         )
         .await
         .unwrap();
-    // PID 1 of the pod is the agent: `vessel-agent flat` on the host, `/init vm` in a VM.
+    // PID 1 of the pod is the agent: `vessel-agent flat` on the host, `/init` in a VM (with
+    // ` vm` when it restarted itself from the initramfs).
     let pid1 = if vm_mode() {
-        "/init vm"
+        "/init"
     } else {
         "vessel-agent flat"
     };
