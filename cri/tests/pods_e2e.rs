@@ -43,12 +43,17 @@ fn vm_mode() -> bool {
 }
 
 async fn harness() -> H {
+    harness_with("").await
+}
+
+/// A harness whose vesseld config gets `more` appended (after `VESSEL_E2E_CONFIG`).
+async fn harness_with(more: &str) -> H {
     let reg = Registry::start(RegistryOptions::default()).expect("registry");
     let img = testimages::busybox_image(Compression::Gzip);
     let mut t = PushTarget::new(&reg.url(), "library/busybox");
     t.insecure_tls = true;
     push_image(&t, &img, Some("latest")).await.unwrap();
-    let extra = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default();
+    let extra = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default() + more;
     let v = Vesseld::start(&vesseld_binary(), &extra).expect("vesseld");
     let mut c = v.client().await;
     let image = format!("{}/library/busybox:latest", reg.host());
@@ -1269,4 +1274,81 @@ async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
         .into_inner()
         .items;
     assert!(pods.is_empty());
+}
+
+/// VM pods: image layers are EROFS disks in the pod's spare slots. A two-layer image with
+/// whiteouts and an opaque dir reads right in the guest; with 2 slots, a one-layer image
+/// more is refused while the two are in use, and fits once they are released (slot reuse).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vm_layer_disks_whiteouts_and_slot_reuse() {
+    if !vm_mode() {
+        println!("SKIP vm_layer_disks_whiteouts_and_slot_reuse: VM pods only (VESSEL_E2E_HANDLER=vm; runs in the nested harness)");
+        return;
+    }
+    // VESSEL_E2E_CONFIG ends with its [vm] section.
+    let mut h = harness_with("\nspare_disks = 2\n").await;
+    let wimg = testimages::whiteout_image();
+    let mut t = PushTarget::new(&h._reg.url(), "library/whiteout");
+    t.insecure_tls = true;
+    push_image(&t, &wimg, Some("latest")).await.unwrap();
+    let wname = format!("{}/library/whiteout:latest", h._reg.host());
+    h.c.images
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: wname.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("pull whiteout image");
+    let (pod, pcfg) = h.run_pod("slots").await;
+    let mut cfg = h.ctr_config("w", "sleep 1000");
+    cfg.image = Some(cri::ImageSpec {
+        image: wname,
+        ..Default::default()
+    });
+    let w = h
+        .create(&pod, &pcfg, cfg)
+        .await
+        .expect("two-layer container");
+    h.start(&w).await;
+    let r = h
+        .exec(&w, &["sh", "-c", "ls /data /opaque | tr '\\n' ' '"], 10)
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(
+        out.contains("keep")
+            && out.contains("new")
+            && !out.contains("gone")
+            && !out.contains("old"),
+        "whiteouts and opaque dirs in the guest overlay: {out:?}"
+    );
+    // Both slots hold the whiteout image's layers: busybox's layer has no room.
+    let e = h
+        .create(&pod, &pcfg, h.ctr_config("b", "echo fits"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("spare_disks"), "{e}");
+    // Once the two-layer container is gone, its slots are reused.
+    h.c.runtime
+        .remove_container(cri::RemoveContainerRequest {
+            container_id: w.clone(),
+        })
+        .await
+        .unwrap();
+    let b = h.run(&pod, &pcfg, "b", "echo fits").await;
+    let s = h.wait_exit(&b, Duration::from_secs(30)).await;
+    assert_eq!(s.exit_code, 0, "{s:?}");
+    let log = h.log_of("slots", "b");
+    wait_for(
+        "the second container's log line",
+        Duration::from_secs(10),
+        || cri_log_lines(&log).iter().any(|l| l.2 == "fits"),
+    )
+    .await;
+    h.remove_pod(&pod).await;
+    h.assert_clean();
 }
