@@ -1352,3 +1352,58 @@ async fn vm_layer_disks_whiteouts_and_slot_reuse() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// VM pods: a `vm` pod that asks for the host's network namespace runs flat by policy (the
+/// default `vm.host_namespaces = "flat"`), and the log says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vm_host_network_pod_runs_flat_by_policy() {
+    if !vm_mode() {
+        println!("SKIP vm_host_network_pod_runs_flat_by_policy: VM pods only (VESSEL_E2E_HANDLER=vm; runs in the nested harness)");
+        return;
+    }
+    let mut h = harness().await;
+    let mut cfg = h.pod_config("hostnet");
+    cfg.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                network: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let id =
+        h.c.runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cfg.clone()),
+                runtime_handler: "vm".into(),
+            })
+            .await
+            .expect("host-network vm pod")
+            .into_inner()
+            .pod_sandbox_id;
+    let s =
+        h.c.runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.clone(),
+                verbose: true,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    assert!(
+        s.info["info"].contains("\"backend\":\"flat\""),
+        "{}",
+        s.info["info"]
+    );
+    assert!(
+        h.v.log().contains("pod runs flat by policy"),
+        "{}",
+        h.v.log()
+    );
+    let c = h.run(&id, &cfg, "c", "echo on-the-host-network").await;
+    assert_eq!(h.wait_exit(&c, Duration::from_secs(10)).await.exit_code, 0);
+    h.remove_pod(&id).await;
+    h.assert_clean();
+}
