@@ -439,3 +439,57 @@ async fn no_config_means_network_not_ready() {
     let r = h.network_ready().await;
     assert!(!r.status && r.message.contains("no-such-plugin"), "{r:?}");
 }
+
+/// A CNI pod survives a vesseld crash with its IP; a pod whose agent died while vesseld was
+/// down is detached at the next start (its IP released from the cached ADD result).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_ips_and_detaches_dead_pods() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP cni_e2e: {why}");
+        return;
+    }
+    let cni = match TestCni::new() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("SKIP cni_e2e: {why}");
+            return;
+        }
+    };
+    let mut h = harness(&cni.config_toml()).await;
+    let kcfg = h.pod_config("keeper");
+    let keep = h.run_pod(&kcfg).await.expect("RunPodSandbox keeper");
+    let dcfg = h.pod_config("doomed");
+    let doomed = h.run_pod(&dcfg).await.expect("RunPodSandbox doomed");
+    let keep_ip = h.pod_status(&keep).await.network.unwrap_or_default().ip;
+    let doomed_ip = h.pod_status(&doomed).await.network.unwrap_or_default().ip;
+    assert_eq!(cni.allocated_ips().len(), 2);
+    h.v.kill9();
+    // The doomed pod's agent dies while vesseld is down.
+    let info = std::fs::read_to_string(h.v.root_dir().join("pods").join(&doomed).join("pod.json"))
+        .unwrap();
+    let rec: serde_json::Value = serde_json::from_str(&info).unwrap();
+    let pid = rec["agent_pid"].as_u64().unwrap() as i32;
+    // SAFETY: kill(2) with a pid read from the pod record and a valid signal.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let start = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && start.elapsed() < Duration::from_secs(5)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.v.restart().expect("restart vesseld");
+    h.c = h.v.client().await;
+    assert_eq!(
+        h.pod_status(&keep).await.network.unwrap_or_default().ip,
+        keep_ip
+    );
+    assert_eq!(
+        cni.allocated_ips(),
+        vec![keep_ip.clone()],
+        "{doomed_ip} released at restart"
+    );
+    h.remove_pod(&keep).await;
+    h.remove_pod(&doomed).await;
+    assert!(cni.allocated_ips().is_empty());
+    assert!(bridge_ports(&cni.bridge).is_empty());
+}
