@@ -11,6 +11,8 @@ PKGS=(
   erofs-utils         # mkfs.erofs: per-layer block images for VM pods
   libseccomp-dev      # seccomp for containers (youki libcontainer)
   iproute2
+  containernetworking-plugins  # CNI plugins in /usr/lib/cni (bridge, host-local, portmap, ...)
+  iptables            # the portmap and bridge (ipMasq) CNI plugins program iptables
   ca-certificates
   # the microVM guest kernel build (scripts/build-guest-kernel.sh)
   linux-source-6.1 build-essential flex bison libelf-dev libssl-dev bc xz-utils lz4 cpio

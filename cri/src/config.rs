@@ -74,6 +74,20 @@ host_namespaces = "flat"
 # mount larger than this is refused.
 copy_in_limit_mib = 64
 
+[cni]
+# CNI for flat pods that have their own network namespace: the first valid network config
+# (*.conflist, *.conf or *.json, by file name) in conf_dir is run through its plugin chain
+# (ADD when the pod starts, DEL in reverse when it stops). Without a config, NetworkReady is
+# false and such pods get loopback only. Host-network pods get no CNI; VM pods get loopback
+# only for now (CNI through a tap mirrored with tc redirect comes later).
+conf_dir = "/etc/cni/net.d"
+# Where plugin binaries are looked up, in order (Debian's containernetworking-plugins
+# installs them in /usr/lib/cni). Also the plugins' CNI_PATH.
+bin_dirs = ["/opt/cni/bin", "/usr/lib/cni"]
+# What each pod's ADD was given and answered, for its DEL. Empty: <root_dir>/cni, which
+# survives reboots, so the IPs of pods a reboot killed are still released.
+cache_dir = ""
+
 [images]
 # The platform picked from multi-platform images (os/arch[/variant]).
 platform = "linux/amd64"
@@ -102,6 +116,26 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub vm: VmConfig,
     pub images: ImagesConfig,
+    pub cni: CniConfig,
+}
+
+/// `[cni]`: the node's CNI plugins, for flat pods with their own network namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CniConfig {
+    pub conf_dir: PathBuf,
+    pub bin_dirs: Vec<PathBuf>,
+    pub cache_dir: PathBuf,
+}
+
+impl Default for CniConfig {
+    fn default() -> Self {
+        CniConfig {
+            conf_dir: "/etc/cni/net.d".into(),
+            bin_dirs: vec!["/opt/cni/bin".into(), "/usr/lib/cni".into()],
+            cache_dir: PathBuf::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -379,6 +413,35 @@ impl Config {
                 self.vm.rootfs
             )));
         }
+        if !self.cni.conf_dir.is_absolute() {
+            return Err(invalid(format!(
+                "cni.conf_dir must be an absolute path, not {:?}",
+                self.cni.conf_dir
+            )));
+        }
+        if self.cni.bin_dirs.is_empty() {
+            return Err(invalid(
+                "cni.bin_dirs must name at least one directory".into(),
+            ));
+        }
+        for d in &self.cni.bin_dirs {
+            if !d.is_absolute() {
+                return Err(invalid(format!(
+                    "cni.bin_dirs: {d:?} is not an absolute path"
+                )));
+            }
+            if d.to_string_lossy().contains(':') {
+                return Err(invalid(format!(
+                    "cni.bin_dirs: {d:?} contains ':', which CNI_PATH cannot carry"
+                )));
+            }
+        }
+        if !self.cni.cache_dir.as_os_str().is_empty() && !self.cni.cache_dir.is_absolute() {
+            return Err(invalid(format!(
+                "cni.cache_dir must be empty or an absolute path, not {:?}",
+                self.cni.cache_dir
+            )));
+        }
         for (host, r) in &self.images.registries {
             for m in &r.mirrors {
                 if m.trim().is_empty() {
@@ -420,6 +483,19 @@ impl Config {
             .and_then(|p| p.parent().map(|d| d.join("vessel-shim")))
             .filter(|p| p.exists())
             .unwrap_or_else(|| PathBuf::from("/usr/local/bin/vessel-shim"))
+    }
+
+    /// The node's CNI setup, with the cache dir resolved.
+    pub fn cni(&self) -> crate::cni::Cni {
+        crate::cni::Cni {
+            conf_dir: self.cni.conf_dir.clone(),
+            bin_dirs: self.cni.bin_dirs.clone(),
+            cache_dir: if self.cni.cache_dir.as_os_str().is_empty() {
+                self.daemon.root_dir.join("cni")
+            } else {
+                self.cni.cache_dir.clone()
+            },
+        }
     }
 
     /// The image store lives here.
@@ -487,6 +563,11 @@ ca_file = "/etc/ca.pem"
             "[vm]\nvcpus = 0",
             "[vm]\nkernel = \"vmlinux\"",
             "[vm]\nhost_namespaces = \"maybe\"",
+            "[cni]\nconf_dir = \"net.d\"",
+            "[cni]\nbin_dirs = []",
+            "[cni]\nbin_dirs = [\"bin\"]",
+            "[cni]\ncache_dir = \"cache\"",
+            "[cni]\nplugin_dir = \"/x\"",
         ] {
             assert!(Config::parse(bad, Path::new("x")).is_err(), "{bad}");
         }

@@ -5,6 +5,7 @@
 //! - [`image_service`]: the CRI ImageService over `vessel-images`.
 //! - [`runtime_service`]: the CRI RuntimeService.
 
+pub mod cni;
 pub mod config;
 pub mod errors;
 pub mod flat;

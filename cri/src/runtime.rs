@@ -62,6 +62,18 @@ fn internal(ctx: &str) -> impl FnOnce(&dyn std::fmt::Display) -> RuntimeError + 
 }
 
 /// An agent answer that failed, as a runtime error with the agent's code.
+/// A CNI failure as a runtime error.
+fn cni_err(e: crate::cni::CniError) -> RuntimeError {
+    use crate::cni::CniError as E;
+    match e {
+        E::NoConfig(_) | E::BadConfig { .. } | E::PluginNotFound { .. } => {
+            RuntimeError::FailedPrecondition(e.to_string())
+        }
+        E::Timeout { .. } => RuntimeError::DeadlineExceeded(e.to_string()),
+        E::Plugin { .. } | E::Cache { .. } => RuntimeError::Internal(e.to_string()),
+    }
+}
+
 fn agent_err(ctx: &str, s: tonic::Status) -> RuntimeError {
     let m = format!("{ctx}: pod agent: {}", s.message());
     match s.code() {
@@ -106,6 +118,8 @@ pub struct RuntimeOptions {
     pub log_level: String,
     pub root_dir: PathBuf,
     pub state_dir: PathBuf,
+    /// The node's CNI plugins, for flat pods with their own network namespace.
+    pub cni: crate::cni::Cni,
 }
 
 pub struct Pod {
@@ -220,6 +234,10 @@ impl Runtime {
 
     pub fn agent_binary(&self) -> &Path {
         &self.opts.agent_binary
+    }
+
+    pub fn cni(&self) -> &crate::cni::Cni {
+        &self.opts.cni
     }
 
     pub fn vm_support(&self) -> &VmSupport {
@@ -495,6 +513,7 @@ impl Runtime {
             hostname: hostname.clone(),
             cgroup_parent,
             reason: String::new(),
+            ips: Vec::new(),
             vm,
         };
         // The record comes first: a crash from here on leaves something recovery cleans.
@@ -523,7 +542,8 @@ impl Runtime {
             }
             Err(e) => {
                 tracing::warn!(pod = %id, error = %e, "RunPodSandbox failed; cleaning up");
-                self.teardown_pod_resources(&pod.record());
+                self.teardown_pod_resources(&pod.record()).await;
+                self.opts.cni.forget(id);
                 let _ = self.dirs.delete_pod(id);
                 Err(e)
             }
@@ -584,6 +604,7 @@ impl Runtime {
             flat::apply_net_sysctls(&rec.netns_path, &sysctls).map_err(|e| {
                 RuntimeError::InvalidArgument(format!("pod {}: sysctls: {e}", rec.id))
             })?;
+            self.cni_add(pod, config).await?;
         } else if sysctls.keys().any(|k| k.starts_with("net.")) {
             return Err(RuntimeError::InvalidArgument(format!(
                 "pod {}: net.* sysctls need the pod's own network namespace, not the host's",
@@ -677,9 +698,52 @@ impl Runtime {
         Ok(())
     }
 
-    /// Kills the agent (or the VM's shim), unpins the netns, removes the pod's cgroup and VM
-    /// files. Idempotent.
-    fn teardown_pod_resources(&self, rec: &PodRecord) {
+    /// Attaches a flat pod's pinned netns to the node's CNI network and keeps its IPs.
+    /// Without a CNI config the pod keeps loopback only (NetworkReady says so).
+    async fn cni_add(&self, pod: &Pod, config: &cri::PodSandboxConfig) -> Result<()> {
+        let rec = pod.record();
+        if let Err(e @ crate::cni::CniError::NoConfig(_)) = self.opts.cni.load() {
+            tracing::warn!(pod = %rec.id, reason = %e, "no CNI network: the pod has loopback only");
+            return Ok(());
+        }
+        let meta = config.metadata.clone().unwrap_or_default();
+        let a = self
+            .opts
+            .cni
+            .add(crate::cni::PodNetwork {
+                id: rec.id.clone(),
+                netns: rec.netns_path.clone(),
+                namespace: meta.namespace,
+                name: meta.name,
+                uid: meta.uid,
+                port_mappings: crate::cni::port_mappings(&config.port_mappings),
+            })
+            .await
+            .map_err(cni_err)?;
+        let ips = a.ips();
+        tracing::info!(pod = %rec.id, network = %a.network.name, ips = ?ips, "pod attached to the CNI network");
+        pod.update(|r| r.ips = ips);
+        Ok(())
+    }
+
+    /// Runs CNI DEL for what ADD did to a pod, if anything. Errors are logged: the cache
+    /// entry then stays, and the next teardown (RemovePodSandbox, recovery) tries again.
+    async fn cni_del(&self, rec: &PodRecord) {
+        let Some(a) = self.opts.cni.cached(&rec.id) else {
+            return;
+        };
+        match self.opts.cni.del(&a).await {
+            Ok(()) => {
+                tracing::info!(pod = %rec.id, network = %a.network.name, "pod detached from the CNI network");
+                self.opts.cni.forget(&rec.id);
+            }
+            Err(e) => tracing::warn!(pod = %rec.id, error = %e, "CNI DEL failed"),
+        }
+    }
+
+    /// Kills the agent (or the VM's shim), detaches the pod from CNI, unpins the netns,
+    /// removes the pod's cgroup and VM files. Idempotent.
+    async fn teardown_pod_resources(&self, rec: &PodRecord) {
         if let Some(v) = &rec.vm {
             vm::kill_shim(rec.agent_pid, rec.agent_start_time);
             flat::kill_by_arg("--spec", &vm::VmPaths::new(&v.dir).spec);
@@ -692,6 +756,8 @@ impl Runtime {
             flat::kill_agent(rec.agent_pid, rec.agent_start_time);
         }
         flat::kill_agents_by_socket(&rec.agent_socket);
+        // The pin keeps the netns (and the veth in it) alive until after DEL.
+        self.cni_del(rec).await;
         if let Err(e) = flat::unpin_netns(&rec.netns_path) {
             tracing::warn!(pod = %rec.id, error = %e, "cannot unpin netns");
         }
@@ -731,7 +797,7 @@ impl Runtime {
             }
         }
         *pod.client.lock().await = None;
-        self.teardown_pod_resources(&rec);
+        self.teardown_pod_resources(&rec).await;
         for ctr in self.ctrs_of(&rec.id) {
             self.mark_lost(&ctr, "pod sandbox stopped");
         }
@@ -762,7 +828,8 @@ impl Runtime {
         for ctr in self.ctrs_of(&rec.id) {
             self.forget_container(&ctr).await?;
         }
-        self.teardown_pod_resources(&rec);
+        self.teardown_pod_resources(&rec).await;
+        self.opts.cni.forget(&rec.id);
         self.dirs
             .delete_pod(&rec.id)
             .map_err(|e| internal("removing pod state")(&e))?;
@@ -797,7 +864,15 @@ impl Runtime {
                 cri::PodSandboxState::SandboxNotready as i32
             },
             created_at: rec.created_at,
-            network: Some(cri::PodSandboxNetworkStatus::default()),
+            network: Some(cri::PodSandboxNetworkStatus {
+                ip: rec.ips.first().cloned().unwrap_or_default(),
+                additional_ips: rec
+                    .ips
+                    .iter()
+                    .skip(1)
+                    .map(|ip| cri::PodIp { ip: ip.clone() })
+                    .collect(),
+            }),
             linux: Some(cri::LinuxPodSandboxStatus {
                 namespaces: Some(cri::Namespace { options: ns }),
             }),
@@ -817,6 +892,7 @@ impl Runtime {
                     "hostname": rec.hostname,
                     "cgroupParent": rec.cgroup_parent,
                     "reason": rec.reason,
+                    "ips": rec.ips,
                     "vm": rec.vm.as_ref().map(|v| serde_json::json!({
                         "dir": v.dir, "vcpus": v.vcpus, "memoryMiB": v.mem_mib,
                         "shimPid": rec.agent_pid, "diskSlots": v.slots,
@@ -1421,7 +1497,7 @@ impl Runtime {
         };
         tracing::warn!(pod = %rec.id, pid = rec.agent_pid, reason = what, "pod lost; pod is not ready");
         *pod.client.lock().await = None;
-        self.teardown_pod_resources(&rec);
+        self.teardown_pod_resources(&rec).await;
         for ctr in self.ctrs_of(&rec.id) {
             self.mark_lost(&ctr, what);
         }
@@ -2027,7 +2103,8 @@ impl Runtime {
         for rec in self.dirs.load_pods() {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
-                self.teardown_pod_resources(&rec);
+                self.teardown_pod_resources(&rec).await;
+                self.opts.cni.forget(&rec.id);
                 let _ = self.dirs.delete_pod(&rec.id);
                 continue;
             }
@@ -2059,7 +2136,7 @@ impl Runtime {
                 if !alive {
                     tracing::warn!(pod = %rec.id, "pod agent is gone; pod is not ready");
                     *pod.client.lock().await = None;
-                    self.teardown_pod_resources(&rec);
+                    self.teardown_pod_resources(&rec).await;
                     let r = pod.update(|r| {
                         r.state = PodState::NotReady;
                         r.reason = if r.vm.is_some() {
@@ -2075,7 +2152,7 @@ impl Runtime {
                 }
             } else {
                 // Not ready: make sure nothing of it runs or stays mounted.
-                self.teardown_pod_resources(&rec);
+                self.teardown_pod_resources(&rec).await;
             }
         }
         let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
@@ -2162,6 +2239,19 @@ impl Runtime {
                         }
                     }
                 }
+            }
+        }
+        // CNI attachments without a pod: DEL them (their netns may be gone; DEL still frees
+        // the IP).
+        for id in self.opts.cni.cached_ids() {
+            if self.pod(&id).is_err() {
+                if let Some(a) = self.opts.cni.cached(&id) {
+                    tracing::info!(pod = %id, "detaching CNI attachment without a pod");
+                    if let Err(e) = self.opts.cni.del(&a).await {
+                        tracing::warn!(pod = %id, error = %e, "CNI DEL failed");
+                    }
+                }
+                self.opts.cni.forget(&id);
             }
         }
         // Snapshots without a container, and netns pins without a pod.

@@ -68,11 +68,21 @@ impl RuntimeService {
         vec![
             runtime_ready,
             vm_ready,
-            cri::RuntimeCondition {
-                r#type: "NetworkReady".into(),
-                status: false,
-                reason: "NetworkPluginNotReady".into(),
-                message: "vessel: CNI is not implemented yet; pods get a private network namespace with loopback only".into(),
+            match self.rt.cni().ready() {
+                Ok(net) => cri::RuntimeCondition {
+                    r#type: "NetworkReady".into(),
+                    status: true,
+                    reason: String::new(),
+                    message: format!("CNI network {:?} from {}", net.name, net.source.display()),
+                },
+                Err(e) => cri::RuntimeCondition {
+                    r#type: "NetworkReady".into(),
+                    status: false,
+                    reason: "NetworkPluginNotReady".into(),
+                    message: format!(
+                        "{e}; pods get a private network namespace with loopback only"
+                    ),
+                },
             },
         ]
     }

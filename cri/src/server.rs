@@ -193,6 +193,7 @@ impl Daemon {
                 log_level: self.config.daemon.log_level.clone(),
                 root_dir: self.config.daemon.root_dir.clone(),
                 state_dir: self.config.daemon.state_dir.clone(),
+                cni: self.config.cni(),
             },
             self.store.clone(),
         )

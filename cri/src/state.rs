@@ -48,6 +48,9 @@ pub struct PodRecord {
     /// Why the pod is not ready, when it is not.
     #[serde(default)]
     pub reason: String,
+    /// The pod's IPs from CNI, IPv4 first (empty without CNI).
+    #[serde(default)]
+    pub ips: Vec<String>,
     /// The microVM of a VM pod (`backend == "vm"`).
     #[serde(default)]
     pub vm: Option<VmPodState>,

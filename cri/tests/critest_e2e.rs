@@ -1,24 +1,12 @@
 //! The whole vessel-critest conformance suite against a live vesseld (flat pods).
 
 use std::path::Path;
-use vessel_critest::daemon::Vesseld;
+use vessel_critest::daemon::{TestCni, Vesseld};
 use vessel_critest::suite::{self, Outcome};
 
 /// Specs that fail against vessel today, with why. When a feature lands, its spec starts
 /// passing and this test asks for it to be taken off the list.
 const KNOWN_FAILURES: &[(&str, &str)] = &[
-    (
-        "[runtime] Status reports NetworkReady=true",
-        "CNI not built",
-    ),
-    (
-        "[network] PodSandboxStatus reports the pod IP",
-        "CNI not built",
-    ),
-    (
-        "[network] a host port mapping reaches the container",
-        "CNI not built",
-    ),
     (
         "[streaming] Exec returns a streaming URL",
         "streaming server not built",
@@ -43,7 +31,11 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn critest_conformance_against_flat_pods() {
-    let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), "").expect("vesseld");
+    // A private CNI network (bridge + portmap + loopback from /usr/lib/cni), so that the
+    // network specs run.
+    let cni = TestCni::new().expect("CNI plugins for the network specs");
+    let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), &cni.config_toml())
+        .expect("vesseld");
     let mut cfg = suite::Config::new(format!("unix://{}", v.socket.display()));
     cfg.parallel = 2;
     // One labelled summary below instead of a line per spec, so that the expected failures

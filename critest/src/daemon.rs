@@ -279,3 +279,120 @@ pub fn mounts_under(dir: &Path) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// A private CNI network for tests: a conflist of `bridge` (a bridge of its own, host-local
+/// IPAM over a random 10.88.x.0/24 with its store in a temp dir) + `portmap` + `loopback`,
+/// in a conf dir of its own. Drop deletes the bridge.
+pub struct TestCni {
+    pub dir: tempfile::TempDir,
+    pub bridge: String,
+    /// e.g. "10.88.17"
+    pub prefix: String,
+    pub network: String,
+    pub bin_dir: PathBuf,
+}
+
+impl TestCni {
+    /// `None` (with the reason) when the plugins are not installed (`apt-get install
+    /// containernetworking-plugins`).
+    pub fn new() -> Result<TestCni, String> {
+        let bin_dir = PathBuf::from("/usr/lib/cni");
+        for p in ["bridge", "host-local", "portmap", "loopback"] {
+            if !bin_dir.join(p).exists() {
+                return Err(format!(
+                    "CNI plugin {p} not in {} (apt-get install containernetworking-plugins)",
+                    bin_dir.display()
+                ));
+            }
+        }
+        let mut seed = [0u8; 8];
+        let _ = fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut seed));
+        let routes = Command::new("ip")
+            .args(["-4", "route", "show"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        let mut third = seed[0];
+        for i in 0..=255u8 {
+            let t = seed[0].wrapping_add(i);
+            if !routes.contains(&format!("10.88.{t}.")) {
+                third = t;
+                break;
+            }
+        }
+        let hex: String = seed[1..5].iter().map(|b| format!("{b:02x}")).collect();
+        let bridge = format!("vtst{hex}");
+        let network = format!("vessel-test-{hex}");
+        let prefix = format!("10.88.{third}");
+        let dir = tempfile::Builder::new()
+            .prefix("vessel-cni-")
+            .tempdir()
+            .map_err(|e| e.to_string())?;
+        fs::create_dir_all(dir.path().join("net.d")).map_err(|e| e.to_string())?;
+        let conf = format!(
+            r#"{{
+  "cniVersion": "1.0.0",
+  "name": "{network}",
+  "plugins": [
+    {{
+      "type": "bridge",
+      "bridge": "{bridge}",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {{
+        "type": "host-local",
+        "ranges": [[{{ "subnet": "{prefix}.0/24" }}]],
+        "routes": [{{ "dst": "0.0.0.0/0" }}],
+        "dataDir": "{ipam}"
+      }}
+    }},
+    {{ "type": "portmap", "capabilities": {{ "portMappings": true }} }},
+    {{ "type": "loopback" }}
+  ]
+}}
+"#,
+            ipam = dir.path().join("ipam").display(),
+        );
+        fs::write(dir.path().join("net.d/10-vessel-test.conflist"), conf)
+            .map_err(|e| e.to_string())?;
+        Ok(TestCni {
+            dir,
+            bridge,
+            prefix,
+            network,
+            bin_dir,
+        })
+    }
+
+    /// The `[cni]` table for vesseld's config.
+    pub fn config_toml(&self) -> String {
+        format!(
+            "[cni]\nconf_dir = \"{}\"\nbin_dirs = [\"{}\"]\n",
+            self.dir.path().join("net.d").display(),
+            self.bin_dir.display()
+        )
+    }
+
+    /// IPs host-local has handed out and not released.
+    pub fn allocated_ips(&self) -> Vec<String> {
+        fs::read_dir(self.dir.path().join("ipam").join(&self.network))
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().to_string())
+                    .filter(|n| n.starts_with(&self.prefix))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for TestCni {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.bridge])
+            .stderr(Stdio::null())
+            .status();
+    }
+}

@@ -1,0 +1,620 @@
+//! CNI for flat pods: the node's CNI network configuration (the first valid `.conflist`,
+//! `.conf` or `.json` file in `cni.conf_dir`, by name) is run through its plugin chain for
+//! each flat pod that has its own network namespace.
+//!
+//! ADD runs the plugins in order, each getting the previous one's result as `prevResult`;
+//! DEL runs them in reverse with the final ADD result. What ADD was asked (the network
+//! config as sent, the pod's arguments, its port mappings) and what it answered is kept in
+//! `<cache_dir>/<pod-id>.json`, written atomically before the first plugin runs and again
+//! after the last, so that DEL undoes exactly what ADD did, also after a crash or a reboot
+//! and also when the node's config has changed since.
+//!
+//! VM pods are not attached here: their network namespace is the guest's. They will get CNI
+//! through a veth in a host-side netns mirrored to the VM's tap with tc redirect; until then
+//! they have loopback only.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use vessel_images::fsutil;
+
+/// How long one plugin may run.
+pub const PLUGIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The interface CNI creates in the pod's netns.
+pub const IFNAME: &str = "eth0";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CniError {
+    #[error("no CNI network config (*.conflist, *.conf, *.json) in {0}")]
+    NoConfig(PathBuf),
+    #[error("CNI network config {path}: {message}")]
+    BadConfig { path: PathBuf, message: String },
+    #[error("CNI plugin {plugin:?} (network {network:?}) not found in {dirs}")]
+    PluginNotFound {
+        plugin: String,
+        network: String,
+        dirs: String,
+    },
+    #[error("CNI {command} of pod {pod}: plugin {plugin:?} did not finish within {timeout:?}")]
+    Timeout {
+        command: &'static str,
+        pod: String,
+        plugin: String,
+        timeout: Duration,
+    },
+    #[error("CNI {command} of pod {pod}: plugin {plugin:?} failed: {message}")]
+    Plugin {
+        command: &'static str,
+        pod: String,
+        plugin: String,
+        message: String,
+    },
+    #[error("CNI cache {path}: {message}")]
+    Cache { path: PathBuf, message: String },
+}
+
+/// A network configuration list, as loaded from `conf_dir`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NetworkList {
+    pub name: String,
+    #[serde(rename = "cniVersion")]
+    pub cni_version: String,
+    /// Each plugin's config object as written in the file.
+    pub plugins: Vec<Value>,
+    /// The file it came from.
+    pub source: PathBuf,
+}
+
+impl NetworkList {
+    /// Parses a `.conflist` (`plugins` list) or a `.conf` (one plugin).
+    pub fn parse(path: &Path, text: &str) -> Result<NetworkList, CniError> {
+        let bad = |message: String| CniError::BadConfig {
+            path: path.to_path_buf(),
+            message,
+        };
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| bad("not a JSON object".into()))?;
+        let name = obj
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        if name.is_empty() {
+            return Err(bad("no \"name\"".into()));
+        }
+        let cni_version = obj
+            .get("cniVersion")
+            .and_then(Value::as_str)
+            .unwrap_or("0.2.0")
+            .to_string();
+        let plugins = match obj.get("plugins") {
+            Some(Value::Array(p)) => p.clone(),
+            Some(_) => return Err(bad("\"plugins\" is not a list".into())),
+            None if obj.contains_key("type") => vec![v.clone()],
+            None => return Err(bad("neither \"plugins\" nor \"type\"".into())),
+        };
+        if plugins.is_empty() {
+            return Err(bad("\"plugins\" is empty".into()));
+        }
+        for (i, p) in plugins.iter().enumerate() {
+            if p.get("type")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .is_empty()
+            {
+                return Err(bad(format!("plugin {i} has no \"type\"")));
+            }
+        }
+        Ok(NetworkList {
+            name,
+            cni_version,
+            plugins,
+            source: path.to_path_buf(),
+        })
+    }
+
+    fn plugin_types(&self) -> impl Iterator<Item = &str> {
+        self.plugins
+            .iter()
+            .map(|p| p.get("type").and_then(Value::as_str).unwrap_or_default())
+    }
+}
+
+/// The node's CNI setup: where configs, plugins and the result cache are.
+#[derive(Debug, Clone)]
+pub struct Cni {
+    pub conf_dir: PathBuf,
+    pub bin_dirs: Vec<PathBuf>,
+    pub cache_dir: PathBuf,
+}
+
+/// What one pod's attachment needs to know.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PodNetwork {
+    pub id: String,
+    pub netns: PathBuf,
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    /// CNI `runtimeConfig.portMappings` entries.
+    pub port_mappings: Vec<Value>,
+}
+
+/// What ADD was asked and answered: enough to DEL it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Attachment {
+    pub network: NetworkList,
+    pub pod: PodNetwork,
+    /// The final result of the chain; null until ADD finished.
+    pub result: Value,
+}
+
+impl Attachment {
+    /// The pod's IPs (without prefix length) from the result, IPv4 first.
+    pub fn ips(&self) -> Vec<String> {
+        result_ips(&self.result)
+    }
+}
+
+/// The IPs of a CNI result (0.3.0 and later: `ips`; 0.1/0.2: `ip4`/`ip6`), IPv4 first.
+pub fn result_ips(r: &Value) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let strip = |s: &str| s.split('/').next().unwrap_or_default().to_string();
+    if let Some(ips) = r.get("ips").and_then(Value::as_array) {
+        let ifaces = r.get("interfaces").and_then(Value::as_array);
+        for ip in ips {
+            // Only addresses of an interface inside the pod (one with a sandbox), when the
+            // result says which interface an address is on.
+            if let (Some(i), Some(ifaces)) = (ip.get("interface").and_then(Value::as_u64), ifaces) {
+                let in_pod = ifaces
+                    .get(i as usize)
+                    .and_then(|f| f.get("sandbox"))
+                    .and_then(Value::as_str)
+                    .is_some_and(|s| !s.is_empty());
+                if !in_pod {
+                    continue;
+                }
+            }
+            if let Some(a) = ip.get("address").and_then(Value::as_str) {
+                out.push(strip(a));
+            }
+        }
+    } else {
+        for k in ["ip4", "ip6"] {
+            if let Some(a) = r.get(k).and_then(|x| x.get("ip")).and_then(Value::as_str) {
+                out.push(strip(a));
+            }
+        }
+    }
+    out.retain(|s| !s.is_empty());
+    out.dedup();
+    out.sort_by_key(|s| s.contains(':'));
+    out
+}
+
+/// CNI versions before 0.4.0 give DEL no `prevResult`.
+fn del_has_prev_result(version: &str) -> bool {
+    !["0.1.", "0.2.", "0.3."]
+        .iter()
+        .any(|p| version.starts_with(p))
+}
+
+impl Cni {
+    /// The node's network config: the first valid file in `conf_dir`, by name.
+    pub fn load(&self) -> Result<NetworkList, CniError> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.conf_dir)
+            .map_err(|_| CniError::NoConfig(self.conf_dir.clone()))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_file()
+                    && p.extension()
+                        .is_some_and(|x| x == "conflist" || x == "conf" || x == "json")
+            })
+            .collect();
+        files.sort();
+        let mut first_err = None;
+        for f in files {
+            let parsed = std::fs::read_to_string(&f)
+                .map_err(|e| CniError::BadConfig {
+                    path: f.clone(),
+                    message: e.to_string(),
+                })
+                .and_then(|t| NetworkList::parse(&f, &t));
+            match parsed {
+                Ok(n) => return Ok(n),
+                Err(e) => {
+                    tracing::warn!(error = %e, "skipping invalid CNI network config");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        Err(first_err.unwrap_or_else(|| CniError::NoConfig(self.conf_dir.clone())))
+    }
+
+    fn dirs_text(&self) -> String {
+        self.bin_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The plugin binary `name` in the first bin dir that has it.
+    pub fn find_plugin(&self, name: &str) -> Option<PathBuf> {
+        use std::os::unix::fs::PermissionsExt;
+        if name.contains('/') {
+            return None;
+        }
+        self.bin_dirs.iter().map(|d| d.join(name)).find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    }
+
+    /// Whether pods can be networked: a valid config whose plugins all exist.
+    pub fn ready(&self) -> Result<NetworkList, CniError> {
+        let net = self.load()?;
+        for t in net.plugin_types() {
+            if self.find_plugin(t).is_none() {
+                return Err(CniError::PluginNotFound {
+                    plugin: t.to_string(),
+                    network: net.name.clone(),
+                    dirs: self.dirs_text(),
+                });
+            }
+        }
+        Ok(net)
+    }
+
+    fn cache_path(&self, pod_id: &str) -> PathBuf {
+        self.cache_dir.join(format!("{pod_id}.json"))
+    }
+
+    fn save(&self, a: &Attachment) -> Result<(), CniError> {
+        let path = self.cache_path(&a.pod.id);
+        let cache = |message: String| CniError::Cache {
+            path: path.clone(),
+            message,
+        };
+        std::fs::create_dir_all(&self.cache_dir).map_err(|e| cache(e.to_string()))?;
+        let data = serde_json::to_vec(a).map_err(|e| cache(e.to_string()))?;
+        fsutil::atomic_write_fast(&path, &data).map_err(|e| cache(e.to_string()))
+    }
+
+    /// The cached attachment of a pod, if it has one.
+    pub fn cached(&self, pod_id: &str) -> Option<Attachment> {
+        let path = self.cache_path(pod_id);
+        let data = std::fs::read(&path).ok()?;
+        match serde_json::from_slice(&data) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "unreadable CNI cache entry");
+                None
+            }
+        }
+    }
+
+    /// Pod ids that have a cache entry.
+    pub fn cached_ids(&self) -> Vec<String> {
+        std::fs::read_dir(&self.cache_dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| {
+                        e.file_name()
+                            .to_str()
+                            .and_then(|n| n.strip_suffix(".json"))
+                            .map(str::to_string)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Drops a pod's cache entry.
+    pub fn forget(&self, pod_id: &str) {
+        let p = self.cache_path(pod_id);
+        if let Err(e) = fsutil::remove_any(&p) {
+            tracing::warn!(path = %p.display(), error = %e, "cannot remove CNI cache entry");
+        }
+    }
+
+    /// Attaches a pod to the node's network. On failure, whatever the chain did is undone
+    /// (DEL through every plugin) and the cache entry removed.
+    pub async fn add(&self, pod: PodNetwork) -> Result<Attachment, CniError> {
+        let network = self.ready()?;
+        let mut a = Attachment {
+            network,
+            pod,
+            result: Value::Null,
+        };
+        // Cached before the first plugin runs: a crash mid-chain is undone by DEL later.
+        self.save(&a)?;
+        let mut prev: Option<Value> = None;
+        for i in 0..a.network.plugins.len() {
+            match self.exec(&a, i, "ADD", prev.as_ref()).await {
+                Ok(r) => prev = Some(r),
+                Err(e) => {
+                    if let Err(d) = self.del(&a).await {
+                        tracing::warn!(pod = %a.pod.id, error = %d, "CNI DEL after a failed ADD failed");
+                    }
+                    self.forget(&a.pod.id);
+                    return Err(e);
+                }
+            }
+        }
+        a.result = prev.unwrap_or(Value::Null);
+        if let Err(e) = self.save(&a) {
+            let _ = self.del(&a).await;
+            self.forget(&a.pod.id);
+            return Err(e);
+        }
+        Ok(a)
+    }
+
+    /// Detaches a pod: DEL through the chain in reverse. Every plugin is asked even when one
+    /// fails; the first error is returned.
+    pub async fn del(&self, a: &Attachment) -> Result<(), CniError> {
+        let prev = (!a.result.is_null() && del_has_prev_result(&a.network.cni_version))
+            .then_some(&a.result);
+        let mut first = None;
+        for i in (0..a.network.plugins.len()).rev() {
+            if let Err(e) = self.exec(a, i, "DEL", prev).await {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Runs plugin `i` of the attachment's network with `command`.
+    async fn exec(
+        &self,
+        a: &Attachment,
+        i: usize,
+        command: &'static str,
+        prev: Option<&Value>,
+    ) -> Result<Value, CniError> {
+        let net = &a.network;
+        let mut conf = net.plugins[i].clone();
+        let plugin = conf
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let fail = |message: String| CniError::Plugin {
+            command,
+            pod: a.pod.id.clone(),
+            plugin: plugin.clone(),
+            message,
+        };
+        let binary = self
+            .find_plugin(&plugin)
+            .ok_or_else(|| CniError::PluginNotFound {
+                plugin: plugin.clone(),
+                network: net.name.clone(),
+                dirs: self.dirs_text(),
+            })?;
+        if let Some(o) = conf.as_object_mut() {
+            o.insert("name".into(), json!(net.name));
+            o.insert("cniVersion".into(), json!(net.cni_version));
+            o.remove("prevResult");
+            if let Some(p) = prev {
+                o.insert("prevResult".into(), p.clone());
+            }
+            let wants_ports = o
+                .get("capabilities")
+                .and_then(|c| c.get("portMappings"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            o.remove("runtimeConfig");
+            if wants_ports && !a.pod.port_mappings.is_empty() {
+                o.insert(
+                    "runtimeConfig".into(),
+                    json!({ "portMappings": a.pod.port_mappings }),
+                );
+            }
+        }
+        let stdin = serde_json::to_vec(&conf).map_err(|e| fail(e.to_string()))?;
+        let path = std::env::join_paths(&self.bin_dirs).map_err(|e| fail(e.to_string()))?;
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID={}",
+            a.pod.namespace, a.pod.name, a.pod.id, a.pod.uid
+        );
+        let mut cmd = tokio::process::Command::new(&binary);
+        cmd.env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", &a.pod.id)
+            .env("CNI_NETNS", &a.pod.netns)
+            .env("CNI_IFNAME", IFNAME)
+            .env("CNI_PATH", path)
+            .env("CNI_ARGS", args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if std::env::var_os("PATH").is_none() {
+            // portmap and bridge (ipMasq) run iptables.
+            cmd.env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            );
+        }
+        tracing::debug!(pod = %a.pod.id, plugin = %plugin, command, "running CNI plugin");
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("running {}: {e}", binary.display())))?;
+        let mut input = child.stdin.take();
+        let run = async {
+            if let Some(mut s) = input.take() {
+                s.write_all(&stdin).await?;
+                drop(s);
+            }
+            child.wait_with_output().await
+        };
+        let out = match tokio::time::timeout(PLUGIN_TIMEOUT, run).await {
+            Ok(r) => r.map_err(|e| fail(format!("running {}: {e}", binary.display())))?,
+            Err(_) => {
+                return Err(CniError::Timeout {
+                    command,
+                    pod: a.pod.id.clone(),
+                    plugin,
+                    timeout: PLUGIN_TIMEOUT,
+                })
+            }
+        };
+        let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if !out.status.success() {
+            let msg = stdout
+                .get("msg")
+                .and_then(Value::as_str)
+                .map(|m| {
+                    let details = stdout
+                        .get("details")
+                        .and_then(Value::as_str)
+                        .filter(|d| !d.is_empty())
+                        .map(|d| format!(" ({d})"))
+                        .unwrap_or_default();
+                    let code = stdout.get("code").and_then(Value::as_u64).unwrap_or(0);
+                    format!("{m}{details} [code {code}]")
+                })
+                .unwrap_or_else(|| {
+                    format!(
+                        "{}: {}{}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout).trim(),
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )
+                });
+            return Err(fail(msg));
+        }
+        if command == "ADD" && stdout.is_null() {
+            return Err(fail(format!(
+                "ADD printed no JSON result: {:?}",
+                String::from_utf8_lossy(&out.stdout)
+            )));
+        }
+        Ok(stdout)
+    }
+}
+
+/// CRI port mappings as CNI `portMappings` (ports 0 are left out: no host port).
+pub fn port_mappings(pm: &[k8s_cri::v1::PortMapping]) -> Vec<Value> {
+    pm.iter()
+        .filter(|p| p.host_port > 0 && p.container_port > 0)
+        .map(|p| {
+            let proto = match k8s_cri::v1::Protocol::try_from(p.protocol) {
+                Ok(k8s_cri::v1::Protocol::Udp) => "udp",
+                Ok(k8s_cri::v1::Protocol::Sctp) => "sctp",
+                _ => "tcp",
+            };
+            json!({
+                "hostPort": p.host_port,
+                "containerPort": p.container_port,
+                "protocol": proto,
+                "hostIP": p.host_ip,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_conflist_and_conf() {
+        let l = NetworkList::parse(
+            Path::new("a.conflist"),
+            r#"{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"bridge"},{"type":"portmap","capabilities":{"portMappings":true}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(l.plugin_types().collect::<Vec<_>>(), ["bridge", "portmap"]);
+        let c = NetworkList::parse(
+            Path::new("b.conf"),
+            r#"{"cniVersion":"0.4.0","name":"m","type":"bridge","bridge":"x"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.plugins.len(), 1);
+        assert_eq!(c.cni_version, "0.4.0");
+        for bad in [
+            "[]",
+            "{}",
+            r#"{"name":"x","plugins":[]}"#,
+            r#"{"name":"x","plugins":[{}]}"#,
+            r#"{"type":"bridge"}"#,
+        ] {
+            assert!(NetworkList::parse(Path::new("x"), bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ips_of_results() {
+        let r = json!({
+            "interfaces": [{"name":"cni0"},{"name":"veth1"},{"name":"eth0","sandbox":"/x"}],
+            "ips": [
+                {"address":"fd00::5/64","interface":2},
+                {"address":"10.88.0.5/24","interface":2,"gateway":"10.88.0.1"},
+                {"address":"10.88.0.1/24","interface":0}
+            ]
+        });
+        assert_eq!(result_ips(&r), ["10.88.0.5", "fd00::5"]);
+        assert_eq!(
+            result_ips(&json!({"ip4":{"ip":"10.1.0.2/16"}})),
+            ["10.1.0.2"]
+        );
+        assert!(result_ips(&Value::Null).is_empty());
+    }
+
+    #[test]
+    fn missing_conf_dir_and_plugins() {
+        let d = tempfile_dir();
+        let cni = Cni {
+            conf_dir: d.join("none"),
+            bin_dirs: vec![d.join("bin")],
+            cache_dir: d.join("cache"),
+        };
+        assert!(matches!(cni.ready(), Err(CniError::NoConfig(_))));
+        std::fs::create_dir_all(d.join("none")).unwrap();
+        std::fs::write(
+            d.join("none/10-x.conflist"),
+            r#"{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"nosuchplugin"}]}"#,
+        )
+        .unwrap();
+        let e = cni.ready().unwrap_err().to_string();
+        assert!(e.contains("nosuchplugin"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vessel-cni-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn port_mappings_become_cni_entries() {
+        let pm = port_mappings(&[
+            k8s_cri::v1::PortMapping {
+                protocol: k8s_cri::v1::Protocol::Udp as i32,
+                container_port: 53,
+                host_port: 5353,
+                host_ip: String::new(),
+            },
+            k8s_cri::v1::PortMapping {
+                protocol: 0,
+                container_port: 80,
+                host_port: 0,
+                host_ip: String::new(),
+            },
+        ]);
+        assert_eq!(
+            pm,
+            vec![json!({"hostPort":5353,"containerPort":53,"protocol":"udp","hostIP":""})]
+        );
+    }
+}

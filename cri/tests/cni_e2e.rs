@@ -1,0 +1,495 @@
+//! CNI end to end: flat pods attached to a private bridge network by the node's real CNI
+//! plugins (Debian's containernetworking-plugins in /usr/lib/cni): pod IPs in
+//! PodSandboxStatus and on the container's eth0, pod-to-pod traffic, a host port through
+//! `portmap`, and nothing left after RemovePodSandbox (no veth, no IP held by host-local, no
+//! netns pin, no cache entry). The bridge itself stays until the test deletes it: the
+//! `bridge` plugin never removes bridges, which other pods may share.
+//!
+//! Prints `SKIP cni_e2e: <reason>` when not root or the plugins are not installed.
+
+use k8s_cri::v1 as cri;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use vessel_critest::client::CriClient;
+use vessel_critest::daemon::{TestCni, Vesseld};
+use vessel_critest::registry::{Registry, RegistryOptions};
+use vessel_images::push::{push_image, PushTarget};
+use vessel_images::testimages::{self, Compression};
+
+struct H {
+    _reg: Registry,
+    v: Vesseld,
+    c: CriClient,
+    image: String,
+    logs: tempfile::TempDir,
+}
+
+impl H {
+    fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
+        cri::PodSandboxConfig {
+            metadata: Some(cri::PodSandboxMetadata {
+                name: name.into(),
+                uid: format!("uid-{name}"),
+                namespace: "cni".into(),
+                attempt: 0,
+            }),
+            hostname: name.into(),
+            log_directory: self.logs.path().join(name).display().to_string(),
+            ..Default::default()
+        }
+    }
+
+    async fn run_pod(&mut self, cfg: &cri::PodSandboxConfig) -> Result<String, tonic::Status> {
+        self.c
+            .runtime
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cfg.clone()),
+                runtime_handler: "flat".into(),
+            })
+            .await
+            .map(|r| r.into_inner().pod_sandbox_id)
+    }
+
+    async fn pod_status(&mut self, id: &str) -> cri::PodSandboxStatus {
+        self.c
+            .runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.into(),
+                verbose: false,
+            })
+            .await
+            .expect("PodSandboxStatus")
+            .into_inner()
+            .status
+            .unwrap()
+    }
+
+    async fn run(&mut self, pod: &str, pcfg: &cri::PodSandboxConfig, script: &str) -> String {
+        let id = self
+            .c
+            .runtime
+            .create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: pod.into(),
+                config: Some(cri::ContainerConfig {
+                    metadata: Some(cri::ContainerMetadata {
+                        name: "c".into(),
+                        attempt: 0,
+                    }),
+                    image: Some(cri::ImageSpec {
+                        image: self.image.clone(),
+                        ..Default::default()
+                    }),
+                    command: vec!["sh".into(), "-c".into(), script.into()],
+                    log_path: "c.log".into(),
+                    ..Default::default()
+                }),
+                sandbox_config: Some(pcfg.clone()),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.v.log()))
+            .into_inner()
+            .container_id;
+        self.c
+            .runtime
+            .start_container(cri::StartContainerRequest {
+                container_id: id.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.v.log()));
+        id
+    }
+
+    async fn sh(&mut self, id: &str, script: &str) -> (i32, String) {
+        let r = self
+            .c
+            .runtime
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: id.into(),
+                cmd: vec!["sh".into(), "-c".into(), script.into()],
+                timeout: 10,
+            })
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        (
+            r.exit_code,
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&r.stdout),
+                String::from_utf8_lossy(&r.stderr)
+            ),
+        )
+    }
+
+    async fn remove_pod(&mut self, id: &str) {
+        self.c
+            .runtime
+            .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: id.into(),
+            })
+            .await
+            .expect("StopPodSandbox");
+        self.c
+            .runtime
+            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+                pod_sandbox_id: id.into(),
+            })
+            .await
+            .expect("RemovePodSandbox");
+    }
+
+    async fn network_ready(&mut self) -> cri::RuntimeCondition {
+        self.c
+            .runtime
+            .status(cri::StatusRequest { verbose: false })
+            .await
+            .expect("Status")
+            .into_inner()
+            .status
+            .unwrap()
+            .conditions
+            .into_iter()
+            .find(|c| c.r#type == "NetworkReady")
+            .expect("a NetworkReady condition")
+    }
+}
+
+async fn harness(extra: &str) -> H {
+    let reg = Registry::start(RegistryOptions::default()).expect("registry");
+    let img = testimages::busybox_image(Compression::Gzip);
+    let mut t = PushTarget::new(&reg.url(), "library/busybox");
+    t.insecure_tls = true;
+    push_image(&t, &img, Some("latest")).await.unwrap();
+    let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), extra).expect("vesseld");
+    let mut c = v.client().await;
+    let image = format!("{}/library/busybox:latest", reg.host());
+    c.images
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: image.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("pull busybox");
+    H {
+        _reg: reg,
+        v,
+        c,
+        image,
+        logs: tempfile::tempdir().unwrap(),
+    }
+}
+
+fn skip_reason() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("needs root (network namespaces, veths, iptables)".into());
+    }
+    None
+}
+
+/// Interfaces enslaved to a bridge.
+fn bridge_ports(bridge: &str) -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["-o", "link", "show", "master", bridge])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    out.lines().map(str::to_string).collect()
+}
+
+/// Why host ports cannot work here (portmap needs iptables with the nat table), if so.
+fn portmap_unusable() -> Option<String> {
+    match Command::new("iptables").args(["-t", "nat", "-S"]).output() {
+        Err(e) => Some(format!("iptables cannot run: {e}")),
+        Ok(o) if !o.status.success() => Some(format!(
+            "iptables -t nat does not work here: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Ok(_) => None,
+    }
+}
+
+async fn http_get(addr: std::net::SocketAddr) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET / HTTP/1.0\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await;
+    Ok(String::from_utf8_lossy(&buf).to_string())
+}
+
+async fn http_get_retry(addr: std::net::SocketAddr) -> Result<String, String> {
+    let start = Instant::now();
+    loop {
+        match http_get(addr).await {
+            Ok(b) if b.contains("200") => return Ok(b),
+            r if start.elapsed() > Duration::from_secs(10) => {
+                return Err(format!("{r:?}"));
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flat_pods_get_ips_talk_and_leave_nothing() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP cni_e2e: {why}");
+        return;
+    }
+    let cni = match TestCni::new() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("SKIP cni_e2e: {why}");
+            return;
+        }
+    };
+    let mut h = harness(&cni.config_toml()).await;
+    let ready = h.network_ready().await;
+    assert!(ready.status, "NetworkReady=false: {ready:?}");
+    assert!(ready.message.contains(&cni.network), "{ready:?}");
+
+    let host_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut acfg = h.pod_config("server");
+    acfg.port_mappings = vec![cri::PortMapping {
+        protocol: cri::Protocol::Tcp as i32,
+        container_port: 8080,
+        host_port: host_port as i32,
+        host_ip: String::new(),
+    }];
+    let a = h.run_pod(&acfg).await.expect("RunPodSandbox server");
+    let bcfg = h.pod_config("client");
+    let b = h.run_pod(&bcfg).await.expect("RunPodSandbox client");
+    let a_ip = h.pod_status(&a).await.network.unwrap_or_default().ip;
+    let b_ip = h.pod_status(&b).await.network.unwrap_or_default().ip;
+    for ip in [&a_ip, &b_ip] {
+        assert!(
+            ip.starts_with(&format!("{}.", cni.prefix)),
+            "pod IP {ip:?} is not in {}.0/24",
+            cni.prefix
+        );
+    }
+    assert_ne!(a_ip, b_ip);
+    let mut got = cni.allocated_ips();
+    got.sort();
+    let mut want = vec![a_ip.clone(), b_ip.clone()];
+    want.sort();
+    assert_eq!(got, want, "host-local's allocations");
+    assert_eq!(bridge_ports(&cni.bridge).len(), 2, "one veth per pod");
+
+    let sa = h
+        .run(
+            &a,
+            &acfg,
+            "mkdir -p /tmp/www && echo hi-from-server > /tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www",
+        )
+        .await;
+    let sb = h.run(&b, &bcfg, "exec sleep 100000").await;
+    let (code, out) = h.sh(&sa, "ip -4 -o addr show dev eth0").await;
+    assert!(
+        code == 0 && out.contains(&format!("inet {a_ip}/24")),
+        "eth0 of the server: {code} {out}"
+    );
+
+    // Pod to pod, over the bridge.
+    let start = Instant::now();
+    loop {
+        let (code, out) = h
+            .sh(
+                &sb,
+                &format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {a_ip} 8080"),
+            )
+            .await;
+        if code == 0 && out.contains("hi-from-server") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "client pod cannot reach {a_ip}:8080: {code} {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Host to pod IP (the bridge is the pods' gateway).
+    let body = http_get_retry(format!("{a_ip}:8080").parse().unwrap())
+        .await
+        .expect("host reaches the pod IP");
+    assert!(body.ends_with("hi-from-server\n"), "{body:?}");
+
+    // Host port through portmap.
+    match portmap_unusable() {
+        Some(why) => println!("SKIP cni_e2e host port: {why}"),
+        None => {
+            let addr = format!("127.0.0.1:{host_port}").parse().unwrap();
+            let body = http_get_retry(addr)
+                .await
+                .unwrap_or_else(|e| panic!("host port {addr} does not reach the server: {e}"));
+            assert!(body.ends_with("hi-from-server\n"), "{body:?}");
+        }
+    }
+
+    h.remove_pod(&a).await;
+    h.remove_pod(&b).await;
+    assert!(
+        bridge_ports(&cni.bridge).is_empty(),
+        "veths left: {:?}",
+        bridge_ports(&cni.bridge)
+    );
+    assert!(
+        cni.allocated_ips().is_empty(),
+        "IPs not released: {:?}",
+        cni.allocated_ips()
+    );
+    for d in ["state/netns", "root/cni", "root/pods"] {
+        let p = h.v.dir.path().join(d);
+        let e: Vec<_> = std::fs::read_dir(&p)
+            .map(|r| r.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(e.is_empty(), "{d} not empty: {e:?}");
+    }
+    let nat = Command::new("iptables")
+        .args(["-t", "nat", "-S"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    assert!(
+        !nat.contains(&format!("dport {host_port} ")),
+        "host port rule left: {nat}"
+    );
+}
+
+/// A chain whose last plugin fails: RunPodSandbox fails naming the plugin, and what the
+/// earlier plugins did is undone (no veth, no IP, no pin, no record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_add_leaves_nothing() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP cni_e2e: {why}");
+        return;
+    }
+    let cni = match TestCni::new() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("SKIP cni_e2e: {why}");
+            return;
+        }
+    };
+    // Append a tuning plugin that sets a sysctl that does not exist.
+    let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
+    let mut conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&conf_path).unwrap()).unwrap();
+    conf["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"type": "tuning", "sysctl": {"net.ipv4.no_such_knob": "1"}}));
+    std::fs::write(&conf_path, conf.to_string()).unwrap();
+    let mut h = harness(&cni.config_toml()).await;
+    let cfg = h.pod_config("failing");
+    let e = h.run_pod(&cfg).await.expect_err("ADD must fail");
+    assert!(
+        e.message().contains("tuning"),
+        "the error names the plugin: {e}"
+    );
+    assert!(bridge_ports(&cni.bridge).is_empty(), "veths left");
+    assert!(cni.allocated_ips().is_empty(), "IPs left");
+    for d in ["state/netns", "root/cni", "root/pods"] {
+        let p = h.v.dir.path().join(d);
+        let e: Vec<_> = std::fs::read_dir(&p)
+            .map(|r| r.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(e.is_empty(), "{d} not empty: {e:?}");
+    }
+    // The node's network itself is fine: Status says ready.
+    assert!(h.network_ready().await.status);
+}
+
+/// Without a CNI config, NetworkReady is false and says what is missing; pods still run,
+/// with loopback only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_config_means_network_not_ready() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP cni_e2e: {why}");
+        return;
+    }
+    let empty = tempfile::tempdir().unwrap();
+    let mut h = harness(&format!(
+        "[cni]\nconf_dir = \"{}\"\n",
+        empty.path().display()
+    ))
+    .await;
+    let r = h.network_ready().await;
+    assert!(!r.status);
+    assert_eq!(r.reason, "NetworkPluginNotReady");
+    assert!(r.message.contains("no CNI network config"), "{r:?}");
+    std::fs::write(
+        empty.path().join("10-x.conflist"),
+        r#"{"cniVersion":"1.0.0","name":"x","plugins":[{"type":"no-such-plugin"}]}"#,
+    )
+    .unwrap();
+    let r = h.network_ready().await;
+    assert!(!r.status && r.message.contains("no-such-plugin"), "{r:?}");
+}
+
+/// A CNI pod survives a vesseld crash with its IP; a pod whose agent died while vesseld was
+/// down is detached at the next start (its IP released from the cached ADD result).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_ips_and_detaches_dead_pods() {
+    if let Some(why) = skip_reason() {
+        println!("SKIP cni_e2e: {why}");
+        return;
+    }
+    let cni = match TestCni::new() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("SKIP cni_e2e: {why}");
+            return;
+        }
+    };
+    let mut h = harness(&cni.config_toml()).await;
+    let kcfg = h.pod_config("keeper");
+    let keep = h.run_pod(&kcfg).await.expect("RunPodSandbox keeper");
+    let dcfg = h.pod_config("doomed");
+    let doomed = h.run_pod(&dcfg).await.expect("RunPodSandbox doomed");
+    let keep_ip = h.pod_status(&keep).await.network.unwrap_or_default().ip;
+    let doomed_ip = h.pod_status(&doomed).await.network.unwrap_or_default().ip;
+    assert_eq!(cni.allocated_ips().len(), 2);
+    h.v.kill9();
+    // The doomed pod's agent dies while vesseld is down.
+    let info = std::fs::read_to_string(h.v.root_dir().join("pods").join(&doomed).join("pod.json"))
+        .unwrap();
+    let rec: serde_json::Value = serde_json::from_str(&info).unwrap();
+    let pid = rec["agent_pid"].as_u64().unwrap() as i32;
+    // SAFETY: kill(2) with a pid read from the pod record and a valid signal.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let start = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && start.elapsed() < Duration::from_secs(5)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.v.restart().expect("restart vesseld");
+    h.c = h.v.client().await;
+    assert_eq!(
+        h.pod_status(&keep).await.network.unwrap_or_default().ip,
+        keep_ip
+    );
+    assert_eq!(
+        cni.allocated_ips(),
+        vec![keep_ip.clone()],
+        "{doomed_ip} released at restart"
+    );
+    h.remove_pod(&keep).await;
+    h.remove_pod(&doomed).await;
+    assert!(cni.allocated_ips().is_empty());
+    assert!(bridge_ports(&cni.bridge).is_empty());
+}
