@@ -20,16 +20,8 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "CNI not built",
     ),
     (
-        "[streaming] Exec returns a streaming URL",
-        "streaming server not built",
-    ),
-    (
         "[streaming] Attach returns a streaming URL",
-        "streaming server not built",
-    ),
-    (
-        "[streaming] PortForward returns a streaming URL",
-        "streaming server not built",
+        "the pod agent does not expose a running container's own stdio yet",
     ),
     (
         "[mount] rshared (Bidirectional) propagation: container mounts reach the host",

@@ -230,14 +230,16 @@ impl StreamingServer {
         } else {
             match offered.iter().find(|o| supported.contains(&o.as_str())) {
                 Some(p) => Some(p.clone()),
-                None => return reply(
-                    &mut s,
-                    403,
-                    &format!(
+                None => {
+                    return reply(
+                        &mut s,
+                        403,
+                        &format!(
                         "no supported stream protocol in {offered:?}; vessel speaks {supported:?}"
                     ),
-                )
-                .await,
+                    )
+                    .await
+                }
             }
         };
         let mut resp = String::from(
@@ -477,6 +479,7 @@ async fn exec(
             Err(_) => break,
         };
         let kind = spdy::header(&st.headers, "streamtype").unwrap_or_default();
+        tracing::debug!(stream = st.id, kind, "streaming exec: client stream");
         let slot = match kind {
             "error" => &mut s.error,
             "stdin" => &mut s.stdin,
@@ -494,6 +497,7 @@ async fn exec(
         };
         *slot = Some(st);
     }
+    let complete = s.complete(&p);
     let Some(error) = s.error.take() else {
         tracing::info!(container = %p.container_id, "streaming exec: no error stream in time; closing");
         return;
@@ -507,7 +511,8 @@ async fn exec(
         }
         w.fin(error.id);
     };
-    if !s.complete(&p) {
+    if !complete {
+        tracing::info!(container = %p.container_id, stdin = s.stdin.is_some(), stdout = s.stdout.is_some(), stderr = s.stderr.is_some(), resize = s.resize.is_some(), want_stdin = p.stdin, want_stdout = p.stdout, want_stderr = p.stderr, tty = p.tty, "streaming exec: the client did not open its streams in time");
         finish(Err("timed out waiting for the client's streams".into()), &s);
         return;
     }
@@ -590,6 +595,10 @@ async fn exec(
                 Ok(None) => break Err("the pod agent ended the exec without an exit code".to_string()),
                 Err(st) => break Err(format!("pod agent: {}", st.message())),
             },
+            Some(extra) = incoming.recv() => {
+                tracing::debug!(stream = extra.id, "streaming exec: stream opened after the start; reset");
+                w.reset(extra.id, spdy::RST_REFUSED_STREAM);
+            }
             _ = w.closed() => {
                 tracing::info!(container = %p.container_id, "streaming exec: client went away; stopping the command");
                 for t in &tasks {
