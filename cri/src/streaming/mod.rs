@@ -388,7 +388,7 @@ impl ExecStreams {
         self.error.is_some()
             && (!p.stdin || self.stdin.is_some())
             && (!p.stdout || self.stdout.is_some())
-            && (!(p.stderr && !p.tty) || self.stderr.is_some())
+            && (!p.stderr || p.tty || self.stderr.is_some())
             && (!(p.tty && p.version >= 3) || self.resize.is_some())
     }
 }

@@ -632,7 +632,7 @@ mod tests {
                     seed as u8
                 })
                 .collect();
-            if n > 1 && seed % 2 == 0 {
+            if n > 1 && seed & 1 == 0 {
                 b[0] = 0x80;
                 b[1] = 3;
             }
