@@ -191,13 +191,10 @@ fn handle(
             data,
         } => {
             if !data.is_empty() {
-                // Flow control: give the window back at once (stream and connection).
+                // Flow control: give the stream's window back at once. (No connection-level
+                // update on stream 0: SPDY/3 framers, which kubelet's is, refuse stream 0.)
                 let delta = data.len() as u32;
                 w.send(Frame::WindowUpdate { stream_id, delta });
-                w.send(Frame::WindowUpdate {
-                    stream_id: 0,
-                    delta,
-                });
                 if let Some(tx) = r.get(&stream_id) {
                     let _ = tx.send(data);
                 }
