@@ -2268,6 +2268,7 @@ impl Runtime {
         cmd: Vec<String>,
         tty: bool,
         stdin: bool,
+        size: Option<ap::WindowSize>,
     ) -> Result<ExecChannels> {
         if cmd.is_empty() || cmd[0].is_empty() {
             return Err(RuntimeError::InvalidArgument("Exec: empty command".into()));
@@ -2282,7 +2283,7 @@ impl Runtime {
                 cwd: String::new(),
                 tty,
                 stdin,
-                size: None,
+                size,
             })),
         };
         tx.send(start)

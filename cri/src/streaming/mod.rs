@@ -517,8 +517,20 @@ async fn exec(
         return;
     }
     tracing::info!(container = %p.container_id, cmd = ?p.cmd, tty = p.tty, "streaming exec: start");
+    // The client sends the terminal's size first: start the process with it when it is here.
+    let mut size_buf = Vec::new();
+    let mut size = None;
+    if let Some(r) = s.resize.as_mut() {
+        while let Ok(d) = r.rx.try_recv() {
+            size_buf.extend_from_slice(&d);
+        }
+        size = take_sizes(&mut size_buf).pop().map(|sz| WindowSize {
+            rows: sz.height.into(),
+            cols: sz.width.into(),
+        });
+    }
     let (tx, mut out) = match rt
-        .exec_stream(&p.container_id, p.cmd.clone(), p.tty, p.stdin)
+        .exec_stream(&p.container_id, p.cmd.clone(), p.tty, p.stdin, size)
         .await
     {
         Ok(c) => c,
@@ -550,7 +562,7 @@ async fn exec(
     if let Some(mut st) = s.resize.take() {
         let tx = tx.clone();
         tasks.push(tokio::spawn(async move {
-            let mut buf = Vec::new();
+            let mut buf = size_buf;
             while let Some(d) = st.rx.recv().await {
                 buf.extend_from_slice(&d);
                 if buf.len() > 64 << 10 {
