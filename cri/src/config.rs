@@ -25,6 +25,9 @@ log_level = "info"
 log_format = "text"
 # Prometheus metrics over HTTP at this TCP address (GET /metrics). Empty disables them.
 metrics_address = "127.0.0.1:9654"
+# The streaming server (exec, port-forward) that the CRI Exec/PortForward URLs point at:
+# host:port, port 0 picks a free port. kubelet connects here; keep it on loopback.
+streaming_address = "127.0.0.1:0"
 
 [runtime]
 # The pod agent binary. Empty: vessel-agent next to the vesseld binary.
@@ -237,6 +240,7 @@ pub struct DaemonConfig {
     pub log_level: String,
     pub log_format: LogFormat,
     pub metrics_address: String,
+    pub streaming_address: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -265,6 +269,7 @@ impl Default for DaemonConfig {
             log_level: "info".into(),
             log_format: LogFormat::Text,
             metrics_address: "127.0.0.1:9654".into(),
+            streaming_address: "127.0.0.1:0".into(),
         }
     }
 }
@@ -372,6 +377,17 @@ impl Config {
             return Err(invalid(format!(
                 "daemon.metrics_address {:?} is not host:port",
                 self.daemon.metrics_address
+            )));
+        }
+        if self
+            .daemon
+            .streaming_address
+            .parse::<std::net::SocketAddr>()
+            .is_err()
+        {
+            return Err(invalid(format!(
+                "daemon.streaming_address {:?} is not host:port",
+                self.daemon.streaming_address
             )));
         }
         if !matches!(self.runtime.default_handler.as_str(), "vm" | "flat") {

@@ -16,4 +16,5 @@ pub mod runtime_service;
 pub mod server;
 pub mod spec;
 pub mod state;
+pub mod streaming;
 pub mod vm;

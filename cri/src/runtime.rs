@@ -2332,6 +2332,62 @@ fn resolv_conf(dns: Option<&cri::DnsConfig>) -> Result<String> {
     Ok(s)
 }
 
+// ---------- streaming (Exec, PortForward through the streaming server) ----------
+
+/// An interactive exec in progress: input to the agent, and its output.
+pub type ExecChannels = (
+    tokio::sync::mpsc::Sender<ap::ExecInput>,
+    tonic::Streaming<ap::ExecOutput>,
+);
+
+impl Runtime {
+    /// A container's record, for the streaming RPCs' checks.
+    pub fn streaming_container(&self, id: &str) -> Result<ContainerRecord> {
+        Ok(self.ctr(id)?.record())
+    }
+
+    /// A pod's record, for the streaming RPCs' checks and PortForward's netns.
+    pub fn streaming_pod(&self, id: &str) -> Result<PodRecord> {
+        Ok(self.pod(id)?.record())
+    }
+
+    /// Starts an interactive exec through the pod agent's `Exec` stream (flat and VM pods).
+    pub async fn exec_stream(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        tty: bool,
+        stdin: bool,
+        size: Option<ap::WindowSize>,
+    ) -> Result<ExecChannels> {
+        if cmd.is_empty() || cmd[0].is_empty() {
+            return Err(RuntimeError::InvalidArgument("Exec: empty command".into()));
+        }
+        let (rec, mut c) = self.running(id, "Exec").await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let start = ap::ExecInput {
+            msg: Some(ap::exec_input::Msg::Start(ap::ExecStart {
+                id: rec.id.clone(),
+                args: cmd,
+                env: vec![],
+                cwd: String::new(),
+                tty,
+                stdin,
+                size,
+            })),
+        };
+        tx.send(start)
+            .await
+            .map_err(|_| RuntimeError::Internal("Exec: input channel closed".into()))?;
+        let out = c
+            .exec(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|s| agent_err(&format!("Exec in {}", rec.id), s))?
+            .into_inner();
+        Ok((tx, out))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

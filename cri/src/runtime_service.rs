@@ -15,11 +15,28 @@ pub const RUNTIME_API_VERSION: &str = "v1";
 pub struct RuntimeService {
     rt: Arc<Runtime>,
     root_dir: String,
+    streaming: Option<Arc<crate::streaming::StreamingServer>>,
 }
 
 impl RuntimeService {
     pub fn new(rt: Arc<Runtime>, root_dir: String) -> Self {
-        RuntimeService { rt, root_dir }
+        RuntimeService {
+            rt,
+            root_dir,
+            streaming: None,
+        }
+    }
+
+    /// Serves Exec and PortForward through `s` (without it they answer Unavailable).
+    pub fn with_streaming(mut self, s: Arc<crate::streaming::StreamingServer>) -> Self {
+        self.streaming = Some(s);
+        self
+    }
+
+    fn streaming(&self, rpc: &str) -> Result<&crate::streaming::StreamingServer, Status> {
+        self.streaming.as_deref().ok_or_else(|| {
+            Status::unavailable(format!("{rpc}: the streaming server is not running"))
+        })
     }
 
     /// Runtime conditions, from what can be checked now.
@@ -301,23 +318,78 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn exec(
         &self,
-        _req: Request<cri::ExecRequest>,
+        req: Request<cri::ExecRequest>,
     ) -> Result<Response<cri::ExecResponse>, Status> {
-        Err(not_built("Exec (streaming)"))
+        use crate::state::ContainerState;
+        let r = req.into_inner();
+        if r.cmd.is_empty() || r.cmd[0].is_empty() {
+            return Err(Status::invalid_argument("Exec: empty command"));
+        }
+        if !(r.stdin || r.stdout || r.stderr) {
+            return Err(Status::invalid_argument(
+                "Exec: one of stdin, stdout and stderr must be set",
+            ));
+        }
+        let srv = self.streaming("Exec")?;
+        let c = self.rt.streaming_container(&r.container_id).map_err(st)?;
+        if c.state != ContainerState::Running {
+            return Err(Status::failed_precondition(format!(
+                "Exec: container {} is not running ({:?})",
+                c.id, c.state
+            )));
+        }
+        let url = srv.url(crate::streaming::StreamRequest::Exec {
+            container_id: c.id,
+            cmd: r.cmd,
+            tty: r.tty,
+            stdin: r.stdin,
+            stdout: r.stdout,
+            // With a tty, stderr is the terminal: kubelet and crictl never ask for both.
+            stderr: r.stderr && !r.tty,
+        });
+        Ok(Response::new(cri::ExecResponse { url }))
     }
 
     async fn attach(
         &self,
         _req: Request<cri::AttachRequest>,
     ) -> Result<Response<cri::AttachResponse>, Status> {
-        Err(not_built("Attach (streaming)"))
+        Err(Status::unimplemented(
+            "vessel: Attach is not implemented yet: the pod agent does not expose a running \
+             container's own stdio (its output goes to the CRI log file); use Exec",
+        ))
     }
 
     async fn port_forward(
         &self,
-        _req: Request<cri::PortForwardRequest>,
+        req: Request<cri::PortForwardRequest>,
     ) -> Result<Response<cri::PortForwardResponse>, Status> {
-        Err(not_built("PortForward (streaming)"))
+        let r = req.into_inner();
+        let srv = self.streaming("PortForward")?;
+        let pod = self.rt.streaming_pod(&r.pod_sandbox_id).map_err(st)?;
+        if pod.state != crate::state::PodState::Ready {
+            return Err(Status::failed_precondition(format!(
+                "PortForward: pod sandbox {} is not ready",
+                pod.id
+            )));
+        }
+        if pod.vm.is_some() {
+            return Err(Status::failed_precondition(format!(
+                "PortForward: pod sandbox {} is a microVM pod; port-forward into VM pods is \
+                 not implemented yet (needs a vsock proxy in the guest agent)",
+                pod.id
+            )));
+        }
+        if let Some(p) = r.port.iter().find(|p| **p <= 0 || **p > 65535) {
+            return Err(Status::invalid_argument(format!(
+                "PortForward: invalid port {p}"
+            )));
+        }
+        let url = srv.url(crate::streaming::StreamRequest::PortForward {
+            pod_id: pod.id,
+            netns: pod.netns_path,
+        });
+        Ok(Response::new(cri::PortForwardResponse { url }))
     }
 
     async fn container_stats(

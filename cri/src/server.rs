@@ -32,6 +32,8 @@ pub enum ServeError {
     NoSuchGroup(String),
     #[error("recovering pods and containers: {0}")]
     Runtime(String),
+    #[error(transparent)]
+    Streaming(#[from] crate::streaming::StreamingError),
     #[error("serving CRI: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -199,7 +201,14 @@ impl Daemon {
         )
         .await
         .map_err(|e| ServeError::Runtime(e.to_string()))?;
-        let runtime = RuntimeService::new(rt, self.config.daemon.root_dir.display().to_string());
+        let (streaming, streaming_listener) = crate::streaming::StreamingServer::bind(
+            &self.config.daemon.streaming_address,
+            rt.clone(),
+        )
+        .await?;
+        let streaming_task = tokio::spawn(streaming.clone().serve(streaming_listener));
+        let runtime = RuntimeService::new(rt, self.config.daemon.root_dir.display().to_string())
+            .with_streaming(streaming);
         let images = ImageService::new(self.puller.clone(), self.metrics.clone());
         tracing::info!(
             socket = %socket.display(),
@@ -226,6 +235,7 @@ impl Daemon {
         if let Some(t) = metrics_task {
             t.abort();
         }
+        streaming_task.abort();
         let _ = fs::remove_file(&socket);
         tracing::info!("vesseld: stopped");
         res.map_err(ServeError::from)

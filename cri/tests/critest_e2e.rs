@@ -8,16 +8,8 @@ use vessel_critest::suite::{self, Outcome};
 /// passing and this test asks for it to be taken off the list.
 const KNOWN_FAILURES: &[(&str, &str)] = &[
     (
-        "[streaming] Exec returns a streaming URL",
-        "streaming server not built",
-    ),
-    (
         "[streaming] Attach returns a streaming URL",
-        "streaming server not built",
-    ),
-    (
-        "[streaming] PortForward returns a streaming URL",
-        "streaming server not built",
+        "the pod agent does not expose a running container's own stdio yet",
     ),
     (
         "[mount] rshared (Bidirectional) propagation: container mounts reach the host",

@@ -4,9 +4,11 @@
 //! - [`registry`]: a real Debian `docker-registry` on 127.0.0.1 (plain, htpasswd, TLS, token).
 //! - [`daemon`]: a real `vesseld` on a temporary socket and state dir, restartable.
 //! - [`client`]: CRI clients over a Unix socket.
+//! - [`stream_client`]: a SPDY/3.1 client of the CRI streaming server (exec, port-forward).
 //! - [`suite`]: the conformance specs and their runner ([`suite::run`]), for any CRI runtime.
 
 pub mod client;
 pub mod daemon;
 pub mod registry;
+pub mod stream_client;
 pub mod suite;

@@ -600,7 +600,13 @@ impl AgentState {
         for e in p.env {
             args.push(format!("--env={e}").into());
         }
-        let exec_dir = c.dir.join("exec");
+        // Console sockets live under a short directory: a unix socket path has at most 107
+        // bytes, and the container's own directory (state dir + 64-hex id) leaves too few.
+        // Flat pods' state dirs hold the pod id, so fall back to the temp dir when needed.
+        let mut exec_dir = self.state_dir.join("x");
+        if exec_dir.as_os_str().len() + 40 > 107 {
+            exec_dir = std::env::temp_dir().join("vessel-exec");
+        }
         let mut console = None;
         let mut stdout: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
         let mut stderr: Option<Box<dyn AsyncRead + Send + Unpin>> = None;

@@ -1,0 +1,841 @@
+//! The CRI streaming server: `Exec` and `PortForward` hand back a one-time URL of this HTTP
+//! server; kubelet (or crictl) connects there and upgrades the connection to SPDY/3.1, then
+//! speaks Kubernetes' `channel.k8s.io` (exec) or `portforward.k8s.io` protocols over SPDY
+//! streams.
+//!
+//! - Exec runs through the pod agent's `Exec` gRPC stream, so flat and VM pods behave alike.
+//! - PortForward connects to 127.0.0.1:PORT inside a flat pod's network namespace (from a
+//!   dedicated thread that enters the namespace; tokio workers never change namespace).
+//! - WebSocket (`v5.channel.k8s.io`) upgrades are refused with a clear 400 for now.
+
+pub mod spdy;
+
+mod conn;
+
+use crate::runtime::Runtime;
+use conn::{Incoming, Writer};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use vessel_agent::proto::{exec_input, exec_output, ExecInput, WindowSize};
+
+/// How long an unused token stays valid.
+pub const TOKEN_TTL: Duration = Duration::from_secs(60);
+/// How long the client has to send its request head, and to open the streams it needs.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest HTTP request head accepted.
+const MAX_HEAD: usize = 16 << 10;
+
+/// The exec protocols, best first.
+const EXEC_PROTOCOLS: &[&str] = &[
+    "v4.channel.k8s.io",
+    "v3.channel.k8s.io",
+    "v2.channel.k8s.io",
+    "channel.k8s.io",
+];
+const PORT_FORWARD_PROTOCOL: &str = "portforward.k8s.io";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StreamingError {
+    #[error("streaming server: bind {addr}: {source}")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What a token stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamRequest {
+    Exec {
+        container_id: String,
+        cmd: Vec<String>,
+        tty: bool,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    },
+    PortForward {
+        pod_id: String,
+        /// The pod's pinned network namespace; empty: the host's.
+        netns: PathBuf,
+    },
+}
+
+impl StreamRequest {
+    fn kind(&self) -> &'static str {
+        match self {
+            StreamRequest::Exec { .. } => "exec",
+            StreamRequest::PortForward { .. } => "portforward",
+        }
+    }
+}
+
+/// One-time tokens: random, single use, expire after [`TOKEN_TTL`] unused.
+#[derive(Default)]
+pub struct Tokens {
+    map: Mutex<HashMap<String, (Instant, StreamRequest)>>,
+}
+
+impl Tokens {
+    pub fn insert(&self, req: StreamRequest) -> String {
+        let mut b = [0u8; 16];
+        let mut filled = 0;
+        while filled < b.len() {
+            match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+                Ok(n) => filled += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    // getrandom(2) cannot fail on Linux >= 3.17 with a valid buffer; mix the
+                    // clock in rather than hand out a predictable token.
+                    tracing::error!(error = %e, "getrandom failed; using the clock");
+                    let t = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap_or_default()
+                        .as_nanos();
+                    b = t.to_le_bytes();
+                    filled = b.len();
+                }
+            }
+        }
+        let token: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        m.retain(|_, (t, _)| now.duration_since(*t) < TOKEN_TTL);
+        m.insert(token.clone(), (now, req));
+        token
+    }
+
+    /// Takes a token's request: valid once, and only before it expires.
+    pub fn take(&self, token: &str) -> Option<StreamRequest> {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let (t, req) = m.remove(token)?;
+        (t.elapsed() < TOKEN_TTL).then_some(req)
+    }
+}
+
+/// The streaming server: its address and its tokens.
+pub struct StreamingServer {
+    base: String,
+    tokens: Tokens,
+    rt: Arc<Runtime>,
+}
+
+impl StreamingServer {
+    /// Binds `addr` (port 0: any free port).
+    pub async fn bind(
+        addr: &str,
+        rt: Arc<Runtime>,
+    ) -> Result<(Arc<StreamingServer>, TcpListener), StreamingError> {
+        let err = |source| StreamingError::Bind {
+            addr: addr.to_string(),
+            source,
+        };
+        let l = TcpListener::bind(addr).await.map_err(err)?;
+        let local = l.local_addr().map_err(err)?;
+        let s = Arc::new(StreamingServer {
+            base: format!("http://{local}"),
+            tokens: Tokens::default(),
+            rt,
+        });
+        Ok((s, l))
+    }
+
+    /// The server's base URL, e.g. `http://127.0.0.1:34567`.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    /// A one-time URL for `req`.
+    pub fn url(&self, req: StreamRequest) -> String {
+        let kind = req.kind();
+        let token = self.tokens.insert(req);
+        format!("{}/{kind}/{token}", self.base)
+    }
+
+    /// Accepts connections until the task is aborted.
+    pub async fn serve(self: Arc<Self>, l: TcpListener) {
+        tracing::info!(url = %self.base, "streaming server: serving exec and port-forward");
+        loop {
+            match l.accept().await {
+                Ok((s, peer)) => {
+                    let me = self.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = me.connection(s).await {
+                            tracing::debug!(%peer, error = %e, "streaming: connection ended");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "streaming server: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    async fn connection(&self, mut s: TcpStream) -> std::io::Result<()> {
+        let _ = s.set_nodelay(true);
+        let (head, early) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, read_head(&mut s)).await {
+            Ok(Ok(Some(h))) => h,
+            Ok(Ok(None)) => return reply(&mut s, 400, "bad request head").await,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return reply(&mut s, 408, "request head timed out").await,
+        };
+        let Some((kind, token)) = head.path.trim_start_matches('/').split_once('/') else {
+            return reply(&mut s, 404, "no such streaming endpoint").await;
+        };
+        let token = token.split('?').next().unwrap_or_default();
+        if kind == "attach" {
+            return reply(&mut s, 404, "attach is not supported by vessel yet").await;
+        }
+        let Some(req) = self.tokens.take(token) else {
+            tracing::info!(path = %head.path, "streaming: unknown, used or expired token");
+            return reply(&mut s, 404, "unknown, used or expired streaming token").await;
+        };
+        if req.kind() != kind {
+            return reply(&mut s, 404, "token is for another kind of stream").await;
+        }
+        let upgrade = head.get_all("upgrade").join(",").to_ascii_lowercase();
+        if upgrade.contains("websocket") {
+            return reply(
+                &mut s,
+                400,
+                "WebSocket streaming (v5.channel.k8s.io) is not supported by vessel yet; use SPDY/3.1",
+            )
+            .await;
+        }
+        if !upgrade.contains("spdy/3.1") {
+            return reply(&mut s, 400, "expected Upgrade: SPDY/3.1").await;
+        }
+        let offered: Vec<String> = head
+            .get_all("x-stream-protocol-version")
+            .iter()
+            .flat_map(|v| v.split(','))
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+            .collect();
+        let supported: &[&str] = match &req {
+            StreamRequest::Exec { .. } => EXEC_PROTOCOLS,
+            StreamRequest::PortForward { .. } => &[PORT_FORWARD_PROTOCOL],
+        };
+        // The client's order decides, as in Kubernetes' handshake.
+        let proto = if offered.is_empty() {
+            None
+        } else {
+            match offered.iter().find(|o| supported.contains(&o.as_str())) {
+                Some(p) => Some(p.clone()),
+                None => {
+                    return reply(
+                        &mut s,
+                        403,
+                        &format!(
+                        "no supported stream protocol in {offered:?}; vessel speaks {supported:?}"
+                    ),
+                    )
+                    .await
+                }
+            }
+        };
+        let mut resp = String::from(
+            "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n",
+        );
+        if let Some(p) = &proto {
+            resp.push_str(&format!("X-Stream-Protocol-Version: {p}\r\n"));
+        }
+        resp.push_str("\r\n");
+        s.write_all(resp.as_bytes()).await?;
+        tracing::info!(kind, protocol = ?proto, "streaming: upgraded to SPDY/3.1");
+        let (rd, wr) = s.into_split();
+        let (w, streams, wtask) = conn::start(rd, wr, early);
+        match req {
+            StreamRequest::Exec {
+                container_id,
+                cmd,
+                tty,
+                stdin,
+                stdout,
+                stderr,
+            } => {
+                let version = match proto.as_deref() {
+                    Some("v4.channel.k8s.io") => 4,
+                    Some("v3.channel.k8s.io") => 3,
+                    Some("v2.channel.k8s.io") => 2,
+                    _ => 1,
+                };
+                let x = ExecParams {
+                    container_id,
+                    cmd,
+                    tty,
+                    stdin,
+                    stdout,
+                    stderr,
+                    version,
+                };
+                exec(&self.rt, x, &w, streams).await;
+            }
+            StreamRequest::PortForward { pod_id, netns } => {
+                port_forward(&pod_id, netns, &w, streams).await;
+            }
+        }
+        drop(w);
+        // Let the writer flush what is queued (it ends once every Writer clone is gone).
+        let _ = tokio::time::timeout(Duration::from_secs(5), wtask).await;
+        Ok(())
+    }
+}
+
+// ---------- HTTP/1.1 request head ----------
+
+struct Head {
+    path: String,
+    headers: Vec<(String, String)>,
+}
+
+impl Head {
+    fn get_all(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+}
+
+/// Reads the request head; returns it with the bytes read past it. `None`: malformed.
+async fn read_head(s: &mut TcpStream) -> std::io::Result<Option<(Head, Vec<u8>)>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 2048];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        if buf.len() > MAX_HEAD {
+            return Ok(None);
+        }
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let early = buf[end + 4..].to_vec();
+    Ok(parse_head(&buf[..end]).map(|h| (h, early)))
+}
+
+fn parse_head(b: &[u8]) -> Option<Head> {
+    let text = std::str::from_utf8(b).ok()?;
+    let mut lines = text.split("\r\n");
+    let mut first = lines.next()?.split(' ');
+    let _method = first.next()?;
+    let path = first.next()?.to_string();
+    if !first.next()?.starts_with("HTTP/1.") {
+        return None;
+    }
+    let mut headers = Vec::new();
+    for l in lines {
+        let (k, v) = l.split_once(':')?;
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    Some(Head { path, headers })
+}
+
+async fn reply(s: &mut TcpStream, code: u16, msg: &str) -> std::io::Result<()> {
+    let reason = match code {
+        400 => "Bad Request",
+        403 => "Forbidden",
+        404 => "Not Found",
+        408 => "Request Timeout",
+        _ => "Error",
+    };
+    let body = format!("{msg}\n");
+    let r = format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(r.as_bytes()).await?;
+    s.shutdown().await
+}
+
+// ---------- exec ----------
+
+struct ExecParams {
+    container_id: String,
+    cmd: Vec<String>,
+    tty: bool,
+    stdin: bool,
+    stdout: bool,
+    stderr: bool,
+    version: u8,
+}
+
+#[derive(Default)]
+struct ExecStreams {
+    error: Option<Incoming>,
+    stdin: Option<Incoming>,
+    stdout: Option<Incoming>,
+    stderr: Option<Incoming>,
+    resize: Option<Incoming>,
+}
+
+impl ExecStreams {
+    fn complete(&self, p: &ExecParams) -> bool {
+        self.error.is_some()
+            && (!p.stdin || self.stdin.is_some())
+            && (!p.stdout || self.stdout.is_some())
+            && (!p.stderr || p.tty || self.stderr.is_some())
+            && (!(p.tty && p.version >= 3) || self.resize.is_some())
+    }
+}
+
+/// The exit status as the error stream carries it: v4 a JSON `metav1.Status`, older
+/// versions a message on failure only.
+fn status_message(version: u8, exit: Result<i32, String>) -> Option<String> {
+    if version >= 4 {
+        let v = match exit {
+            Ok(0) => serde_json::json!({"metadata": {}, "status": "Success"}),
+            Ok(code) => serde_json::json!({
+                "metadata": {},
+                "status": "Failure",
+                "message": format!("command terminated with non-zero exit code: error executing command, exit code {code}"),
+                "reason": "NonZeroExitCode",
+                "details": {"causes": [{"reason": "ExitCode", "message": code.to_string()}]},
+            }),
+            Err(msg) => serde_json::json!({
+                "metadata": {},
+                "status": "Failure",
+                "message": msg,
+                "reason": "InternalError",
+                "details": {"causes": [{"message": msg}]},
+            }),
+        };
+        Some(v.to_string())
+    } else {
+        match exit {
+            Ok(0) => None,
+            Ok(code) => Some(format!(
+                "command terminated with non-zero exit code: error executing command, exit code {code}"
+            )),
+            Err(msg) => Some(msg),
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct TermSize {
+    #[serde(rename = "Width")]
+    width: u16,
+    #[serde(rename = "Height")]
+    height: u16,
+}
+
+/// Parses the JSON sizes in `buf`, leaving an incomplete tail in place.
+fn take_sizes(buf: &mut Vec<u8>) -> Vec<TermSize> {
+    let mut out = Vec::new();
+    let mut it = serde_json::Deserializer::from_slice(buf).into_iter::<TermSize>();
+    let mut used = 0;
+    loop {
+        match it.next() {
+            Some(Ok(s)) => {
+                used = it.byte_offset();
+                out.push(s);
+            }
+            Some(Err(e)) if e.is_eof() => break,
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "streaming: bad resize message; dropped");
+                used = buf.len();
+                break;
+            }
+            None => {
+                used = it.byte_offset();
+                break;
+            }
+        }
+    }
+    buf.drain(..used.min(buf.len()));
+    out
+}
+
+async fn exec(
+    rt: &Arc<Runtime>,
+    p: ExecParams,
+    w: &Writer,
+    mut incoming: mpsc::UnboundedReceiver<Incoming>,
+) {
+    let mut s = ExecStreams::default();
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    while !s.complete(&p) {
+        let st = match tokio::time::timeout_at(deadline, incoming.recv()).await {
+            Ok(Some(st)) => st,
+            Ok(None) => {
+                tracing::info!(container = %p.container_id, "streaming exec: client left before opening its streams");
+                return;
+            }
+            Err(_) => break,
+        };
+        let kind = spdy::header(&st.headers, "streamtype").unwrap_or_default();
+        tracing::debug!(stream = st.id, kind, "streaming exec: client stream");
+        let slot = match kind {
+            "error" => &mut s.error,
+            "stdin" => &mut s.stdin,
+            "stdout" => &mut s.stdout,
+            "stderr" => &mut s.stderr,
+            "resize" => &mut s.resize,
+            other => {
+                tracing::debug!(
+                    streamtype = other,
+                    "streaming exec: unexpected stream; reset"
+                );
+                w.reset(st.id, spdy::RST_REFUSED_STREAM);
+                continue;
+            }
+        };
+        *slot = Some(st);
+    }
+    let complete = s.complete(&p);
+    let Some(error) = s.error.take() else {
+        tracing::info!(container = %p.container_id, "streaming exec: no error stream in time; closing");
+        return;
+    };
+    let finish = |exit: Result<i32, String>, s: &ExecStreams| {
+        for st in [&s.stdout, &s.stderr].into_iter().flatten() {
+            w.fin(st.id);
+        }
+        if let Some(m) = status_message(p.version, exit) {
+            w.data(error.id, m.as_bytes());
+        }
+        w.fin(error.id);
+    };
+    if !complete {
+        tracing::info!(container = %p.container_id, stdin = s.stdin.is_some(), stdout = s.stdout.is_some(), stderr = s.stderr.is_some(), resize = s.resize.is_some(), want_stdin = p.stdin, want_stdout = p.stdout, want_stderr = p.stderr, tty = p.tty, "streaming exec: the client did not open its streams in time");
+        finish(Err("timed out waiting for the client's streams".into()), &s);
+        return;
+    }
+    tracing::info!(container = %p.container_id, cmd = ?p.cmd, tty = p.tty, "streaming exec: start");
+    // The client sends the terminal's size first: start the process with it when it is here.
+    let mut size_buf = Vec::new();
+    let mut size = None;
+    if let Some(r) = s.resize.as_mut() {
+        while let Ok(d) = r.rx.try_recv() {
+            size_buf.extend_from_slice(&d);
+        }
+        size = take_sizes(&mut size_buf).pop().map(|sz| WindowSize {
+            rows: sz.height.into(),
+            cols: sz.width.into(),
+        });
+    }
+    let (tx, mut out) = match rt
+        .exec_stream(&p.container_id, p.cmd.clone(), p.tty, p.stdin, size)
+        .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::info!(container = %p.container_id, error = %e, "streaming exec: cannot start");
+            finish(Err(e.to_string()), &s);
+            return;
+        }
+    };
+    let mut tasks = Vec::new();
+    if let Some(mut st) = s.stdin.take() {
+        let tx = tx.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(d) = st.rx.recv().await {
+                let m = ExecInput {
+                    msg: Some(exec_input::Msg::Stdin(d)),
+                };
+                if tx.send(m).await.is_err() {
+                    return;
+                }
+            }
+            let _ = tx
+                .send(ExecInput {
+                    msg: Some(exec_input::Msg::CloseStdin(true)),
+                })
+                .await;
+        }));
+    }
+    if let Some(mut st) = s.resize.take() {
+        let tx = tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut buf = size_buf;
+            while let Some(d) = st.rx.recv().await {
+                buf.extend_from_slice(&d);
+                if buf.len() > 64 << 10 {
+                    buf.clear();
+                }
+                for sz in take_sizes(&mut buf) {
+                    let m = ExecInput {
+                        msg: Some(exec_input::Msg::Resize(WindowSize {
+                            rows: sz.height.into(),
+                            cols: sz.width.into(),
+                        })),
+                    };
+                    if tx.send(m).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+    // Our own sender would keep the agent's input open; the tasks hold theirs.
+    drop(tx);
+    let stdout = s.stdout.as_ref().map(|x| x.id);
+    // With a tty, stderr is the terminal too.
+    let stderr = s.stderr.as_ref().map(|x| x.id).or(stdout.filter(|_| p.tty));
+    let exit = loop {
+        tokio::select! {
+            m = out.message() => match m {
+                Ok(Some(m)) => match m.msg {
+                    Some(exec_output::Msg::Stdout(b)) => {
+                        if let Some(id) = stdout {
+                            w.data(id, &b);
+                        }
+                    }
+                    Some(exec_output::Msg::Stderr(b)) => {
+                        if let Some(id) = stderr {
+                            w.data(id, &b);
+                        }
+                    }
+                    Some(exec_output::Msg::ExitCode(c)) => break Ok(c),
+                    None => {}
+                },
+                Ok(None) => break Err("the pod agent ended the exec without an exit code".to_string()),
+                Err(st) => break Err(format!("pod agent: {}", st.message())),
+            },
+            Some(extra) = incoming.recv() => {
+                tracing::debug!(stream = extra.id, "streaming exec: stream opened after the start; reset");
+                w.reset(extra.id, spdy::RST_REFUSED_STREAM);
+            }
+            _ = w.closed() => {
+                tracing::info!(container = %p.container_id, "streaming exec: client went away; stopping the command");
+                for t in &tasks {
+                    t.abort();
+                }
+                return;
+            }
+        }
+    };
+    for t in &tasks {
+        t.abort();
+    }
+    tracing::info!(container = %p.container_id, exit = ?exit, "streaming exec: done");
+    finish(exit, &s);
+}
+
+// ---------- port forward ----------
+
+/// Connects to 127.0.0.1:`port` inside the network namespace `netns` (empty: the host's),
+/// from a dedicated thread: the socket keeps the namespace it was created in.
+async fn connect_in_netns(netns: PathBuf, port: u16) -> std::io::Result<TcpStream> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("vessel-portfwd".into())
+        .spawn(move || {
+            let r = (|| -> std::io::Result<std::net::TcpStream> {
+                if !netns.as_os_str().is_empty() {
+                    use std::os::fd::AsFd;
+                    let ns = std::fs::File::open(&netns)?;
+                    // This thread only: it exits right after connecting.
+                    rustix::thread::move_into_link_name_space(
+                        ns.as_fd(),
+                        Some(rustix::thread::LinkNameSpaceType::Network),
+                    )?;
+                }
+                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+                s.set_nonblocking(true)?;
+                Ok(s)
+            })();
+            let _ = tx.send(r);
+        })?;
+    let s = rx
+        .await
+        .map_err(|_| std::io::Error::other("port-forward connect thread died"))??;
+    TcpStream::from_std(s)
+}
+
+#[derive(Default)]
+struct Pair {
+    port: u16,
+    error: Option<Incoming>,
+    data: Option<Incoming>,
+}
+
+async fn port_forward(
+    pod_id: &str,
+    netns: PathBuf,
+    w: &Writer,
+    mut incoming: mpsc::UnboundedReceiver<Incoming>,
+) {
+    let mut pairs: HashMap<String, Pair> = HashMap::new();
+    let mut tasks = Vec::new();
+    while let Some(st) = incoming.recv().await {
+        let kind = spdy::header(&st.headers, "streamtype")
+            .unwrap_or_default()
+            .to_string();
+        let port = spdy::header(&st.headers, "port").and_then(|p| p.parse::<u16>().ok());
+        let Some(port) = port.filter(|p| *p != 0) else {
+            tracing::info!(
+                pod = pod_id,
+                "port-forward: stream without a valid port; reset"
+            );
+            w.reset(st.id, spdy::RST_PROTOCOL_ERROR);
+            continue;
+        };
+        let rid = spdy::header(&st.headers, "requestid")
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("port-{port}"));
+        let e = pairs.entry(rid.clone()).or_default();
+        e.port = port;
+        match kind.as_str() {
+            "error" => e.error = Some(st),
+            "data" => e.data = Some(st),
+            _ => {
+                w.reset(st.id, spdy::RST_PROTOCOL_ERROR);
+                continue;
+            }
+        }
+        if e.error.is_some() && e.data.is_some() {
+            if let Some(Pair {
+                port,
+                error: Some(error),
+                data: Some(data),
+            }) = pairs.remove(&rid)
+            {
+                let w = w.clone();
+                let netns = netns.clone();
+                let pod = pod_id.to_string();
+                tasks.push(tokio::spawn(async move {
+                    forward_one(&pod, netns, port, error, data, &w).await;
+                }));
+            }
+        }
+    }
+    for t in tasks {
+        t.abort();
+    }
+}
+
+async fn forward_one(
+    pod: &str,
+    netns: PathBuf,
+    port: u16,
+    error: Incoming,
+    mut data: Incoming,
+    w: &Writer,
+) {
+    let sock = match connect_in_netns(netns, port).await {
+        Ok(s) => s,
+        Err(e) => {
+            let msg = format!("vessel: pod {pod}: connecting to 127.0.0.1:{port}: {e}");
+            tracing::info!(pod, port, error = %e, "port-forward: connect failed");
+            w.data(error.id, msg.as_bytes());
+            w.fin(error.id);
+            w.fin(data.id);
+            return;
+        }
+    };
+    tracing::debug!(pod, port, "port-forward: connected");
+    let (mut rd, mut wr) = sock.into_split();
+    let up = async {
+        while let Some(d) = data.rx.recv().await {
+            if wr.write_all(&d).await.is_err() {
+                break;
+            }
+        }
+        let _ = wr.shutdown().await;
+    };
+    let down = async {
+        let mut buf = vec![0u8; 32 << 10];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if !w.data(data.id, &buf[..n]) {
+                        break;
+                    }
+                }
+            }
+        }
+        w.fin(data.id);
+    };
+    tokio::join!(up, down);
+    w.fin(error.id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_single_use_and_random() {
+        let t = Tokens::default();
+        let r = StreamRequest::PortForward {
+            pod_id: "p".into(),
+            netns: PathBuf::new(),
+        };
+        let a = t.insert(r.clone());
+        let b = t.insert(r.clone());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 32);
+        assert_eq!(t.take(&a), Some(r));
+        assert_eq!(t.take(&a), None);
+        assert_eq!(t.take("nope"), None);
+    }
+
+    #[test]
+    fn expired_tokens_are_refused() {
+        let t = Tokens::default();
+        let a = t.insert(StreamRequest::PortForward {
+            pod_id: "p".into(),
+            netns: PathBuf::new(),
+        });
+        if let Some(e) = t.map.lock().unwrap().get_mut(&a) {
+            e.0 -= TOKEN_TTL + Duration::from_secs(1);
+        }
+        assert_eq!(t.take(&a), None);
+    }
+
+    #[test]
+    fn request_heads() {
+        let h = parse_head(b"POST /exec/abc HTTP/1.1\r\nUpgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: v4.channel.k8s.io\r\nX-Stream-Protocol-Version: v3.channel.k8s.io").unwrap();
+        assert_eq!(h.path, "/exec/abc");
+        assert_eq!(h.get_all("x-stream-protocol-version").len(), 2);
+        assert!(parse_head(b"garbage").is_none());
+        assert!(parse_head(b"GET / SPDY\r\n").is_none());
+        assert!(parse_head(b"GET / HTTP/1.1\r\nno colon").is_none());
+        assert!(parse_head(&[0xff, 0xfe]).is_none());
+    }
+
+    #[test]
+    fn exit_status_messages() {
+        let ok = status_message(4, Ok(0)).unwrap();
+        assert_eq!(ok, r#"{"metadata":{},"status":"Success"}"#);
+        let v: serde_json::Value =
+            serde_json::from_str(&status_message(4, Ok(3)).unwrap()).unwrap();
+        assert_eq!(v["reason"], "NonZeroExitCode");
+        assert_eq!(v["details"]["causes"][0]["reason"], "ExitCode");
+        assert_eq!(v["details"]["causes"][0]["message"], "3");
+        assert_eq!(status_message(2, Ok(0)), None);
+        assert!(status_message(2, Ok(1)).unwrap().contains("exit code 1"));
+    }
+
+    #[test]
+    fn resize_messages_split_anywhere() {
+        let mut b = br#"{"Width":80,"Height":24}{"Width":1"#.to_vec();
+        let s = take_sizes(&mut b);
+        assert_eq!(s.len(), 1);
+        assert_eq!((s[0].width, s[0].height), (80, 24));
+        b.extend_from_slice(b"00,\"Height\":40}\n");
+        let s = take_sizes(&mut b);
+        assert_eq!((s[0].width, s[0].height), (100, 40));
+        let mut b = b"nonsense".to_vec();
+        assert!(take_sizes(&mut b).is_empty());
+        assert!(b.is_empty());
+    }
+}
