@@ -32,16 +32,12 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "VM pods get no CNI yet (a tap mirrored to the CNI veth with tc redirect)",
     ),
     (
-        "[streaming] Exec returns a streaming URL",
-        "streaming server not built",
-    ),
-    (
         "[streaming] Attach returns a streaming URL",
-        "streaming server not built",
+        "the pod agent does not expose a running container's own stdio yet",
     ),
     (
-        "[streaming] PortForward returns a streaming URL",
-        "streaming server not built",
+        "[streaming] PortForward reaches a port inside the pod",
+        "port-forward into VM pods needs a vsock proxy in the agent",
     ),
     (
         "[container] host path mounts, read-write and read-only",
