@@ -19,6 +19,8 @@ step "guest kernel for the VM suite (built once, then cached by content hash)"
 # The nested VM suite (shim/tests/vm_suite.rs) runs inside QEMU/TCG with our guest kernel;
 # a fresh machine builds it here (5-20 minutes), later runs hit the cache.
 bash scripts/build-guest-kernel.sh | tail -1
+step "cargo build --bins (the VM pod suite stages vesseld, vessel-agent, vessel-shim, vessel-critest)"
+cargo build --workspace --bins --locked
 step "cargo nextest (unit and end-to-end tests)"
 out=$(mktemp)
 set +e
