@@ -282,6 +282,9 @@ pub enum ClientError {
     BadAnswer(String),
 }
 
+/// How long a client waits for the shim to take a request or answer it.
+pub const CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// A control socket connection (the client side: vesseld, `vessel-shim ctl`, tests).
 pub struct Client {
     s: UnixStream,
@@ -294,6 +297,9 @@ impl Client {
             path: path.display().to_string(),
             source,
         })?;
+        // A wedged shim must not hang its caller (vesseld's CRI calls) forever.
+        s.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        s.set_write_timeout(Some(CLIENT_TIMEOUT))?;
         Ok(Client {
             s,
             pending: Vec::new(),
