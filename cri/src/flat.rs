@@ -121,7 +121,7 @@ pub async fn launch(spec: &LaunchSpec<'_>) -> Result<Launched, FlatError> {
                 "launcher exited ({}) without READY; see {}: {}",
                 status.map(|s| s.to_string()).unwrap_or_default(),
                 spec.log_file.display(),
-                log_tail(spec.log_file)
+                log_tail(spec.log_file, 5)
             )));
         }
         Err(_) => {
@@ -135,16 +135,17 @@ pub async fn launch(spec: &LaunchSpec<'_>) -> Result<Launched, FlatError> {
     let start_time = process_start_time(pid).ok_or_else(|| {
         FlatError::Agent(format!(
             "agent pid {pid} vanished right after READY: {}",
-            log_tail(spec.log_file)
+            log_tail(spec.log_file, 5)
         ))
     })?;
     Ok(Launched { pid, start_time })
 }
 
-fn log_tail(p: &Path) -> String {
+/// The last `n` non-empty lines of a file, joined with " | ", for error messages.
+pub fn log_tail(p: &Path, n: usize) -> String {
     let s = std::fs::read_to_string(p).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(5)..].join(" | ")
+    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
 /// Start time (clock ticks after boot) of a process, from /proc/<pid>/stat field 22.
@@ -226,8 +227,9 @@ pub fn become_subreaper() {
     }
 }
 
-/// SIGKILLs the agent if it is still ours. As PID 1 of its pid namespace its death takes
-/// every container process of the pod with it.
+/// SIGKILLs a pod's host process (flat agent or VM shim) if it is still ours, and reaps it.
+/// As PID 1 of its pid namespace an agent's death takes every container process of the pod
+/// with it; a shim's takes its VM.
 pub fn kill_agent(pid: u32, start_time: u64) {
     reap(pid);
     if is_alive(pid, start_time) {
@@ -242,7 +244,10 @@ pub fn kill_agent(pid: u32, start_time: u64) {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        tracing::warn!(pid, "pod agent did not die within 1 s of SIGKILL");
+        tracing::warn!(
+            pid,
+            "pod process (agent or VM shim) did not die within 1 s of SIGKILL"
+        );
     }
 }
 

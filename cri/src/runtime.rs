@@ -745,7 +745,7 @@ impl Runtime {
     /// removes the pod's cgroup and VM files. Idempotent.
     async fn teardown_pod_resources(&self, rec: &PodRecord) {
         if let Some(v) = &rec.vm {
-            vm::kill_shim(rec.agent_pid, rec.agent_start_time);
+            flat::kill_agent(rec.agent_pid, rec.agent_start_time);
             flat::kill_by_arg("--spec", &vm::VmPaths::new(&v.dir).spec);
             if let Err(e) = vessel_images::fsutil::remove_any(&v.dir) {
                 tracing::warn!(pod = %rec.id, error = %e, "cannot remove the VM's files");
@@ -2085,9 +2085,8 @@ impl Runtime {
             tracing::info!(dir = %dir.display(), "removing pod dir without record");
             let _ = vessel_images::fsutil::remove_any(&dir);
         }
-        let vm_dirs: std::collections::HashSet<PathBuf> = self
-            .dirs
-            .load_pods()
+        let records = self.dirs.load_pods();
+        let vm_dirs: std::collections::HashSet<PathBuf> = records
             .iter()
             .filter_map(|r| r.vm.as_ref().map(|v| v.dir.clone()))
             .collect();
@@ -2100,7 +2099,7 @@ impl Runtime {
                 }
             }
         }
-        for rec in self.dirs.load_pods() {
+        for rec in records {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
                 self.teardown_pod_resources(&rec).await;

@@ -132,6 +132,7 @@ impl Daemon {
         let kvm_reason = format!("KVM {}: {}", probe.verdict, probe.reason);
         // The VM backend also needs its guest kernel, initrd and shim.
         let shim = self.config.shim_binary();
+        let guest_root = self.config.guest_root();
         let missing = [
             (
                 "guest kernel",
@@ -166,7 +167,7 @@ impl Daemon {
         };
         let reason_code = reason_code.to_string();
         if ready {
-            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, kernel = %self.config.vm.kernel.display(), guest_root = ?self.config.guest_root(), shim = %shim.display(), "KVM probe: microVM pods enabled");
+            tracing::info!(verdict = %probe.verdict, reason = %probe.reason, probe_ms = probe.probe_ms, kernel = %self.config.vm.kernel.display(), guest_root = ?guest_root, shim = %shim.display(), "KVM probe: microVM pods enabled");
         } else {
             tracing::warn!(
                 verdict = %probe.verdict,
@@ -188,7 +189,7 @@ impl Daemon {
                         == crate::config::VmFallback::Fallback,
                 },
                 vm_cfg: self.config.vm.clone(),
-                guest_root: self.config.guest_root(),
+                guest_root,
                 shim_binary: self.config.shim_binary(),
                 default_handler: self.config.runtime.default_handler.clone(),
                 agent_binary: self.config.agent_binary(),

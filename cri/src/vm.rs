@@ -168,13 +168,6 @@ pub fn spawn(spec: &LaunchSpec<'_>) -> Result<Launched, VmError> {
     Ok(Launched { pid, start_time })
 }
 
-/// The last lines of a file, for error messages.
-pub fn tail(p: &Path, n: usize) -> String {
-    let s = std::fs::read_to_string(p).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
-    lines[lines.len().saturating_sub(n)..].join(" | ")
-}
-
 /// Connects to the guest agent, retrying while the guest boots, until `timeout` or the shim
 /// exits.
 pub async fn wait_for_agent(
@@ -188,10 +181,10 @@ pub async fn wait_for_agent(
     loop {
         flat::reap(shim.pid);
         if !flat::is_alive(shim.pid, shim.start_time) {
-            let mut detail = tail(&p.shim_log, 6);
+            let mut detail = flat::log_tail(&p.shim_log, 6);
             if p.console.exists() {
                 detail.push_str(" | console: ");
-                detail.push_str(&tail(&p.console, 6));
+                detail.push_str(&flat::log_tail(&p.console, 6));
             }
             return Err(VmError::ShimExited {
                 status: "exited".into(),
@@ -217,7 +210,7 @@ pub async fn wait_for_agent(
         if start.elapsed() >= timeout {
             return Err(VmError::BootTimeout {
                 timeout,
-                detail: format!("{last}; shim log: {}", tail(&p.shim_log, 4)),
+                detail: format!("{last}; shim log: {}", flat::log_tail(&p.shim_log, 4)),
             });
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -225,7 +218,7 @@ pub async fn wait_for_agent(
 }
 
 /// Stops a shim: SIGTERM (the guest gets the power button), then SIGKILL after `grace`.
-/// Removes the sockets it leaves. Idempotent.
+/// Idempotent.
 pub async fn stop_shim(pid: u32, start_time: u64, grace: Duration) {
     flat::reap(pid);
     if !flat::is_alive(pid, start_time) {
@@ -235,33 +228,8 @@ pub async fn stop_shim(pid: u32, start_time: u64, grace: Duration) {
     unsafe {
         libc::kill(pid as libc::pid_t, libc::SIGTERM);
     }
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline {
-        flat::reap(pid);
-        if !flat::is_alive(pid, start_time) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    kill_shim(pid, start_time);
-}
-
-/// SIGKILLs a shim if it is still ours, and reaps it.
-pub fn kill_shim(pid: u32, start_time: u64) {
-    flat::reap(pid);
-    if flat::is_alive(pid, start_time) {
-        // SAFETY: kill(2) on a pid we verified (by start time) to be our shim.
-        unsafe {
-            libc::kill(pid as libc::pid_t, libc::SIGKILL);
-        }
-        for _ in 0..200 {
-            flat::reap(pid);
-            if !flat::is_alive(pid, start_time) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    let _ = tokio::time::timeout(grace, flat::wait_exit(pid, start_time)).await;
+    flat::kill_agent(pid, start_time);
 }
 
 /// One request to a shim's control socket (blocking; call from spawn_blocking): the
