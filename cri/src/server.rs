@@ -140,9 +140,9 @@ impl Daemon {
                 self.config.vm.kernel.clone(),
             ),
             (
-                "guest initrd",
+                "guest root (initrd or EROFS image)",
                 "GuestInitrdMissing",
-                self.config.vm.initrd.clone(),
+                guest_root.path().to_path_buf(),
             ),
             ("VM shim", "ShimMissing", shim.clone()),
         ]
