@@ -13,9 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::{TestCni, Vesseld};
-use vessel_critest::registry::{Registry, RegistryOptions};
-use vessel_images::push::{push_image, PushTarget};
-use vessel_images::testimages::{self, Compression};
+use vessel_critest::registry::Registry;
 
 struct H {
     _reg: Registry,
@@ -156,24 +154,11 @@ impl H {
 }
 
 async fn harness(extra: &str) -> H {
-    let reg = Registry::start(RegistryOptions::default()).expect("registry");
-    let img = testimages::busybox_image(Compression::Gzip);
-    let mut t = PushTarget::new(&reg.url(), "library/busybox");
-    t.insecure_tls = true;
-    push_image(&t, &img, Some("latest")).await.unwrap();
-    let v = Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), extra).expect("vesseld");
-    let mut c = v.client().await;
-    let image = format!("{}/library/busybox:latest", reg.host());
-    c.images
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: image.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .expect("pull busybox");
+    let (reg, v, c, image) = vessel_critest::daemon::vesseld_with_busybox(
+        Path::new(env!("CARGO_BIN_EXE_vesseld")),
+        extra,
+    )
+    .await;
     H {
         _reg: reg,
         v,
@@ -188,6 +173,21 @@ fn skip_reason() -> Option<String> {
         return Some("needs root (network namespaces, veths, iptables)".into());
     }
     None
+}
+
+/// The private CNI network for a test, or None after printing why the test is skipped.
+fn test_cni() -> Option<TestCni> {
+    if let Some(why) = skip_reason() {
+        println!("SKIP cni_e2e: {why}");
+        return None;
+    }
+    match TestCni::new() {
+        Ok(c) => Some(c),
+        Err(why) => {
+            println!("SKIP cni_e2e: {why}");
+            None
+        }
+    }
 }
 
 /// Interfaces enslaved to a bridge.
@@ -241,17 +241,7 @@ async fn http_get_retry(addr: std::net::SocketAddr) -> Result<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flat_pods_get_ips_talk_and_leave_nothing() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP cni_e2e: {why}");
-        return;
-    }
-    let cni = match TestCni::new() {
-        Ok(c) => c,
-        Err(why) => {
-            println!("SKIP cni_e2e: {why}");
-            return;
-        }
-    };
+    let Some(cni) = test_cni() else { return };
     let mut h = harness(&cni.config_toml()).await;
     let ready = h.network_ready().await;
     assert!(ready.status, "NetworkReady=false: {ready:?}");
@@ -373,17 +363,7 @@ async fn flat_pods_get_ips_talk_and_leave_nothing() {
 /// earlier plugins did is undone (no veth, no IP, no pin, no record).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_add_leaves_nothing() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP cni_e2e: {why}");
-        return;
-    }
-    let cni = match TestCni::new() {
-        Ok(c) => c,
-        Err(why) => {
-            println!("SKIP cni_e2e: {why}");
-            return;
-        }
-    };
+    let Some(cni) = test_cni() else { return };
     // Append a tuning plugin that sets a sysctl that does not exist.
     let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
     let mut conf: serde_json::Value =
@@ -444,17 +424,7 @@ async fn no_config_means_network_not_ready() {
 /// down is detached at the next start (its IP released from the cached ADD result).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_ips_and_detaches_dead_pods() {
-    if let Some(why) = skip_reason() {
-        println!("SKIP cni_e2e: {why}");
-        return;
-    }
-    let cni = match TestCni::new() {
-        Ok(c) => c,
-        Err(why) => {
-            println!("SKIP cni_e2e: {why}");
-            return;
-        }
-    };
+    let Some(cni) = test_cni() else { return };
     let mut h = harness(&cni.config_toml()).await;
     let kcfg = h.pod_config("keeper");
     let keep = h.run_pod(&kcfg).await.expect("RunPodSandbox keeper");

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use tonic::Code;
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::{mounts_under, Vesseld};
-use vessel_critest::registry::{Registry, RegistryOptions};
+use vessel_critest::registry::Registry;
 use vessel_images::push::{push_image, PushTarget};
-use vessel_images::testimages::{self, Compression};
+use vessel_images::testimages;
 
 struct H {
     _reg: Registry,
@@ -48,25 +48,9 @@ async fn harness() -> H {
 
 /// A harness whose vesseld config gets `more` appended (after `VESSEL_E2E_CONFIG`).
 async fn harness_with(more: &str) -> H {
-    let reg = Registry::start(RegistryOptions::default()).expect("registry");
-    let img = testimages::busybox_image(Compression::Gzip);
-    let mut t = PushTarget::new(&reg.url(), "library/busybox");
-    t.insecure_tls = true;
-    push_image(&t, &img, Some("latest")).await.unwrap();
     let extra = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default() + more;
-    let v = Vesseld::start(&vesseld_binary(), &extra).expect("vesseld");
-    let mut c = v.client().await;
-    let image = format!("{}/library/busybox:latest", reg.host());
-    c.images
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: image.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .expect("pull busybox");
+    let (reg, v, c, image) =
+        vessel_critest::daemon::vesseld_with_busybox(&vesseld_binary(), &extra).await;
     H {
         _reg: reg,
         v,
@@ -249,6 +233,18 @@ impl H {
             })
             .await
             .expect("RemovePodSandbox");
+    }
+
+    async fn verbose_status(&mut self, id: &str) -> cri::PodSandboxStatusResponse {
+        self.c
+            .runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.into(),
+                verbose: true,
+            })
+            .await
+            .expect("PodSandboxStatus")
+            .into_inner()
     }
 
     fn log_of(&self, pod: &str, name: &str) -> PathBuf {
@@ -1028,16 +1024,7 @@ async fn agent_killed_marks_pod_not_ready() {
     let mut h = harness().await;
     let (pod, pcfg) = h.run_pod("victim").await;
     let id = h.run(&pod, &pcfg, "sleeper", "sleep 1000").await;
-    let info =
-        h.c.runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: pod.clone(),
-                verbose: true,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .info;
+    let info = h.verbose_status(&pod).await.info;
     let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
     let pid = v["pid"].as_u64().unwrap() as i32;
     // SAFETY: kill(2) of the agent pid vesseld reported.
@@ -1229,15 +1216,7 @@ async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
             .unwrap()
             .into_inner()
             .pod_sandbox_id;
-    let s =
-        h.c.runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: id.clone(),
-                verbose: true,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+    let s = h.verbose_status(&id).await;
     assert_eq!(s.status.unwrap().runtime_handler, "vm");
     assert!(
         s.info["info"].contains("\"backend\":\"flat\""),
@@ -1383,15 +1362,7 @@ async fn vm_host_network_pod_runs_flat_by_policy() {
             .expect("host-network vm pod")
             .into_inner()
             .pod_sandbox_id;
-    let s =
-        h.c.runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: id.clone(),
-                verbose: true,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+    let s = h.verbose_status(&id).await;
     assert!(
         s.info["info"].contains("\"backend\":\"flat\""),
         "{}",

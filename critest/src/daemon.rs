@@ -396,3 +396,37 @@ impl Drop for TestCni {
             .status();
     }
 }
+
+/// What the end-to-end suites start from: a local registry holding the busybox test image
+/// (gzip) as `library/busybox:latest`, a vesseld (`binary`, config plus `extra_config`) that
+/// has pulled it, a client, and the image's name. Keep the registry alive while testing.
+pub async fn vesseld_with_busybox(
+    binary: &Path,
+    extra_config: &str,
+) -> (crate::registry::Registry, Vesseld, CriClient, String) {
+    use k8s_cri::v1 as cri;
+    use vessel_images::push::{push_image, PushTarget};
+    use vessel_images::testimages::{self, Compression};
+    let reg = crate::registry::Registry::start(crate::registry::RegistryOptions::default())
+        .expect("registry");
+    let img = testimages::busybox_image(Compression::Gzip);
+    let mut t = PushTarget::new(&reg.url(), "library/busybox");
+    t.insecure_tls = true;
+    push_image(&t, &img, Some("latest"))
+        .await
+        .expect("push busybox");
+    let v = Vesseld::start(binary, extra_config).expect("vesseld");
+    let mut c = v.client().await;
+    let image = format!("{}/library/busybox:latest", reg.host());
+    c.images
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: image.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("pull busybox");
+    (reg, v, c, image)
+}
