@@ -22,7 +22,7 @@ use nix::unistd::{fork, setsid, ForkResult};
 use crate::libct::Libct;
 use crate::listener::AgentListener;
 use crate::reaper::Reaper;
-use crate::service::{AgentService, AgentState};
+use crate::service::AgentState;
 
 /// How long the launcher waits for the agent to serve.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -328,30 +328,16 @@ async fn serve(args: FlatArgs, listener: AgentListener, mut ready: std::fs::File
     let _ = writeln!(ready, "OK");
     drop(ready);
 
-    let mut stop = state.shutdown_signal();
-    let mut stop2 = state.shutdown_signal();
-    let shutdown = async move {
-        let _ = stop.wait_for(|v| *v).await;
-    };
-    let server = listener.serve(
-        AgentService {
-            state: state.clone(),
-        },
-        shutdown,
-    );
-    let code = tokio::select! {
-        r = server => match r {
-            Ok(()) => 0,
-            Err(e) => {
-                tracing::error!(error = %e, "serving");
-                1
-            }
-        },
-        // Graceful shutdown lets answers go out; do not wait for idle clients forever.
-        _ = async {
-            let _ = stop2.wait_for(|v| *v).await;
-            tokio::time::sleep(Duration::from_secs(3)).await;
-        } => 0,
+    // Idle clients get 3 s after the last answers went out.
+    let code = match listener
+        .serve_until_exit(&state, Duration::from_secs(3))
+        .await
+    {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!(error = %e, "serving");
+            1
+        }
     };
     state.shutdown_all().await;
     AgentListener::cleanup(&args.socket);

@@ -62,6 +62,34 @@ impl AgentListener {
         let _ = std::fs::remove_file(path);
     }
 
+    /// Serves the agent API for `state` until it is asked to exit (Shutdown, a signal, the
+    /// power button): the server shuts down gracefully so that answers in flight go out, and
+    /// idle clients get `grace` before the call returns anyway.
+    pub async fn serve_until_exit(
+        self,
+        state: &std::sync::Arc<crate::service::AgentState>,
+        grace: std::time::Duration,
+    ) -> Result<(), tonic::transport::Error> {
+        let mut stop = state.shutdown_signal();
+        let mut stop2 = state.shutdown_signal();
+        let shutdown = async move {
+            let _ = stop.wait_for(|v| *v).await;
+        };
+        let server = self.serve(
+            AgentService {
+                state: state.clone(),
+            },
+            shutdown,
+        );
+        tokio::select! {
+            r = server => r,
+            _ = async {
+                let _ = stop2.wait_for(|v| *v).await;
+                tokio::time::sleep(grace).await;
+            } => Ok(()),
+        }
+    }
+
     /// Serves `svc` until `shutdown` completes (needs a tokio runtime).
     pub async fn serve(
         self,

@@ -26,7 +26,7 @@ use nix::mount::{mount, MsFlags};
 use crate::libct::Libct;
 use crate::listener::AgentListener;
 use crate::reaper::Reaper;
-use crate::service::{AgentService, AgentState, VmParts};
+use crate::service::{AgentState, VmParts};
 
 /// The agent's state directory in the guest (on the `/run` tmpfs).
 pub const STATE_DIR: &str = "/run/vessel";
@@ -409,25 +409,11 @@ async fn serve(listener: AgentListener, level: String) -> Result<(), VmError> {
     if std::process::id() == 1 {
         console("vessel-event: agent-serving");
     }
-    let mut stop1 = state.shutdown_signal();
-    let mut stop2 = state.shutdown_signal();
-    let shutdown = async move {
-        let _ = stop1.wait_for(|v| *v).await;
-    };
-    let server = listener.serve(
-        AgentService {
-            state: state.clone(),
-        },
-        shutdown,
-    );
-    let r = tokio::select! {
-        r = server => r.map_err(VmError::from),
-        // Graceful shutdown lets the Shutdown answer go out; idle clients get 1 s.
-        _ = async {
-            let _ = stop2.wait_for(|v| *v).await;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        } => Ok(()),
-    };
+    // Idle clients get 1 s after the Shutdown answer went out.
+    let r = listener
+        .serve_until_exit(&state, Duration::from_secs(1))
+        .await
+        .map_err(VmError::from);
     state.shutdown_all().await;
     tracing::info!("powering off");
     r
