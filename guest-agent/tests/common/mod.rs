@@ -43,7 +43,8 @@ pub struct TestAgent {
     pub logs: PathBuf,
     pub pid: i32,
     pub hostname: String,
-    /// cgroup parent for this test's containers: `/vessel-test/<token>`.
+    /// cgroup parent for this test's containers: `/vessel-test-<token>`, a top-level cgroup of
+    /// its own (a shared parent removed by one test's cleanup raced another's creation).
     pub cgroup_parent: String,
     pub agent_log: PathBuf,
 }
@@ -115,7 +116,7 @@ impl TestAgent {
             logs,
             pid,
             hostname,
-            cgroup_parent: format!("/vessel-test/{}", token()),
+            cgroup_parent: format!("/vessel-test-{}", token()),
             agent_log,
         }
     }
@@ -332,12 +333,6 @@ impl Drop for TestAgent {
                 rmdir_tree(d);
             }
             std::thread::sleep(Duration::from_millis(100));
-        }
-        // Remove the shared parent if we were the last user.
-        if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
-            for e in rd.flatten() {
-                let _ = std::fs::remove_dir(e.path().join("vessel-test"));
-            }
         }
     }
 }
