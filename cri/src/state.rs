@@ -13,6 +13,7 @@
 use k8s_cri::v1 as cri;
 use serde::{Deserialize, Serialize};
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use vessel_images::fsutil;
 
@@ -148,14 +149,18 @@ impl StateDirs {
             root: root.to_path_buf(),
             run: run.to_path_buf(),
         };
+        // Records hold the containers' environment; the run dirs hold agent sockets, shim
+        // sockets and pinned netns: root only, whatever the parent allows.
         for d in [
             s.pods_dir(),
             s.containers_dir(),
             s.run.join("pods"),
             s.netns_dir(),
             s.run.join("vms"),
+            s.run.join("agents"),
         ] {
             fs::create_dir_all(&d).map_err(io("create", &d))?;
+            fs::set_permissions(&d, fs::Permissions::from_mode(0o700)).map_err(io("chmod", &d))?;
         }
         for d in [s.pods_dir(), s.containers_dir()] {
             fsutil::clean_dead_temps(&d).map_err(io("clean", &d))?;

@@ -257,14 +257,7 @@ pub fn control(
 
 /// Opens (creating) a container's log file for appending and hands it to the shim.
 pub fn set_log(control: &Path, id: &str, log_path: &Path) -> Result<(), VmError> {
-    if let Some(d) = log_path.parent() {
-        std::fs::create_dir_all(d).map_err(io("create", d))?;
-    }
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log_path)
-        .map_err(io("open", log_path))?;
+    let f = vessel_agent::logs::open_log_nofollow(log_path).map_err(io("open", log_path))?;
     self::control(
         control,
         &serde_json::json!({"op": "set_log", "id": id}),

@@ -9,7 +9,7 @@
 //!
 //! Output keeps flowing whether or not any client is connected: the pumps are agent tasks.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -82,10 +82,83 @@ impl std::fmt::Debug for LogFile {
 }
 
 fn open_append(path: &Path) -> io::Result<File> {
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)?;
+    open_log_nofollow(path)
+}
+
+/// Opens the log file `path` for appending, creating it (mode 0640: kubelet reads logs as
+/// root) and its missing parent directories (0755), and follows no symbolic link on the way:
+/// a link anywhere in `path` is an error, so a log can never be redirected out of the log
+/// directory kubelet named. The caller resolves that directory first (`vesseld` passes the
+/// canonical log directory joined with a relative, `..`-free log path). Anything but a
+/// regular file at `path` (a FIFO, a device) is refused too.
+pub fn open_log_nofollow(path: &Path) -> io::Result<File> {
+    use rustix::fs::{Mode, OFlags};
+    use std::path::Component;
+    let refuse = |why: &str| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("log path {}: {why}", path.display()),
+        )
+    };
+    let comps: Vec<Component> = path.components().collect();
+    let Some(Component::Normal(name)) = comps.last() else {
+        return Err(refuse("does not name a file"));
+    };
+    let dir_flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let mut dir = rustix::fs::openat(rustix::fs::CWD, ".", dir_flags, Mode::empty())?;
+    for c in &comps[..comps.len() - 1] {
+        match c {
+            Component::RootDir => {
+                dir = rustix::fs::openat(rustix::fs::CWD, "/", dir_flags, Mode::empty())?;
+            }
+            Component::CurDir => {}
+            Component::Normal(d) => {
+                match rustix::fs::mkdirat(&dir, *d, Mode::from_raw_mode(0o755)) {
+                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                dir = rustix::fs::openat(&dir, *d, dir_flags, Mode::empty()).map_err(|e| {
+                    if e == rustix::io::Errno::NOTDIR || e == rustix::io::Errno::LOOP {
+                        refuse(&format!("{:?} is a symbolic link or not a directory", d))
+                    } else {
+                        e.into()
+                    }
+                })?;
+            }
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(refuse("has a `..` component"));
+            }
+        }
     }
-    OpenOptions::new().create(true).append(true).open(path)
+    // O_NONBLOCK: opening a FIFO planted at the path must not hang the caller.
+    let fd = rustix::fs::openat(
+        &dir,
+        *name,
+        OFlags::WRONLY
+            | OFlags::APPEND
+            | OFlags::CREATE
+            | OFlags::NOFOLLOW
+            | OFlags::NOCTTY
+            | OFlags::NONBLOCK
+            | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o640),
+    )
+    .map_err(|e| {
+        if e == rustix::io::Errno::LOOP {
+            refuse("is a symbolic link")
+        } else if e == rustix::io::Errno::NXIO {
+            refuse("is not a regular file")
+        } else {
+            e.into()
+        }
+    })?;
+    let file = File::from(fd);
+    if !file.metadata()?.file_type().is_file() {
+        return Err(refuse("is not a regular file"));
+    }
+    let flags = rustix::fs::fcntl_getfl(&file)?;
+    rustix::fs::fcntl_setfl(&file, flags - OFlags::NONBLOCK)?;
+    Ok(file)
 }
 
 impl LogFile {
@@ -289,6 +362,35 @@ mod tests {
         assert_eq!(parts.next(), Some("stderr"));
         assert_eq!(parts.next(), Some("P"));
         assert_eq!(parts.next(), Some("abc\n"));
+    }
+
+    #[test]
+    fn log_files_are_private_and_never_followed_through_links() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let f = open_log_nofollow(&dir.path().join("ctr/0.log")).unwrap();
+        assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o640);
+        // A link as the file or as a directory on the way is refused, and nothing is
+        // created where it points.
+        std::os::unix::fs::symlink(outside.path().join("x.log"), dir.path().join("l.log")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("d")).unwrap();
+        for p in ["l.log", "d/x.log", "d/sub/x.log"] {
+            let e = open_log_nofollow(&dir.path().join(p)).unwrap_err();
+            assert!(e.to_string().contains("symbolic link"), "{p}: {e}");
+        }
+        assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+        let e = open_log_nofollow(&dir.path().join("a/../b.log")).unwrap_err();
+        assert!(e.to_string().contains(".."), "{e}");
+        // A FIFO planted at the path is refused without blocking.
+        let fifo = dir.path().join("fifo.log");
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success());
+        let e = open_log_nofollow(&fifo).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -59,7 +60,12 @@ pub fn atomic_write_fast(path: &Path, data: &[u8]) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = temp_path(dir, "w");
     let res = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        // Records and metadata are for root only (container records carry environments).
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
         fs::rename(&tmp, path)

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -270,6 +271,11 @@ impl ImageStore {
     /// Opens (creating if needed) the store at `root` and removes debris of dead processes.
     pub fn open(root: impl Into<PathBuf>) -> Result<ImageStore> {
         let root = root.into();
+        // Unpacked layers keep the images' setuid bits and device nodes: only root may reach
+        // them (moby CVE-2021-41091, containerd CVE-2021-41103).
+        fs::create_dir_all(&root).map_err(ImageError::io("create", &root))?;
+        fs::set_permissions(&root, fs::Permissions::from_mode(0o700))
+            .map_err(ImageError::io("chmod", &root))?;
         for d in [
             "blobs/sha256",
             "layers",
