@@ -1378,3 +1378,71 @@ async fn vm_host_network_pod_runs_flat_by_policy() {
     h.remove_pod(&id).await;
     h.assert_clean();
 }
+
+/// Flat pods look bind sources up in the host's mount namespace: a host mount made after the
+/// pod started reaches an rslave mount, and removing the container leaves the host's own
+/// mounts alone (unmounting a staged source that shares the host's peer group would
+/// otherwise unmount the host's submounts too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts() {
+    if vm_mode() {
+        println!("SKIP flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts: flat pods only (VM volumes are their own issue)");
+        return;
+    }
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("hostbinds").await;
+    let t = tempfile::tempdir().unwrap();
+    let mnt = t.path().join("mnt");
+    let src = t.path().join("src");
+    std::fs::create_dir_all(mnt.join("late")).unwrap();
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("flag"), "x").unwrap();
+    let sh = |cmd: String| {
+        let ok = std::process::Command::new("sh")
+            .args(["-c", &cmd])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "{cmd}");
+    };
+    // Made after RunPodSandbox: the pod's own mount namespace never saw it.
+    sh(format!(
+        "mount --bind {m} {m} && mount --make-rshared {m}",
+        m = mnt.display()
+    ));
+    let mut cfg = h.ctr_config("c", "sleep 1000");
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/data".into(),
+        host_path: mnt.display().to_string(),
+        propagation: cri::MountPropagation::PropagationHostToContainer as i32,
+        ..Default::default()
+    }];
+    let c = h.create(&pod, &pcfg, cfg).await.expect("CreateContainer");
+    h.start(&c).await;
+    sh(format!(
+        "mount --bind {} {}",
+        src.display(),
+        mnt.join("late").display()
+    ));
+    let out = h
+        .exec(&c, &["ls", "/data/late"], 10)
+        .await
+        .expect("ExecSync");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "flag");
+    h.c.runtime
+        .remove_container(cri::RemoveContainerRequest {
+            container_id: c.clone(),
+        })
+        .await
+        .expect("RemoveContainer");
+    let host_mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let late = mnt.join("late").display().to_string();
+    let still = host_mounts
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(late.as_str()));
+    sh(format!("umount -l {late}; umount -l {}", mnt.display()));
+    assert!(still, "removing the container unmounted the host's {late}");
+    assert_eq!(std::fs::read_to_string(src.join("flag")).unwrap(), "x");
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

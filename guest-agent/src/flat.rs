@@ -110,6 +110,9 @@ pub fn launch(args: FlatArgs) -> Result<(), FlatError> {
     }
     let state_existed = args.state_dir.exists();
     let socket_existed = args.socket.exists();
+    // The host's mount namespace, for the helpers that look bind sources up there.
+    let host_mnt = std::fs::File::open("/proc/self/ns/mnt")
+        .map_err(io("opening the host's mount namespace"))?;
     unshare(flags).map_err(sys(format!("unshare({flags:?})")))?;
     let (ready_r, ready_w) = crate::stdio::pipe().map_err(io("pipe"))?;
 
@@ -118,6 +121,9 @@ pub fn launch(args: FlatArgs) -> Result<(), FlatError> {
     match unsafe { fork() }.map_err(sys("fork"))? {
         ForkResult::Child => {
             drop(ready_r);
+            if let Err(e) = crate::libct::export_host_mount_ns(host_mnt) {
+                tracing::warn!(error = %e, "bind sources will be looked up in the pod's own mount namespace");
+            }
             let code = agent_child(&args, ready_w);
             std::process::exit(code);
         }

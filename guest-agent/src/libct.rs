@@ -153,6 +153,130 @@ fn load(root: &Path, id: &str) -> Result<Container, LibcontainerError> {
     Container::load(dir)
 }
 
+/// The environment variable naming the fd of the host's mount namespace, which a flat
+/// agent hands to its helpers (see [`export_host_mount_ns`]).
+pub const HOST_MNT_NS_ENV: &str = "VESSEL_HOST_MNT_NS_FD";
+
+/// Flat mode, in the agent before it serves: makes `ns` (the host's mount namespace, opened
+/// before the agent unshared its own) inheritable by the helpers the agent spawns, and names
+/// it in their environment. The helper takes it over at once ([`take_host_mount_ns`]) so
+/// that nothing it execs (container processes) inherits it. Must be called while the process
+/// is single-threaded (it sets an environment variable).
+pub fn export_host_mount_ns(ns: std::fs::File) -> std::io::Result<()> {
+    // A copy without close-on-exec, above the fds a helper's stdio is moved to (3..=5), kept
+    // open for the agent's life.
+    // SAFETY: fcntl(F_DUPFD) on an fd this process owns (kept open by `ns` until the end).
+    let fd = unsafe { libc::fcntl(ns.as_raw_fd(), libc::F_DUPFD, 64) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    std::env::set_var(HOST_MNT_NS_ENV, fd.to_string());
+    Ok(())
+}
+
+/// In a helper: the host mount namespace the agent handed down, now close-on-exec, if any.
+fn take_host_mount_ns() -> Option<OwnedFd> {
+    let fd: RawFd = std::env::var(HOST_MNT_NS_ENV).ok()?.parse().ok()?;
+    std::env::remove_var(HOST_MNT_NS_ENV);
+    // Only a mount namespace file is taken; anything else at that number is left alone.
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    if !link.to_string_lossy().starts_with("mnt:[") {
+        return None;
+    }
+    // SAFETY: the agent passed this fd (checked above to be a mount namespace file) for this
+    // helper to own; nothing else in this process refers to it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let cloexec = owned.try_clone().ok();
+    drop(owned);
+    cloexec
+}
+
+/// Flat pods: the sources of the spec's bind mounts are looked up in the host's mount
+/// namespace, not in the agent's own (a private copy taken when the pod started, which never
+/// sees host mounts made later when the host's root is private, and whose slave mounts would
+/// never propagate back). Each source is cloned with open_tree(2) there (recursively for
+/// `rbind`; a clone of a shared mount stays in its peer group, so rslave/rshared work as with
+/// runc on the host), attached under `<container dir>/binds/<n>` in the agent's namespace
+/// with move_mount(2), and the spec's source is rewritten to it. Must run single-threaded
+/// (setns of a mount namespace requires it); this helper is.
+fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError> {
+    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
+    let other = |m: String| LibcontainerError::Other(m);
+    let config = bundle.join("config.json");
+    let mut spec = oci_spec::runtime::Spec::load(&config)
+        .map_err(|e| other(format!("reading the bundle spec: {e}")))?;
+    let mut mounts = spec.mounts().clone().unwrap_or_default();
+    let todo: Vec<(usize, PathBuf, bool)> = mounts
+        .iter()
+        .enumerate()
+        .filter_map(|(i, m)| {
+            let opts = m.options().clone().unwrap_or_default();
+            let rbind = opts.iter().any(|o| o == "rbind");
+            let bind = rbind || opts.iter().any(|o| o == "bind");
+            let src = m.source().clone()?;
+            (bind && src.is_absolute()).then_some((i, src, rbind))
+        })
+        .collect();
+    if todo.is_empty() {
+        return Ok(());
+    }
+    let own = std::fs::File::open("/proc/self/ns/mnt")
+        .map_err(|e| other(format!("opening the agent's mount namespace: {e}")))?;
+    nix::sched::setns(host_ns, nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| other(format!("joining the host's mount namespace: {e}")))?;
+    let mut trees = Vec::new();
+    let cloned = todo.iter().try_for_each(|(i, src, rbind)| {
+        let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
+        if *rbind {
+            flags |= OpenTreeFlags::AT_RECURSIVE;
+        }
+        let fd = rustix::mount::open_tree(rustix::fs::CWD, src, flags)
+            .map_err(|e| other(format!("bind source {}: {e}", src.display())))?;
+        trees.push((*i, fd));
+        Ok::<_, LibcontainerError>(())
+    });
+    // Back home whatever happened: the rest of the helper works in the agent's namespace.
+    nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| other(format!("returning to the agent's mount namespace: {e}")))?;
+    cloned?;
+    let dir = bundle
+        .parent()
+        .ok_or_else(|| other("bundle has no parent".into()))?
+        .join(crate::rootfs::BINDS_DIR);
+    std::fs::create_dir_all(&dir).map_err(LibcontainerError::OtherIO)?;
+    for (i, fd) in trees {
+        let target = dir.join(i.to_string());
+        let is_dir = rustix::fs::fstat(&fd)
+            .map(|st| {
+                rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory
+            })
+            .map_err(|e| other(format!("stat of a bind source: {e}")))?;
+        if is_dir {
+            std::fs::create_dir(&target).map_err(LibcontainerError::OtherIO)?;
+        } else {
+            std::fs::File::create(&target).map_err(LibcontainerError::OtherIO)?;
+        }
+        rustix::mount::move_mount(
+            &fd,
+            "",
+            rustix::fs::CWD,
+            &target,
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+        .map_err(|e| {
+            other(format!(
+                "attaching a bind source at {}: {e}",
+                target.display()
+            ))
+        })?;
+        mounts[i].set_source(Some(target));
+    }
+    spec.set_mounts(Some(mounts));
+    spec.save(&config)
+        .map_err(|e| other(format!("writing the bundle spec: {e}")))?;
+    Ok(())
+}
+
 /// Runs one helper operation; returns the process exit code.
 pub fn helper_main(args: HelperArgs) -> i32 {
     match run_helper(&args.root, args.op) {
@@ -177,6 +301,9 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             console_socket,
             stdio,
         } => {
+            if let Some(host_ns) = take_host_mount_ns() {
+                stage_binds(&host_ns, &bundle)?;
+            }
             let mut b = ContainerBuilder::new(id, SyscallType::default())
                 .with_root_path(root)?
                 .with_console_socket(console_socket);

@@ -83,6 +83,46 @@ pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError
     })
 }
 
+/// Where a flat container's bind sources are attached (see `libct::stage_binds`), inside the
+/// container's directory.
+pub const BINDS_DIR: &str = "binds";
+
+/// Detaches the staged bind sources of the container directory `dir` and removes their mount
+/// points. Returns false if one is still mounted: the caller must then leave `dir` alone, as
+/// a recursive removal would delete the host's files through it.
+pub fn unstage_binds(dir: &Path) -> bool {
+    let binds = dir.join(BINDS_DIR);
+    let entries = match std::fs::read_dir(&binds) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
+        Err(e) => {
+            tracing::warn!(dir = %binds.display(), error = %e, "listing staged bind mounts");
+            return false;
+        }
+    };
+    let mut ok = true;
+    for e in entries.flatten() {
+        let p = e.path();
+        // Private first: a staged source may be in the host's peer group, and unmounting it
+        // (with everything below it) would otherwise unmount the host's own submounts too.
+        let _ = nix::mount::mount(
+            None::<&str>,
+            &p,
+            None::<&str>,
+            nix::mount::MsFlags::MS_PRIVATE | nix::mount::MsFlags::MS_REC,
+            None::<&str>,
+        );
+        unmount_all(&p);
+        // Non-recursive removal: a mount point that is still mounted is busy and stays.
+        let removed = std::fs::remove_dir(&p).or_else(|_| std::fs::remove_file(&p));
+        if let Err(err) = removed {
+            tracing::warn!(path = %p.display(), error = %err, "staged bind mount not removed");
+            ok = false;
+        }
+    }
+    ok && std::fs::remove_dir(&binds).is_ok()
+}
+
 /// Unmounts whatever is mounted at `target` (lazily); not mounted is fine.
 pub fn unmount_all(target: &Path) {
     // Loop in case something got stacked on top.

@@ -433,6 +433,10 @@ impl AgentState {
             }
         }
         crate::rootfs::unmount_all(&dir.join("rootfs"));
+        if !crate::rootfs::unstage_binds(dir) {
+            tracing::error!(id, dir = %dir.display(), "a staged bind mount is still mounted; leaving the container dir");
+            return;
+        }
         if let Err(e) = std::fs::remove_dir_all(dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(id, dir = %dir.display(), error = %e, "removing container dir");
@@ -495,6 +499,13 @@ impl AgentState {
             crate::rootfs::unmount_all(&c.rootfs);
         }
         self.release_layers(&c.id).await;
+        if !crate::rootfs::unstage_binds(&c.dir) {
+            return Err(AgentError::Internal(format!(
+                "container {:?}: a staged bind mount under {} is still mounted",
+                c.id,
+                c.dir.display()
+            )));
+        }
         if let Err(e) = std::fs::remove_dir_all(&c.dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 return Err(AgentError::internal(
@@ -555,7 +566,14 @@ impl AgentState {
         let _guard = self.lifecycle.lock().await;
         let all: Vec<Arc<Container>> = self.table().values().cloned().collect();
         for c in &all {
-            let _ = Self::signal(c, Signal::SIGTERM, false);
+            // A created, never started container's init is PID 1 of its own pid namespace,
+            // blocked before exec: it has no handler, so SIGTERM from here is ignored and would
+            // cost the whole grace period. Only a running container gets a graceful stop.
+            if c.is_running() {
+                let _ = Self::signal(c, Signal::SIGTERM, false);
+            } else if !c.is_exited() {
+                let _ = Self::signal(c, Signal::SIGKILL, true);
+            }
         }
         let waits = futures::future::join_all(all.iter().map(|c| c.wait()));
         if tokio::time::timeout(STOP_GRACE, waits).await.is_err() {

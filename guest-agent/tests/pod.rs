@@ -276,6 +276,36 @@ async fn shutdown_removes_containers_cgroups_and_state() {
     agent.assert_clean();
 }
 
+/// A created, never started container is killed at shutdown, not given the stop grace its
+/// pid-namespace init ignores SIGTERM for (StopPodSandbox took 10 s for such a pod).
+#[tokio::test]
+async fn shutdown_kills_a_created_container_without_the_grace_period() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+    c.create_container(
+        agent.create_request("never-started", &SpecBuilder::new(&["sleep", "1000"])),
+    )
+    .await
+    .unwrap();
+    let procs = agent.descendants();
+    let t = std::time::Instant::now();
+    c.shutdown(proto::ShutdownRequest {}).await.unwrap();
+    let took = t.elapsed();
+    assert!(
+        took < vessel_agent::service::STOP_GRACE / 2,
+        "shutdown took {took:?} (the stop grace is {:?})",
+        vessel_agent::service::STOP_GRACE
+    );
+    assert!(agent.wait_agent_gone(Duration::from_secs(30)));
+    assert!(procs
+        .iter()
+        .all(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()));
+    agent.assert_clean();
+}
+
 #[tokio::test]
 async fn joining_the_agent_pid_namespace() {
     if skip_unless_root() {
