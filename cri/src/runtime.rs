@@ -42,7 +42,7 @@ pub enum RuntimeError {
 
 impl RuntimeError {
     pub fn to_status(&self) -> tonic::Status {
-        let m = self.to_string();
+        let m = crate::errors::bounded(self.to_string());
         match self {
             RuntimeError::InvalidArgument(_) => tonic::Status::invalid_argument(m),
             RuntimeError::NotFound(_) => tonic::Status::not_found(m),
@@ -56,6 +56,9 @@ impl RuntimeError {
 }
 
 type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// The runtime handlers a pod may name: the default (empty), `flat` and `vm`.
+pub const HANDLERS: &[&str] = &["", "flat", "vm"];
 
 fn internal(ctx: &str) -> impl FnOnce(&dyn std::fmt::Display) -> RuntimeError + '_ {
     move |e| RuntimeError::Internal(format!("{ctx}: {e}"))
@@ -445,19 +448,20 @@ impl Runtime {
             pid: ns.pid == cri::NamespaceMode::Node as i32,
             ipc: ns.ipc == cri::NamespaceMode::Node as i32,
         };
-        let hostname = if share.net {
+        // A pod on the host's network, or one whose config names no hostname (critest sends
+        // none; kubelet always does), gets the node's hostname, as with containerd and CRI-O.
+        let hostname = if share.net || config.hostname.is_empty() {
             rustix::system::uname()
                 .nodename()
                 .to_string_lossy()
                 .into_owned()
-        } else if !config.hostname.is_empty() {
-            config.hostname.clone()
         } else {
-            meta.name.clone()
+            config.hostname.clone()
         };
         if !valid_dns_label(&hostname) || hostname.len() > 64 {
             return Err(RuntimeError::InvalidArgument(format!(
-                "hostname {hostname:?} is not a valid host name"
+                "pod {:?}: hostname {hostname:?} is not a valid host name",
+                meta.name
             )));
         }
         let cgroup_parent = if linux.cgroup_parent.is_empty() {
@@ -1081,14 +1085,14 @@ impl Runtime {
         } else {
             Vec::new()
         };
-        let log_path = if prec.config.log_directory.is_empty() || config.log_path.is_empty() {
-            String::new()
-        } else {
-            Path::new(&prec.config.log_directory)
-                .join(&config.log_path)
-                .display()
-                .to_string()
-        };
+        let log_path = container_log_path(&prec.config.log_directory, &config.log_path).map_err(
+            |e| match e {
+                RuntimeError::InvalidArgument(m) => {
+                    RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {m}"))
+                }
+                e => e,
+            },
+        )?;
         let stop_signal = image
             .run_config
             .stop_signal
@@ -2030,12 +2034,9 @@ impl Runtime {
         let Some(r) = linux else {
             return Ok(());
         };
-        if r.memory_limit_in_bytes < 0 || r.cpu_shares < 0 || r.cpu_period < 0 {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "UpdateContainerResources {}: negative limits",
-                rec.id
-            )));
-        }
+        spec::check_resources(&r).map_err(|e| {
+            RuntimeError::InvalidArgument(format!("UpdateContainerResources {}: {e}", rec.id))
+        })?;
         let pod = self.pod(&rec.pod_id)?;
         let mut c = self.client(&pod).await?;
         c.update_resources(ap::UpdateResourcesRequest {
@@ -2295,6 +2296,32 @@ fn cri_state(s: ContainerState) -> cri::ContainerState {
     }
 }
 
+/// Where a container's log goes: kubelet's `log_path` is relative to the pod's
+/// `log_directory` (CRI contract). An absolute path or a `..` component is refused; the
+/// directory is resolved here (kubelet's own, trusted), and the file is then opened beneath it
+/// without following links (`vessel_agent::logs::open_log_nofollow`). Empty: no log.
+fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
+    use std::path::Component;
+    if log_directory.is_empty() || log_path.is_empty() {
+        return Ok(String::new());
+    }
+    let rel = Path::new(log_path);
+    if !rel
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        || rel.file_name().is_none()
+    {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "log_path {log_path:?} must be a relative file path inside the pod's log directory {log_directory:?} (no `..`, not absolute)"
+        )));
+    }
+    let dir = Path::new(log_directory);
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::canonicalize(dir))
+        .map(|d| d.join(rel).display().to_string())
+        .map_err(|e| RuntimeError::Internal(format!("log directory {log_directory:?}: {e}")))
+}
+
 fn hosts_file(hostname: &str, host_net: bool) -> String {
     if host_net {
         if let Ok(h) = std::fs::read_to_string("/etc/hosts") {
@@ -2409,5 +2436,29 @@ mod tests {
         ));
         let one: HashMap<String, Arc<u8>> = [("zz9".into(), Arc::new(9))].into_iter().collect();
         assert_eq!(*lookup(&one, "zz", "container").unwrap(), 9);
+    }
+
+    #[test]
+    fn log_path_stays_inside_the_log_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("pod");
+        let ds = d.to_str().unwrap();
+        for bad in [
+            "../../../../../../etc/x.log",
+            "/etc/x.log",
+            "ctr/../../x.log",
+            "..",
+        ] {
+            let e = container_log_path(ds, bad).unwrap_err();
+            assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{bad}: {e}");
+        }
+        assert!(!d.exists(), "nothing is created for a refused path");
+        let canon = std::fs::canonicalize(t.path()).unwrap().join("pod");
+        assert_eq!(
+            container_log_path(ds, "ctr/0.log").unwrap(),
+            canon.join("ctr/0.log").display().to_string()
+        );
+        assert_eq!(container_log_path(ds, "").unwrap(), "");
+        assert_eq!(container_log_path("", "x.log").unwrap(), "");
     }
 }

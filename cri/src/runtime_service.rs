@@ -148,7 +148,20 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                 conditions: self.conditions(),
             }),
             info,
-            ..Default::default()
+            // What kubelet and critest read to decide what they may ask for.
+            runtime_handlers: crate::runtime::HANDLERS
+                .iter()
+                .map(|name| cri::RuntimeHandler {
+                    name: name.to_string(),
+                    features: Some(cri::RuntimeHandlerFeatures {
+                        recursive_read_only_mounts: true,
+                        user_namespaces: false,
+                    }),
+                })
+                .collect(),
+            features: Some(cri::RuntimeFeatures {
+                supplemental_groups_policy: true,
+            }),
         }))
     }
 

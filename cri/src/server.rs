@@ -10,6 +10,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 use vessel_images::{ImageStore, Puller};
 
 /// Largest CRI message accepted or sent (kubelet's own limit is 16 MiB).
@@ -34,8 +35,6 @@ pub enum ServeError {
     Runtime(String),
     #[error(transparent)]
     Streaming(#[from] crate::streaming::StreamingError),
-    #[error("serving CRI: {0}")]
-    Transport(#[from] tonic::transport::Error),
 }
 
 fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ServeError {
@@ -55,9 +54,16 @@ pub struct Daemon {
 impl Daemon {
     /// Prepares directories and state; takes the state dir lock.
     pub fn open(config: Config) -> Result<Daemon, ServeError> {
-        for d in [&config.daemon.root_dir, &config.daemon.state_dir] {
+        // root_dir holds image layers (setuid binaries, device nodes), container records
+        // (environment, secrets) and pod state: root only. state_dir is traversable (0711)
+        // because the CRI socket may live there for `socket_group`; what it holds per pod is
+        // made root-only by `StateDirs`. Set on every start: older versions made root_dir 0711.
+        for (d, mode) in [
+            (&config.daemon.root_dir, 0o700),
+            (&config.daemon.state_dir, 0o711),
+        ] {
             fs::create_dir_all(d).map_err(io("create", d))?;
-            fs::set_permissions(d, fs::Permissions::from_mode(0o711)).map_err(io("chmod", d))?;
+            fs::set_permissions(d, fs::Permissions::from_mode(mode)).map_err(io("chmod", d))?;
         }
         let lock_path = config.daemon.state_dir.join("vesseld.lock");
         let lock = OpenOptions::new()
@@ -217,31 +223,94 @@ impl Daemon {
             version = env!("CARGO_PKG_VERSION"),
             "vesseld: serving CRI runtime.v1"
         );
-        let res = tonic::transport::Server::builder()
-            .add_service(
-                RuntimeServiceServer::new(runtime)
-                    .max_decoding_message_size(MAX_MESSAGE)
-                    .max_encoding_message_size(MAX_MESSAGE),
-            )
-            .add_service(
-                ImageServiceServer::new(images)
-                    .max_decoding_message_size(MAX_MESSAGE)
-                    .max_encoding_message_size(MAX_MESSAGE),
-            )
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(listener),
-                shutdown,
-            )
-            .await;
+        let routes = tonic::service::Routes::new(
+            RuntimeServiceServer::new(runtime)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+        )
+        .add_service(
+            ImageServiceServer::new(images)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+        );
+        let res: Result<(), std::io::Error> = serve_grpc(listener, routes, shutdown).await;
         if let Some(t) = metrics_task {
             t.abort();
         }
         streaming_task.abort();
         let _ = fs::remove_file(&socket);
         tracing::info!("vesseld: stopped");
-        res.map_err(ServeError::from)
+        res.map_err(io("serving", &socket))
     }
 }
+
+/// Serves gRPC (HTTP/2) on `listener` until `shutdown`, then lets the calls in flight finish
+/// (up to [`SHUTDOWN_GRACE`]).
+///
+/// Not tonic's transport server: it answers a call whose `grpc-timeout` passes with
+/// CANCELLED, where gRPC servers answer DEADLINE_EXCEEDED (upstream critest checks the code;
+/// the client's own deadline raced ours). Here a call simply runs until it finishes or the
+/// client resets the stream (which drops its future, as a timeout would); the client
+/// enforces its deadline and reports DEADLINE_EXCEEDED itself.
+async fn serve_grpc(
+    listener: tokio::net::UnixListener,
+    routes: tonic::service::Routes,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), std::io::Error> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut conns = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // EMFILE and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accepting a CRI connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(routes.clone());
+        let mut stop = stop_rx.clone();
+        conns.spawn(async move {
+            let builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .http2_only();
+            let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "CRI connection ended");
+                    }
+                    return;
+                }
+                _ = stop.wait_for(|s| *s) => conn.as_mut().graceful_shutdown(),
+            }
+            let _ = conn.await;
+        });
+        // Reap finished connections as we go.
+        while conns.try_join_next().is_some() {}
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while conns.join_next().await.is_some() {}
+    })
+    .await
+    .is_err()
+    {
+        tracing::warn!("CRI calls still running after {SHUTDOWN_GRACE:?}; closing them");
+        conns.abort_all();
+    }
+    Ok(())
+}
+
+/// How long calls in flight may run on after vesseld was asked to stop.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 fn resolve_group(g: &str) -> Option<u32> {
     if let Ok(gid) = g.parse::<u32>() {

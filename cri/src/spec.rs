@@ -333,6 +333,15 @@ pub fn resolve_user(
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
 
+    // As containerd and CRI-O: a group alone would be combined with whatever user the image
+    // names, which is not what the pod asked for.
+    if let Some(sc) = sc {
+        if sc.run_as_group.is_some() && sc.run_as_user.is_none() && sc.run_as_username.is_empty() {
+            return Err(invalid(
+                "run_as_group is set without run_as_user or run_as_username",
+            ));
+        }
+    }
     let (user_part, group_part): (String, Option<String>) = match sc {
         Some(sc) if sc.run_as_user.is_some() => (
             sc.run_as_user
@@ -378,18 +387,22 @@ pub fn resolve_user(
             gid = u32::try_from(g.value).map_err(|_| invalid("run_as_group out of range"))?;
         }
     }
-    let mut additional: Vec<u32> = if username.is_empty() {
-        vec![]
-    } else {
-        groups_of(&group, &username)
-    };
+    // Supplementary groups, as containerd gives them (and reports them in ContainerStatus):
+    // the primary group, the groups the image's /etc/group lists the user in (policy Merge,
+    // the default; not with Strict), and the pod's supplemental groups.
+    let strict = sc.is_some_and(|s| {
+        s.supplemental_groups_policy == cri::SupplementalGroupsPolicy::Strict as i32
+    });
+    let mut additional: Vec<u32> = vec![gid];
+    if !username.is_empty() && !strict {
+        additional.extend(groups_of(&group, &username));
+    }
     if let Some(sc) = sc {
         for g in &sc.supplemental_groups {
             additional
                 .push(u32::try_from(*g).map_err(|_| invalid("supplemental group out of range"))?);
         }
     }
-    additional.retain(|g| *g != gid);
     additional.sort_unstable();
     additional.dedup();
     Ok(ResolvedUser {
@@ -446,6 +459,66 @@ pub fn environment(
         set(&kv.key, &kv.value);
     }
     env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+/// The smallest memory limit a container may have (Docker's bound): below it the kernel
+/// refuses the limit or the container cannot even start its init.
+pub const MIN_MEMORY_LIMIT: i64 = 6 << 20;
+
+/// Resources that cannot be honoured are refused, not ignored: negative values, a memory
+/// limit too small to start a process, an oom_score_adj out of the kernel's range.
+pub fn check_resources(r: &cri::LinuxContainerResources) -> Result<(), SpecError> {
+    for (name, v) in [
+        ("cpu_shares", r.cpu_shares),
+        ("cpu_period", r.cpu_period),
+        ("memory_swap_limit_in_bytes", r.memory_swap_limit_in_bytes),
+    ] {
+        if v < 0 {
+            return Err(invalid(format!("resources: {name} {v} is negative")));
+        }
+    }
+    // -1 is the cgroup's own word for "no quota".
+    if r.cpu_quota < -1 {
+        return Err(invalid(format!(
+            "resources: cpu_quota {} is negative",
+            r.cpu_quota
+        )));
+    }
+    if r.memory_limit_in_bytes < 0
+        || (r.memory_limit_in_bytes > 0 && r.memory_limit_in_bytes < MIN_MEMORY_LIMIT)
+    {
+        return Err(invalid(format!(
+            "resources: memory_limit_in_bytes {} is below the minimum of {MIN_MEMORY_LIMIT} bytes",
+            r.memory_limit_in_bytes
+        )));
+    }
+    if !(-1000..=1000).contains(&r.oom_score_adj) {
+        return Err(invalid(format!(
+            "resources: oom_score_adj {} is outside -1000..=1000",
+            r.oom_score_adj
+        )));
+    }
+    Ok(())
+}
+
+/// Environment keys must be names an exec can pass on: not empty, no `=`, no NUL or other
+/// control characters; values may hold anything but NUL.
+fn check_envs(envs: &[cri::KeyValue]) -> Result<(), SpecError> {
+    for kv in envs {
+        if kv.key.is_empty() || kv.key.contains('=') || kv.key.chars().any(|c| c.is_control()) {
+            return Err(invalid(format!(
+                "environment variable name {:?} is invalid (empty, or holds '=' or a control character)",
+                kv.key
+            )));
+        }
+        if kv.value.contains('\0') {
+            return Err(invalid(format!(
+                "environment variable {:?}: the value holds a NUL byte",
+                kv.key
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn capabilities(sc: Option<&cri::LinuxContainerSecurityContext>, privileged: bool) -> Vec<String> {
@@ -579,6 +652,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     let sc = lc.and_then(|l| l.security_context.as_ref());
     let privileged = sc.map(|s| s.privileged).unwrap_or(false);
     let args = process_args(c, input.image)?;
+    check_envs(&c.envs)?;
     let env = environment(c, input.image, input.hostname);
     let cwd = if !c.working_dir.is_empty() {
         c.working_dir.clone()
@@ -708,6 +782,23 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         }
         let mut opts = vec!["rbind".to_string(), propagation(m.propagation).to_string()];
         opts.push(if m.readonly { "ro" } else { "rw" }.into());
+        if m.recursive_read_only {
+            // Read-only all the way down (mount_setattr AT_RECURSIVE): only for a read-only,
+            // private mount, as the CRI defines it (kubelet asks only where Status says so).
+            if !m.readonly {
+                return Err(invalid(format!(
+                    "mount at {:?}: recursive_read_only needs readonly",
+                    m.container_path
+                )));
+            }
+            if m.propagation != cri::MountPropagation::PropagationPrivate as i32 {
+                return Err(invalid(format!(
+                    "mount at {:?}: recursive_read_only needs private propagation",
+                    m.container_path
+                )));
+            }
+            opts.push("rro".into());
+        }
         mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));
     }
 
@@ -772,6 +863,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     let mut resources = json!({"devices": dev_rules});
     let mut oom_score_adj = None;
     if let Some(r) = lc.and_then(|l| l.resources.as_ref()) {
+        check_resources(r)?;
         let mut cpu = serde_json::Map::new();
         if r.cpu_shares > 0 {
             cpu.insert("shares".into(), json!(r.cpu_shares));
@@ -877,6 +969,15 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     if let Some(s) = seccomp(sc, privileged)? {
         linux["seccomp"] = s;
     }
+    // A Bidirectional mount needs the container's root to stay shared (as containerd sets
+    // rootfsPropagation "rshared"), or its mounts could never reach the host; otherwise the
+    // root is a slave (libcontainer's default), which HostToContainer needs.
+    if c.mounts
+        .iter()
+        .any(|m| m.propagation == cri::MountPropagation::PropagationBidirectional as i32)
+    {
+        linux["rootfsPropagation"] = json!("shared");
+    }
     let spec = json!({
         "ociVersion": "1.0.2",
         "process": process,
@@ -952,7 +1053,7 @@ mod tests {
             ResolvedUser {
                 uid: 1000,
                 gid: 1000,
-                additional_gids: vec![50]
+                additional_gids: vec![50, 1000]
             }
         );
         let r = resolve_user(None, Some("1000:50"), &layers).unwrap();
@@ -973,11 +1074,33 @@ mod tests {
             ResolvedUser {
                 uid: 65534,
                 gid: 7,
-                additional_gids: vec![8, 9]
+                additional_gids: vec![7, 8, 9]
             }
         );
+        // Strict: the image's /etc/group adds nothing.
+        let strict = cri::LinuxContainerSecurityContext {
+            run_as_user: Some(cri::Int64Value { value: 1000 }),
+            supplemental_groups: vec![1234],
+            supplemental_groups_policy: cri::SupplementalGroupsPolicy::Strict as i32,
+            ..Default::default()
+        };
+        let r = resolve_user(Some(&strict), None, &layers).unwrap();
+        assert_eq!((r.gid, r.additional_gids), (1000, vec![1000, 1234]));
+        let merge = cri::LinuxContainerSecurityContext {
+            supplemental_groups_policy: cri::SupplementalGroupsPolicy::Merge as i32,
+            ..strict
+        };
+        let r = resolve_user(Some(&merge), None, &layers).unwrap();
+        assert_eq!(r.additional_gids, vec![50, 1000, 1234]);
         assert!(resolve_user(None, Some("ghost"), &layers).is_err());
         assert!(resolve_user(None, Some("vessel:nogroup"), &layers).is_err());
+        // A group without a user is refused (upstream critest's "RunAsGroup without RunAsUser").
+        let sc = cri::LinuxContainerSecurityContext {
+            run_as_group: Some(cri::Int64Value { value: 7 }),
+            ..Default::default()
+        };
+        let e = resolve_user(Some(&sc), Some("vessel"), &layers).unwrap_err();
+        assert!(e.to_string().contains("run_as_group"), "{e}");
     }
 
     #[test]

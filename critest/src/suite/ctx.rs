@@ -190,7 +190,8 @@ impl Ctx {
         ])
     }
 
-    /// A pod config: labelled, logs under the work dir, a unique uid, DNS config set.
+    /// A pod config: labelled, logs under the work dir, a unique uid. No hostname, as
+    /// upstream critest sends none (the runtime gives the node's).
     pub fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
         let log_dir = self.env.work.join(format!("{}-{name}-logs", self.id));
         let _ = std::fs::create_dir_all(&log_dir);
@@ -201,7 +202,6 @@ impl Ctx {
                 namespace: "vessel-critest".into(),
                 attempt: 0,
             }),
-            hostname: name.into(),
             log_directory: log_dir.display().to_string(),
             labels: self.labels(),
             annotations: HashMap::from([("vessel-critest/pod".to_string(), name.to_string())]),

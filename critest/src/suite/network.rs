@@ -13,6 +13,11 @@ pub(super) fn specs() -> Vec<Spec> {
             "the container's hostname is the pod's hostname",
             hostname
         ),
+        spec!(
+            "network",
+            "a pod without a hostname gets the node's hostname",
+            node_hostname
+        ),
         spec!("network", "PodSandboxStatus reports the pod IP", pod_ip),
         spec!(
             "network",
@@ -52,12 +57,29 @@ async fn dns(c: Ctx) -> SpecResult {
 }
 
 async fn hostname(c: Ctx) -> SpecResult {
-    let id = c.sleeper_with("hostname-test", |_| {}).await?;
+    let mut pcfg = c.pod_config("hostname");
+    pcfg.hostname = "hostname-test".into();
+    let pod = c.run_pod_with(&pcfg).await?;
+    let id = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
     let got = c.sh_ok(&id, "hostname").await?;
     check!(
         got == "hostname-test",
         "hostname {got:?}, want hostname-test"
     );
+    Ok(())
+}
+
+/// critest and crictl send no hostname: such a pod gets the node's, as with containerd.
+async fn node_hostname(c: Ctx) -> SpecResult {
+    let node = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map_err(|e| Stop::Fail(format!("reading the node's hostname: {e}")))?
+        .trim()
+        .to_string();
+    let id = c.sleeper_with("nohostname", |_| {}).await?;
+    let got = c.sh_ok(&id, "hostname").await?;
+    check!(got == node, "hostname {got:?}, want the node's {node:?}");
+    let hosts = c.sh_ok(&id, "cat /etc/hostname").await?;
+    check!(hosts == node, "/etc/hostname {hosts:?}, want {node:?}");
     Ok(())
 }
 
