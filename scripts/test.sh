@@ -21,6 +21,22 @@ step "guest kernel for the VM suite (built once, then cached by content hash)"
 bash scripts/build-guest-kernel.sh | tail -1
 step "cargo build --bins (the VM pod suite stages vesseld, vessel-agent, vessel-shim, vessel-critest)"
 cargo build --workspace --bins --locked
+# The nested suites' harness builds with `-p`, whose feature set can differ from the
+# workspace build above: build exactly that here, so no compile runs inside a timed test.
+cargo build --locked -p vessel-shim
+cargo build --locked -p vessel-agent
+step "upstream critest and crictl (cri-tools v1.36.0, built once, then cached) and their stand-in images"
+# upstream_critest runs them against vesseld; without ../shared/cri-tools it prints SKIP.
+SHARED_CRI_TOOLS=${VESSEL_CRI_TOOLS_SRC:-$(cd .. && pwd)/shared/cri-tools}
+if [ -x "$SHARED_CRI_TOOLS/build.sh" ]; then
+  export VESSEL_CRI_TOOLS_SRC=$SHARED_CRI_TOOLS
+  VESSEL_CRI_TOOLS_BIN=$(bash "$SHARED_CRI_TOOLS/build.sh" | tail -n1)
+  VESSEL_CRI_TOOLS_IMAGES=$(bash "$SHARED_CRI_TOOLS/images/build.sh" | tail -n1)
+  export VESSEL_CRI_TOOLS_BIN VESSEL_CRI_TOOLS_IMAGES
+  echo "critest and crictl: $VESSEL_CRI_TOOLS_BIN; images: $VESSEL_CRI_TOOLS_IMAGES"
+else
+  echo "no $SHARED_CRI_TOOLS/build.sh: the upstream critest test will print SKIP"
+fi
 step "cargo nextest (unit and end-to-end tests)"
 out=$(mktemp)
 set +e

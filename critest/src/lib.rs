@@ -6,9 +6,11 @@
 //! - [`client`]: CRI clients over a Unix socket.
 //! - [`stream_client`]: a SPDY/3.1 client of the CRI streaming server (exec, port-forward).
 //! - [`suite`]: the conformance specs and their runner ([`suite::run`]), for any CRI runtime.
+//! - [`upstream`]: upstream cri-tools' `critest` against vessel, judged by an expected list.
 
 pub mod client;
 pub mod daemon;
 pub mod registry;
 pub mod stream_client;
 pub mod suite;
+pub mod upstream;

@@ -1,0 +1,347 @@
+//! Upstream `critest` (cri-tools) against vessel: locating the tools and their stand-in
+//! images, serving the images, running critest, and checking its JSON report against a
+//! committed list of expected outcomes.
+//!
+//! The list (`critest/upstream/<mode>.expected`) has one line per spec that may not pass:
+//!
+//! ```text
+//! fail | <full spec name> | <why>
+//! skip | <full spec name> | <why>
+//! ```
+//!
+//! Every spec not listed must pass. A listed spec must end as listed: one that passes (or
+//! otherwise ends differently) fails the check, so the list only shrinks.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where `shared/cri-tools` is: `VESSEL_CRI_TOOLS_SRC`, or `../shared/cri-tools` beside the
+/// repository (how CI checks it out).
+pub fn shared_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("VESSEL_CRI_TOOLS_SRC") {
+        return Some(PathBuf::from(d));
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
+    let d = repo.parent()?.join("shared/cri-tools");
+    d.join("build.sh").exists().then_some(d)
+}
+
+fn last_line_of(cmd: &mut Command) -> Result<PathBuf, String> {
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed: {}", out.status));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .map(|l| PathBuf::from(l.trim()))
+        .ok_or_else(|| format!("{cmd:?} printed nothing"))
+}
+
+/// The directory holding `critest` and `crictl` (`VESSEL_CRI_TOOLS_BIN`, or built and cached
+/// by `shared/cri-tools/build.sh`: `scripts/test.sh` builds them before the tests start).
+pub fn tools_bin(shared: &Path) -> Result<PathBuf, String> {
+    if let Ok(d) = std::env::var("VESSEL_CRI_TOOLS_BIN") {
+        return Ok(PathBuf::from(d));
+    }
+    last_line_of(Command::new("bash").arg(shared.join("build.sh")))
+}
+
+/// The stand-in images' directory (`VESSEL_CRI_TOOLS_IMAGES`, or `images/build.sh`).
+pub fn images_dir(shared: &Path) -> Result<PathBuf, String> {
+    if let Ok(d) = std::env::var("VESSEL_CRI_TOOLS_IMAGES") {
+        return Ok(PathBuf::from(d));
+    }
+    last_line_of(Command::new("bash").arg(shared.join("images/build.sh")))
+}
+
+/// The registry hosts critest's images name; each gets the stand-in registry as its mirror.
+pub const IMAGE_HOSTS: &[&str] = &[
+    "registry.k8s.io",
+    "k8s.gcr.io",
+    "gcr.io",
+    "public.ecr.aws",
+    "docker.io",
+];
+
+/// `registry.py` serving the stand-in images on 127.0.0.1. Dropping it stops it.
+pub struct StandInRegistry {
+    child: Child,
+    pub port: u16,
+}
+
+impl StandInRegistry {
+    pub fn start(shared: &Path, images: &Path) -> Result<StandInRegistry, String> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| e.to_string())?
+            .port();
+        let child = Command::new("python3")
+            .arg(shared.join("images/registry.py"))
+            .arg(images.join("registry"))
+            .arg(port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("starting registry.py: {e}"))?;
+        let mut r = StandInRegistry { child, port };
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(s)) = r.child.try_wait() {
+                return Err(format!("registry.py exited with {s}"));
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                return Err(format!("registry.py did not listen on {port} within 20 s"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(r)
+    }
+
+    /// vesseld's `[images.registries]` tables sending every critest image host here.
+    pub fn mirrors_toml(&self) -> String {
+        IMAGE_HOSTS
+            .iter()
+            .map(|h| {
+                format!(
+                    "[images.registries.\"{h}\"]\nmirrors = [\"http://127.0.0.1:{}\"]\nmirrors_only = true\ninsecure = true\n",
+                    self.port
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for StandInRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How one spec ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Outcome {
+    Pass,
+    Fail,
+    Skip,
+}
+
+impl Outcome {
+    fn word(self) -> &'static str {
+        match self {
+            Outcome::Pass => "pass",
+            Outcome::Fail => "fail",
+            Outcome::Skip => "skip",
+        }
+    }
+}
+
+/// One spec of a ginkgo JSON report.
+#[derive(Debug, Clone)]
+pub struct SpecResult {
+    pub name: String,
+    pub outcome: Outcome,
+    /// The failure message (first lines), for failures.
+    pub message: String,
+    pub seconds: f64,
+}
+
+/// The specs of a ginkgo v2 JSON report (`-ginkgo.json-report`): the full name is the
+/// container texts and the leaf text joined by spaces, as `-ginkgo.focus` matches it.
+pub fn parse_report(json: &str) -> Result<Vec<SpecResult>, String> {
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for suite in v.as_array().ok_or("report is not an array")? {
+        for s in suite["SpecReports"].as_array().into_iter().flatten() {
+            // Suite set-up nodes (BeforeSuite, ...) have no leaf of kind "It".
+            if s["LeafNodeType"].as_str() != Some("It") {
+                continue;
+            }
+            let mut parts: Vec<String> = s["ContainerHierarchyTexts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_str().map(str::to_string))
+                .collect();
+            parts.push(s["LeafNodeText"].as_str().unwrap_or_default().to_string());
+            let outcome = match s["State"].as_str().unwrap_or_default() {
+                "passed" => Outcome::Pass,
+                "skipped" | "pending" => Outcome::Skip,
+                _ => Outcome::Fail,
+            };
+            let message = s["Failure"]["Message"]
+                .as_str()
+                .unwrap_or_default()
+                .lines()
+                .take(6)
+                .collect::<Vec<_>>()
+                .join(" / ");
+            out.push(SpecResult {
+                name: parts.join(" "),
+                outcome,
+                message,
+                seconds: s["RunTime"].as_f64().unwrap_or(0.0) / 1e9,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// An expected non-pass, with its reason.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    pub outcome: Outcome,
+    pub reason: String,
+}
+
+/// Parses an expected-outcomes list (see the module doc).
+pub fn parse_expected(text: &str) -> Result<BTreeMap<String, Expected>, String> {
+    let mut m = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let f: Vec<&str> = line.splitn(3, " | ").collect();
+        let outcome = match f.first().copied() {
+            Some("fail") => Outcome::Fail,
+            Some("skip") => Outcome::Skip,
+            _ => {
+                return Err(format!(
+                    "line {}: starts with neither `fail |` nor `skip |`",
+                    i + 1
+                ))
+            }
+        };
+        if f.len() != 3 || f[2].trim().is_empty() {
+            return Err(format!("line {}: want `{} | <spec> | <why>`", i + 1, f[0]));
+        }
+        let name = f[1].trim().to_string();
+        if m.insert(
+            name.clone(),
+            Expected {
+                outcome,
+                reason: f[2].trim().to_string(),
+            },
+        )
+        .is_some()
+        {
+            return Err(format!("line {}: {name:?} listed twice", i + 1));
+        }
+    }
+    Ok(m)
+}
+
+/// What a run came to against the list.
+#[derive(Debug, Default)]
+pub struct Verdict {
+    pub passed: usize,
+    pub failed: usize,
+    pub skipped: usize,
+    /// Specs that ended otherwise than the list says (not listed and not passing, or listed
+    /// and ending differently), with what happened.
+    pub unexpected: Vec<String>,
+    /// Listed specs the run did not have at all (renamed upstream, or a typo).
+    pub unknown: Vec<String>,
+}
+
+impl Verdict {
+    pub fn ok(&self) -> bool {
+        self.unexpected.is_empty() && self.unknown.is_empty()
+    }
+}
+
+pub fn judge(specs: &[SpecResult], expected: &BTreeMap<String, Expected>) -> Verdict {
+    let mut v = Verdict::default();
+    for s in specs {
+        match s.outcome {
+            Outcome::Pass => v.passed += 1,
+            Outcome::Fail => v.failed += 1,
+            Outcome::Skip => v.skipped += 1,
+        }
+        let want = expected
+            .get(&s.name)
+            .map(|e| e.outcome)
+            .unwrap_or(Outcome::Pass);
+        if s.outcome != want {
+            let hint = match (want, s.outcome) {
+                (Outcome::Pass, _) => String::new(),
+                (_, Outcome::Pass) => " (now passes: take it off the list)".into(),
+                _ => format!(" (listed as {})", want.word()),
+            };
+            let msg = if s.message.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", s.message)
+            };
+            v.unexpected.push(format!(
+                "{} {}{hint}{msg}",
+                s.outcome.word().to_uppercase(),
+                s.name
+            ));
+        }
+    }
+    for name in expected.keys() {
+        if !specs.iter().any(|s| &s.name == name) {
+            v.unknown.push(name.clone());
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REPORT: &str = r#"[{"SpecReports":[
+      {"LeafNodeType":"BeforeSuite","State":"passed"},
+      {"LeafNodeType":"It","ContainerHierarchyTexts":["[k8s.io] Container","runtime should support"],
+       "LeafNodeText":"starting container [Conformance]","State":"passed","RunTime":2000000000},
+      {"LeafNodeType":"It","ContainerHierarchyTexts":["[k8s.io] Attach"],"LeafNodeText":"runs",
+       "State":"failed","Failure":{"Message":"boom\nmore"}},
+      {"LeafNodeType":"It","ContainerHierarchyTexts":["[k8s.io] AppArmor"],"LeafNodeText":"x",
+       "State":"skipped"},
+      {"LeafNodeType":"It","ContainerHierarchyTexts":["[k8s.io] Fixed"],"LeafNodeText":"y",
+       "State":"passed"}
+    ]}]"#;
+
+    #[test]
+    fn report_names_and_outcomes() {
+        let specs = parse_report(REPORT).unwrap();
+        assert_eq!(specs.len(), 4);
+        assert_eq!(
+            specs[0].name,
+            "[k8s.io] Container runtime should support starting container [Conformance]"
+        );
+        assert_eq!(specs[0].seconds, 2.0);
+        assert_eq!(specs[1].outcome, Outcome::Fail);
+        assert_eq!(specs[1].message, "boom / more");
+    }
+
+    #[test]
+    fn the_list_only_shrinks() {
+        let specs = parse_report(REPORT).unwrap();
+        let list = "# comment\n\
+            fail | [k8s.io] Attach runs | not yet\n\
+            skip | [k8s.io] AppArmor x | no AppArmor here\n\
+            fail | [k8s.io] Fixed y | was broken\n\
+            skip | [k8s.io] Gone z | renamed\n";
+        let exp = parse_expected(list).unwrap();
+        let v = judge(&specs, &exp);
+        assert_eq!((v.passed, v.failed, v.skipped), (2, 1, 1));
+        assert_eq!(v.unexpected.len(), 1, "{:?}", v.unexpected);
+        assert!(v.unexpected[0].contains("now passes"));
+        assert_eq!(v.unknown, ["[k8s.io] Gone z"]);
+        assert!(!v.ok());
+        assert!(parse_expected("maybe | x | y").is_err());
+        assert!(parse_expected("fail | x |").is_err());
+        assert!(parse_expected("fail | x | a\nfail | x | b").is_err());
+    }
+}
