@@ -2412,6 +2412,29 @@ impl Runtime {
             .into_inner();
         Ok((tx, out))
     }
+
+    /// Attaches to a running container's own stdio through its pod agent (flat or VM alike):
+    /// input goes in as for Exec; output is what the container writes from now on, then its
+    /// exit code.
+    pub async fn attach_stream(&self, id: &str, stdin: bool) -> Result<ExecChannels> {
+        let (rec, mut c) = self.running(id, "Attach").await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let start = ap::ExecInput {
+            msg: Some(ap::exec_input::Msg::Attach(ap::AttachStart {
+                id: rec.id.clone(),
+                stdin,
+            })),
+        };
+        tx.send(start)
+            .await
+            .map_err(|_| RuntimeError::Internal("Attach: input channel closed".into()))?;
+        let out = c
+            .attach(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|s| agent_err(&format!("Attach to {}", rec.id), s))?
+            .into_inner();
+        Ok((tx, out))
+    }
 }
 
 #[cfg(test)]

@@ -365,12 +365,39 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
 
     async fn attach(
         &self,
-        _req: Request<cri::AttachRequest>,
+        req: Request<cri::AttachRequest>,
     ) -> Result<Response<cri::AttachResponse>, Status> {
-        Err(Status::unimplemented(
-            "vessel: Attach is not implemented yet: the pod agent does not expose a running \
-             container's own stdio (its output goes to the CRI log file); use Exec",
-        ))
+        use crate::state::ContainerState;
+        let r = req.into_inner();
+        if !(r.stdin || r.stdout || r.stderr) {
+            return Err(Status::invalid_argument(
+                "Attach: one of stdin, stdout and stderr must be set",
+            ));
+        }
+        let srv = self.streaming("Attach")?;
+        let c = self.rt.streaming_container(&r.container_id).map_err(st)?;
+        if c.state != ContainerState::Running {
+            return Err(Status::failed_precondition(format!(
+                "Attach: container {} is not running ({:?})",
+                c.id, c.state
+            )));
+        }
+        if r.stdin && !c.config.stdin {
+            return Err(Status::invalid_argument(format!(
+                "Attach: container {} was not created with stdin",
+                c.id
+            )));
+        }
+        // The terminal is the container's, whatever the request says (as containerd does).
+        let tty = c.config.tty;
+        let url = srv.url(crate::streaming::StreamRequest::Attach {
+            container_id: c.id,
+            tty,
+            stdin: r.stdin,
+            stdout: r.stdout,
+            stderr: r.stderr && !tty,
+        });
+        Ok(Response::new(cri::AttachResponse { url }))
     }
 
     async fn port_forward(

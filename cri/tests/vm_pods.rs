@@ -32,10 +32,6 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "VM pods get no CNI yet (a tap mirrored to the CNI veth with tc redirect)",
     ),
     (
-        "[streaming] Attach returns a streaming URL",
-        "the pod agent does not expose a running container's own stdio yet",
-    ),
-    (
         "[streaming] PortForward reaches a port inside the pod",
         "port-forward into VM pods needs a vsock proxy in the agent",
     ),

@@ -48,6 +48,10 @@ pub struct Container {
     /// Keeps the container's stdin open (`stdin: true`): the write end of its pipe, or the
     /// pty master.
     pub stdin: Mutex<Option<std::os::fd::OwnedFd>>,
+    /// Created with a terminal (`stdin` is then the pty master).
+    pub tty: bool,
+    /// Close stdin when the first attached client is done with it.
+    pub stdin_once: bool,
     state: Mutex<Mutable>,
     exit_tx: watch::Sender<Option<ExitInfo>>,
 }
@@ -64,6 +68,8 @@ impl Container {
         log: Arc<LogFile>,
         pid: i32,
         stdin: Option<std::os::fd::OwnedFd>,
+        tty: bool,
+        stdin_once: bool,
     ) -> Arc<Container> {
         let (exit_tx, _) = watch::channel(None);
         Arc::new(Container {
@@ -77,6 +83,8 @@ impl Container {
             pid,
             created_at: crate::now_nanos(),
             stdin: Mutex::new(stdin),
+            tty,
+            stdin_once,
             state: Mutex::new(Mutable {
                 phase: Phase::Created,
                 started_at: 0,

@@ -65,9 +65,18 @@ enum Sink {
     },
 }
 
-/// A container's log shared by its output pumps.
+/// Raw output chunks for one attached client, with the stream they came from.
+pub type Tap = tokio::sync::mpsc::Receiver<(Stream, Vec<u8>)>;
+
+/// How many chunks an attached client may fall behind before it is dropped: output never
+/// waits for a client (the log and the container come first).
+const TAP_DEPTH: usize = 1024;
+
+/// A container's log shared by its output pumps, and the attached clients that also get
+/// the raw output.
 pub struct LogFile {
     sink: Mutex<Sink>,
+    taps: Mutex<Vec<tokio::sync::mpsc::Sender<(Stream, Vec<u8>)>>>,
 }
 
 impl std::fmt::Debug for LogFile {
@@ -165,7 +174,32 @@ impl LogFile {
     fn with(sink: Sink) -> Arc<LogFile> {
         Arc::new(LogFile {
             sink: Mutex::new(sink),
+            taps: Mutex::new(Vec::new()),
         })
+    }
+
+    /// A new attached client: it gets every chunk the container writes from now on.
+    pub fn tap(&self) -> Tap {
+        let (tx, rx) = tokio::sync::mpsc::channel(TAP_DEPTH);
+        self.taps.lock().unwrap_or_else(|e| e.into_inner()).push(tx);
+        rx
+    }
+
+    /// Hands a chunk of raw output to the attached clients; one that left or fell too far
+    /// behind is dropped.
+    fn feed_taps(&self, stream: Stream, data: &[u8]) {
+        let mut taps = self.taps.lock().unwrap_or_else(|e| e.into_inner());
+        if taps.is_empty() {
+            return;
+        }
+        taps.retain(|t| match t.try_send((stream, data.to_vec())) {
+            Ok(()) => true,
+            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                tracing::warn!(?stream, "an attached client fell behind; detached");
+                false
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => false,
+        });
     }
 
     /// Opens (creating it and its parent directories) `path`; an empty path discards output.
@@ -293,7 +327,10 @@ pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, stream: Stream, log: Arc<
     loop {
         match reader.read(&mut buf).await {
             Ok(0) => break,
-            Ok(n) => splitter.push(&buf[..n], &mut emit),
+            Ok(n) => {
+                log.feed_taps(stream, &buf[..n]);
+                splitter.push(&buf[..n], &mut emit);
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 // EIO is how a pty master reports that the last slave fd closed.

@@ -410,6 +410,8 @@ impl AgentState {
             log,
             pid,
             keep_stdin,
+            req.tty,
+            req.stdin_once,
         );
         let c2 = c.clone();
         tokio::spawn(async move {
@@ -813,6 +815,106 @@ fn phase_name(p: &Phase) -> &'static str {
 }
 
 /// Drives one streaming exec: client input to the process, its output to the client.
+/// Runs one attach session: the container's output to the client until the container
+/// exits (then its exit code) or the client leaves; the client's stdin and resizes to the
+/// container. With `stdin_once`, the container's stdin closes when this client closes its
+/// stdin or leaves.
+async fn drive_attach(
+    c: Arc<Container>,
+    mut tap: crate::logs::Tap,
+    stdin: Option<OwnedFd>,
+    mut input: Streaming<proto::ExecInput>,
+    tx: mpsc::Sender<Result<proto::ExecOutput, Status>>,
+) {
+    fn out(m: exec_output::Msg) -> Result<proto::ExecOutput, Status> {
+        Ok(proto::ExecOutput { msg: Some(m) })
+    }
+    let (tty, once) = (c.tty, c.stdin_once);
+    let close_container_stdin = {
+        let c = c.clone();
+        move || {
+            if once {
+                c.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
+            }
+        }
+    };
+    let input_task = tokio::spawn(async move {
+        let pty = match (&stdin, tty) {
+            (Some(fd), true) => fd.try_clone().ok(),
+            _ => None,
+        };
+        let mut w = stdin.map(|fd| tokio::fs::File::from_std(std::fs::File::from(fd)));
+        loop {
+            match input.message().await {
+                Ok(Some(proto::ExecInput { msg: Some(m) })) => match m {
+                    exec_input::Msg::Stdin(data) => {
+                        if let Some(f) = w.as_mut() {
+                            if f.write_all(&data).await.is_err() || f.flush().await.is_err() {
+                                w = None;
+                            }
+                        }
+                    }
+                    exec_input::Msg::CloseStdin(_) => {
+                        // With a tty, EOF is the terminal's EOF character.
+                        if let (Some(f), true) = (w.as_mut(), tty) {
+                            let _ = f.write_all(&[4]).await;
+                            let _ = f.flush().await;
+                        }
+                        w = None;
+                        close_container_stdin();
+                    }
+                    exec_input::Msg::Resize(ws) => {
+                        if let Some(p) = &pty {
+                            let _ = set_winsize(p.as_raw_fd(), ws.rows, ws.cols);
+                        }
+                    }
+                    exec_input::Msg::Start(_) | exec_input::Msg::Attach(_) => {}
+                },
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        drop(w);
+        close_container_stdin();
+    });
+    let send = |s: Stream, d: Vec<u8>| {
+        out(match s {
+            Stream::Stdout => exec_output::Msg::Stdout(d),
+            Stream::Stderr => exec_output::Msg::Stderr(d),
+        })
+    };
+    let exit = loop {
+        tokio::select! {
+            m = tap.recv() => match m {
+                Some((s, d)) => {
+                    if tx.send(send(s, d)).await.is_err() {
+                        break None;
+                    }
+                }
+                // Dropped by the log (fell behind): end the session.
+                None => break None,
+            },
+            e = c.wait() => break Some(e),
+            _ = tx.closed() => break None,
+        }
+    };
+    if let Some(e) = exit {
+        // The pumps drained into the log (and so to us) before the exit was published.
+        while let Ok((s, d)) = tap.try_recv() {
+            if tx.send(send(s, d)).await.is_err() {
+                break;
+            }
+        }
+        let code = if e.signal != 0 {
+            128 + e.signal as i32
+        } else {
+            e.exit_code
+        };
+        let _ = tx.send(out(exec_output::Msg::ExitCode(code))).await;
+    }
+    input_task.abort();
+}
+
 async fn drive_exec(
     mut proc_: ExecProcess,
     mut input: Streaming<proto::ExecInput>,
@@ -875,7 +977,7 @@ async fn drive_exec(
                             let _ = set_winsize(p.as_raw_fd(), ws.rows, ws.cols);
                         }
                     }
-                    exec_input::Msg::Start(_) => {}
+                    exec_input::Msg::Start(_) | exec_input::Msg::Attach(_) => {}
                 },
                 Ok(Some(_)) => {}
                 // The client closed its side: keep running, no more input.
@@ -1029,6 +1131,54 @@ impl Agent for AgentService {
         let proc_ = self.state.spawn_exec(&c, p).await?;
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(drive_exec(proc_, input, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    type AttachStream = ReceiverStream<Result<proto::ExecOutput, Status>>;
+
+    async fn attach(
+        &self,
+        req: Request<Streaming<proto::ExecInput>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let mut input = req.into_inner();
+        let start = match input.message().await? {
+            Some(proto::ExecInput {
+                msg: Some(exec_input::Msg::Attach(a)),
+            }) => a,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Attach message must be `attach`",
+                ));
+            }
+        };
+        let c = self.state.get(&start.id)?;
+        if !c.is_running() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {:?} is {}, not running",
+                c.id,
+                phase_name(&c.phase())
+            ))
+            .into());
+        }
+        // Subscribed before anything else can happen: no output is lost from here on.
+        let tap = c.log.tap();
+        let stdin = if start.stdin {
+            let guard = c.stdin.lock().unwrap_or_else(|e| e.into_inner());
+            let fd = guard.as_ref().ok_or_else(|| {
+                AgentError::FailedPrecondition(format!(
+                    "container {:?} was not created with stdin (or it was closed)",
+                    c.id
+                ))
+            })?;
+            Some(
+                fd.try_clone()
+                    .map_err(io_internal("dup of the container's stdin"))?,
+            )
+        } else {
+            None
+        };
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(drive_attach(c, tap, stdin, input, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -60,6 +60,14 @@ pub enum StreamRequest {
         stdout: bool,
         stderr: bool,
     },
+    /// A running container's own stdio (its terminal when it has one).
+    Attach {
+        container_id: String,
+        tty: bool,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    },
     PortForward {
         pod_id: String,
         /// The pod's pinned network namespace; empty: the host's.
@@ -71,6 +79,7 @@ impl StreamRequest {
     fn kind(&self) -> &'static str {
         match self {
             StreamRequest::Exec { .. } => "exec",
+            StreamRequest::Attach { .. } => "attach",
             StreamRequest::PortForward { .. } => "portforward",
         }
     }
@@ -191,9 +200,6 @@ impl StreamingServer {
             return reply(&mut s, 404, "no such streaming endpoint").await;
         };
         let token = token.split('?').next().unwrap_or_default();
-        if kind == "attach" {
-            return reply(&mut s, 404, "attach is not supported by vessel yet").await;
-        }
         let Some(req) = self.tokens.take(token) else {
             tracing::info!(path = %head.path, "streaming: unknown, used or expired token");
             return reply(&mut s, 404, "unknown, used or expired streaming token").await;
@@ -221,7 +227,7 @@ impl StreamingServer {
             .filter(|v| !v.is_empty())
             .collect();
         let supported: &[&str] = match &req {
-            StreamRequest::Exec { .. } => EXEC_PROTOCOLS,
+            StreamRequest::Exec { .. } | StreamRequest::Attach { .. } => EXEC_PROTOCOLS,
             StreamRequest::PortForward { .. } => &[PORT_FORWARD_PROTOCOL],
         };
         // The client's order decides, as in Kubernetes' handshake.
@@ -253,6 +259,12 @@ impl StreamingServer {
         tracing::info!(kind, protocol = ?proto, "streaming: upgraded to SPDY/3.1");
         let (rd, wr) = s.into_split();
         let (w, streams, wtask) = conn::start(rd, wr, early);
+        let version = match proto.as_deref() {
+            Some("v4.channel.k8s.io") => 4,
+            Some("v3.channel.k8s.io") => 3,
+            Some("v2.channel.k8s.io") => 2,
+            _ => 1,
+        };
         match req {
             StreamRequest::Exec {
                 container_id,
@@ -262,15 +274,27 @@ impl StreamingServer {
                 stdout,
                 stderr,
             } => {
-                let version = match proto.as_deref() {
-                    Some("v4.channel.k8s.io") => 4,
-                    Some("v3.channel.k8s.io") => 3,
-                    Some("v2.channel.k8s.io") => 2,
-                    _ => 1,
-                };
                 let x = ExecParams {
                     container_id,
-                    cmd,
+                    cmd: Some(cmd),
+                    tty,
+                    stdin,
+                    stdout,
+                    stderr,
+                    version,
+                };
+                exec(&self.rt, x, &w, streams).await;
+            }
+            StreamRequest::Attach {
+                container_id,
+                tty,
+                stdin,
+                stdout,
+                stderr,
+            } => {
+                let x = ExecParams {
+                    container_id,
+                    cmd: None,
                     tty,
                     stdin,
                     stdout,
@@ -366,7 +390,8 @@ async fn reply(s: &mut TcpStream, code: u16, msg: &str) -> std::io::Result<()> {
 
 struct ExecParams {
     container_id: String,
-    cmd: Vec<String>,
+    /// The command to run; `None` attaches to the container's own process.
+    cmd: Option<Vec<String>>,
     tty: bool,
     stdin: bool,
     stdout: bool,
@@ -516,7 +541,7 @@ async fn exec(
         finish(Err("timed out waiting for the client's streams".into()), &s);
         return;
     }
-    tracing::info!(container = %p.container_id, cmd = ?p.cmd, tty = p.tty, "streaming exec: start");
+    tracing::info!(container = %p.container_id, cmd = ?p.cmd, tty = p.tty, "streaming exec: start (no cmd: attach)");
     // The client sends the terminal's size first: start the process with it when it is here.
     let mut size_buf = Vec::new();
     let mut size = None;
@@ -529,10 +554,25 @@ async fn exec(
             cols: sz.width.into(),
         });
     }
-    let (tx, mut out) = match rt
-        .exec_stream(&p.container_id, p.cmd.clone(), p.tty, p.stdin, size)
-        .await
-    {
+    let started = match &p.cmd {
+        Some(cmd) => {
+            rt.exec_stream(&p.container_id, cmd.clone(), p.tty, p.stdin, size)
+                .await
+        }
+        None => {
+            let attached = rt.attach_stream(&p.container_id, p.stdin).await;
+            // The terminal already runs: the client's first size is a resize.
+            if let (Ok((tx, _)), Some(sz)) = (&attached, size) {
+                let _ = tx
+                    .send(ExecInput {
+                        msg: Some(exec_input::Msg::Resize(sz)),
+                    })
+                    .await;
+            }
+            attached
+        }
+    };
+    let (tx, mut out) = match started {
         Ok(c) => c,
         Err(e) => {
             tracing::info!(container = %p.container_id, error = %e, "streaming exec: cannot start");
@@ -601,7 +641,9 @@ async fn exec(
                             w.data(id, &b);
                         }
                     }
-                    Some(exec_output::Msg::ExitCode(c)) => break Ok(c),
+                    // An attach session ends with its container; it succeeded whatever
+                    // the container's exit code (that is ContainerStatus's to report).
+                    Some(exec_output::Msg::ExitCode(c)) => break Ok(if p.cmd.is_some() { c } else { 0 }),
                     None => {}
                 },
                 Ok(None) => break Err("the pod agent ended the exec without an exit code".to_string()),

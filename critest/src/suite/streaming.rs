@@ -25,7 +25,11 @@ pub(super) fn specs() -> Vec<Spec> {
             "Exec URL tokens are single use",
             exec_token_once
         ),
-        spec!("streaming", "Attach returns a streaming URL", attach),
+        spec!(
+            "streaming",
+            "Attach: the container's own stdin and stdout, stdin_once closes stdin",
+            attach
+        ),
         spec!(
             "streaming",
             "PortForward reaches a port inside the pod",
@@ -169,19 +173,51 @@ async fn exec_token_once(c: Ctx) -> SpecResult {
     }
 }
 
+/// As upstream critest's attach spec: a shell reading its stdin, created with stdin and
+/// stdin_once; what the client types runs, and closing the client's stdin ends the shell.
 async fn attach(c: Ctx) -> SpecResult {
-    let id = c.sleeper_with("sattach", |_| {}).await?;
+    let (pod, pcfg) = c.run_pod("sattach").await?;
+    let mut cfg = c.ctr_config("sh", "exec sh");
+    cfg.stdin = true;
+    cfg.stdin_once = true;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     let mut cl = c.c.clone();
     let r = cl
         .runtime
         .attach(cri::AttachRequest {
-            container_id: id,
+            container_id: id.clone(),
+            stdin: true,
             stdout: true,
+            stderr: true,
             ..Default::default()
         })
         .await?
         .into_inner();
-    check_url("Attach", &r.url)
+    check_url("Attach", &r.url)?;
+    let o = ExecOptions {
+        stdin: Some(b"echo hello; echo oops >&2\n".to_vec()),
+        stdout: true,
+        stderr: true,
+        ..Default::default()
+    };
+    let got = stream_client::exec(&r.url, &o, TIMEOUT)
+        .await
+        .map_err(|e| super::Stop::Fail(format!("attach via {}: {e}", r.url)))?;
+    check!(
+        got.stdout_str() == "hello\n" && got.stderr == b"oops\n",
+        "stdout {:?}, stderr {:?}; want \"hello\\n\", \"oops\\n\"",
+        got.stdout_str(),
+        String::from_utf8_lossy(&got.stderr)
+    );
+    check!(
+        got.exit_code() == Some(0),
+        "attach ended with {:?}, want Success",
+        got.error
+    );
+    // stdin_once: the client's EOF reached the shell, which exited.
+    let st = c.wait_exit(&id).await?;
+    check!(st.exit_code == 0, "the shell exited {}", st.exit_code);
+    Ok(())
 }
 
 async fn port_forward(c: Ctx) -> SpecResult {
