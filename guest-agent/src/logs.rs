@@ -67,6 +67,7 @@ enum Sink {
 
 /// Raw output chunks for one attached client, with the stream they came from.
 pub type Tap = tokio::sync::mpsc::Receiver<(Stream, Vec<u8>)>;
+type TapSender = tokio::sync::mpsc::Sender<(Stream, Vec<u8>)>;
 
 /// How many chunks an attached client may fall behind before it is dropped: output never
 /// waits for a client (the log and the container come first).
@@ -76,7 +77,7 @@ const TAP_DEPTH: usize = 1024;
 /// the raw output.
 pub struct LogFile {
     sink: Mutex<Sink>,
-    taps: Mutex<Vec<tokio::sync::mpsc::Sender<(Stream, Vec<u8>)>>>,
+    taps: Mutex<Vec<TapSender>>,
 }
 
 impl std::fmt::Debug for LogFile {
