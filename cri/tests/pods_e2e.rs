@@ -1140,44 +1140,6 @@ async fn bad_inputs_are_refused_and_leave_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crictl_smoke() {
-    let Ok(crictl) = which("crictl") else {
-        println!(
-            "SKIP crictl_smoke: crictl is not installed (Debian bookworm does not package it)"
-        );
-        return;
-    };
-    let h = harness().await;
-    let ep = format!("unix://{}", h.v.socket.display());
-    let out = std::process::Command::new(crictl)
-        .args([
-            "--runtime-endpoint",
-            &ep,
-            "--image-endpoint",
-            &ep,
-            "version",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("vessel"));
-}
-
-fn which(name: &str) -> Result<PathBuf, ()> {
-    std::env::var_os("PATH")
-        .and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join(name))
-                .find(|p| p.is_file())
-        })
-        .ok_or(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
     if vm_mode() {
         println!("SKIP vm_handler_falls_back_to_flat_with_the_probe_reason: this run has usable KVM (VM pods); the fallback is tested where KVM is unusable");
