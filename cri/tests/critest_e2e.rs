@@ -6,10 +6,7 @@ use vessel_critest::suite::{self, Outcome};
 
 /// Specs that fail against vessel today, with why. When a feature lands, its spec starts
 /// passing and this test asks for it to be taken off the list.
-const KNOWN_FAILURES: &[(&str, &str)] = &[(
-    "[security] seccomp RuntimeDefault also filters exec'd processes",
-    "libcontainer 0.7's tenant (exec) builder drops linux.seccomp",
-)];
+const KNOWN_FAILURES: &[(&str, &str)] = &[];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn critest_conformance_against_flat_pods() {

@@ -39,10 +39,6 @@ const KNOWN_FAILURES: &[(&str, &str)] = &[
         "[container] host path mounts, read-write and read-only",
         "VM pods copy host paths in at CreateContainer: guest writes do not reach the host (virtio-fs not built)",
     ),
-    (
-        "[security] seccomp RuntimeDefault also filters exec'd processes",
-        "libcontainer 0.7's tenant (exec) builder drops linux.seccomp",
-    ),
 ];
 
 /// The newest `pods_e2e-<hash>` test binary next to this one (cargo builds every test

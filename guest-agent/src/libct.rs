@@ -458,6 +458,10 @@ fn exec(
         let [i, o, e] = take_stdio();
         b = b.with_stdin(i).with_stdout(o).with_stderr(e);
     }
+    // libcontainer 0.7's tenant path rebuilds `linux` without `seccomp`: the exec'd process
+    // gets the container's filter from our executor instead, installed last before exec.
+    let seccomp = spec.linux().as_ref().and_then(|l| l.seccomp().clone());
+    b = b.with_executor(SeccompExecutor { seccomp });
     let built = b
         .as_tenant()
         .with_detach(true)
@@ -479,6 +483,51 @@ fn exec(
             Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(LibcontainerError::OtherSyscall(e)),
         }
+    }
+}
+
+/// Runs an exec'd process as libcontainer's default executor does, after installing the
+/// container's seccomp filter, which the tenant (exec) path would otherwise drop. Runs in the
+/// process to be exec'd, inside the container, after its user and capabilities are set: a
+/// filter needs CAP_SYS_ADMIN or no_new_privs, so without the capability no_new_privs is set
+/// first (what a container with a seccomp profile and no CAP_SYS_ADMIN needs anyway).
+#[derive(Clone)]
+struct SeccompExecutor {
+    seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
+}
+
+impl libcontainer::workload::Executor for SeccompExecutor {
+    fn exec(
+        &self,
+        spec: &oci_spec::runtime::Spec,
+    ) -> Result<(), libcontainer::workload::ExecutorError> {
+        use libcontainer::workload::ExecutorError;
+        if let Some(filter) = &self.seccomp {
+            let admin = caps::has_cap(
+                None,
+                caps::CapSet::Effective,
+                caps::Capability::CAP_SYS_ADMIN,
+            )
+            .unwrap_or(false);
+            if !admin {
+                nix::sys::prctl::set_no_new_privs()
+                    .map_err(|e| ExecutorError::Other(format!("setting no_new_privs: {e}")))?;
+            }
+            // A listener fd (SCMP_ACT_NOTIFY) has nobody to go to for an exec: closed.
+            if let Some(fd) = libcontainer::seccomp::initialize_seccomp(filter)
+                .map_err(|e| ExecutorError::Other(format!("installing the seccomp filter: {e}")))?
+            {
+                let _ = nix::unistd::close(fd);
+            }
+        }
+        libcontainer::workload::default::DefaultExecutor {}.exec(spec)
+    }
+
+    fn validate(
+        &self,
+        spec: &oci_spec::runtime::Spec,
+    ) -> Result<(), libcontainer::workload::ExecutorValidationError> {
+        libcontainer::workload::default::DefaultExecutor {}.validate(spec)
     }
 }
 
