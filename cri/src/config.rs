@@ -98,6 +98,12 @@ platform = "linux/amd64"
 max_concurrent_downloads = 3
 # Seconds to wait for a TCP/TLS connection to a registry.
 connect_timeout_secs = 10
+# Bounds on what unpacking one layer may write, so that a small layer cannot fill the disk
+# (a gzip bomb, a sparse file whose holes unpack as zeros); a pull that goes past one fails
+# naming the key, and what it wrote is removed. 0 turns a bound off.
+max_layer_bytes = 34359738368      # file content bytes (sparse files count in full)
+max_layer_entries = 1000000        # tar entries
+max_unpack_ratio = 100             # bytes written per compressed byte, past the first GiB
 
 # Per-registry settings, keyed by registry host as it appears in image names
 # ("docker.io", "quay.io", "registry.local:5000"), like containerd's hosts.toml:
@@ -256,6 +262,9 @@ pub struct ImagesConfig {
     pub platform: String,
     pub max_concurrent_downloads: usize,
     pub connect_timeout_secs: u64,
+    pub max_layer_bytes: u64,
+    pub max_layer_entries: u64,
+    pub max_unpack_ratio: u64,
     pub registries: BTreeMap<String, RegistryConfig>,
 }
 
@@ -280,6 +289,9 @@ impl Default for ImagesConfig {
             platform: "linux/amd64".into(),
             max_concurrent_downloads: 3,
             connect_timeout_secs: 10,
+            max_layer_bytes: vessel_images::unpack::UnpackLimits::default().max_bytes,
+            max_layer_entries: vessel_images::unpack::UnpackLimits::default().max_entries,
+            max_unpack_ratio: vessel_images::unpack::UnpackLimits::default().max_ratio,
             registries: BTreeMap::new(),
         }
     }
@@ -517,6 +529,23 @@ impl Config {
     /// The image store lives here.
     pub fn image_root(&self) -> PathBuf {
         self.daemon.root_dir.join("images")
+    }
+
+    /// What unpacking one layer may write (`[images] max_layer_*`, `max_unpack_ratio`).
+    pub fn unpack_limits(&self) -> vessel_images::unpack::UnpackLimits {
+        vessel_images::unpack::UnpackLimits {
+            max_bytes: self.images.max_layer_bytes,
+            max_entries: self.images.max_layer_entries,
+            max_ratio: self.images.max_unpack_ratio,
+            ..Default::default()
+        }
+    }
+
+    /// The image store at [`Config::image_root`], with this config's unpack limits.
+    pub fn open_image_store(&self) -> Result<vessel_images::ImageStore, vessel_images::ImageError> {
+        let mut store = vessel_images::ImageStore::open(self.image_root())?;
+        store.set_unpack_limits(self.unpack_limits());
+        Ok(store)
     }
 
     pub fn pull_config(&self) -> vessel_images::PullConfig {

@@ -109,7 +109,8 @@ fn main() -> Result<()> {
         Cmd::Image { cmd } => {
             let c = load_config(cli.config.as_deref())?;
             init_logging(&c);
-            let store = vessel_images::ImageStore::open(c.image_root())
+            let store = c
+                .open_image_store()
                 .with_context(|| format!("opening image store {}", c.image_root().display()))?;
             match cmd {
                 ImageCmd::Import { path, tag } => {

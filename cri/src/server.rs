@@ -75,7 +75,7 @@ impl Daemon {
         if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
             return Err(ServeError::AlreadyRunning { path: lock_path });
         }
-        let store = Arc::new(ImageStore::open(config.image_root())?);
+        let store = Arc::new(config.open_image_store()?);
         store.collect_crash_leftovers()?;
         let puller = Arc::new(Puller::new(store.clone(), config.pull_config()));
         Ok(Daemon {

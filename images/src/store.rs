@@ -160,6 +160,22 @@ pub struct ImageStore {
     pub(crate) layer_locks: KeyedLocks,
     pub(crate) erofs_locks: KeyedLocks,
     pub stats: StoreStats,
+    /// What one layer may write when unpacked.
+    limits: crate::unpack::UnpackLimits,
+}
+
+/// Counts the bytes read through it (the compressed size of a layer, for the unpack ratio).
+struct Counting<R> {
+    inner: R,
+    n: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.n.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
 }
 
 /// A blob being written: hashed as it goes, renamed into place by [`BlobWriter::commit`].
@@ -295,6 +311,7 @@ impl ImageStore {
             layer_locks: KeyedLocks::default(),
             erofs_locks: KeyedLocks::default(),
             stats: StoreStats::default(),
+            limits: crate::unpack::UnpackLimits::default(),
         };
         let lock = store.root.join("lock");
         OpenOptions::new()
@@ -318,6 +335,11 @@ impl ImageStore {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Sets what one layer may write when unpacked (before the store is shared).
+    pub fn set_unpack_limits(&mut self, limits: crate::unpack::UnpackLimits) {
+        self.limits = limits;
     }
 
     fn lock(&self) -> Result<(std::sync::MutexGuard<'_, ()>, StoreLock)> {
@@ -377,6 +399,28 @@ impl ImageStore {
     /// with its record), so they go. Skipped while an offline import holds the store.
     pub fn collect_crash_leftovers(&self) -> Result<()> {
         if let Some(_import) = self.try_import_lock()? {
+            // No import runs and this process has not started any work: whatever is in tmp
+            // is debris of a crash, even where its owner's pid was reused since (an unpack
+            // cut short by a crash could leave gigabytes there).
+            let tmp = self.tmp_dir();
+            let mut n = 0;
+            if let Ok(rd) = fs::read_dir(&tmp) {
+                for e in rd.flatten() {
+                    let name = e.file_name();
+                    let ours = name
+                        .to_str()
+                        .and_then(fsutil::temp_owner)
+                        .is_some_and(|pid| pid == std::process::id() as i32);
+                    if !ours {
+                        fsutil::remove_any(&e.path())
+                            .map_err(ImageError::io("remove", &e.path()))?;
+                        n += 1;
+                    }
+                }
+            }
+            if n > 0 {
+                tracing::info!(removed = n, dir = %tmp.display(), "image store: removed interrupted downloads and unpacks");
+            }
             self.gc()?;
         }
         Ok(())
@@ -494,7 +538,12 @@ impl ImageStore {
         let tmp = fsutil::temp_path(&self.tmp_dir(), "layer");
         fs::create_dir(&tmp).map_err(ImageError::io("create", &tmp))?;
         let res = (|| {
-            let r = layer_reader(reader).map_err(|e| ImageError::Unpack {
+            let compressed_read = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let counted = Counting {
+                inner: reader,
+                n: compressed_read.clone(),
+            };
+            let r = layer_reader(counted).map_err(|e| ImageError::Unpack {
                 layer: diff_id.clone(),
                 source: crate::unpack::UnpackError::Read(e),
             })?;
@@ -502,6 +551,8 @@ impl ImageStore {
                 lowers,
                 same_owner: rustix::process::geteuid().is_root(),
                 skip_sync: true,
+                limits: self.limits,
+                compressed_read: Some(compressed_read),
             };
             let stats = crate::unpack::unpack_layer(r, &tmp, &opts).map_err(|source| {
                 ImageError::Unpack {

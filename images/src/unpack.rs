@@ -36,6 +36,37 @@ pub struct UnpackOptions {
     /// Leave durability to the caller (the image store syncs once per pull, before the
     /// record that makes the layer reachable). By default the filesystem is synced at the end.
     pub skip_sync: bool,
+    /// Bounds on what one layer may write.
+    pub limits: UnpackLimits,
+    /// Compressed bytes read so far (counted by the caller below the decompressor), for
+    /// [`UnpackLimits::max_ratio`]; `None`: the ratio is not checked.
+    pub compressed_read: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+}
+
+/// What one layer may write: a small layer must not fill the disk (a gzip bomb, or a GNU
+/// sparse file whose holes the tar reader expands to zeros). 0 turns a bound off. A sparse
+/// file counts at its full (logical) size: that is what is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnpackLimits {
+    /// Bytes of file content written (`images.max_layer_bytes`).
+    pub max_bytes: u64,
+    /// Tar entries (`images.max_layer_entries`).
+    pub max_entries: u64,
+    /// Bytes written per compressed byte read (`images.max_unpack_ratio`), checked once
+    /// [`UnpackLimits::ratio_floor`] bytes were written.
+    pub max_ratio: u64,
+    pub ratio_floor: u64,
+}
+
+impl Default for UnpackLimits {
+    fn default() -> Self {
+        UnpackLimits {
+            max_bytes: 32 << 30,
+            max_entries: 1_000_000,
+            max_ratio: 100,
+            ratio_floor: 1 << 30,
+        }
+    }
 }
 
 /// What applying a layer found.
@@ -68,6 +99,13 @@ pub enum UnpackError {
     },
     #[error("reading layer tar stream: {0}")]
     Read(#[source] io::Error),
+    /// The layer went past one of [`UnpackLimits`]; `key` is the configuration key.
+    #[error("layer exceeds {key} = {limit}: {what}")]
+    Limit {
+        key: &'static str,
+        limit: u64,
+        what: String,
+    },
 }
 
 /// Applies the uncompressed layer tar `reader` to the existing, empty directory `dest`.
@@ -94,6 +132,7 @@ pub fn unpack_layer<R: Read>(
         cache: Vec::with_capacity(DIR_CACHE),
         dirs: HashMap::new(),
         openat2_ok: true,
+        written: 0,
     };
 
     let mut archive = tar::Archive::new(Hashing::new(reader));
@@ -102,6 +141,14 @@ pub fn unpack_layer<R: Read>(
     for entry in archive.entries().map_err(UnpackError::Read)? {
         let mut entry = entry.map_err(UnpackError::Read)?;
         entries += 1;
+        let max = opts.limits.max_entries;
+        if max > 0 && entries > max {
+            return Err(UnpackError::Limit {
+                key: "images.max_layer_entries",
+                limit: max,
+                what: format!("more than {max} entries"),
+            });
+        }
         unpacker.apply(&mut entry)?;
     }
     // Drain whatever follows the end-of-archive marker (the second zero block, record
@@ -540,6 +587,8 @@ struct Unpacker<'a> {
     dirs: HashMap<Vec<u8>, (u32, Timespec)>,
     /// Whether openat2 is usable (it may be missing or filtered by seccomp).
     openat2_ok: bool,
+    /// File content bytes written so far, for [`UnpackLimits`].
+    written: u64,
 }
 
 impl Unpacker<'_> {
@@ -749,6 +798,34 @@ impl Unpacker<'_> {
         create(dir.fd.as_fd(), name).map_err(|e| io_err(entry, op, e))
     }
 
+    /// Counts `n` more bytes written and checks them against the limits.
+    fn charge(&mut self, raw: &[u8], n: u64) -> Result<(), UnpackError> {
+        self.written += n;
+        let l = self.opts.limits;
+        if l.max_bytes > 0 && self.written > l.max_bytes {
+            return Err(UnpackError::Limit {
+                key: "images.max_layer_bytes",
+                limit: l.max_bytes,
+                what: format!("{} bytes written by {:?}", self.written, lossy(raw)),
+            });
+        }
+        if let (Some(c), true) = (&self.opts.compressed_read, l.max_ratio > 0) {
+            let read = c.load(std::sync::atomic::Ordering::Relaxed).max(1);
+            if self.written > l.ratio_floor && self.written / read > l.max_ratio {
+                return Err(UnpackError::Limit {
+                    key: "images.max_unpack_ratio",
+                    limit: l.max_ratio,
+                    what: format!(
+                        "{} bytes written from {read} compressed bytes (at {:?})",
+                        self.written,
+                        lossy(raw)
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn write_file<R: Read>(
         &mut self,
         entry: &mut tar::Entry<'_, R>,
@@ -772,6 +849,7 @@ impl Unpacker<'_> {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(UnpackError::Read(e)),
             };
+            self.charge(raw, n as u64)?;
             file.write_all(&self.buf[..n])
                 .map_err(|e| io_err(raw, "write file", e))?;
             written += n as u64;
@@ -984,7 +1062,13 @@ impl Unpacker<'_> {
                     rfs::openat(d, n, flags, mode(0o600))
                 })?;
                 let mut dst = File::from(dst);
-                io::copy(&mut File::from(src), &mut dst)
+                let src = File::from(src);
+                let len = src
+                    .metadata()
+                    .map_err(|e| io_err(raw, "stat lower file", e))?
+                    .len();
+                self.charge(raw, len)?;
+                io::copy(&mut src.take(len), &mut dst)
                     .map_err(|e| io_err(raw, "copy file from lower layer", e))?;
                 self.fd_meta(raw, dst.as_fd(), &meta, true, true)
             }
@@ -1292,6 +1376,7 @@ mod tests {
             lowers: Vec::new(),
             same_owner: true,
             skip_sync: false,
+            ..Default::default()
         }
     }
 
@@ -1416,6 +1501,7 @@ mod tests {
             lowers: vec![lower.path().to_path_buf()],
             same_owner: true,
             skip_sync: false,
+            ..Default::default()
         };
         unpack_layer(&bytes[..], t.path(), &opts).unwrap();
         let a = lmeta(&t.path().join("usr/bin/tool"));
@@ -1668,5 +1754,89 @@ mod tests {
         assert!(lmeta(&t.path().join("deep/dir/x"))
             .file_type()
             .is_char_device());
+    }
+
+    fn limited(max_bytes: u64, max_entries: u64) -> UnpackOptions {
+        UnpackOptions {
+            limits: UnpackLimits {
+                max_bytes,
+                max_entries,
+                ..UnpackLimits::default()
+            },
+            ..root_opts()
+        }
+    }
+
+    /// An old-GNU sparse file: 512 bytes of data in the archive, `real` bytes unpacked (the
+    /// tar reader fills the hole with zeros).
+    fn sparse_layer(real: u64) -> Vec<u8> {
+        let mut b = builder();
+        let mut h = header(tar::EntryType::GNUSparse, 0o644, 512);
+        h.as_old_mut().name[..6].copy_from_slice(b"sparse");
+        let octal = |v: u64| {
+            // 11 digits and a NUL, or all 12 digits for sizes past 8 GiB (as GNU tar does).
+            let d = format!("{v:011o}");
+            let mut f = [0u8; 12];
+            f[..d.len()].copy_from_slice(d.as_bytes());
+            f
+        };
+        let g = h.as_gnu_mut().unwrap();
+        g.realsize = octal(real);
+        g.sparse[0].offset = octal(real - 512);
+        g.sparse[0].numbytes = octal(512);
+        h.set_cksum();
+        b.append(&h, &[7u8; 512][..]).unwrap();
+        b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn a_sparse_file_counts_at_its_full_size() {
+        // 20 GiB from a 2 KiB layer: stopped at the bound, not after writing it all.
+        let layer = sparse_layer(20 << 30);
+        assert!(layer.len() < 4096);
+        let t = tempfile::tempdir().unwrap();
+        let e = unpack_layer(&layer[..], t.path(), &limited(8 << 20, 0)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                UnpackError::Limit {
+                    key: "images.max_layer_bytes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let (bytes, _) = crate::fsutil::disk_usage(t.path()).unwrap();
+        assert!(bytes <= 9 << 20, "{bytes} bytes on disk");
+        // Within the bound it unpacks, holes as zeros.
+        let t = tempfile::tempdir().unwrap();
+        unpack_layer(&sparse_layer(4096)[..], t.path(), &limited(8 << 20, 0)).unwrap();
+        let data = std::fs::read(t.path().join("sparse")).unwrap();
+        assert_eq!(data.len(), 4096);
+        assert!(data[..3584].iter().all(|b| *b == 0) && data[3584..].iter().all(|b| *b == 7));
+    }
+
+    #[test]
+    fn too_many_entries() {
+        let mut b = builder();
+        for i in 0..10 {
+            file(&mut b, &format!("f{i}"), 0o644, b"x");
+        }
+        let layer = b.into_inner().unwrap();
+        let t = tempfile::tempdir().unwrap();
+        let e = unpack_layer(&layer[..], t.path(), &limited(0, 5)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                UnpackError::Limit {
+                    key: "images.max_layer_entries",
+                    limit: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let t = tempfile::tempdir().unwrap();
+        unpack_layer(&layer[..], t.path(), &limited(0, 10)).unwrap();
     }
 }
