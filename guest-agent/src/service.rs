@@ -723,13 +723,28 @@ impl AgentState {
             stdin: false,
             size: None,
         };
+        // A command that cannot be run answers as a shell would (127: not found, 126: not
+        // executable), with the reason on stderr: probes and scripts see an exit code, not an
+        // RPC failure. The helper reports it while starting or as its outcome.
+        let cannot_run = |e: &AgentError| {
+            let msg = e.to_string();
+            shell_code(&msg).map(|code| proto::ExecSyncResponse {
+                stdout: Vec::new(),
+                stderr: format!("{msg}\n").into_bytes(),
+                exit_code: code,
+                timed_out: false,
+            })
+        };
         let ExecProcess {
             mut helper,
             pid,
             stdout,
             stderr,
             ..
-        } = self.spawn_exec(&c, p).await?;
+        } = match self.spawn_exec(&c, p).await {
+            Ok(p) => p,
+            Err(e) => return cannot_run(&e).ok_or(e),
+        };
         let out = tokio::spawn(collect(stdout, EXEC_OUTPUT_CAP));
         let err = tokio::spawn(async move {
             match stderr {
@@ -753,7 +768,10 @@ impl AgentState {
         let exit_code = match exit {
             Ok(HelperLine::Exit(code, _)) => code,
             Ok(other) => return Err(AgentError::Internal(format!("exec helper said {other:?}"))),
-            Err(e) => return Err(e),
+            Err(e) => {
+                tokio::spawn(helper.wait());
+                return cannot_run(&e).ok_or(e);
+            }
         };
         let stdout = tokio::time::timeout(EXEC_DRAIN, out)
             .await
@@ -815,6 +833,18 @@ fn phase_name(p: &Phase) -> &'static str {
 }
 
 /// Drives one streaming exec: client input to the process, its output to the client.
+/// The shell's exit code for a command the helper could not start, from its reason.
+fn shell_code(msg: &str) -> Option<i32> {
+    if msg.contains("not found in $PATH") || msg.contains("No such file or directory") {
+        Some(127)
+    } else if msg.contains("does not have correct permissions") || msg.contains("Permission denied")
+    {
+        Some(126)
+    } else {
+        None
+    }
+}
+
 /// Runs one attach session: the container's output to the client until the container
 /// exits (then its exit code) or the client leaves; the client's stdin and resizes to the
 /// container. With `stdin_once`, the container's stdin closes when this client closes its
