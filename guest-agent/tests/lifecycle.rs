@@ -218,6 +218,7 @@ async fn tty_container_and_path_rootfs() {
             lowers: vec![],
             same_owner: true,
             skip_sync: false,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -72,6 +72,7 @@ impl TestAgent {
                 lowers: vec![],
                 same_owner: true,
                 skip_sync: false,
+                ..Default::default()
             },
         )
         .unwrap();
