@@ -353,7 +353,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         }
         let url = srv.url(crate::streaming::StreamRequest::Exec {
             container_id: c.id,
-            cmd: r.cmd,
+            cmd: Some(r.cmd),
             tty: r.tty,
             stdin: r.stdin,
             stdout: r.stdout,
@@ -390,8 +390,9 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         }
         // The terminal is the container's, whatever the request says (as containerd does).
         let tty = c.config.tty;
-        let url = srv.url(crate::streaming::StreamRequest::Attach {
+        let url = srv.url(crate::streaming::StreamRequest::Exec {
             container_id: c.id,
+            cmd: None,
             tty,
             stdin: r.stdin,
             stdout: r.stdout,

@@ -8,8 +8,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use vessel_critest::daemon::{TestCni, Vesseld};
-use vessel_critest::upstream::{self, StandInRegistry};
+use vessel_critest::upstream;
 
 const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
 
@@ -85,32 +84,15 @@ fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn crictl_every_verb() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIP crictl_every_verb: needs root (pods, mounts, cgroups)");
-        return;
-    }
-    let Some(shared) = upstream::shared_dir() else {
-        println!(
-            "SKIP crictl_every_verb: ../shared/cri-tools not found (set VESSEL_CRI_TOOLS_SRC)"
-        );
+    let Some(f) = upstream::Fixture::start(
+        "crictl_every_verb",
+        Path::new(env!("CARGO_BIN_EXE_vesseld")),
+    ) else {
         return;
     };
-    let bin = upstream::tools_bin(&shared).expect("upstream crictl");
-    let images = upstream::images_dir(&shared).expect("critest's stand-in images");
-    let reg = StandInRegistry::start(&shared, &images).expect("stand-in registry");
-    let cni = TestCni::new().expect("CNI plugins");
-    let v = Vesseld::start(
-        Path::new(env!("CARGO_BIN_EXE_vesseld")),
-        &format!(
-            "[runtime]\ndefault_handler = \"flat\"\n{}{}",
-            cni.config_toml(),
-            reg.mirrors_toml()
-        ),
-    )
-    .expect("vesseld");
+    let (bin, v, cni) = (&f.bin, &f.vesseld, &f.cni);
     let work = tempfile::tempdir().unwrap();
-    let ep = format!("unix://{}", v.socket.display());
+    let ep = f.endpoint();
     let config = work.path().join("crictl.yaml");
     std::fs::write(
         &config,

@@ -10,43 +10,25 @@
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
-use vessel_critest::daemon::{self, TestCni, Vesseld};
-use vessel_critest::upstream::{self, StandInRegistry};
+use vessel_critest::daemon;
+use vessel_critest::upstream;
 
 #[test]
 fn upstream_critest_flat() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIP upstream_critest_flat: needs root (pods, mounts, cgroups)");
-        return;
-    }
-    let Some(shared) = upstream::shared_dir() else {
-        println!(
-            "SKIP upstream_critest_flat: ../shared/cri-tools not found (set VESSEL_CRI_TOOLS_SRC)"
-        );
+    let Some(f) = upstream::Fixture::start(
+        "upstream_critest_flat",
+        Path::new(env!("CARGO_BIN_EXE_vesseld")),
+    ) else {
         return;
     };
-    let bin = upstream::tools_bin(&shared).expect("upstream critest and crictl");
-    let images = upstream::images_dir(&shared).expect("critest's stand-in images");
     let expected_path =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/flat.expected");
     let expected = upstream::parse_expected(
         &std::fs::read_to_string(&expected_path).expect("the expected-outcomes list"),
     )
     .unwrap_or_else(|e| panic!("{}: {e}", expected_path.display()));
-
-    let reg = StandInRegistry::start(&shared, &images).expect("stand-in registry");
-    let cni = TestCni::new().expect("CNI plugins for the network specs");
-    let v = Vesseld::start(
-        Path::new(env!("CARGO_BIN_EXE_vesseld")),
-        &format!(
-            "[runtime]\ndefault_handler = \"flat\"\n{}{}",
-            cni.config_toml(),
-            reg.mirrors_toml()
-        ),
-    )
-    .expect("vesseld");
-    let endpoint = format!("unix://{}", v.socket.display());
+    let (bin, v, cni) = (&f.bin, &f.vesseld, &f.cni);
+    let endpoint = f.endpoint();
     let report = v.dir.path().join("critest-report.json");
     let t = Instant::now();
     let out = Command::new(bin.join("critest"))

@@ -125,6 +125,55 @@ impl Drop for StandInRegistry {
     }
 }
 
+/// A vesseld running flat pods on a private CNI network, with every critest image host
+/// mirrored to the stand-in registry, and the directory of upstream `critest` and `crictl`.
+pub struct Fixture {
+    pub bin: PathBuf,
+    pub vesseld: crate::daemon::Vesseld,
+    pub cni: crate::daemon::TestCni,
+    pub registry: StandInRegistry,
+}
+
+impl Fixture {
+    /// Starts it for the test `name`, or prints `SKIP <name>: <reason>` and returns `None`
+    /// when this machine cannot (not root, no `shared/cri-tools`). `vesseld` is the binary.
+    pub fn start(name: &str, vesseld: &Path) -> Option<Fixture> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("SKIP {name}: needs root (pods, mounts, cgroups)");
+            return None;
+        }
+        let Some(shared) = shared_dir() else {
+            println!("SKIP {name}: ../shared/cri-tools not found (set VESSEL_CRI_TOOLS_SRC)");
+            return None;
+        };
+        let bin = tools_bin(&shared).expect("upstream critest and crictl");
+        let images = images_dir(&shared).expect("critest's stand-in images");
+        let registry = StandInRegistry::start(&shared, &images).expect("stand-in registry");
+        let cni = crate::daemon::TestCni::new().expect("CNI plugins");
+        let vesseld = crate::daemon::Vesseld::start(
+            vesseld,
+            &format!(
+                "[runtime]\ndefault_handler = \"flat\"\n{}{}",
+                cni.config_toml(),
+                registry.mirrors_toml()
+            ),
+        )
+        .expect("vesseld");
+        Some(Fixture {
+            bin,
+            vesseld,
+            cni,
+            registry,
+        })
+    }
+
+    /// The CRI endpoint, as critest and crictl take it.
+    pub fn endpoint(&self) -> String {
+        format!("unix://{}", self.vesseld.socket.display())
+    }
+}
+
 /// How one spec ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Outcome {

@@ -52,17 +52,11 @@ pub enum StreamingError {
 /// What a token stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamRequest {
+    /// An exec of `cmd`, or with no `cmd` an attach to the container's own stdio (its
+    /// terminal when it has one).
     Exec {
         container_id: String,
-        cmd: Vec<String>,
-        tty: bool,
-        stdin: bool,
-        stdout: bool,
-        stderr: bool,
-    },
-    /// A running container's own stdio (its terminal when it has one).
-    Attach {
-        container_id: String,
+        cmd: Option<Vec<String>>,
         tty: bool,
         stdin: bool,
         stdout: bool,
@@ -78,8 +72,8 @@ pub enum StreamRequest {
 impl StreamRequest {
     fn kind(&self) -> &'static str {
         match self {
-            StreamRequest::Exec { .. } => "exec",
-            StreamRequest::Attach { .. } => "attach",
+            StreamRequest::Exec { cmd: Some(_), .. } => "exec",
+            StreamRequest::Exec { cmd: None, .. } => "attach",
             StreamRequest::PortForward { .. } => "portforward",
         }
     }
@@ -227,7 +221,7 @@ impl StreamingServer {
             .filter(|v| !v.is_empty())
             .collect();
         let supported: &[&str] = match &req {
-            StreamRequest::Exec { .. } | StreamRequest::Attach { .. } => EXEC_PROTOCOLS,
+            StreamRequest::Exec { .. } => EXEC_PROTOCOLS,
             StreamRequest::PortForward { .. } => &[PORT_FORWARD_PROTOCOL],
         };
         // The client's order decides, as in Kubernetes' handshake.
@@ -276,25 +270,7 @@ impl StreamingServer {
             } => {
                 let x = ExecParams {
                     container_id,
-                    cmd: Some(cmd),
-                    tty,
-                    stdin,
-                    stdout,
-                    stderr,
-                    version,
-                };
-                exec(&self.rt, x, &w, streams).await;
-            }
-            StreamRequest::Attach {
-                container_id,
-                tty,
-                stdin,
-                stdout,
-                stderr,
-            } => {
-                let x = ExecParams {
-                    container_id,
-                    cmd: None,
+                    cmd,
                     tty,
                     stdin,
                     stdout,
