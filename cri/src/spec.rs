@@ -468,21 +468,19 @@ pub const MIN_MEMORY_LIMIT: i64 = 6 << 20;
 /// Resources that cannot be honoured are refused, not ignored: negative values, a memory
 /// limit too small to start a process, an oom_score_adj out of the kernel's range.
 pub fn check_resources(r: &cri::LinuxContainerResources) -> Result<(), SpecError> {
-    for (name, v) in [
-        ("cpu_shares", r.cpu_shares),
-        ("cpu_period", r.cpu_period),
-        ("memory_swap_limit_in_bytes", r.memory_swap_limit_in_bytes),
-    ] {
+    for (name, v) in [("cpu_shares", r.cpu_shares), ("cpu_period", r.cpu_period)] {
         if v < 0 {
             return Err(invalid(format!("resources: {name} {v} is negative")));
         }
     }
-    // -1 is the cgroup's own word for "no quota".
-    if r.cpu_quota < -1 {
-        return Err(invalid(format!(
-            "resources: cpu_quota {} is negative",
-            r.cpu_quota
-        )));
+    // -1 is the cgroup's own word for "no limit" (kubelet sends it for unlimited swap).
+    for (name, v) in [
+        ("cpu_quota", r.cpu_quota),
+        ("memory_swap_limit_in_bytes", r.memory_swap_limit_in_bytes),
+    ] {
+        if v < -1 {
+            return Err(invalid(format!("resources: {name} {v} is negative")));
+        }
     }
     if r.memory_limit_in_bytes < 0
         || (r.memory_limit_in_bytes > 0 && r.memory_limit_in_bytes < MIN_MEMORY_LIMIT)
@@ -1043,6 +1041,53 @@ mod tests {
 
     const PASSWD: &str = "root:x:0:0:root:/root:/bin/sh\nvessel:x:1000:1000::/home/vessel:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n";
     const GROUP: &str = "root:x:0:\nstaff:x:50:vessel\nvessel:x:1000:\nnobody:x:65534:\n";
+
+    #[test]
+    fn resources_that_cannot_be_honoured_are_refused() {
+        let ok = cri::LinuxContainerResources {
+            cpu_quota: -1,
+            memory_swap_limit_in_bytes: -1,
+            memory_limit_in_bytes: 64 << 20,
+            oom_score_adj: -998,
+            ..Default::default()
+        };
+        assert!(check_resources(&ok).is_ok());
+        assert!(check_resources(&cri::LinuxContainerResources::default()).is_ok());
+        for bad in [
+            cri::LinuxContainerResources {
+                cpu_shares: -2,
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                cpu_quota: -5,
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                memory_limit_in_bytes: -1,
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                memory_limit_in_bytes: 1,
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                oom_score_adj: 1001,
+                ..Default::default()
+            },
+        ] {
+            assert!(check_resources(&bad).is_err(), "{bad:?}");
+        }
+        let envs = |k: &str| {
+            vec![cri::KeyValue {
+                key: k.into(),
+                value: "v".into(),
+            }]
+        };
+        assert!(check_envs(&envs("GOOD_NAME")).is_ok());
+        for k in ["", "A=B", "A\nB"] {
+            assert!(check_envs(&envs(k)).is_err(), "{k:?}");
+        }
+    }
 
     #[test]
     fn users_resolve_like_containerd() {
