@@ -170,6 +170,15 @@ pub struct Runtime {
     pod_cidr: Mutex<String>,
 }
 
+/// Whether `name` (an id, or a 32-character id prefix as VM dirs use) belongs to one of the
+/// `kept` ids: records that could not be read, and what hangs off them.
+fn held(kept: &std::collections::HashSet<String>, name: &str) -> bool {
+    !name.is_empty()
+        && kept
+            .iter()
+            .any(|id| id.starts_with(name) || name.starts_with(id.as_str()))
+}
+
 fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
     format!("{}_{}_{}_{}", m.name, m.namespace, m.uid, m.attempt)
 }
@@ -233,6 +242,11 @@ impl Runtime {
         });
         rt.recover().await;
         Ok(rt)
+    }
+
+    /// Records that could not be read at start and were moved aside, for Status.
+    pub fn quarantined_records(&self) -> Vec<PathBuf> {
+        self.dirs.quarantined()
     }
 
     pub fn agent_binary(&self) -> &Path {
@@ -2091,9 +2105,14 @@ impl Runtime {
             .iter()
             .filter_map(|r| r.vm.as_ref().map(|v| v.dir.clone()))
             .collect();
+        // What belongs to a record that could not be read is kept (its pod may still run).
+        let mut kept = self.dirs.quarantined_ids();
+        if !kept.is_empty() {
+            tracing::error!(ids = ?kept, "records quarantined; their data is kept and their pods are not managed (see Status)");
+        }
         if let Ok(rd) = std::fs::read_dir(self.dirs.run.join("vms")) {
             for e in rd.flatten() {
-                if !vm_dirs.contains(&e.path()) {
+                if !vm_dirs.contains(&e.path()) && !held(&kept, &e.file_name().to_string_lossy()) {
                     tracing::info!(dir = %e.path().display(), "removing VM files without a pod");
                     flat::kill_by_arg("--spec", &vm::VmPaths::new(&e.path()).spec);
                     let _ = vessel_images::fsutil::remove_any(&e.path());
@@ -2158,6 +2177,11 @@ impl Runtime {
         let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
             HashMap::new();
         for rec in self.dirs.load_containers() {
+            if held(&kept, &rec.pod_id) {
+                tracing::warn!(container = %rec.id, pod = %rec.pod_id, "container of a pod whose record is quarantined: kept, not managed");
+                kept.insert(rec.id.clone());
+                continue;
+            }
             let Ok(pod) = self.pod(&rec.pod_id) else {
                 tracing::info!(container = %rec.id, "removing container of a pod that no longer exists");
                 let _ = self.store.remove_snapshot(&rec.snapshot);
@@ -2241,10 +2265,12 @@ impl Runtime {
                 }
             }
         }
+        // Container records quarantined just now, while loading them.
+        kept.extend(self.dirs.quarantined_ids());
         // CNI attachments without a pod: DEL them (their netns may be gone; DEL still frees
-        // the IP).
+        // the IP). A pod whose record is quarantined may still run: its network stays.
         for id in self.opts.cni.cached_ids() {
-            if self.pod(&id).is_err() {
+            if self.pod(&id).is_err() && !held(&kept, &id) {
                 if let Some(a) = self.opts.cni.cached(&id) {
                     tracing::info!(pod = %id, "detaching CNI attachment without a pod");
                     if let Err(e) = self.opts.cni.del(&a).await {
@@ -2263,7 +2289,7 @@ impl Runtime {
             .map(|c| c.record().snapshot)
             .collect();
         for s in self.store.list_snapshots().unwrap_or_default() {
-            if !live.contains(&s) {
+            if !live.contains(&s) && !held(&kept, &s) {
                 tracing::info!(snapshot = %s, "removing snapshot without container");
                 let _ = self.store.remove_snapshot(&s);
             }
@@ -2272,9 +2298,10 @@ impl Runtime {
             let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner()).clone();
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().to_string();
-                let keep = pods
-                    .get(&name)
-                    .is_some_and(|p| p.record().state == PodState::Ready);
+                let keep = held(&kept, &name)
+                    || pods
+                        .get(&name)
+                        .is_some_and(|p| p.record().state == PodState::Ready);
                 if !keep {
                     let _ = flat::unpin_netns(&e.path());
                 }

@@ -82,9 +82,33 @@ impl RuntimeService {
                 )
             },
         };
+        let quarantined = self.rt.quarantined_records();
+        let records = cri::RuntimeCondition {
+            r#type: "StateRecordsReadable".into(),
+            status: quarantined.is_empty(),
+            reason: if quarantined.is_empty() {
+                String::new()
+            } else {
+                "RecordsQuarantined".into()
+            },
+            message: if quarantined.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "{} record(s) could not be read and were moved aside; their pods and containers are not managed, and their data is kept: {}",
+                    quarantined.len(),
+                    quarantined
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            },
+        };
         vec![
             runtime_ready,
             vm_ready,
+            records,
             match self.rt.cni().ready() {
                 Ok(net) => cri::RuntimeCondition {
                     r#type: "NetworkReady".into(),

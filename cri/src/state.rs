@@ -210,19 +210,67 @@ impl StateDirs {
     fn read_all<T: for<'de> Deserialize<'de>>(files: Vec<PathBuf>) -> Vec<T> {
         let mut out = Vec::new();
         for p in files {
-            match fs::read(&p) {
+            let err = match fs::read(&p) {
                 Ok(d) => match serde_json::from_slice(&d) {
-                    Ok(r) => out.push(r),
-                    Err(e) => {
-                        tracing::error!(path = %p.display(), error = %e, "unreadable record, ignored")
+                    Ok(r) => {
+                        out.push(r);
+                        continue;
                     }
+                    Err(e) => e.to_string(),
                 },
+                Err(e) => e.to_string(),
+            };
+            // Kept, moved aside: the next start does not trip over it again, an operator can
+            // look at it, and what it described (snapshot, pins, VM files) is not deleted.
+            let q = quarantined(&p);
+            match fs::rename(&p, &q) {
+                Ok(()) => {
+                    tracing::error!(path = %p.display(), quarantined = %q.display(), error = %err, "unreadable record moved aside; its pod's or container's data is kept")
+                }
                 Err(e) => {
-                    tracing::error!(path = %p.display(), error = %e, "unreadable record, ignored")
+                    tracing::error!(path = %p.display(), error = %err, rename_error = %e, "unreadable record, ignored")
                 }
             }
         }
         out
+    }
+
+    /// Records that could not be read and were moved aside (`*.quarantined`), pods' first.
+    pub fn quarantined(&self) -> Vec<PathBuf> {
+        let mut out: Vec<PathBuf> = fs::read_dir(self.pods_dir())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path().join(format!("pod.json.{QUARANTINE_EXT}")))
+                    .filter(|p| p.exists())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Ok(rd) = fs::read_dir(self.containers_dir()) {
+            out.extend(
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == QUARANTINE_EXT)),
+            );
+        }
+        out
+    }
+
+    /// The ids of pods and containers whose records are quarantined: everything named by
+    /// them (snapshots, pins, VM files, pod dirs) is kept.
+    pub fn quarantined_ids(&self) -> std::collections::HashSet<String> {
+        self.quarantined()
+            .iter()
+            .filter_map(|p| {
+                if p.file_name()? == format!("pod.json.{QUARANTINE_EXT}").as_str() {
+                    p.parent()?.file_name()?.to_str().map(str::to_string)
+                } else {
+                    p.file_name()?
+                        .to_str()?
+                        .strip_suffix(&format!(".json.{QUARANTINE_EXT}"))
+                        .map(str::to_string)
+                }
+            })
+            .collect()
     }
 
     pub fn save_pod(&self, p: &PodRecord) -> Result<(), StateError> {
@@ -254,13 +302,18 @@ impl StateDirs {
         Self::read_all(files)
     }
 
-    /// Pod directories that have no record: debris of a crash before the first write.
+    /// Pod directories that have no record: debris of a crash before the first write. A dir
+    /// whose record was quarantined is not one.
     pub fn orphan_pod_dirs(&self) -> Vec<PathBuf> {
         fs::read_dir(self.pods_dir())
             .map(|rd| {
                 rd.flatten()
                     .map(|e| e.path())
-                    .filter(|p| p.is_dir() && !p.join("pod.json").exists())
+                    .filter(|p| {
+                        p.is_dir()
+                            && !p.join("pod.json").exists()
+                            && !p.join(format!("pod.json.{QUARANTINE_EXT}")).exists()
+                    })
                     .collect()
             })
             .unwrap_or_default()
@@ -287,6 +340,15 @@ impl StateDirs {
             .unwrap_or_default();
         Self::read_all(files)
     }
+}
+
+/// The extension an unreadable record gets when it is moved aside.
+pub const QUARANTINE_EXT: &str = "quarantined";
+
+fn quarantined(p: &Path) -> PathBuf {
+    let mut name = p.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{QUARANTINE_EXT}"));
+    p.with_file_name(name)
 }
 
 /// A new random 64-hex-digit id, as containerd makes them.

@@ -1411,3 +1411,80 @@ async fn flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// A record that cannot be read (truncated, garbage) is moved aside, reported in Status, and
+/// nothing it describes is deleted: a running container whose record was truncated keeps its
+/// snapshot (vesseld used to delete it), and a pod whose record is garbage keeps its dir,
+/// its containers' records and their snapshots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_records_are_quarantined_and_their_data_kept() {
+    if vm_mode() {
+        println!("SKIP corrupt_records_are_quarantined_and_their_data_kept: flat pods (the record handling is the same for VM pods)");
+        return;
+    }
+    let mut h = harness().await;
+    let (a, acfg) = h.run_pod("qa").await;
+    let a1 = h.run(&a, &acfg, "a1", "sleep 1000").await;
+    let (b, bcfg) = h.run_pod("qb").await;
+    let b1 = h.run(&b, &bcfg, "b1", "sleep 1000").await;
+    h.v.kill9();
+    let root = h.v.root_dir();
+    let a1_rec = root.join(format!("containers/{a1}.json"));
+    let data = std::fs::read(&a1_rec).unwrap();
+    std::fs::write(&a1_rec, &data[..data.len() / 2]).unwrap();
+    std::fs::write(root.join(format!("pods/{b}/pod.json")), b"\x00garbage{").unwrap();
+    h.v.restart().unwrap();
+    h.c = h.v.client().await;
+
+    // The first call is answered once recovery is done (the socket is bound before).
+    let st =
+        h.c.runtime
+            .status(cri::StatusRequest { verbose: false })
+            .await
+            .unwrap()
+            .into_inner();
+    let cond = st
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.r#type == "StateRecordsReadable")
+        .expect("StateRecordsReadable condition");
+    assert!(!cond.status, "{cond:?}");
+    assert!(cond.message.starts_with("2 record(s)"), "{cond:?}");
+    assert!(
+        root.join(format!("containers/{a1}.json.quarantined"))
+            .exists(),
+        "{:?}\n{}",
+        std::fs::read_dir(root.join("containers"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect::<Vec<_>>(),
+        h.v.log()
+    );
+    assert!(root.join(format!("pods/{b}/pod.json.quarantined")).exists());
+    for id in [&a1, &b1] {
+        assert!(
+            root.join(format!("images/snapshots/{id}")).exists(),
+            "snapshot of {id} (a1 {a1}, b1 {b1}) was deleted; log:\n{}",
+            h.v.log()
+        );
+    }
+    assert!(root.join(format!("containers/{b1}.json")).exists());
+    // The readable pod is managed as before; its unreadable container is not listed.
+    assert_eq!(
+        h.pod_state(&a).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    let listed =
+        h.c.runtime
+            .list_containers(cri::ListContainersRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+    assert!(
+        listed.iter().all(|c| c.id != a1 && c.id != b1),
+        "{listed:?}"
+    );
+}
