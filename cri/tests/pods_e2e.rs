@@ -42,6 +42,16 @@ fn vm_mode() -> bool {
     handler() == "vm"
 }
 
+/// Whether this test does not run in this mode (flat pods, or VM pods with
+/// `VESSEL_E2E_HANDLER=vm`); if so, prints `SKIP <test>: <why>` for the summary.
+fn skip_unless(vm: bool, test: &str, why: &str) -> bool {
+    let skip = vm_mode() != vm;
+    if skip {
+        println!("SKIP {test}: {why}");
+    }
+    skip
+}
+
 async fn harness() -> H {
     harness_with("").await
 }
@@ -1144,8 +1154,11 @@ async fn bad_inputs_are_refused_and_leave_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
-    if vm_mode() {
-        println!("SKIP vm_handler_falls_back_to_flat_with_the_probe_reason: this run has usable KVM (VM pods); the fallback is tested where KVM is unusable");
+    if skip_unless(
+        false,
+        "vm_handler_falls_back_to_flat_with_the_probe_reason",
+        "this run has usable KVM (VM pods); the fallback is tested where KVM is unusable",
+    ) {
         return;
     }
     let mut h = harness().await;
@@ -1225,8 +1238,11 @@ async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
 /// more is refused while the two are in use, and fits once they are released (slot reuse).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vm_layer_disks_whiteouts_and_slot_reuse() {
-    if !vm_mode() {
-        println!("SKIP vm_layer_disks_whiteouts_and_slot_reuse: VM pods only (VESSEL_E2E_HANDLER=vm; runs in the nested harness)");
+    if skip_unless(
+        true,
+        "vm_layer_disks_whiteouts_and_slot_reuse",
+        "VM pods only (VESSEL_E2E_HANDLER=vm; runs in the nested harness)",
+    ) {
         return;
     }
     // VESSEL_E2E_CONFIG ends with its [vm] section.
@@ -1301,8 +1317,11 @@ async fn vm_layer_disks_whiteouts_and_slot_reuse() {
 /// default `vm.host_namespaces = "flat"`), and the log says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vm_host_network_pod_runs_flat_by_policy() {
-    if !vm_mode() {
-        println!("SKIP vm_host_network_pod_runs_flat_by_policy: VM pods only (VESSEL_E2E_HANDLER=vm; runs in the nested harness)");
+    if skip_unless(
+        true,
+        "vm_host_network_pod_runs_flat_by_policy",
+        "VM pods only (VESSEL_E2E_HANDLER=vm; runs in the nested harness)",
+    ) {
         return;
     }
     let mut h = harness().await;
@@ -1350,8 +1369,11 @@ async fn vm_host_network_pod_runs_flat_by_policy() {
 /// otherwise unmount the host's submounts too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts() {
-    if vm_mode() {
-        println!("SKIP flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts: flat pods only (VM volumes are their own issue)");
+    if skip_unless(
+        false,
+        "flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts",
+        "flat pods only (VM volumes are their own issue)",
+    ) {
         return;
     }
     let mut h = harness().await;
@@ -1418,8 +1440,11 @@ async fn flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts() {
 /// its containers' records and their snapshots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_records_are_quarantined_and_their_data_kept() {
-    if vm_mode() {
-        println!("SKIP corrupt_records_are_quarantined_and_their_data_kept: flat pods (the record handling is the same for VM pods)");
+    if skip_unless(
+        false,
+        "corrupt_records_are_quarantined_and_their_data_kept",
+        "flat pods (the record handling is the same for VM pods)",
+    ) {
         return;
     }
     let mut h = harness().await;
