@@ -168,6 +168,8 @@ pub struct Runtime {
     names: Mutex<HashMap<String, String>>,
     /// The pod CIDR kubelet announced with UpdateRuntimeConfig.
     pod_cidr: Mutex<String>,
+    /// Records found unreadable (and moved aside) at start, for Status.
+    quarantined: Mutex<Vec<PathBuf>>,
 }
 
 /// Whether `name` (an id, or a 32-character id prefix as VM dirs use) belongs to one of the
@@ -239,6 +241,7 @@ impl Runtime {
             ctrs: Mutex::default(),
             names: Mutex::default(),
             pod_cidr: Mutex::default(),
+            quarantined: Mutex::default(),
         });
         rt.recover().await;
         Ok(rt)
@@ -246,7 +249,10 @@ impl Runtime {
 
     /// Records that could not be read at start and were moved aside, for Status.
     pub fn quarantined_records(&self) -> Vec<PathBuf> {
-        self.dirs.quarantined()
+        self.quarantined
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn agent_binary(&self) -> &Path {
@@ -2266,7 +2272,9 @@ impl Runtime {
             }
         }
         // Container records quarantined just now, while loading them.
-        kept.extend(self.dirs.quarantined_ids());
+        let quarantined = self.dirs.quarantined();
+        kept.extend(quarantined.iter().filter_map(|p| state::quarantined_id(p)));
+        *self.quarantined.lock().unwrap_or_else(|p| p.into_inner()) = quarantined;
         // CNI attachments without a pod: DEL them (their netns may be gone; DEL still frees
         // the IP). A pod whose record is quarantined may still run: its network stays.
         for id in self.opts.cni.cached_ids() {

@@ -260,16 +260,7 @@ impl StateDirs {
     pub fn quarantined_ids(&self) -> std::collections::HashSet<String> {
         self.quarantined()
             .iter()
-            .filter_map(|p| {
-                if p.file_name()? == format!("pod.json.{QUARANTINE_EXT}").as_str() {
-                    p.parent()?.file_name()?.to_str().map(str::to_string)
-                } else {
-                    p.file_name()?
-                        .to_str()?
-                        .strip_suffix(&format!(".json.{QUARANTINE_EXT}"))
-                        .map(str::to_string)
-                }
-            })
+            .filter_map(|p| quarantined_id(p))
             .collect()
     }
 
@@ -344,6 +335,18 @@ impl StateDirs {
 
 /// The extension an unreadable record gets when it is moved aside.
 pub const QUARANTINE_EXT: &str = "quarantined";
+
+/// The pod or container id a quarantined record (from [`StateDirs::quarantined`]) was for.
+pub fn quarantined_id(p: &Path) -> Option<String> {
+    if p.file_name()? == format!("pod.json.{QUARANTINE_EXT}").as_str() {
+        p.parent()?.file_name()?.to_str().map(str::to_string)
+    } else {
+        p.file_name()?
+            .to_str()?
+            .strip_suffix(&format!(".json.{QUARANTINE_EXT}"))
+            .map(str::to_string)
+    }
+}
 
 fn quarantined(p: &Path) -> PathBuf {
     let mut name = p.file_name().unwrap_or_default().to_os_string();

@@ -91,10 +91,6 @@ impl std::fmt::Debug for LogFile {
     }
 }
 
-fn open_append(path: &Path) -> io::Result<File> {
-    open_log_nofollow(path)
-}
-
 /// Opens the log file `path` for appending, creating it (mode 0640: kubelet reads logs as
 /// root) and its missing parent directories (0755), and follows no symbolic link on the way:
 /// a link anywhere in `path` is an error, so a log can never be redirected out of the log
@@ -209,7 +205,7 @@ impl LogFile {
             return Ok(Self::with(Sink::Discard));
         }
         let path = PathBuf::from(path);
-        let file = open_append(&path)?;
+        let file = open_log_nofollow(&path)?;
         Ok(Self::with(Sink::File {
             path,
             file: Some(file),
@@ -242,7 +238,7 @@ impl LogFile {
         let mut guard = self.sink.lock().unwrap_or_else(|e| e.into_inner());
         if let Sink::File { path, file } = &mut *guard {
             *file = None;
-            *file = Some(open_append(path)?);
+            *file = Some(open_log_nofollow(path)?);
         }
         Ok(())
     }

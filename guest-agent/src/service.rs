@@ -845,6 +845,47 @@ fn shell_code(msg: &str) -> Option<i32> {
     }
 }
 
+/// Forwards a client's Exec or Attach input until the client closes it (true) or the stream
+/// breaks (false): stdin data to `stdin`, `close_stdin` as EOF (with a terminal, its EOF
+/// character) and then `on_close_stdin`, resizes to the `pty`.
+async fn forward_input<W: tokio::io::AsyncWrite + Unpin>(
+    input: &mut Streaming<proto::ExecInput>,
+    mut stdin: Option<W>,
+    pty: Option<&OwnedFd>,
+    on_close_stdin: &(dyn Fn() + Sync),
+) -> bool {
+    loop {
+        match input.message().await {
+            Ok(Some(proto::ExecInput { msg: Some(m) })) => match m {
+                exec_input::Msg::Stdin(data) => {
+                    if let Some(w) = stdin.as_mut() {
+                        if w.write_all(&data).await.is_err() || w.flush().await.is_err() {
+                            stdin = None;
+                        }
+                    }
+                }
+                exec_input::Msg::CloseStdin(_) => {
+                    if let (Some(w), true) = (stdin.as_mut(), pty.is_some()) {
+                        let _ = w.write_all(&[4]).await;
+                        let _ = w.flush().await;
+                    }
+                    stdin = None;
+                    on_close_stdin();
+                }
+                exec_input::Msg::Resize(ws) => {
+                    if let Some(p) = pty {
+                        let _ = set_winsize(p.as_raw_fd(), ws.rows, ws.cols);
+                    }
+                }
+                exec_input::Msg::Start(_) | exec_input::Msg::Attach(_) => {}
+            },
+            Ok(Some(_)) => {}
+            Ok(None) => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
 /// Runs one attach session: the container's output to the client until the container
 /// exits (then its exit code) or the client leaves; the client's stdin and resizes to the
 /// container. With `stdin_once`, the container's stdin closes when this client closes its
@@ -873,38 +914,8 @@ async fn drive_attach(
             (Some(fd), true) => fd.try_clone().ok(),
             _ => None,
         };
-        let mut w = stdin.map(|fd| tokio::fs::File::from_std(std::fs::File::from(fd)));
-        loop {
-            match input.message().await {
-                Ok(Some(proto::ExecInput { msg: Some(m) })) => match m {
-                    exec_input::Msg::Stdin(data) => {
-                        if let Some(f) = w.as_mut() {
-                            if f.write_all(&data).await.is_err() || f.flush().await.is_err() {
-                                w = None;
-                            }
-                        }
-                    }
-                    exec_input::Msg::CloseStdin(_) => {
-                        // With a tty, EOF is the terminal's EOF character.
-                        if let (Some(f), true) = (w.as_mut(), tty) {
-                            let _ = f.write_all(&[4]).await;
-                            let _ = f.flush().await;
-                        }
-                        w = None;
-                        close_container_stdin();
-                    }
-                    exec_input::Msg::Resize(ws) => {
-                        if let Some(p) = &pty {
-                            let _ = set_winsize(p.as_raw_fd(), ws.rows, ws.cols);
-                        }
-                    }
-                    exec_input::Msg::Start(_) | exec_input::Msg::Attach(_) => {}
-                },
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => break,
-            }
-        }
-        drop(w);
+        let w = stdin.map(|fd| tokio::fs::File::from_std(std::fs::File::from(fd)));
+        forward_input(&mut input, w, pty.as_ref(), &close_container_stdin).await;
         close_container_stdin();
     });
     let send = |s: Stream, d: Vec<u8>| {
@@ -982,41 +993,12 @@ async fn drive_exec(
     if let Some(e) = proc_.stderr.take() {
         readers.push(forward(e, true));
     }
-    let mut stdin = proc_.stdin.take();
+    let stdin = proc_.stdin.take();
     let pty = proc_.pty.take();
     let input_task = tokio::spawn(async move {
-        loop {
-            match input.message().await {
-                Ok(Some(proto::ExecInput { msg: Some(m) })) => match m {
-                    exec_input::Msg::Stdin(data) => {
-                        if let Some(w) = stdin.as_mut() {
-                            if w.write_all(&data).await.is_err() {
-                                stdin = None;
-                            }
-                        }
-                    }
-                    exec_input::Msg::CloseStdin(_) => {
-                        // With a tty, EOF is the terminal's EOF character.
-                        if let (Some(w), true) = (stdin.as_mut(), pty.is_some()) {
-                            let _ = w.write_all(&[4]).await;
-                        }
-                        stdin = None;
-                    }
-                    exec_input::Msg::Resize(ws) => {
-                        if let Some(p) = &pty {
-                            let _ = set_winsize(p.as_raw_fd(), ws.rows, ws.cols);
-                        }
-                    }
-                    exec_input::Msg::Start(_) | exec_input::Msg::Attach(_) => {}
-                },
-                Ok(Some(_)) => {}
-                // The client closed its side: keep running, no more input.
-                Ok(None) => break,
-                Err(_) => {
-                    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-                    break;
-                }
-            }
+        // The client closed its side: keep running, no more input. A broken stream: stop.
+        if !forward_input(&mut input, stdin, pty.as_ref(), &|| {}).await {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
         }
     });
     let exit = proc_.helper.next().await;
