@@ -1,8 +1,84 @@
 //! Mapping of library errors to gRPC status codes, with messages that name the object and
-//! the cause.
+//! the cause. Every RPC error becomes a `tonic::Status` here and nowhere else.
 
 use tonic::Status;
 use vessel_images::ImageError;
+
+/// Errors of runtime operations (pods, containers, sandboxes); each maps to one gRPC code in
+/// [`RuntimeError::to_status`], the one place a runtime error becomes a `tonic::Status`.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl RuntimeError {
+    pub fn to_status(&self) -> Status {
+        let m = bounded(self.to_string());
+        match self {
+            RuntimeError::InvalidArgument(_) => Status::invalid_argument(m),
+            RuntimeError::NotFound(_) => Status::not_found(m),
+            RuntimeError::AlreadyExists(_) => Status::already_exists(m),
+            RuntimeError::FailedPrecondition(_) => Status::failed_precondition(m),
+            RuntimeError::DeadlineExceeded(_) => Status::deadline_exceeded(m),
+            RuntimeError::Unavailable(_) => Status::unavailable(m),
+            RuntimeError::Internal(_) => Status::internal(m),
+        }
+    }
+}
+
+impl From<RuntimeError> for Status {
+    fn from(e: RuntimeError) -> Status {
+        e.to_status()
+    }
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// An internal failure with its context: `.map_err(|e| internal("saving record")(&e))`.
+pub fn internal(ctx: &str) -> impl FnOnce(&dyn std::fmt::Display) -> RuntimeError + '_ {
+    move |e| RuntimeError::Internal(format!("{ctx}: {e}"))
+}
+
+/// A CNI failure as a runtime error.
+pub fn cni_err(e: crate::cni::CniError) -> RuntimeError {
+    use crate::cni::CniError as E;
+    match e {
+        E::NoConfig(_) | E::BadConfig { .. } | E::PluginNotFound { .. } => {
+            RuntimeError::FailedPrecondition(e.to_string())
+        }
+        E::Timeout { .. } => RuntimeError::DeadlineExceeded(e.to_string()),
+        E::Plugin { .. } | E::Cache { .. } => RuntimeError::Internal(e.to_string()),
+    }
+}
+
+/// An agent answer that failed, as a runtime error with the agent's code.
+pub fn agent_err(ctx: &str, s: tonic::Status) -> RuntimeError {
+    let m = format!("{ctx}: pod agent: {}", s.message());
+    match s.code() {
+        tonic::Code::InvalidArgument => RuntimeError::InvalidArgument(m),
+        tonic::Code::NotFound => RuntimeError::NotFound(m),
+        tonic::Code::AlreadyExists => RuntimeError::AlreadyExists(m),
+        tonic::Code::FailedPrecondition => RuntimeError::FailedPrecondition(m),
+        tonic::Code::DeadlineExceeded => RuntimeError::DeadlineExceeded(m),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+            RuntimeError::Unavailable(m)
+        }
+        _ => RuntimeError::Internal(m),
+    }
+}
 
 /// The gRPC status for an image store error.
 pub fn image_status(e: &ImageError) -> Status {

@@ -8,13 +8,12 @@
 pub mod cni;
 pub mod config;
 pub mod errors;
-pub mod flat;
 pub mod image_service;
 pub mod metrics;
 pub mod runtime;
 pub mod runtime_service;
+pub mod sandbox;
 pub mod server;
 pub mod spec;
 pub mod state;
 pub mod streaming;
-pub mod vm;

@@ -431,28 +431,16 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
     ) -> Result<Response<cri::PortForwardResponse>, Status> {
         let r = req.into_inner();
         let srv = self.streaming("PortForward")?;
-        let pod = self.rt.streaming_pod(&r.pod_sandbox_id).map_err(st)?;
-        if pod.state != crate::state::PodState::Ready {
-            return Err(Status::failed_precondition(format!(
-                "PortForward: pod sandbox {} is not ready",
-                pod.id
-            )));
-        }
-        if pod.vm.is_some() {
-            return Err(Status::failed_precondition(format!(
-                "PortForward: pod sandbox {} is a microVM pod; port-forward into VM pods is \
-                 not implemented yet (needs a vsock proxy in the guest agent)",
-                pod.id
-            )));
-        }
+        let (pod, target) = self.rt.forward_target(&r.pod_sandbox_id).map_err(st)?;
         if let Some(p) = r.port.iter().find(|p| **p <= 0 || **p > 65535) {
             return Err(Status::invalid_argument(format!(
                 "PortForward: invalid port {p}"
             )));
         }
+        let crate::sandbox::ForwardTarget::Netns(netns) = target;
         let url = srv.url(crate::streaming::StreamRequest::PortForward {
             pod_id: pod.id,
-            netns: pod.netns_path,
+            netns,
         });
         Ok(Response::new(cri::PortForwardResponse { url }))
     }

@@ -130,7 +130,7 @@ impl Daemon {
                 self.store.clone(),
             )))
         };
-        crate::flat::become_subreaper();
+        crate::sandbox::process::become_subreaper();
         let probe = tokio::task::spawn_blocking(vessel_vmm::probe::probe)
             .await
             .map_err(|e| ServeError::Runtime(format!("KVM probe: {e}")))?;

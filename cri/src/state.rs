@@ -31,8 +31,10 @@ pub struct PodRecord {
     pub name_key: String,
     pub config: cri::PodSandboxConfig,
     pub runtime_handler: String,
-    /// "flat" (the VM backend comes later).
-    pub backend: String,
+    /// The sandbox backend and its state. On disk as `"backend": "flat"` or
+    /// `"backend": "vm", "vm": {...}`, the form records have always had.
+    #[serde(flatten)]
+    pub backend: BackendState,
     pub state: PodState,
     pub created_at: i64,
     /// Host pid of the pod agent, and its start time (clock ticks since boot, from
@@ -52,9 +54,48 @@ pub struct PodRecord {
     /// The pod's IPs from CNI, IPv4 first (empty without CNI).
     #[serde(default)]
     pub ips: Vec<String>,
-    /// The microVM of a VM pod (`backend == "vm"`).
-    #[serde(default)]
-    pub vm: Option<VmPodState>,
+}
+
+/// Which sandbox backend a pod has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    Flat,
+    Vm,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Flat => "flat",
+            BackendKind::Vm => "vm",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A pod's backend with what only that backend keeps.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "backend")]
+pub enum BackendState {
+    #[serde(rename = "flat")]
+    Flat {},
+    /// The microVM of a VM pod.
+    #[serde(rename = "vm")]
+    Vm { vm: VmPodState },
+}
+
+impl BackendState {
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            BackendState::Flat {} => BackendKind::Flat,
+            BackendState::Vm { .. } => BackendKind::Vm,
+        }
+    }
 }
 
 /// A VM pod's host side: its shim process, sockets and disk slots.
@@ -372,4 +413,65 @@ pub fn new_id() -> String {
 /// Unix nanoseconds now.
 pub fn now_nanos() -> i64 {
     chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(backend: BackendState) -> PodRecord {
+        PodRecord {
+            id: "p1".into(),
+            name_key: "k".into(),
+            config: cri::PodSandboxConfig::default(),
+            runtime_handler: String::new(),
+            backend,
+            state: PodState::Ready,
+            created_at: 1,
+            agent_pid: 2,
+            agent_start_time: 3,
+            agent_socket: "/run/a.sock".into(),
+            agent_state_dir: "/run/a".into(),
+            netns_path: PathBuf::new(),
+            hostname: "h".into(),
+            cgroup_parent: "/vessel/p1".into(),
+            reason: String::new(),
+            ips: vec![],
+        }
+    }
+
+    #[test]
+    fn backend_state_keeps_the_record_format_of_earlier_versions() {
+        let vm = VmPodState {
+            dir: "/run/vms/p1".into(),
+            slots: vec!["sha256:aa".into(), String::new()],
+            vcpus: 2,
+            ..Default::default()
+        };
+        let v = serde_json::to_value(record(BackendState::Vm { vm: vm.clone() })).unwrap();
+        assert_eq!(v["backend"], "vm");
+        assert_eq!(v["vm"]["slots"][0], "sha256:aa");
+        let f = serde_json::to_value(record(BackendState::Flat {})).unwrap();
+        assert_eq!(f["backend"], "flat");
+        assert!(f.get("vm").is_none());
+
+        // As the previous version wrote them: `backend` a string, `vm` null for flat pods
+        // (or absent, before VM pods existed).
+        let mut old_flat = f.clone();
+        old_flat["vm"] = serde_json::Value::Null;
+        let r: PodRecord = serde_json::from_value(old_flat).unwrap();
+        assert_eq!(r.backend.kind(), BackendKind::Flat);
+        assert_eq!(r.agent_pid, 2);
+        let r: PodRecord = serde_json::from_value(v).unwrap();
+        match r.backend {
+            BackendState::Vm { vm: got } => {
+                assert_eq!(got.slots, vm.slots);
+                assert_eq!(got.vcpus, 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut unknown = f;
+        unknown["backend"] = "gvisor".into();
+        assert!(serde_json::from_value::<PodRecord>(unknown).is_err());
+    }
 }

@@ -297,7 +297,7 @@ impl H {
                 );
             }
         }
-        for base in vessel_cri::flat::cgroup_dirs("vessel") {
+        for base in vessel_cri::sandbox::cgroup::cgroup_dirs("vessel") {
             if let Ok(rd) = std::fs::read_dir(&base) {
                 let ours: Vec<_> = rd
                     .flatten()
@@ -677,7 +677,7 @@ async fn exec_sync_output_exit_codes_and_timeout() {
     // On the host for flat pods (a VM pod's cgroups live in its guest; checked from inside).
     if !vm_mode() {
         let rel = format!("vessel/{pod}/{id}");
-        let limit = vessel_cri::flat::cgroup_dirs(&rel)
+        let limit = vessel_cri::sandbox::cgroup::cgroup_dirs(&rel)
             .into_iter()
             .find_map(|d| {
                 std::fs::read_to_string(d.join("memory.limit_in_bytes"))

@@ -43,7 +43,7 @@ pub enum DebugCmd {
         /// Layer disk serials, bottom first.
         #[arg(long = "disk", required = true)]
         disks: Vec<String>,
-        #[arg(long, default_value_t = 1025)]
+        #[arg(long, default_value_t = crate::vsock::LOG_PORT)]
         log_port: u32,
         #[arg(long)]
         hostname: Option<String>,

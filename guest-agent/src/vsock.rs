@@ -15,6 +15,8 @@ use crate::stdio::AsyncFdIo;
 
 /// The port the agent serves its API on.
 pub const AGENT_PORT: u32 = 1024;
+/// The host port container logs go to (the shim serves it; vesseld tells the agent).
+pub const LOG_PORT: u32 = 1025;
 /// The host's CID.
 pub const HOST_CID: u32 = libc::VMADDR_CID_HOST;
 

@@ -647,33 +647,16 @@ async fn exec(
 
 // ---------- port forward ----------
 
-/// Connects to 127.0.0.1:`port` inside the network namespace `netns` (empty: the host's),
-/// from a dedicated thread: the socket keeps the namespace it was created in.
+/// Connects to 127.0.0.1:`port` inside the network namespace `netns` (empty: the host's):
+/// the socket keeps the namespace it was created in.
 async fn connect_in_netns(netns: PathBuf, port: u16) -> std::io::Result<TcpStream> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("vessel-portfwd".into())
-        .spawn(move || {
-            let r = (|| -> std::io::Result<std::net::TcpStream> {
-                if !netns.as_os_str().is_empty() {
-                    use std::os::fd::AsFd;
-                    let ns = std::fs::File::open(&netns)?;
-                    // This thread only: it exits right after connecting.
-                    rustix::thread::move_into_link_name_space(
-                        ns.as_fd(),
-                        Some(rustix::thread::LinkNameSpaceType::Network),
-                    )?;
-                }
-                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-                let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-                s.set_nonblocking(true)?;
-                Ok(s)
-            })();
-            let _ = tx.send(r);
-        })?;
-    let s = rx
-        .await
-        .map_err(|_| std::io::Error::other("port-forward connect thread died"))??;
+    let s = crate::sandbox::netns::run_in_netns(&netns, move || {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        s.set_nonblocking(true)?;
+        Ok(s)
+    })
+    .await?;
     TcpStream::from_std(s)
 }
 

@@ -1,0 +1,525 @@
+//! Containers: CreateContainer, StartContainer, StopContainer, RemoveContainer,
+//! UpdateContainerResources. The backend gives a container its root and log
+//! (`SandboxBackend::prepare_container`); the pod agent runs it.
+
+use super::{Ctr, Runtime};
+use crate::errors::{agent_err, internal, Result, RuntimeError};
+use crate::sandbox::{ContainerRequest, Pod};
+use crate::spec::{self, SpecInput};
+use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState};
+use k8s_cri::v1 as cri;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::Channel;
+use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+
+impl Runtime {
+    pub async fn create_container(
+        self: &Arc<Self>,
+        pod_id: &str,
+        config: Option<cri::ContainerConfig>,
+    ) -> Result<String> {
+        let config = config
+            .ok_or_else(|| RuntimeError::InvalidArgument("CreateContainer: no config".into()))?;
+        let meta = config.metadata.clone().ok_or_else(|| {
+            RuntimeError::InvalidArgument("CreateContainer: config has no metadata".into())
+        })?;
+        if meta.name.is_empty() {
+            return Err(RuntimeError::InvalidArgument(
+                "CreateContainer: metadata has no name".into(),
+            ));
+        }
+        let pod = self.pod(pod_id)?;
+        // Creation and pod stop/remove exclude each other: no container appears in a pod
+        // that is going away.
+        let _pod_op = pod.op.lock().await;
+        let prec = pod.record();
+        if prec.state != PodState::Ready {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CreateContainer {:?}: pod sandbox {} is not ready",
+                meta.name, prec.id
+            )));
+        }
+        let pmeta = prec.config.metadata.clone().unwrap_or_default();
+        let key = format!(
+            "{}_{}_{}_{}_{}",
+            meta.name, pmeta.name, pmeta.namespace, pmeta.uid, meta.attempt
+        );
+        let id = state::new_id();
+        self.reserve(&key, &id, "container")?;
+        let res = self
+            .create_container_inner(&pod, &prec, &id, &key, config)
+            .await;
+        if res.is_err() {
+            self.release(&key, &id);
+        }
+        res.map(|_| id)
+    }
+
+    pub(super) async fn create_container_inner(
+        self: &Arc<Self>,
+        pod: &Arc<Pod>,
+        prec: &PodRecord,
+        id: &str,
+        key: &str,
+        config: cri::ContainerConfig,
+    ) -> Result<()> {
+        let image_name = config
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default();
+        if image_name.is_empty() {
+            return Err(RuntimeError::InvalidArgument(
+                "CreateContainer: no image".into(),
+            ));
+        }
+        let store = self.store.clone();
+        let q = image_name.clone();
+        let image = tokio::task::spawn_blocking(move || store.find(&q))
+            .await
+            .map_err(|e| internal("image lookup")(&e))?
+            .map_err(|e| match e {
+                vessel_images::ImageError::InvalidReference(_) => {
+                    RuntimeError::InvalidArgument(e.to_string())
+                }
+                e => RuntimeError::Internal(e.to_string()),
+            })?
+            .ok_or_else(|| {
+                RuntimeError::NotFound(format!("image {image_name:?} not found; pull it first"))
+            })?;
+        let layer_dirs = self.store.layer_dirs(&image);
+        // TARGET pid namespace: the target container's pid in the agent's namespace.
+        let ns_target = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.as_ref())
+            .filter(|n| n.pid == cri::NamespaceMode::Target as i32)
+            .map(|n| n.target_id.clone());
+        let target_pid = match ns_target {
+            Some(t) => {
+                let tc = self.ctr(&t).map_err(|_| {
+                    RuntimeError::NotFound(format!(
+                        "pid namespace target container {t:?} not found"
+                    ))
+                })?;
+                let tr = tc.record();
+                (tr.pod_id == prec.id && tr.state == ContainerState::Running).then_some(tr.pid)
+            }
+            None => None,
+        };
+        let backend = self.backend(prec);
+        backend.admit_container(prec, &config)?;
+        let (mut spec, user) = spec::build(&SpecInput {
+            pod: &prec.config,
+            config: &config,
+            image: &image.run_config,
+            layer_dirs: &layer_dirs,
+            hostname: &prec.hostname,
+            pod_dir: &backend.pod_files_dir(prec),
+            cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
+            target_pid,
+            cgroup_ns: backend.cgroup_ns(),
+        })
+        .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        let log_path = container_log_path(&prec.config.log_directory, &config.log_path).map_err(
+            |e| match e {
+                RuntimeError::InvalidArgument(m) => {
+                    RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {m}"))
+                }
+                e => e,
+            },
+        )?;
+        let stop_signal = image
+            .run_config
+            .stop_signal
+            .as_deref()
+            .and_then(spec::parse_signal)
+            .unwrap_or(libc::SIGTERM);
+        let image_ref = image
+            .repo_digests
+            .first()
+            .cloned()
+            .unwrap_or_else(|| image.id.to_string());
+        let mut rec = ContainerRecord {
+            id: id.to_string(),
+            pod_id: prec.id.clone(),
+            name_key: key.to_string(),
+            config: config.clone(),
+            image_name: image_name.clone(),
+            image_id: image.id.to_string(),
+            image_ref,
+            log_path: log_path.clone(),
+            state: ContainerState::Creating,
+            created_at: state::now_nanos(),
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            pid: 0,
+            uid: user.uid,
+            gid: user.gid,
+            groups: user.additional_gids.clone(),
+            stop_signal,
+            snapshot: id.to_string(),
+            layers: image.layers.iter().map(|l| l.diff_id.to_string()).collect(),
+        };
+        self.dirs
+            .save_container(&rec)
+            .map_err(|e| internal("saving container record")(&e))?;
+        let snap = match self.store.prepare_snapshot(id, &image) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = self.store.remove_snapshot(id);
+                let _ = self.dirs.delete_container(id);
+                return Err(RuntimeError::Internal(format!("preparing rootfs: {e}")));
+            }
+        };
+        let in_use = self
+            .ctrs_of(&prec.id)
+            .iter()
+            .flat_map(|c| c.record().layers)
+            .collect();
+        let created = async {
+            let prepared = backend
+                .prepare_container(
+                    pod,
+                    ContainerRequest {
+                        id,
+                        key,
+                        config: &config,
+                        spec: &mut spec,
+                        layers: &rec.layers,
+                        layers_in_use: in_use,
+                        snapshot: &snap,
+                        log_path: &log_path,
+                    },
+                )
+                .await?;
+            let req = ap::CreateContainerRequest {
+                id: id.to_string(),
+                oci_spec: serde_json::to_vec(&spec).map_err(|e| internal("spec")(&e))?,
+                rootfs: Some(prepared.rootfs),
+                log_path: prepared.log_path,
+                tty: config.tty,
+                stdin: config.stdin,
+                stdin_once: config.stdin_once,
+                log_vsock_port: prepared.log_vsock_port,
+            };
+            let mut c = pod.client().await?;
+            let resp = c
+                .create_container(req)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| agent_err(&format!("CreateContainer {key:?}"), s))?;
+            rec.pid = resp.pid;
+            rec.state = ContainerState::Created;
+            self.dirs
+                .save_container(&rec)
+                .map_err(|e| internal("saving container record")(&e))
+        }
+        .await;
+        if let Err(e) = created {
+            if let Ok(mut c) = pod.client().await {
+                let _ = c
+                    .delete_container(ap::DeleteContainerRequest { id: id.to_string() })
+                    .await;
+            }
+            backend.release_container(pod, &rec).await;
+            let _ = self.store.remove_snapshot(id);
+            let _ = self.dirs.delete_container(id);
+            return Err(e);
+        }
+        self.ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string(), Arc::new(Ctr::new(rec)));
+        tracing::info!(container = %id, pod = %prec.id, name = %key, image = %image_name, "container created");
+        Ok(())
+    }
+
+    pub async fn start_container(self: &Arc<Self>, id: &str) -> Result<()> {
+        let ctr = self.ctr(id)?;
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        match rec.state {
+            ContainerState::Created => {}
+            ContainerState::Running => {
+                return Err(RuntimeError::FailedPrecondition(format!(
+                    "container {} is already running",
+                    rec.id
+                )))
+            }
+            _ => {
+                return Err(RuntimeError::FailedPrecondition(format!(
+                    "container {} is {:?}, not created; it cannot be started",
+                    rec.id, rec.state
+                )))
+            }
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = pod.client().await?;
+        // Stamped before the call: a process that exits at once must not finish before it started.
+        let started_at = state::now_nanos();
+        if let Err(s) = c
+            .start_container(ap::StartContainerRequest { id: rec.id.clone() })
+            .await
+        {
+            let e = agent_err(&format!("StartContainer {}", rec.id), s);
+            let rec = ctr.update(|r| {
+                r.state = ContainerState::Exited;
+                r.finished_at = state::now_nanos();
+                r.exit_code = 128;
+                r.reason = "StartError".into();
+                r.message = e.to_string();
+            });
+            let _ = self.dirs.save_container(&rec);
+            return Err(e);
+        }
+        let rec = ctr.update(|r| {
+            if r.state == ContainerState::Created {
+                r.state = ContainerState::Running;
+            }
+            r.started_at = started_at;
+            if r.finished_at != 0 && r.finished_at < started_at {
+                r.finished_at = started_at;
+            }
+        });
+        self.dirs
+            .save_container(&rec)
+            .map_err(|e| internal("saving container record")(&e))?;
+        self.spawn_watcher(pod, ctr.clone(), c);
+        tracing::info!(container = %rec.id, "container started");
+        Ok(())
+    }
+
+    /// SIGKILLs every process of a container and waits for its exit.
+    pub(super) async fn kill_and_wait(
+        &self,
+        c: &mut AgentClient<Channel>,
+        ctr: &Ctr,
+        limit: Duration,
+    ) -> Result<()> {
+        let id = ctr.record().id;
+        let _ = c
+            .signal_container(ap::SignalContainerRequest {
+                id: id.clone(),
+                signal: libc::SIGKILL as u32,
+                all: true,
+            })
+            .await;
+        match tokio::time::timeout(
+            limit,
+            c.wait_container(ap::WaitContainerRequest { id: id.clone() }),
+        )
+        .await
+        {
+            Ok(Ok(r)) => {
+                self.record_exit(ctr, &r.into_inner().exit.unwrap_or_default());
+                Ok(())
+            }
+            Ok(Err(s)) => Err(agent_err(&format!("stopping container {id}"), s)),
+            Err(_) => Err(RuntimeError::DeadlineExceeded(format!(
+                "container {id} did not exit within {limit:?} of SIGKILL"
+            ))),
+        }
+    }
+
+    pub async fn stop_container(self: &Arc<Self>, id: &str, timeout_secs: i64) -> Result<()> {
+        let ctr = match self.ctr(id) {
+            Ok(c) => c,
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        if rec.state != ContainerState::Running {
+            return Ok(());
+        }
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = pod.client().await?;
+        if timeout_secs > 0 {
+            let sig = rec.stop_signal;
+            if let Err(s) = c
+                .signal_container(ap::SignalContainerRequest {
+                    id: rec.id.clone(),
+                    signal: sig as u32,
+                    all: false,
+                })
+                .await
+            {
+                tracing::debug!(container = %rec.id, error = %s, "stop signal not delivered");
+            }
+            let wait = c.wait_container(ap::WaitContainerRequest { id: rec.id.clone() });
+            if let Ok(Ok(r)) =
+                tokio::time::timeout(Duration::from_secs(timeout_secs as u64), wait).await
+            {
+                self.record_exit(&ctr, &r.into_inner().exit.unwrap_or_default());
+                tracing::info!(container = %rec.id, "container stopped");
+                return Ok(());
+            }
+            tracing::info!(container = %rec.id, timeout_secs, "stop signal timed out; killing");
+        }
+        self.kill_and_wait(&mut c, &ctr, Duration::from_secs(30))
+            .await?;
+        tracing::info!(container = %rec.id, "container killed");
+        Ok(())
+    }
+
+    /// Deletes a container everywhere (agent, snapshot, record, name). Caller holds no locks.
+    pub(super) async fn forget_container(&self, ctr: &Ctr) -> Result<()> {
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        if let Ok(pod) = self.pod(&rec.pod_id) {
+            if pod.record().state == PodState::Ready {
+                if let Ok(mut c) = pod.client().await {
+                    if rec.state == ContainerState::Running {
+                        let _ = self
+                            .kill_and_wait(&mut c, ctr, Duration::from_secs(30))
+                            .await;
+                    }
+                    if let Err(s) = c
+                        .delete_container(ap::DeleteContainerRequest { id: rec.id.clone() })
+                        .await
+                    {
+                        return Err(agent_err(&format!("RemoveContainer {}", rec.id), s));
+                    }
+                }
+            }
+        }
+        self.store
+            .remove_snapshot(&rec.snapshot)
+            .map_err(|e| RuntimeError::Internal(format!("removing rootfs of {}: {e}", rec.id)))?;
+        if let Ok(pod) = self.pod(&rec.pod_id) {
+            self.backend(&pod.record())
+                .release_container(&pod, &rec)
+                .await;
+        }
+        self.dirs
+            .delete_container(&rec.id)
+            .map_err(|e| internal("removing record")(&e))?;
+        self.ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&rec.id);
+        self.release(&rec.name_key, &rec.id);
+        tracing::info!(container = %rec.id, "container removed");
+        Ok(())
+    }
+
+    pub async fn remove_container(self: &Arc<Self>, id: &str) -> Result<()> {
+        let ctr = match self.ctr(id) {
+            Ok(c) => c,
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        self.forget_container(&ctr).await
+    }
+
+    /// CRI UpdateContainerResources: new cgroup limits for a created or running container.
+    pub async fn update_container_resources(
+        &self,
+        id: &str,
+        linux: Option<cri::LinuxContainerResources>,
+    ) -> Result<()> {
+        let ctr = self.ctr(id)?;
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        if !matches!(rec.state, ContainerState::Created | ContainerState::Running) {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "UpdateContainerResources: container {} is {:?}",
+                rec.id, rec.state
+            )));
+        }
+        let Some(r) = linux else {
+            return Ok(());
+        };
+        spec::check_resources(&r).map_err(|e| {
+            RuntimeError::InvalidArgument(format!("UpdateContainerResources {}: {e}", rec.id))
+        })?;
+        let pod = self.pod(&rec.pod_id)?;
+        let mut c = pod.client().await?;
+        c.update_resources(ap::UpdateResourcesRequest {
+            id: rec.id.clone(),
+            resources: Some(ap::LinuxResources {
+                cpu_period: r.cpu_period,
+                cpu_quota: r.cpu_quota,
+                cpu_shares: r.cpu_shares,
+                memory_limit_in_bytes: r.memory_limit_in_bytes,
+                cpuset_cpus: r.cpuset_cpus.clone(),
+                cpuset_mems: r.cpuset_mems.clone(),
+                memory_swap_limit_in_bytes: r.memory_swap_limit_in_bytes,
+                unified: r.unified.clone(),
+            }),
+        })
+        .await
+        .map_err(|s| agent_err(&format!("UpdateContainerResources {}", rec.id), s))?;
+        let rec = ctr.update(|c| {
+            let l = c.config.linux.get_or_insert_with(Default::default);
+            l.resources = Some(r.clone());
+        });
+        self.dirs
+            .save_container(&rec)
+            .map_err(|e| internal("saving container record")(&e))?;
+        tracing::info!(container = %rec.id, "container resources updated");
+        Ok(())
+    }
+}
+
+/// Where a container's log goes: kubelet's `log_path` is relative to the pod's
+/// `log_directory` (CRI contract). An absolute path or a `..` component is refused; the
+/// directory is resolved here (kubelet's own, trusted), and the file is then opened beneath it
+/// without following links (`vessel_agent::logs::open_log_nofollow`). Empty: no log.
+fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
+    use std::path::Component;
+    if log_directory.is_empty() || log_path.is_empty() {
+        return Ok(String::new());
+    }
+    let rel = Path::new(log_path);
+    if !rel
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        || rel.file_name().is_none()
+    {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "log_path {log_path:?} must be a relative file path inside the pod's log directory {log_directory:?} (no `..`, not absolute)"
+        )));
+    }
+    let dir = Path::new(log_directory);
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::canonicalize(dir))
+        .map(|d| d.join(rel).display().to_string())
+        .map_err(|e| RuntimeError::Internal(format!("log directory {log_directory:?}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_path_stays_inside_the_log_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("pod");
+        let ds = d.to_str().unwrap();
+        for bad in [
+            "../../../../../../etc/x.log",
+            "/etc/x.log",
+            "ctr/../../x.log",
+            "..",
+        ] {
+            let e = container_log_path(ds, bad).unwrap_err();
+            assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{bad}: {e}");
+        }
+        assert!(!d.exists(), "nothing is created for a refused path");
+        let canon = std::fs::canonicalize(t.path()).unwrap().join("pod");
+        assert_eq!(
+            container_log_path(ds, "ctr/0.log").unwrap(),
+            canon.join("ctr/0.log").display().to_string()
+        );
+        assert_eq!(container_log_path(ds, "").unwrap(), "");
+        assert_eq!(container_log_path("", "x.log").unwrap(), "");
+    }
+}

@@ -1,0 +1,333 @@
+//! The pod and container state machine over a backend double: no root, no agent, no VM.
+//! The double records what the runtime asks of it and can be told to fail a pod's start.
+
+use super::*;
+use crate::sandbox::{
+    AgentAddr, ContainerRequest, ForwardTarget, HostShare, PodLayout, PreparedContainer,
+};
+use crate::state::{BackendState, PodState};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+#[derive(Default)]
+struct Double {
+    kind: Option<BackendKind>,
+    fail_start: AtomicBool,
+    calls: Mutex<Vec<String>>,
+}
+
+impl Double {
+    fn log(&self, what: &str, id: &str) {
+        self.calls.lock().unwrap().push(format!("{what} {id}"));
+    }
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[tonic::async_trait]
+impl SandboxBackend for Double {
+    fn kind(&self) -> BackendKind {
+        self.kind.unwrap_or(BackendKind::Flat)
+    }
+    fn layout(&self, id: &str, _c: &cri::PodSandboxConfig, _s: HostShare) -> PodLayout {
+        PodLayout {
+            state: BackendState::Flat {},
+            agent_socket: PathBuf::from(format!("/nonexistent/{id}.sock")),
+            netns_path: PathBuf::new(),
+        }
+    }
+    fn agent_addr(&self, rec: &PodRecord) -> AgentAddr {
+        AgentAddr::Unix(rec.agent_socket.clone())
+    }
+    async fn start(&self, pod: &Pod, _c: &cri::PodSandboxConfig) -> Result<()> {
+        let id = pod.record().id;
+        self.log("start", &id);
+        if self.fail_start.load(Ordering::SeqCst) {
+            return Err(RuntimeError::Internal(format!(
+                "pod {id}: the double fails"
+            )));
+        }
+        // The host process is the test itself: alive for as long as the test runs.
+        let me = std::process::id();
+        pod.update(|r| {
+            r.agent_pid = me;
+            r.agent_start_time = crate::sandbox::process::process_start_time(me).unwrap_or(0);
+            r.state = PodState::Ready;
+            r.ips = vec!["10.0.0.9".into()];
+        });
+        Ok(())
+    }
+    fn host_process(&self) -> &'static str {
+        "the double"
+    }
+    async fn after_shutdown(&self, rec: &PodRecord) {
+        self.log("after_shutdown", &rec.id);
+    }
+    async fn teardown(&self, rec: &PodRecord) {
+        self.log("teardown", &rec.id);
+    }
+    fn admit_container(&self, _p: &PodRecord, _c: &cri::ContainerConfig) -> Result<()> {
+        Ok(())
+    }
+    fn pod_files_dir(&self, _p: &PodRecord) -> PathBuf {
+        PathBuf::from("/pod")
+    }
+    fn cgroup_ns(&self) -> bool {
+        false
+    }
+    async fn prepare_container(
+        &self,
+        _pod: &Pod,
+        _r: ContainerRequest<'_>,
+    ) -> Result<PreparedContainer> {
+        Err(RuntimeError::Internal(
+            "the double has no containers".into(),
+        ))
+    }
+    async fn release_container(&self, _pod: &Pod, rec: &ContainerRecord) {
+        self.log("release", &rec.id);
+    }
+    async fn reopen_log(&self, _pod: &Pod, _rec: &ContainerRecord) -> Result<()> {
+        Ok(())
+    }
+    fn forward_target(&self, _rec: &PodRecord) -> Result<ForwardTarget> {
+        Ok(ForwardTarget::Netns(PathBuf::new()))
+    }
+    fn info(&self, _rec: &PodRecord) -> serde_json::Value {
+        serde_json::json!({"double": true})
+    }
+    async fn sweep_orphans(&self, _r: &[PodRecord], _k: &HashSet<String>) {}
+}
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    rt: Arc<Runtime>,
+    flat: Arc<Double>,
+    vm: Arc<Double>,
+}
+
+fn options(root: &Path, default_handler: &str, vm_ready: bool) -> RuntimeOptions {
+    RuntimeOptions {
+        vm: VmSupport {
+            ready: vm_ready,
+            kvm_usable: vm_ready,
+            reason_code: "Test".into(),
+            reason: "a test double".into(),
+            fallback: true,
+        },
+        vm_cfg: crate::config::VmConfig::default(),
+        guest_root: crate::config::GuestRoot::Initrd(root.join("initrd")),
+        shim_binary: root.join("shim"),
+        default_handler: default_handler.into(),
+        agent_binary: root.join("agent"),
+        log_level: "info".into(),
+        root_dir: root.join("root"),
+        state_dir: root.join("run"),
+        cni: crate::cni::Cni {
+            conf_dir: root.join("cni/conf"),
+            bin_dirs: vec![root.join("cni/bin")],
+            cache_dir: root.join("cni/cache"),
+        },
+    }
+}
+
+async fn fixture(default_handler: &str, vm_ready: bool) -> Fixture {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = options(tmp.path(), default_handler, vm_ready);
+    let dirs = StateDirs::new(&opts.root_dir, &opts.state_dir).unwrap();
+    let store = Arc::new(ImageStore::open(tmp.path().join("images")).unwrap());
+    let flat = Arc::new(Double::default());
+    let vm = Arc::new(Double {
+        kind: Some(BackendKind::Vm),
+        ..Default::default()
+    });
+    let backends = Backends {
+        flat: flat.clone(),
+        vm: vm.clone(),
+    };
+    let rt = Runtime::with_backends(opts, dirs, store, backends)
+        .await
+        .unwrap();
+    Fixture {
+        _tmp: tmp,
+        rt,
+        flat,
+        vm,
+    }
+}
+
+fn pod_config(name: &str) -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            namespace: "ns".into(),
+            uid: format!("uid-{name}"),
+            attempt: 0,
+        }),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_pod_runs_stops_and_is_removed_through_its_backend() {
+    let f = fixture("flat", false).await;
+    let id =
+        f.rt.run_pod_sandbox(Some(pod_config("web")), "")
+            .await
+            .unwrap();
+    let st = f.rt.pod_sandbox_status(&id, true).unwrap();
+    let status = st.status.unwrap();
+    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32);
+    assert_eq!(status.network.unwrap().ip, "10.0.0.9");
+    assert!(st.info["info"].contains("\"double\":true"), "{:?}", st.info);
+    // The record was saved Ready: a restart finds it.
+    let saved = f.rt.dirs.load_pods();
+    assert_eq!(saved.len(), 1);
+    assert_eq!(saved[0].state, PodState::Ready);
+
+    // The same metadata again is refused while the pod exists.
+    let e =
+        f.rt.run_pod_sandbox(Some(pod_config("web")), "")
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::AlreadyExists(_)), "{e}");
+
+    f.rt.stop_pod_sandbox(&id).await.unwrap();
+    let status = f.rt.pod_sandbox_status(&id, false).unwrap().status.unwrap();
+    assert_eq!(status.state, cri::PodSandboxState::SandboxNotready as i32);
+    // No agent answers the double's address: stop still tears the sandbox down.
+    f.rt.stop_pod_sandbox(&id).await.unwrap();
+    f.rt.remove_pod_sandbox(&id).await.unwrap();
+    assert!(matches!(
+        f.rt.pod_sandbox_status(&id, false),
+        Err(RuntimeError::NotFound(_))
+    ));
+    assert!(f.rt.dirs.load_pods().is_empty());
+    assert_eq!(
+        f.flat.calls(),
+        [
+            format!("start {id}"),
+            format!("after_shutdown {id}"),
+            format!("teardown {id}"),
+            // Stop and remove each take down what is left: idempotent.
+            format!("teardown {id}"),
+            format!("teardown {id}"),
+        ]
+    );
+    assert!(f.vm.calls().is_empty());
+    // Removed: the name is free again.
+    f.rt.run_pod_sandbox(Some(pod_config("web")), "")
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_failed_start_is_torn_down_and_leaves_no_record_or_name() {
+    let f = fixture("flat", false).await;
+    f.flat.fail_start.store(true, Ordering::SeqCst);
+    let e =
+        f.rt.run_pod_sandbox(Some(pod_config("bad")), "")
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::Internal(_)), "{e}");
+    let calls = f.flat.calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls[0].starts_with("start ") && calls[1].starts_with("teardown "));
+    assert!(f.rt.dirs.load_pods().is_empty());
+    assert!(f.rt.list_pod_sandbox(None).is_empty());
+    f.flat.fail_start.store(false, Ordering::SeqCst);
+    f.rt.run_pod_sandbox(Some(pod_config("bad")), "")
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn handlers_pick_the_backend() {
+    // KVM ready: the default handler "vm" gives a VM; "flat" gives flat; a host-network
+    // pod runs flat by policy.
+    let f = fixture("vm", true).await;
+    f.rt.run_pod_sandbox(Some(pod_config("a")), "")
+        .await
+        .unwrap();
+    f.rt.run_pod_sandbox(Some(pod_config("b")), "flat")
+        .await
+        .unwrap();
+    let mut host = pod_config("c");
+    host.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                network: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    f.rt.run_pod_sandbox(Some(host), "vm").await.unwrap();
+    assert_eq!(f.vm.calls().len(), 1, "{:?}", f.vm.calls());
+    assert_eq!(f.flat.calls().len(), 2, "{:?}", f.flat.calls());
+    let e =
+        f.rt.run_pod_sandbox(Some(pod_config("d")), "kata")
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{e}");
+
+    // No KVM: vm falls back to flat (vm_fallback), and says why in the log.
+    let f = fixture("vm", false).await;
+    f.rt.run_pod_sandbox(Some(pod_config("a")), "vm")
+        .await
+        .unwrap();
+    assert!(f.vm.calls().is_empty());
+    assert_eq!(f.flat.calls().len(), 1);
+}
+
+#[tokio::test]
+async fn container_requests_are_checked_before_the_backend_is_asked() {
+    let f = fixture("flat", false).await;
+    let id =
+        f.rt.run_pod_sandbox(Some(pod_config("p")), "")
+            .await
+            .unwrap();
+    let ctr = |name: &str, image: &str| cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: name.into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let e =
+        f.rt.create_container(&id, Some(ctr("c", "busybox:none")))
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::NotFound(_)), "{e}");
+    let e =
+        f.rt.create_container(&id, Some(ctr("c", "")))
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{e}");
+    let e =
+        f.rt.create_container("nope", Some(ctr("c", "busybox")))
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::NotFound(_)), "{e}");
+    f.rt.stop_pod_sandbox(&id).await.unwrap();
+    let e =
+        f.rt.create_container(&id, Some(ctr("c", "busybox")))
+            .await
+            .unwrap_err();
+    assert!(matches!(e, RuntimeError::FailedPrecondition(_)), "{e}");
+    // Nothing was reserved by the refused requests.
+    assert!(f
+        .rt
+        .names
+        .lock()
+        .unwrap()
+        .keys()
+        .all(|k| !k.starts_with("c_")));
+    assert!(f.rt.list_containers(None).is_empty());
+}

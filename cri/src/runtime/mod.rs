@@ -1,0 +1,317 @@
+//! Pods and containers: the logic behind the CRI RuntimeService.
+//!
+//! Each pod has a record (`state::PodRecord`), a sandbox made by its backend
+//! (`crate::sandbox`: flat or VM) and a pod agent; each container a record and a snapshot.
+//! Reads use the in-memory copy of a record; changes of one object are serialised by its
+//! `op` lock and persisted before they are acknowledged. Exits are observed by a watcher task
+//! per started container (`WaitContainer` on the agent), so listing never asks the agent.
+//! Nothing here knows how a backend does its part.
+//!
+//! - [`pod`]: RunPodSandbox, StopPodSandbox, RemovePodSandbox, status and list.
+//! - [`container`]: container lifecycle and resources.
+//! - [`exec`]: ExecSync, Exec, Attach, ReopenContainerLog.
+//! - [`stats`]: container and pod stats.
+//! - [`watch`]: exit and death watchers.
+//! - [`recover`]: rebuilding state at start.
+//! - [`translate`]: records to CRI messages.
+
+mod container;
+mod exec;
+mod pod;
+mod recover;
+mod stats;
+mod translate;
+mod watch;
+
+#[cfg(test)]
+mod double_tests;
+
+pub use crate::errors::RuntimeError;
+pub use crate::sandbox::{VmSupport, HANDLERS};
+pub use exec::ExecChannels;
+
+use crate::errors::{internal, Result};
+use crate::sandbox::{flat::FlatBackend, vm::VmBackend, Pod, SandboxBackend};
+use crate::state::{BackendKind, ContainerRecord, PodRecord, StateDirs};
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use vessel_agent::proto as ap;
+use vessel_images::ImageStore;
+
+pub struct RuntimeOptions {
+    pub vm: VmSupport,
+    pub vm_cfg: crate::config::VmConfig,
+    /// What the guest boots from (initrd or EROFS root disk).
+    pub guest_root: crate::config::GuestRoot,
+    pub shim_binary: PathBuf,
+    /// "vm" or "flat": the backend of pods with no runtime handler.
+    pub default_handler: String,
+    pub agent_binary: PathBuf,
+    pub log_level: String,
+    pub root_dir: PathBuf,
+    pub state_dir: PathBuf,
+    /// The node's CNI plugins, for pods with their own network namespace.
+    pub cni: crate::cni::Cni,
+}
+
+/// A container in memory: its record and the lock that orders its operations.
+pub struct Ctr {
+    rec: RwLock<ContainerRecord>,
+    op: tokio::sync::Mutex<()>,
+}
+
+impl Ctr {
+    fn new(rec: ContainerRecord) -> Ctr {
+        Ctr {
+            rec: RwLock::new(rec),
+            op: tokio::sync::Mutex::new(()),
+        }
+    }
+    pub fn record(&self) -> ContainerRecord {
+        self.rec.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn update(&self, f: impl FnOnce(&mut ContainerRecord)) -> ContainerRecord {
+        let mut g = self.rec.write().unwrap_or_else(|p| p.into_inner());
+        f(&mut g);
+        g.clone()
+    }
+}
+
+/// The two sandbox backends a runtime dispatches to.
+pub struct Backends {
+    pub flat: Arc<dyn SandboxBackend>,
+    pub vm: Arc<dyn SandboxBackend>,
+}
+
+pub struct Runtime {
+    opts: RuntimeOptions,
+    dirs: StateDirs,
+    store: Arc<ImageStore>,
+    backends: Backends,
+    pods: Mutex<HashMap<String, Arc<Pod>>>,
+    ctrs: Mutex<HashMap<String, Arc<Ctr>>>,
+    /// Reserved names (pod and container name keys) -> id.
+    names: Mutex<HashMap<String, String>>,
+    /// The pod CIDR kubelet announced with UpdateRuntimeConfig.
+    pod_cidr: Mutex<String>,
+    /// Records found unreadable (and moved aside) at start, for Status.
+    quarantined: Mutex<Vec<PathBuf>>,
+}
+
+fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
+    format!("{}_{}_{}_{}", m.name, m.namespace, m.uid, m.attempt)
+}
+
+fn valid_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.')
+}
+
+fn exit_reason(exit: &ap::ExitInfo) -> (i32, String) {
+    let code = if exit.signal != 0 {
+        128 + exit.signal as i32
+    } else {
+        exit.exit_code
+    };
+    let reason = if exit.oom_killed {
+        "OOMKilled"
+    } else if code == 0 {
+        "Completed"
+    } else {
+        "Error"
+    };
+    (code, reason.to_string())
+}
+
+/// An object by full id or by a unique id prefix, as crictl users type them.
+fn lookup<T>(map: &HashMap<String, Arc<T>>, id: &str, what: &str) -> Result<Arc<T>> {
+    if let Some(v) = map.get(id) {
+        return Ok(v.clone());
+    }
+    let mut hits = map
+        .iter()
+        .filter(|(k, _)| !id.is_empty() && k.starts_with(id));
+    match (hits.next(), hits.next()) {
+        (Some((_, v)), None) => Ok(v.clone()),
+        (None, _) => Err(RuntimeError::NotFound(format!("{what} {id:?} not found"))),
+        (Some(_), Some(_)) => Err(RuntimeError::InvalidArgument(format!(
+            "{what} id prefix {id:?} is ambiguous"
+        ))),
+    }
+}
+
+fn matches_labels(labels: &HashMap<String, String>, selector: &HashMap<String, String>) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+impl Runtime {
+    pub async fn open(opts: RuntimeOptions, store: Arc<ImageStore>) -> Result<Arc<Runtime>> {
+        let dirs =
+            StateDirs::new(&opts.root_dir, &opts.state_dir).map_err(|e| internal("state")(&e))?;
+        let backends = Backends {
+            flat: Arc::new(FlatBackend {
+                agent_binary: opts.agent_binary.clone(),
+                log_level: opts.log_level.clone(),
+                dirs: dirs.clone(),
+                cni: opts.cni.clone(),
+            }),
+            vm: Arc::new(VmBackend {
+                shim_binary: opts.shim_binary.clone(),
+                cfg: opts.vm_cfg.clone(),
+                guest_root: opts.guest_root.clone(),
+                log_level: opts.log_level.clone(),
+                dirs: dirs.clone(),
+                store: store.clone(),
+            }),
+        };
+        Self::with_backends(opts, dirs, store, backends).await
+    }
+
+    /// A runtime over given backends (tests use doubles), after recovering the state in
+    /// `dirs`.
+    pub async fn with_backends(
+        opts: RuntimeOptions,
+        dirs: StateDirs,
+        store: Arc<ImageStore>,
+        backends: Backends,
+    ) -> Result<Arc<Runtime>> {
+        let rt = Arc::new(Runtime {
+            opts,
+            dirs,
+            store,
+            backends,
+            pods: Mutex::default(),
+            ctrs: Mutex::default(),
+            names: Mutex::default(),
+            pod_cidr: Mutex::default(),
+            quarantined: Mutex::default(),
+        });
+        rt.recover().await;
+        Ok(rt)
+    }
+
+    /// Records that could not be read at start and were moved aside, for Status.
+    pub fn quarantined_records(&self) -> Vec<PathBuf> {
+        self.quarantined
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn agent_binary(&self) -> &Path {
+        &self.opts.agent_binary
+    }
+
+    pub fn cni(&self) -> &crate::cni::Cni {
+        &self.opts.cni
+    }
+
+    pub fn vm_support(&self) -> &VmSupport {
+        &self.opts.vm
+    }
+
+    /// The backend of a pod (by its record).
+    fn backend(&self, rec: &PodRecord) -> &dyn SandboxBackend {
+        self.backend_of(rec.backend.kind())
+    }
+
+    fn backend_of(&self, kind: BackendKind) -> &dyn SandboxBackend {
+        match kind {
+            BackendKind::Flat => self.backends.flat.as_ref(),
+            BackendKind::Vm => self.backends.vm.as_ref(),
+        }
+    }
+
+    /// A pod object for a record, with its backend's agent address.
+    fn pod_object(&self, rec: PodRecord) -> Arc<Pod> {
+        let addr = self.backend(&rec).agent_addr(&rec);
+        Arc::new(Pod::new(rec, addr))
+    }
+
+    // ---------- lookups ----------
+
+    fn pod(&self, id: &str) -> Result<Arc<Pod>> {
+        lookup(
+            &self.pods.lock().unwrap_or_else(|p| p.into_inner()),
+            id,
+            "pod sandbox",
+        )
+    }
+
+    fn ctr(&self, id: &str) -> Result<Arc<Ctr>> {
+        lookup(
+            &self.ctrs.lock().unwrap_or_else(|p| p.into_inner()),
+            id,
+            "container",
+        )
+    }
+
+    fn ctrs_of(&self, pod_id: &str) -> Vec<Arc<Ctr>> {
+        self.ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|c| c.record().pod_id == pod_id)
+            .cloned()
+            .collect()
+    }
+
+    fn reserve(&self, key: &str, id: &str, what: &str) -> Result<()> {
+        let mut n = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(other) = n.get(key) {
+            return Err(RuntimeError::AlreadyExists(format!(
+                "{what} name {key:?} is reserved for {other}; remove it first"
+            )));
+        }
+        n.insert(key.to_string(), id.to_string());
+        Ok(())
+    }
+
+    fn release(&self, key: &str, id: &str) {
+        let mut n = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        if n.get(key).map(|v| v == id).unwrap_or(false) {
+            n.remove(key);
+        }
+    }
+
+    pub fn set_pod_cidr(&self, cidr: &str) {
+        *self.pod_cidr.lock().unwrap_or_else(|p| p.into_inner()) = cidr.to_string();
+        tracing::info!(pod_cidr = %cidr, "runtime config updated");
+    }
+
+    pub fn pod_cidr(&self) -> String {
+        self.pod_cidr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_by_id_or_unique_prefix() {
+        let m: HashMap<String, Arc<u8>> =
+            [("abc1".into(), Arc::new(1)), ("abc2".into(), Arc::new(2))]
+                .into_iter()
+                .collect();
+        assert_eq!(*lookup(&m, "abc2", "container").unwrap(), 2);
+        assert_eq!(*lookup(&m, "abc1", "container").unwrap(), 1);
+        let e = lookup(&m, "abc", "container").unwrap_err();
+        assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{e}");
+        let e = lookup(&m, "x", "pod sandbox").unwrap_err();
+        assert_eq!(e.to_string(), "pod sandbox \"x\" not found");
+        assert!(matches!(
+            lookup(&m, "", "container"),
+            Err(RuntimeError::NotFound(_))
+        ));
+        let one: HashMap<String, Arc<u8>> = [("zz9".into(), Arc::new(9))].into_iter().collect();
+        assert_eq!(*lookup(&one, "zz", "container").unwrap(), 9);
+    }
+}

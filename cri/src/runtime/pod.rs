@@ -1,0 +1,309 @@
+//! Pod sandboxes: RunPodSandbox, StopPodSandbox, RemovePodSandbox, their status and list.
+//! What differs between flat and VM pods is the backend's (`crate::sandbox`).
+
+use super::{matches_labels, pod_name_key, valid_dns_label, Runtime};
+use crate::errors::{internal, Result, RuntimeError};
+use crate::sandbox::{self, HostShare};
+use crate::state::{self, BackendKind, ContainerState, PodRecord, PodState};
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use vessel_agent::proto as ap;
+
+impl Runtime {
+    pub async fn run_pod_sandbox(
+        self: &Arc<Self>,
+        config: Option<cri::PodSandboxConfig>,
+        handler: &str,
+    ) -> Result<String> {
+        let config = config
+            .ok_or_else(|| RuntimeError::InvalidArgument("RunPodSandbox: no config".into()))?;
+        let meta = config.metadata.clone().ok_or_else(|| {
+            RuntimeError::InvalidArgument("RunPodSandbox: config has no metadata".into())
+        })?;
+        if meta.name.is_empty() || meta.namespace.is_empty() || meta.uid.is_empty() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "RunPodSandbox: metadata needs name, namespace and uid (got name={:?} namespace={:?} uid={:?})",
+                meta.name, meta.namespace, meta.uid
+            )));
+        }
+        let backend = sandbox::choose(
+            &config,
+            handler,
+            &sandbox::Admission {
+                default_handler: &self.opts.default_handler,
+                vm: &self.opts.vm,
+                host_namespaces: self.opts.vm_cfg.host_namespaces,
+            },
+        )?;
+        let id = state::new_id();
+        let key = pod_name_key(&meta);
+        self.reserve(&key, &id, "pod sandbox")?;
+        let res = self.create_pod(&id, &key, config, handler, backend).await;
+        if res.is_err() {
+            self.release(&key, &id);
+        }
+        res.map(|_| id)
+    }
+
+    pub(super) async fn create_pod(
+        self: &Arc<Self>,
+        id: &str,
+        key: &str,
+        config: cri::PodSandboxConfig,
+        handler: &str,
+        kind: BackendKind,
+    ) -> Result<()> {
+        let meta = config.metadata.clone().unwrap_or_default();
+        let linux = config.linux.clone().unwrap_or_default();
+        let share = HostShare::of(&config);
+        let backend = self.backend_of(kind);
+        // A pod on the host's network, or one whose config names no hostname (critest sends
+        // none; kubelet always does), gets the node's hostname, as with containerd and CRI-O.
+        let hostname = if share.net || config.hostname.is_empty() {
+            rustix::system::uname()
+                .nodename()
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            config.hostname.clone()
+        };
+        if !valid_dns_label(&hostname) || hostname.len() > 64 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "pod {:?}: hostname {hostname:?} is not a valid host name",
+                meta.name
+            )));
+        }
+        let cgroup_parent = if linux.cgroup_parent.is_empty() {
+            format!("/vessel/{id}")
+        } else if linux.cgroup_parent.contains(".slice") {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "cgroup parent {:?} is a systemd slice, but vessel's cgroup driver is cgroupfs",
+                linux.cgroup_parent
+            )));
+        } else {
+            linux.cgroup_parent.clone()
+        };
+        let layout = backend.layout(id, &config, share);
+        let rec = PodRecord {
+            id: id.to_string(),
+            name_key: key.to_string(),
+            config: config.clone(),
+            runtime_handler: handler.to_string(),
+            backend: layout.state,
+            state: PodState::Creating,
+            created_at: state::now_nanos(),
+            agent_pid: 0,
+            agent_start_time: 0,
+            agent_socket: layout.agent_socket,
+            agent_state_dir: self.dirs.pod_run_dir(id).join("agent"),
+            netns_path: layout.netns_path,
+            hostname: hostname.clone(),
+            cgroup_parent,
+            reason: String::new(),
+            ips: Vec::new(),
+        };
+        // The record comes first: a crash from here on leaves something recovery cleans.
+        sandbox::save(&self.dirs, &rec)?;
+        let pod = self.pod_object(rec);
+        let setup = match backend.start(&pod, &config).await {
+            Ok(()) => sandbox::save(&self.dirs, &pod.record()),
+            Err(e) => Err(e),
+        };
+        match setup {
+            Ok(()) => {
+                self.pods
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id.to_string(), pod.clone());
+                self.spawn_pod_watcher(pod);
+                tracing::info!(pod = %id, name = %meta.name, namespace = %meta.namespace, backend = %kind, "pod sandbox ready");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(pod = %id, error = %e, "RunPodSandbox failed; cleaning up");
+                self.teardown_pod_resources(&pod.record()).await;
+                self.opts.cni.forget(id);
+                let _ = self.dirs.delete_pod(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes down what the pod's backend made (host process, network, netns pin, cgroup, VM
+    /// files). Idempotent.
+    pub(super) async fn teardown_pod_resources(&self, rec: &PodRecord) {
+        self.backend(rec).teardown(rec).await;
+    }
+
+    pub async fn stop_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
+        let pod = match self.pod(id) {
+            Ok(p) => p,
+            // CRI: stopping what is gone is fine.
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        if rec.state == PodState::Ready {
+            if let Ok(mut c) = pod.client().await {
+                for ctr in self.ctrs_of(&rec.id) {
+                    let _cop = ctr.op.lock().await;
+                    if ctr.record().state == ContainerState::Running {
+                        let _ = self
+                            .kill_and_wait(&mut c, &ctr, Duration::from_secs(10))
+                            .await;
+                    }
+                }
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(15),
+                    c.shutdown(ap::ShutdownRequest {}),
+                )
+                .await;
+            }
+            self.backend(&rec).after_shutdown(&rec).await;
+        }
+        pod.set_client(None).await;
+        self.teardown_pod_resources(&rec).await;
+        for ctr in self.ctrs_of(&rec.id) {
+            self.mark_lost(&ctr, "pod sandbox stopped");
+        }
+        let rec = pod.update(|r| {
+            r.state = PodState::NotReady;
+            if r.reason.is_empty() {
+                r.reason = "stopped".into();
+            }
+        });
+        sandbox::save(&self.dirs, &rec)?;
+        tracing::info!(pod = %rec.id, "pod sandbox stopped");
+        Ok(())
+    }
+
+    pub async fn remove_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
+        let pod = match self.pod(id) {
+            Ok(p) => p,
+            Err(RuntimeError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if pod.record().state == PodState::Ready {
+            self.stop_pod_sandbox(id).await?;
+        }
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        for ctr in self.ctrs_of(&rec.id) {
+            self.forget_container(&ctr).await?;
+        }
+        self.teardown_pod_resources(&rec).await;
+        self.opts.cni.forget(&rec.id);
+        self.dirs
+            .delete_pod(&rec.id)
+            .map_err(|e| internal("removing pod state")(&e))?;
+        self.pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&rec.id);
+        self.release(&rec.name_key, &rec.id);
+        tracing::info!(pod = %rec.id, "pod sandbox removed");
+        Ok(())
+    }
+
+    pub fn pod_sandbox_status(
+        &self,
+        id: &str,
+        verbose: bool,
+    ) -> Result<cri::PodSandboxStatusResponse> {
+        let pod = self.pod(id)?;
+        let rec = pod.record();
+        let ns = rec
+            .config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.clone());
+        let status = cri::PodSandboxStatus {
+            id: rec.id.clone(),
+            metadata: rec.config.metadata.clone(),
+            state: if rec.state == PodState::Ready {
+                cri::PodSandboxState::SandboxReady as i32
+            } else {
+                cri::PodSandboxState::SandboxNotready as i32
+            },
+            created_at: rec.created_at,
+            network: Some(cri::PodSandboxNetworkStatus {
+                ip: rec.ips.first().cloned().unwrap_or_default(),
+                additional_ips: rec
+                    .ips
+                    .iter()
+                    .skip(1)
+                    .map(|ip| cri::PodIp { ip: ip.clone() })
+                    .collect(),
+            }),
+            linux: Some(cri::LinuxPodSandboxStatus {
+                namespaces: Some(cri::Namespace { options: ns }),
+            }),
+            labels: rec.config.labels.clone(),
+            annotations: rec.config.annotations.clone(),
+            runtime_handler: rec.runtime_handler.clone(),
+        };
+        let mut info = HashMap::new();
+        if verbose {
+            let backend = self.backend(&rec);
+            info.insert(
+                "info".into(),
+                serde_json::json!({
+                    "backend": backend.kind().as_str(),
+                    "pid": rec.agent_pid,
+                    "netns": rec.netns_path,
+                    "agentSocket": rec.agent_socket,
+                    "hostname": rec.hostname,
+                    "cgroupParent": rec.cgroup_parent,
+                    "reason": rec.reason,
+                    "ips": rec.ips,
+                    "vm": backend.info(&rec),
+                })
+                .to_string(),
+            );
+        }
+        Ok(cri::PodSandboxStatusResponse {
+            status: Some(status),
+            info,
+            ..Default::default()
+        })
+    }
+
+    pub fn list_pod_sandbox(&self, filter: Option<cri::PodSandboxFilter>) -> Vec<cri::PodSandbox> {
+        let f = filter.unwrap_or_default();
+        let mut out: Vec<cri::PodSandbox> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|p| p.record())
+            .filter(|r| r.state != PodState::Creating)
+            .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
+            .filter(|r| {
+                f.state.as_ref().is_none_or(|s| {
+                    let ready = s.state == cri::PodSandboxState::SandboxReady as i32;
+                    ready == (r.state == PodState::Ready)
+                })
+            })
+            .filter(|r| matches_labels(&r.config.labels, &f.label_selector))
+            .map(|r| cri::PodSandbox {
+                id: r.id.clone(),
+                metadata: r.config.metadata.clone(),
+                state: if r.state == PodState::Ready {
+                    cri::PodSandboxState::SandboxReady as i32
+                } else {
+                    cri::PodSandboxState::SandboxNotready as i32
+                },
+                created_at: r.created_at,
+                labels: r.config.labels.clone(),
+                annotations: r.config.annotations.clone(),
+                runtime_handler: r.runtime_handler.clone(),
+            })
+            .collect();
+        out.sort_by_key(|p| p.created_at);
+        out
+    }
+}

@@ -1,0 +1,219 @@
+//! Recovery at start: rebuilds memory from the records, reconnects to live pod agents, marks
+//! pods whose host process died NotReady, finishes or undoes half-done work, and removes
+//! debris (snapshots, netns pins, CNI attachments, backend leftovers) that no record owns.
+
+use super::{Ctr, Runtime};
+use crate::errors::agent_err;
+use crate::sandbox::{held, netns, process};
+use crate::state::{self, ContainerState, PodState};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use vessel_agent::proto as ap;
+
+impl Runtime {
+    /// Rebuilds memory from records after a (re)start: reconnects to live pod agents, marks
+    /// pods whose agent died NotReady, finishes or undoes half-done work, and removes debris.
+    pub(super) async fn recover(self: &Arc<Self>) {
+        for dir in self.dirs.orphan_pod_dirs() {
+            tracing::info!(dir = %dir.display(), "removing pod dir without record");
+            let _ = vessel_images::fsutil::remove_any(&dir);
+        }
+        let records = self.dirs.load_pods();
+        // What belongs to a record that could not be read is kept (its pod may still run).
+        let mut kept = self.dirs.quarantined_ids();
+        if !kept.is_empty() {
+            tracing::error!(ids = ?kept, "records quarantined; their data is kept and their pods are not managed (see Status)");
+        }
+        for b in [&self.backends.flat, &self.backends.vm] {
+            b.sweep_orphans(&records, &kept).await;
+        }
+        for rec in records {
+            if rec.state == PodState::Creating {
+                tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
+                self.teardown_pod_resources(&rec).await;
+                self.opts.cni.forget(&rec.id);
+                let _ = self.dirs.delete_pod(&rec.id);
+                continue;
+            }
+            self.names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name_key.clone(), rec.id.clone());
+            let pod = self.pod_object(rec.clone());
+            self.pods
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.id.clone(), pod.clone());
+            if rec.state == PodState::Ready {
+                let alive = process::is_alive(rec.agent_pid, rec.agent_start_time)
+                    && matches!(
+                        tokio::time::timeout(Duration::from_secs(5), async {
+                            let mut c = pod.client().await?;
+                            c.ping(ap::PingRequest {})
+                                .await
+                                .map_err(|s| agent_err("ping", s))
+                        })
+                        .await,
+                        Ok(Ok(_))
+                    );
+                if !alive {
+                    tracing::warn!(pod = %rec.id, "pod agent is gone; pod is not ready");
+                    pod.set_client(None).await;
+                    self.teardown_pod_resources(&rec).await;
+                    let why = format!(
+                        "{} exited while vesseld was down",
+                        self.backend(&rec).host_process()
+                    );
+                    let r = pod.update(|r| {
+                        r.state = PodState::NotReady;
+                        r.reason = why;
+                    });
+                    let _ = self.dirs.save_pod(&r);
+                } else {
+                    self.spawn_pod_watcher(pod.clone());
+                }
+            } else {
+                // Not ready: make sure nothing of it runs or stays mounted.
+                self.teardown_pod_resources(&rec).await;
+            }
+        }
+        let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
+            HashMap::new();
+        for rec in self.dirs.load_containers() {
+            if held(&kept, &rec.pod_id) {
+                tracing::warn!(container = %rec.id, pod = %rec.pod_id, "container of a pod whose record is quarantined: kept, not managed");
+                kept.insert(rec.id.clone());
+                continue;
+            }
+            let Ok(pod) = self.pod(&rec.pod_id) else {
+                tracing::info!(container = %rec.id, "removing container of a pod that no longer exists");
+                let _ = self.store.remove_snapshot(&rec.snapshot);
+                let _ = self.dirs.delete_container(&rec.id);
+                continue;
+            };
+            let pod_ready = pod.record().state == PodState::Ready;
+            if !agent_lists.contains_key(&rec.pod_id) {
+                let list = if pod_ready {
+                    match pod.client().await {
+                        Ok(mut c) => c
+                            .list_containers(ap::ListContainersRequest {})
+                            .await
+                            .ok()
+                            .map(|r| {
+                                r.into_inner()
+                                    .containers
+                                    .into_iter()
+                                    .map(|i| (i.id.clone(), i))
+                                    .collect()
+                            }),
+                        Err(_) => None,
+                    }
+                } else {
+                    None
+                };
+                agent_lists.insert(rec.pod_id.clone(), list);
+            }
+            let known = agent_lists.get(&rec.pod_id).cloned().flatten();
+            if rec.state == ContainerState::Creating {
+                tracing::info!(container = %rec.id, "cleaning up container interrupted while being created");
+                if pod_ready {
+                    if let Ok(mut c) = pod.client().await {
+                        let _ = c
+                            .delete_container(ap::DeleteContainerRequest { id: rec.id.clone() })
+                            .await;
+                    }
+                }
+                let _ = self.store.remove_snapshot(&rec.snapshot);
+                let _ = self.dirs.delete_container(&rec.id);
+                continue;
+            }
+            self.names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name_key.clone(), rec.id.clone());
+            let ctr = Arc::new(Ctr::new(rec.clone()));
+            self.ctrs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.id.clone(), ctr.clone());
+            if rec.state == ContainerState::Exited {
+                continue;
+            }
+            match known.as_ref().and_then(|m| m.get(&rec.id)) {
+                None => self.mark_lost(&ctr, "the pod agent is gone"),
+                Some(info) => {
+                    if let Some(exit) = &info.exit {
+                        if info.state == ap::ContainerState::Exited as i32 {
+                            let r = self.record_exit(&ctr, exit);
+                            tracing::info!(container = %rec.id, exit_code = r.exit_code, "container exited while vesseld was down");
+                            continue;
+                        }
+                    }
+                    if info.state == ap::ContainerState::Running as i32 {
+                        let r = ctr.update(|r| {
+                            r.state = ContainerState::Running;
+                            r.pid = info.pid;
+                            if r.started_at == 0 {
+                                r.started_at = info.started_at;
+                            }
+                        });
+                        let _ = self.dirs.save_container(&r);
+                        if let Ok(c) = pod.client().await {
+                            self.spawn_watcher(pod.clone(), ctr.clone(), c);
+                        }
+                    }
+                }
+            }
+        }
+        // Container records quarantined just now, while loading them.
+        let quarantined = self.dirs.quarantined();
+        kept.extend(quarantined.iter().filter_map(|p| state::quarantined_id(p)));
+        *self.quarantined.lock().unwrap_or_else(|p| p.into_inner()) = quarantined;
+        // CNI attachments without a pod: DEL them (their netns may be gone; DEL still frees
+        // the IP). A pod whose record is quarantined may still run: its network stays.
+        for id in self.opts.cni.cached_ids() {
+            if self.pod(&id).is_err() && !held(&kept, &id) {
+                if let Some(a) = self.opts.cni.cached(&id) {
+                    tracing::info!(pod = %id, "detaching CNI attachment without a pod");
+                    if let Err(e) = self.opts.cni.del(&a).await {
+                        tracing::warn!(pod = %id, error = %e, "CNI DEL failed");
+                    }
+                }
+                self.opts.cni.forget(&id);
+            }
+        }
+        // Snapshots without a container, and netns pins without a pod.
+        let live: std::collections::HashSet<String> = self
+            .ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.record().snapshot)
+            .collect();
+        for s in self.store.list_snapshots().unwrap_or_default() {
+            if !live.contains(&s) && !held(&kept, &s) {
+                tracing::info!(snapshot = %s, "removing snapshot without container");
+                let _ = self.store.remove_snapshot(&s);
+            }
+        }
+        if let Ok(rd) = std::fs::read_dir(self.dirs.netns_dir()) {
+            let pods = self.pods.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                let keep = held(&kept, &name)
+                    || pods
+                        .get(&name)
+                        .is_some_and(|p| p.record().state == PodState::Ready);
+                if !keep {
+                    let _ = netns::unpin(&e.path());
+                }
+            }
+        }
+        let (np, nc) = (
+            self.pods.lock().unwrap_or_else(|p| p.into_inner()).len(),
+            self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).len(),
+        );
+        tracing::info!(pods = np, containers = nc, "state recovered");
+    }
+}

@@ -1,0 +1,131 @@
+//! Records to CRI messages: container and pod status, list entries, states and exit
+//! reasons.
+
+use super::{matches_labels, Runtime};
+use crate::errors::{Result, RuntimeError};
+use crate::state::{ContainerRecord, ContainerState};
+use k8s_cri::v1 as cri;
+use std::collections::HashMap;
+
+impl Runtime {
+    pub(super) fn to_status(&self, r: &ContainerRecord) -> cri::ContainerStatus {
+        cri::ContainerStatus {
+            id: r.id.clone(),
+            metadata: r.config.metadata.clone(),
+            state: cri_state(r.state) as i32,
+            created_at: r.created_at,
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            exit_code: r.exit_code,
+            image: Some(cri::ImageSpec {
+                image: r.image_name.clone(),
+                ..Default::default()
+            }),
+            image_ref: r.image_ref.clone(),
+            reason: r.reason.clone(),
+            message: r.message.clone(),
+            labels: r.config.labels.clone(),
+            annotations: r.config.annotations.clone(),
+            mounts: r.config.mounts.clone(),
+            log_path: r.log_path.clone(),
+            image_id: r.image_id.clone(),
+            resources: r
+                .config
+                .linux
+                .as_ref()
+                .and_then(|l| l.resources.clone())
+                .map(|l| cri::ContainerResources {
+                    linux: Some(l),
+                    ..Default::default()
+                }),
+            user: Some(cri::ContainerUser {
+                linux: Some(cri::LinuxContainerUser {
+                    uid: r.uid as i64,
+                    gid: r.gid as i64,
+                    supplemental_groups: r.groups.iter().map(|g| *g as i64).collect(),
+                }),
+            }),
+        }
+    }
+
+    pub fn container_status(
+        &self,
+        id: &str,
+        verbose: bool,
+    ) -> Result<cri::ContainerStatusResponse> {
+        let ctr = self.ctr(id)?;
+        let r = ctr.record();
+        if r.state == ContainerState::Creating {
+            return Err(RuntimeError::NotFound(format!(
+                "container {id:?} not found"
+            )));
+        }
+        let mut info = HashMap::new();
+        if verbose {
+            info.insert(
+                "info".into(),
+                serde_json::json!({
+                    "sandboxID": r.pod_id,
+                    "pid": r.pid,
+                    "snapshot": r.snapshot,
+                    "stopSignal": r.stop_signal,
+                })
+                .to_string(),
+            );
+        }
+        Ok(cri::ContainerStatusResponse {
+            status: Some(self.to_status(&r)),
+            info,
+        })
+    }
+
+    pub fn list_containers(&self, filter: Option<cri::ContainerFilter>) -> Vec<cri::Container> {
+        let f = filter.unwrap_or_default();
+        let mut out: Vec<(i64, cri::Container)> = self
+            .ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.record())
+            .filter(|r| r.state != ContainerState::Creating)
+            .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
+            .filter(|r| f.pod_sandbox_id.is_empty() || r.pod_id.starts_with(&f.pod_sandbox_id))
+            .filter(|r| {
+                f.state
+                    .as_ref()
+                    .is_none_or(|s| s.state == cri_state(r.state) as i32)
+            })
+            .filter(|r| matches_labels(&r.config.labels, &f.label_selector))
+            .map(|r| {
+                (
+                    r.created_at,
+                    cri::Container {
+                        id: r.id.clone(),
+                        pod_sandbox_id: r.pod_id.clone(),
+                        metadata: r.config.metadata.clone(),
+                        image: Some(cri::ImageSpec {
+                            image: r.image_name.clone(),
+                            ..Default::default()
+                        }),
+                        image_ref: r.image_ref.clone(),
+                        state: cri_state(r.state) as i32,
+                        created_at: r.created_at,
+                        labels: r.config.labels.clone(),
+                        annotations: r.config.annotations.clone(),
+                        image_id: r.image_id.clone(),
+                    },
+                )
+            })
+            .collect();
+        out.sort_by_key(|(t, _)| *t);
+        out.into_iter().map(|(_, c)| c).collect()
+    }
+}
+
+pub(super) fn cri_state(s: ContainerState) -> cri::ContainerState {
+    match s {
+        ContainerState::Creating | ContainerState::Created => cri::ContainerState::ContainerCreated,
+        ContainerState::Running => cri::ContainerState::ContainerRunning,
+        ContainerState::Exited => cri::ContainerState::ContainerExited,
+    }
+}

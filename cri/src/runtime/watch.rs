@@ -1,0 +1,132 @@
+//! Exits and deaths: a watcher per started container (`WaitContainer` on the agent) and one
+//! per ready pod (its host process's pidfd), so that listing never asks an agent.
+
+use super::{exit_reason, Ctr, Runtime};
+use crate::sandbox::{process, Pod};
+use crate::state::{self, ContainerRecord, ContainerState, PodState};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::Channel;
+use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+
+impl Runtime {
+    /// Records a container's exit (once).
+    pub(super) fn record_exit(&self, ctr: &Ctr, exit: &ap::ExitInfo) -> ContainerRecord {
+        let (code, reason) = exit_reason(exit);
+        let rec = ctr.update(|r| {
+            if r.state != ContainerState::Exited {
+                r.state = ContainerState::Exited;
+                r.exit_code = code;
+                r.reason = reason.clone();
+                r.finished_at = if exit.finished_at != 0 {
+                    exit.finished_at
+                } else {
+                    state::now_nanos()
+                }
+                .max(r.started_at);
+            }
+        });
+        if let Err(e) = self.dirs.save_container(&rec) {
+            tracing::error!(container = %rec.id, error = %e, "cannot save exit");
+        }
+        rec
+    }
+
+    /// Marks a container that was created or running as exited with an unknown status.
+    pub(super) fn mark_lost(&self, ctr: &Ctr, why: &str) {
+        let rec = ctr.update(|r| {
+            if matches!(
+                r.state,
+                ContainerState::Running | ContainerState::Created | ContainerState::Creating
+            ) {
+                let was_running = r.state == ContainerState::Running;
+                r.state = ContainerState::Exited;
+                r.finished_at = state::now_nanos();
+                r.exit_code = if was_running { 137 } else { 255 };
+                r.reason = "Error".into();
+                r.message = why.to_string();
+            }
+        });
+        let _ = self.dirs.save_container(&rec);
+    }
+
+    pub(super) fn spawn_watcher(
+        self: &Arc<Self>,
+        pod: Arc<Pod>,
+        ctr: Arc<Ctr>,
+        mut c: AgentClient<Channel>,
+    ) {
+        let rt = self.clone();
+        tokio::spawn(async move {
+            let id = ctr.record().id;
+            loop {
+                match c
+                    .wait_container(ap::WaitContainerRequest { id: id.clone() })
+                    .await
+                {
+                    Ok(r) => {
+                        let exit = r.into_inner().exit.unwrap_or_default();
+                        let rec = rt.record_exit(&ctr, &exit);
+                        tracing::info!(container = %id, exit_code = rec.exit_code, reason = %rec.reason, "container exited");
+                        return;
+                    }
+                    Err(s) if s.code() == tonic::Code::NotFound => {
+                        rt.mark_lost(&ctr, "the pod agent no longer knows this container");
+                        return;
+                    }
+                    Err(s) => {
+                        let prec = pod.record();
+                        if prec.state != PodState::Ready
+                            || ctr.record().state == ContainerState::Exited
+                        {
+                            return;
+                        }
+                        if !process::is_alive(prec.agent_pid, prec.agent_start_time) {
+                            rt.agent_died(&pod).await;
+                            return;
+                        }
+                        tracing::debug!(container = %id, error = %s, "wait interrupted; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        if let Ok(nc) = pod.client().await {
+                            c = nc;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Watches a ready pod's host process (flat agent or VM shim): when it exits without a
+    /// StopPodSandbox, the pod becomes NotReady and its containers exited, whether or not a
+    /// container was running to notice.
+    pub(super) fn spawn_pod_watcher(self: &Arc<Self>, pod: Arc<Pod>) {
+        let rt = self.clone();
+        let rec = pod.record();
+        tokio::spawn(async move {
+            process::wait_exit(rec.agent_pid, rec.agent_start_time).await;
+            process::reap(rec.agent_pid);
+            rt.agent_died(&pod).await;
+        });
+    }
+
+    /// The pod's agent is gone: the pod is NotReady and its containers have exited.
+    pub(super) async fn agent_died(&self, pod: &Pod) {
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        if rec.state != PodState::Ready || process::is_alive(rec.agent_pid, rec.agent_start_time) {
+            return;
+        }
+        let what = format!("{} exited unexpectedly", self.backend(&rec).host_process());
+        tracing::warn!(pod = %rec.id, pid = rec.agent_pid, reason = %what, "pod lost; pod is not ready");
+        pod.set_client(None).await;
+        self.teardown_pod_resources(&rec).await;
+        for ctr in self.ctrs_of(&rec.id) {
+            self.mark_lost(&ctr, &what);
+        }
+        let rec = pod.update(|r| {
+            r.state = PodState::NotReady;
+            r.reason = what;
+        });
+        let _ = self.dirs.save_pod(&rec);
+    }
+}

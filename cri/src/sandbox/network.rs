@@ -1,0 +1,51 @@
+//! A pod's CNI attachment: ADD on its pinned network namespace at start, DEL at teardown
+//! (stop, death, recovery), with the result cached by `crate::cni` so DEL runs with what ADD
+//! did even after a restart.
+
+use super::Pod;
+use crate::cni::Cni;
+use crate::errors::{cni_err, Result};
+use crate::state::PodRecord;
+use k8s_cri::v1 as cri;
+
+/// Attaches a pod's pinned netns to the node's CNI network and keeps its IPs in the record.
+/// Without a CNI config the pod keeps loopback only (NetworkReady says so).
+pub async fn attach(cni: &Cni, pod: &Pod, config: &cri::PodSandboxConfig) -> Result<()> {
+    let rec = pod.record();
+    if let Err(e @ crate::cni::CniError::NoConfig(_)) = cni.load() {
+        tracing::warn!(pod = %rec.id, reason = %e, "no CNI network: the pod has loopback only");
+        return Ok(());
+    }
+    let meta = config.metadata.clone().unwrap_or_default();
+    let a = cni
+        .add(crate::cni::PodNetwork {
+            id: rec.id.clone(),
+            netns: rec.netns_path.clone(),
+            namespace: meta.namespace,
+            name: meta.name,
+            uid: meta.uid,
+            port_mappings: crate::cni::port_mappings(&config.port_mappings),
+        })
+        .await
+        .map_err(cni_err)?;
+    let ips = a.ips();
+    tracing::info!(pod = %rec.id, network = %a.network.name, ips = ?ips, "pod attached to the CNI network");
+    pod.update(|r| r.ips = ips);
+    Ok(())
+}
+
+/// Runs CNI DEL for what ADD did to a pod, if anything. Errors are logged: the cache entry
+/// then stays, and the next teardown (RemovePodSandbox, recovery) tries again.
+pub async fn detach(cni: &Cni, rec: &PodRecord) {
+    let id = &rec.id;
+    let Some(a) = cni.cached(id) else {
+        return;
+    };
+    match cni.del(&a).await {
+        Ok(()) => {
+            tracing::info!(pod = %id, network = %a.network.name, "pod detached from the CNI network");
+            cni.forget(id);
+        }
+        Err(e) => tracing::warn!(pod = %id, error = %e, "CNI DEL failed"),
+    }
+}

@@ -1,0 +1,168 @@
+//! A pod's host process (a flat pod's agent, a VM pod's shim): liveness keyed on pid and
+//! start time, waiting for its exit through a pidfd, reaping, killing. Both backends and the
+//! runtime's watchers use these; nothing here knows which backend a process belongs to.
+
+use std::path::Path;
+use std::time::Duration;
+
+use rustix::process::{Pid, Signal};
+
+/// The last `n` non-empty lines of a file, joined with " | ", for error messages.
+pub fn log_tail(p: &Path, n: usize) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+/// Start time (clock ticks after boot) of a process, from /proc/<pid>/stat field 22.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    proc_stat(pid).map(|(_, start)| start)
+}
+
+/// State letter (field 3) and start time (field 22) from /proc/<pid>/stat.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses: skip past its end.
+    let mut f = s.get(s.rfind(')')? + 2..)?.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    Some((state, f.nth(18)?.parse().ok()?))
+}
+
+/// Whether `pid` is still the process that started at `start_time`, and not a zombie (an
+/// agent that exited is reparented to init, which on some hosts never reaps it).
+pub fn is_alive(pid: u32, start_time: u64) -> bool {
+    pid != 0
+        && matches!(proc_stat(pid), Some((state, start)) if state != 'Z' && state != 'X' && start == start_time)
+}
+
+fn pid_of(pid: u32) -> Option<Pid> {
+    Pid::from_raw(i32::try_from(pid).ok()?)
+}
+
+/// Waits until process `pid` (which started at `start_time`) exits, through a pidfd, which
+/// works whether or not the process is our child. Returns at once if it is already gone.
+pub async fn wait_exit(pid: u32, start_time: u64) {
+    let Some(p) = pid_of(pid) else { return };
+    let Ok(fd) = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()) else {
+        return;
+    };
+    if !is_alive(pid, start_time) {
+        return;
+    }
+    // SAFETY: `fd` is an open pidfd that the AsyncFd owns (and so keeps open, the same
+    // description) until it is dropped at the end of this function.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    };
+    // A pidfd turns readable when its process exits.
+    match registered {
+        Ok(afd) => {
+            let _ = afd.readable().await;
+        }
+        Err(_) => {
+            while is_alive(pid, start_time) {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+/// Reaps `pid` if it is our (zombie) child; agents become vesseld's children when their
+/// launcher exits, because vesseld is a child subreaper.
+pub fn reap(pid: u32) {
+    if let Some(p) = pid_of(pid) {
+        // Only that pid, only if it is our child, never blocking.
+        let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG);
+    }
+}
+
+/// Makes this process a child subreaper: pod agents orphaned by their launcher become our
+/// children, so we can reap them; they are reparented to init when vesseld exits.
+pub fn become_subreaper() {
+    if let Err(e) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
+        tracing::warn!(error = %e, "cannot become a child subreaper");
+    }
+}
+
+/// Sends `sig` to `pid` if it is still the process that started at `start_time`.
+pub fn signal(pid: u32, start_time: u64, sig: Signal) {
+    reap(pid);
+    if let Some(p) = pid_of(pid).filter(|_| is_alive(pid, start_time)) {
+        let _ = rustix::process::kill_process(p, sig);
+    }
+}
+
+/// SIGKILLs a pod's host process (flat agent or VM shim) if it is still ours, and reaps it.
+/// As PID 1 of its pid namespace an agent's death takes every container process of the pod
+/// with it; a shim's takes its VM.
+pub fn kill(pid: u32, start_time: u64) {
+    if !is_alive(pid, start_time) {
+        reap(pid);
+        return;
+    }
+    signal(pid, start_time, Signal::KILL);
+    for _ in 0..400 {
+        reap(pid);
+        if !is_alive(pid, start_time) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    tracing::warn!(
+        pid,
+        "pod process (agent or VM shim) did not die within 1 s of SIGKILL"
+    );
+}
+
+/// Stops a process gently: SIGTERM, then SIGKILL after `grace`. Idempotent.
+pub async fn terminate(pid: u32, start_time: u64, grace: Duration) {
+    reap(pid);
+    if !is_alive(pid, start_time) {
+        return;
+    }
+    signal(pid, start_time, Signal::TERM);
+    let _ = tokio::time::timeout(grace, wait_exit(pid, start_time)).await;
+    kill(pid, start_time);
+}
+
+/// Kills any process whose command line has `flag value` (a pod agent's `--socket`, a VM
+/// shim's `--spec`): cleanup of a pod whose host process's pid was never recorded.
+pub fn kill_by_arg(flag: &str, value: &Path) {
+    let want = value.as_os_str().as_encoded_bytes();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let serves = args
+            .windows(2)
+            .any(|w| w[0] == flag.as_bytes() && w[1] == want);
+        if serves {
+            if let Some(st) = process_start_time(pid) {
+                tracing::info!(pid, %flag, value = %value.display(), "killing leftover pod process");
+                kill(pid, st);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_is_keyed_on_pid_and_start_time() {
+        let me = std::process::id();
+        let start = process_start_time(me).expect("our own start time");
+        assert!(is_alive(me, start));
+        assert!(!is_alive(me, start + 1));
+        assert!(!is_alive(0, start));
+        assert_eq!(process_start_time(u32::MAX), None);
+    }
+}

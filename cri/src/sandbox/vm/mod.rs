@@ -1,0 +1,399 @@
+//! The VM sandbox backend: one `vessel-shim` process per pod runs the pod's microVM, whose
+//! PID 1 is `vessel-agent`, reached through the shim's hybrid vsock socket. Image layers
+//! reach the guest as EROFS disks in the VM's spare slots ([`VmBackend::attach_layers`]);
+//! container logs come back over vsock to the shim, which writes them to the files vesseld
+//! hands it (`set_log`). See docs/vm-pods.md.
+
+pub mod copy_in;
+pub mod shim;
+
+pub use shim::{VmError, VmPaths, GUEST_FILES};
+
+use super::{
+    process, AgentAddr, ContainerRequest, ForwardTarget, HostShare, Pod, PodLayout,
+    PreparedContainer, SandboxBackend, AGENT_PORT, LOG_PORT,
+};
+use crate::errors::{agent_err, internal, Result, RuntimeError};
+use crate::state::{
+    BackendKind, BackendState, ContainerRecord, PodRecord, PodState, StateDirs, VmPodState,
+};
+use k8s_cri::v1 as cri;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use vessel_agent::proto as ap;
+use vessel_images::ImageStore;
+
+/// The VM backend and what it needs from the node.
+pub struct VmBackend {
+    pub shim_binary: PathBuf,
+    pub cfg: crate::config::VmConfig,
+    /// What the guest boots from (initrd or EROFS root disk).
+    pub guest_root: crate::config::GuestRoot,
+    pub log_level: String,
+    pub dirs: StateDirs,
+    pub store: Arc<ImageStore>,
+}
+
+fn vm_of(rec: &PodRecord) -> VmPodState {
+    match &rec.backend {
+        BackendState::Vm { vm } => vm.clone(),
+        BackendState::Flat {} => VmPodState::default(),
+    }
+}
+
+/// One request to the pod's shim control socket, off the async threads.
+async fn control(
+    v: &VmPodState,
+    req: serde_json::Value,
+    fd: Option<std::os::fd::OwnedFd>,
+) -> std::result::Result<serde_json::Value, VmError> {
+    use std::os::fd::AsFd;
+    let ctl = v.control.clone();
+    tokio::task::spawn_blocking(move || shim::control(&ctl, &req, fd.as_ref().map(|f| f.as_fd())))
+        .await
+        .map_err(|e| VmError::Control {
+            op: "spawn".into(),
+            detail: e.to_string(),
+        })?
+}
+
+/// Opens (creating) a container's log file and hands it to the shim.
+async fn set_log(v: &VmPodState, id: &str, log_path: &str) -> std::result::Result<(), VmError> {
+    let f = vessel_agent::logs::open_log_nofollow(Path::new(log_path)).map_err(|source| {
+        VmError::Io {
+            op: "open",
+            path: PathBuf::from(log_path),
+            source,
+        }
+    })?;
+    control(
+        v,
+        serde_json::json!({"op": "set_log", "id": id}),
+        Some(f.into()),
+    )
+    .await
+    .map(|_| ())
+}
+
+#[tonic::async_trait]
+impl SandboxBackend for VmBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Vm
+    }
+
+    fn layout(&self, id: &str, config: &cri::PodSandboxConfig, _share: HostShare) -> PodLayout {
+        let dir = self.dirs.vm_dir(id);
+        let paths = VmPaths::new(&dir);
+        let (vcpus, mem_mib) = shim::size_of(
+            config,
+            self.cfg.vcpus,
+            self.cfg.memory_mib,
+            self.cfg.memory_overhead_mib,
+        );
+        PodLayout {
+            agent_socket: paths.vsock.clone(),
+            // A VM pod's network namespace is the guest's.
+            netns_path: PathBuf::new(),
+            state: BackendState::Vm {
+                vm: VmPodState {
+                    dir,
+                    vsock: paths.vsock,
+                    control: paths.control,
+                    vcpus,
+                    mem_mib,
+                    slots: vec![String::new(); self.cfg.spare_disks as usize],
+                },
+            },
+        }
+    }
+
+    fn agent_addr(&self, rec: &PodRecord) -> AgentAddr {
+        AgentAddr::HybridVsock {
+            uds: rec.agent_socket.clone(),
+            port: AGENT_PORT,
+        }
+    }
+
+    /// Boots the VM: the shim, then the agent in the guest, then the pod's identity and
+    /// files in the guest.
+    async fn start(&self, pod: &Pod, config: &cri::PodSandboxConfig) -> Result<()> {
+        let rec = pod.record();
+        let v = vm_of(&rec);
+        let fail =
+            |e: &dyn std::fmt::Display| RuntimeError::Internal(format!("pod {}: {e}", rec.id));
+        super::create_log_directory(&rec, config)?;
+        let cfg = &self.cfg;
+        let launch = shim::LaunchSpec {
+            shim_binary: &self.shim_binary,
+            kernel: &cfg.kernel,
+            root: &self.guest_root,
+            dir: &v.dir,
+            vcpus: v.vcpus,
+            mem_mib: v.mem_mib,
+            spare_disks: cfg.spare_disks,
+            console_log: cfg.console_log,
+            boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
+            log_level: &self.log_level,
+        };
+        let launched = shim::spawn(&launch).map_err(|e| fail(&e))?;
+        // Saved at once: a crash from here on finds the shim through the Creating record.
+        let rec = pod.update(|r| {
+            r.agent_pid = launched.pid;
+            r.agent_start_time = launched.start_time;
+        });
+        super::save(&self.dirs, &rec)?;
+        let mut c = shim::wait_for_agent(&v.dir, &launched, launch.boot_timeout)
+            .await
+            .map_err(|e| match e {
+                VmError::BootTimeout { .. } => {
+                    RuntimeError::DeadlineExceeded(format!("pod {}: {e}", rec.id))
+                }
+                e => fail(&e),
+            })?;
+        c.configure_sandbox(ap::ConfigureSandboxRequest {
+            hostname: rec.hostname.clone(),
+            sysctls: super::net_sysctls(config),
+        })
+        .await
+        .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        let file = |name: &str, data: String| ap::FileEntry {
+            path: format!("{GUEST_FILES}/pod/{name}"),
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            kind: Some(ap::file_entry::Kind::Data(data.into_bytes())),
+        };
+        c.write_files(ap::WriteFilesRequest {
+            entries: vec![
+                file("hostname", format!("{}\n", rec.hostname)),
+                file("hosts", super::hosts_file(&rec.hostname, false)),
+                file(
+                    "resolv.conf",
+                    super::resolv_conf(config.dns_config.as_ref())?,
+                ),
+            ],
+        })
+        .await
+        .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        pod.set_client(Some(c)).await;
+        pod.update(|r| r.state = PodState::Ready);
+        Ok(())
+    }
+
+    fn host_process(&self) -> &'static str {
+        "the VM shim"
+    }
+
+    async fn after_shutdown(&self, rec: &PodRecord) {
+        // The guest powers off after Shutdown; the shim then exits by itself.
+        shim::stop_shim(rec.agent_pid, rec.agent_start_time, Duration::from_secs(5)).await;
+    }
+
+    async fn teardown(&self, rec: &PodRecord) {
+        let v = vm_of(rec);
+        process::kill(rec.agent_pid, rec.agent_start_time);
+        process::kill_by_arg("--spec", &VmPaths::new(&v.dir).spec);
+        if let Err(e) = vessel_images::fsutil::remove_any(&v.dir) {
+            tracing::warn!(pod = %rec.id, error = %e, "cannot remove the VM's files");
+        }
+    }
+
+    fn admit_container(&self, prec: &PodRecord, config: &cri::ContainerConfig) -> Result<()> {
+        if !config.devices.is_empty() {
+            let name = config.metadata.as_ref().map(|m| m.name.as_str());
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CreateContainer {:?}: host devices cannot be passed into a VM pod (pod {})",
+                name.unwrap_or_default(),
+                prec.id
+            )));
+        }
+        Ok(())
+    }
+
+    fn pod_files_dir(&self, _prec: &PodRecord) -> PathBuf {
+        PathBuf::from(format!("{GUEST_FILES}/pod"))
+    }
+
+    fn cgroup_ns(&self) -> bool {
+        true
+    }
+
+    /// Layers as EROFS disks in the pod's slots, the log file handed to the shim, CRI mounts
+    /// copied into the guest.
+    async fn prepare_container(
+        &self,
+        pod: &Pod,
+        req: ContainerRequest<'_>,
+    ) -> Result<PreparedContainer> {
+        let prec = pod.record();
+        let key = req.key;
+        let limit = self.cfg.copy_in_limit_mib << 20;
+        let (mounts, cid) = (req.config.mounts.clone(), req.id.to_string());
+        let (entries, rewritten) =
+            tokio::task::spawn_blocking(move || copy_in::copy_in_mounts(&cid, &mounts, limit))
+                .await
+                .map_err(|e| internal("copy-in")(&e))?
+                .map_err(|e| {
+                    RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}"))
+                })?;
+        copy_in::rewrite_mount_sources(req.spec, &rewritten);
+        let serials = self
+            .attach_layers(pod, req.layers, &req.layers_in_use)
+            .await?;
+        if !req.log_path.is_empty() {
+            set_log(&vm_of(&prec), req.id, req.log_path)
+                .await
+                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
+        }
+        if !entries.is_empty() {
+            let mut c = pod.client().await?;
+            c.write_files(ap::WriteFilesRequest { entries })
+                .await
+                .map_err(|s| {
+                    agent_err(&format!("CreateContainer {key:?}: copying mounts in"), s)
+                })?;
+        }
+        Ok(PreparedContainer {
+            rootfs: ap::Rootfs {
+                kind: Some(ap::rootfs::Kind::Disks(ap::DiskLayersRootfs { serials })),
+            },
+            log_path: String::new(),
+            log_vsock_port: LOG_PORT,
+        })
+    }
+
+    /// Forgets a container's log fd in the shim and its copied-in files in the guest.
+    async fn release_container(&self, pod: &Pod, rec: &ContainerRecord) {
+        let prec = pod.record();
+        if prec.state != PodState::Ready {
+            return;
+        }
+        let v = vm_of(&prec);
+        let _ = control(
+            &v,
+            serde_json::json!({"op": "drop_log", "id": rec.id}),
+            None,
+        )
+        .await;
+        if let Ok(mut c) = pod.client().await {
+            let _ = c
+                .remove_files(ap::RemoveFilesRequest {
+                    paths: vec![format!("{GUEST_FILES}/ctr/{}", rec.id)],
+                })
+                .await;
+        }
+    }
+
+    async fn reopen_log(&self, pod: &Pod, rec: &ContainerRecord) -> Result<()> {
+        if rec.log_path.is_empty() {
+            return Ok(());
+        }
+        set_log(&vm_of(&pod.record()), &rec.id, &rec.log_path)
+            .await
+            .map_err(|e| RuntimeError::Internal(format!("ReopenContainerLog {}: {e}", rec.id)))
+    }
+
+    fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget> {
+        Err(RuntimeError::FailedPrecondition(format!(
+            "PortForward: pod sandbox {} is a microVM pod; port-forward into VM pods is \
+             not implemented yet (needs a vsock proxy in the guest agent)",
+            rec.id
+        )))
+    }
+
+    fn info(&self, rec: &PodRecord) -> serde_json::Value {
+        let v = vm_of(rec);
+        serde_json::json!({
+            "dir": v.dir, "vcpus": v.vcpus, "memoryMiB": v.mem_mib,
+            "shimPid": rec.agent_pid, "diskSlots": v.slots,
+        })
+    }
+
+    async fn sweep_orphans(&self, recorded: &[PodRecord], kept: &HashSet<String>) {
+        let dirs: HashSet<PathBuf> = recorded
+            .iter()
+            .filter_map(|r| match &r.backend {
+                BackendState::Vm { vm } => Some(vm.dir.clone()),
+                BackendState::Flat {} => None,
+            })
+            .collect();
+        let Ok(rd) = std::fs::read_dir(self.dirs.run.join("vms")) else {
+            return;
+        };
+        for e in rd.flatten() {
+            if !dirs.contains(&e.path()) && !super::held(kept, &e.file_name().to_string_lossy()) {
+                tracing::info!(dir = %e.path().display(), "removing VM files without a pod");
+                process::kill_by_arg("--spec", &VmPaths::new(&e.path()).spec);
+                let _ = vessel_images::fsutil::remove_any(&e.path());
+            }
+        }
+    }
+}
+
+impl VmBackend {
+    /// Puts each layer's EROFS image in a disk slot of the pod's VM (reusing the slot of a
+    /// layer already there, then empty slots, then slots whose layer no container of the pod
+    /// uses any more) and returns their serials, bottom layer first. The caller holds the
+    /// pod's op lock.
+    async fn attach_layers(
+        &self,
+        pod: &Pod,
+        layers: &[String],
+        in_use: &HashSet<String>,
+    ) -> Result<Vec<String>> {
+        let prec = pod.record();
+        let v = vm_of(&prec);
+        let mut slots = v.slots.clone();
+        let mut plan = Vec::new(); // (slot, diff id) to attach
+        for l in layers {
+            if slots.iter().any(|s| s == l) {
+                continue;
+            }
+            let free = slots
+                .iter()
+                .position(|s| s.is_empty())
+                .or_else(|| {
+                    slots
+                        .iter()
+                        .position(|s| !in_use.contains(s) && !layers.contains(s))
+                })
+                .ok_or_else(|| {
+                    RuntimeError::FailedPrecondition(format!(
+                        "pod {}: no free disk slot for layer {l}: the pod's VM has {} (vm.spare_disks) and its containers use them all",
+                        prec.id,
+                        slots.len()
+                    ))
+                })?;
+            slots[free] = l.clone();
+            plan.push((free, l.clone()));
+        }
+        for (slot, l) in plan {
+            let digest: vessel_images::Digest = l
+                .parse()
+                .map_err(|e| RuntimeError::Internal(format!("layer {l}: {e}")))?;
+            let img =
+                self.store.erofs_layer(&digest).await.map_err(|e| {
+                    RuntimeError::Internal(format!("EROFS image of layer {l}: {e}"))
+                })?;
+            let req = serde_json::json!({
+                "op": "attach_disk", "slot": slot, "path": img,
+                "read_only": true, "serial": shim::layer_serial(&l),
+            });
+            control(&v, req, None)
+                .await
+                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
+            let rec = pod.update(|r| {
+                if let BackendState::Vm { vm } = &mut r.backend {
+                    if let Some(s) = vm.slots.get_mut(slot) {
+                        *s = l.clone();
+                    }
+                }
+            });
+            super::save(&self.dirs, &rec)?;
+            tracing::debug!(pod = %prec.id, slot, layer = %l, "layer disk attached");
+        }
+        Ok(layers.iter().map(|l| shim::layer_serial(l)).collect())
+    }
+}
