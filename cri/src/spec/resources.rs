@@ -1,0 +1,62 @@
+//! Checks of a container's resources and environment before anything is created.
+
+use super::{invalid, SpecError};
+use k8s_cri::v1 as cri;
+
+/// The smallest memory limit a container may have (Docker's bound): below it the kernel
+/// refuses the limit or the container cannot even start its init.
+pub const MIN_MEMORY_LIMIT: i64 = 6 << 20;
+
+/// Resources that cannot be honoured are refused, not ignored: negative values, a memory
+/// limit too small to start a process, an oom_score_adj out of the kernel's range.
+pub fn check_resources(r: &cri::LinuxContainerResources) -> Result<(), SpecError> {
+    for (name, v) in [("cpu_shares", r.cpu_shares), ("cpu_period", r.cpu_period)] {
+        if v < 0 {
+            return Err(invalid(format!("resources: {name} {v} is negative")));
+        }
+    }
+    // -1 is the cgroup's own word for "no limit" (kubelet sends it for unlimited swap).
+    for (name, v) in [
+        ("cpu_quota", r.cpu_quota),
+        ("memory_swap_limit_in_bytes", r.memory_swap_limit_in_bytes),
+    ] {
+        if v < -1 {
+            return Err(invalid(format!("resources: {name} {v} is negative")));
+        }
+    }
+    if r.memory_limit_in_bytes < 0
+        || (r.memory_limit_in_bytes > 0 && r.memory_limit_in_bytes < MIN_MEMORY_LIMIT)
+    {
+        return Err(invalid(format!(
+            "resources: memory_limit_in_bytes {} is below the minimum of {MIN_MEMORY_LIMIT} bytes",
+            r.memory_limit_in_bytes
+        )));
+    }
+    if !(-1000..=1000).contains(&r.oom_score_adj) {
+        return Err(invalid(format!(
+            "resources: oom_score_adj {} is outside -1000..=1000",
+            r.oom_score_adj
+        )));
+    }
+    Ok(())
+}
+
+/// Environment keys must be names an exec can pass on: not empty, no `=`, no NUL or other
+/// control characters; values may hold anything but NUL.
+pub(super) fn check_envs(envs: &[cri::KeyValue]) -> Result<(), SpecError> {
+    for kv in envs {
+        if kv.key.is_empty() || kv.key.contains('=') || kv.key.chars().any(|c| c.is_control()) {
+            return Err(invalid(format!(
+                "environment variable name {:?} is invalid (empty, or holds '=' or a control character)",
+                kv.key
+            )));
+        }
+        if kv.value.contains('\0') {
+            return Err(invalid(format!(
+                "environment variable {:?}: the value holds a NUL byte",
+                kv.key
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! Confinement defaults: capabilities, masked and read-only paths, the seccomp profiles.
+
+use super::{invalid, SpecError};
+use k8s_cri::v1 as cri;
+use serde_json::{json, Value};
+
+/// Capabilities a container gets by default (containerd's and Docker's set).
+pub const DEFAULT_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// Every capability Linux 5.9+ knows, for privileged containers and "ALL".
+pub const ALL_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+];
+
+pub(super) const DEFAULT_MASKED: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+pub(super) const DEFAULT_READONLY: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+/// Syscalls the default seccomp profile refuses with EPERM: kernel modules, kexec, raw
+/// kernel interfaces, clock changes, keyrings, BPF, perf, handle-based opens, and old or
+/// obscure ABIs. Everything else is allowed (capabilities still apply).
+const SECCOMP_DENY: &[&str] = &[
+    "acct",
+    "add_key",
+    "bpf",
+    "clock_adjtime",
+    "clock_settime",
+    "create_module",
+    "delete_module",
+    "finit_module",
+    "get_kernel_syms",
+    "get_mempolicy",
+    "init_module",
+    "ioperm",
+    "iopl",
+    "kcmp",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "mbind",
+    "move_pages",
+    "nfsservctl",
+    "open_by_handle_at",
+    "perf_event_open",
+    "personality",
+    "pivot_root",
+    "process_vm_readv",
+    "process_vm_writev",
+    "query_module",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "set_mempolicy",
+    "settimeofday",
+    "swapoff",
+    "swapon",
+    "sysfs",
+    "_sysctl",
+    "uselib",
+    "userfaultfd",
+    "ustat",
+];
+
+pub(super) fn capabilities(
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+    privileged: bool,
+) -> Vec<String> {
+    if privileged {
+        return ALL_CAPS.iter().map(|s| s.to_string()).collect();
+    }
+    let norm = |c: &str| {
+        let c = c.trim().to_ascii_uppercase();
+        if c.starts_with("CAP_") {
+            c
+        } else {
+            format!("CAP_{c}")
+        }
+    };
+    let mut caps: Vec<String> = DEFAULT_CAPS.iter().map(|s| s.to_string()).collect();
+    if let Some(c) = sc.and_then(|sc| sc.capabilities.as_ref()) {
+        if c.add_capabilities
+            .iter()
+            .any(|x| x.eq_ignore_ascii_case("ALL"))
+        {
+            caps = ALL_CAPS.iter().map(|s| s.to_string()).collect();
+        } else {
+            for a in &c.add_capabilities {
+                let a = norm(a);
+                if !caps.contains(&a) {
+                    caps.push(a);
+                }
+            }
+        }
+        if c.drop_capabilities
+            .iter()
+            .any(|x| x.eq_ignore_ascii_case("ALL"))
+        {
+            caps.clear();
+            // Explicit adds survive "drop ALL", as in containerd.
+            for a in &c.add_capabilities {
+                if !a.eq_ignore_ascii_case("ALL") {
+                    caps.push(norm(a));
+                }
+            }
+        } else {
+            let drop: Vec<String> = c.drop_capabilities.iter().map(|d| norm(d)).collect();
+            caps.retain(|x| !drop.contains(x));
+        }
+    }
+    caps
+}
+
+pub(super) fn seccomp(
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+    privileged: bool,
+) -> Result<Option<Value>, SpecError> {
+    if privileged {
+        return Ok(None);
+    }
+    let Some(profile) = sc.and_then(|s| s.seccomp.as_ref()) else {
+        return Ok(None);
+    };
+    use cri::security_profile::ProfileType;
+    match ProfileType::try_from(profile.profile_type).unwrap_or(ProfileType::Unconfined) {
+        ProfileType::Unconfined => Ok(None),
+        ProfileType::RuntimeDefault => Ok(Some(default_seccomp())),
+        ProfileType::Localhost => {
+            let path = profile.localhost_ref.trim();
+            let data = std::fs::read(path)
+                .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
+            let v: Value = serde_json::from_slice(&data)
+                .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
+            if v.get("defaultAction").is_none() {
+                return Err(invalid(format!(
+                    "seccomp profile {path:?} has no defaultAction"
+                )));
+            }
+            Ok(Some(v))
+        }
+    }
+}
+
+/// vessel's default seccomp profile (CRI "RuntimeDefault").
+pub fn default_seccomp() -> Value {
+    json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        // Native ABI only: syscalls of other ABIs (i386, x32) hit libseccomp's bad-arch action
+        // and are killed, so the denylist cannot be bypassed through them.
+        "architectures": ["SCMP_ARCH_X86_64"],
+        "syscalls": [{
+            "names": SECCOMP_DENY,
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 1
+        }]
+    })
+}
