@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::logs::LogRouter;
@@ -71,9 +71,11 @@ impl DiskSlots for Slots {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// A control request (one JSON line; `set_log` carries its fd with it). vesseld sends these
+/// typed; the wire form is `{"op": "<snake_case name>", ...fields}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-enum Request {
+pub enum Request {
     Ping,
     AttachDisk {
         slot: usize,
@@ -95,6 +97,28 @@ enum Request {
     },
 }
 
+/// A control answer: `{"ok": true, ...}` or `{"ok": false, "error": "..."}`, with the
+/// fields some requests add (`ping`: the shim's pid; `drop_log`: whether the id was known).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub known: Option<bool>,
+}
+
+impl Reply {
+    fn ok() -> Reply {
+        Reply {
+            ok: true,
+            ..Default::default()
+        }
+    }
+}
+
 /// What the control socket acts on.
 pub struct Server {
     pub disks: Arc<dyn DiskSlots>,
@@ -102,7 +126,14 @@ pub struct Server {
 }
 
 fn err(e: impl std::fmt::Display) -> Value {
-    json!({"ok": false, "error": e.to_string()})
+    reply(Reply {
+        error: Some(e.to_string()),
+        ..Default::default()
+    })
+}
+
+fn reply(r: Reply) -> Value {
+    serde_json::to_value(r).unwrap_or_else(|_| json!({"ok": false}))
 }
 
 impl Server {
@@ -114,7 +145,10 @@ impl Server {
         };
         tracing::debug!(?req, "control request");
         match req {
-            Request::Ping => json!({"ok": true, "pid": std::process::id()}),
+            Request::Ping => reply(Reply {
+                pid: Some(std::process::id()),
+                ..Reply::ok()
+            }),
             Request::AttachDisk {
                 slot,
                 path,
@@ -123,28 +157,31 @@ impl Server {
             } => match self.disks.attach(slot, &path, read_only, &serial) {
                 Ok(()) => {
                     tracing::info!(slot, path = %path.display(), serial, "disk attached");
-                    json!({"ok": true})
+                    reply(Reply::ok())
                 }
                 Err(e) => err(e),
             },
             Request::DetachDisk { slot } => match self.disks.detach(slot) {
                 Ok(()) => {
                     tracing::info!(slot, "disk detached");
-                    json!({"ok": true})
+                    reply(Reply::ok())
                 }
                 Err(e) => err(e),
             },
             Request::SetLog { id } => match fd {
                 Some(fd) if !id.is_empty() => {
                     self.logs.set(&id, fd);
-                    json!({"ok": true})
+                    reply(Reply::ok())
                 }
                 Some(_) => err("set_log needs a non-empty id"),
                 None => err("set_log needs a file descriptor (SCM_RIGHTS) with the request"),
             },
             Request::DropLog { id } => {
                 let known = self.logs.drop_log(&id);
-                json!({"ok": true, "known": known})
+                reply(Reply {
+                    known: Some(known),
+                    ..Reply::ok()
+                })
             }
         }
     }
@@ -316,6 +353,20 @@ impl Client {
         line.push(b'\n');
         self.send_line(&line, fd)?;
         self.read_answer()
+    }
+
+    /// Sends a typed request (with `fd` in the same message) and returns the typed answer;
+    /// an answer with `ok: false` is returned as it is, for the caller to report.
+    pub fn call(
+        &mut self,
+        req: &Request,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<Reply, ClientError> {
+        let v = self.request(
+            &serde_json::to_value(req).map_err(std::io::Error::from)?,
+            fd,
+        )?;
+        serde_json::from_value(v.clone()).map_err(|_| ClientError::BadAnswer(v.to_string()))
     }
 
     /// Sends raw bytes (a request line, or anything, for tests) with an optional fd.

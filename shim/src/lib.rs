@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use vessel_vmm::vm::{Outcome, VmConfig};
 
 pub mod control;
@@ -24,7 +24,7 @@ pub enum SpecError {
 }
 
 /// The shim's own keys of a spec, beside the VM configuration's.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShimConfig {
     /// The control socket (0600): disk slots and log files (docs/vm-pods.md).
@@ -52,6 +52,18 @@ impl Spec {
         let mut p = v.uds_path.clone().into_os_string();
         p.push(format!("_{port}"));
         Some(PathBuf::from(p))
+    }
+
+    /// The spec as the JSON the shim reads ([`Spec::from_value`]): the VM configuration's
+    /// keys and the shim's at one level.
+    pub fn to_value(&self) -> Result<serde_json::Value, serde_json::Error> {
+        let mut v = serde_json::to_value(&self.vm)?;
+        if let (Some(obj), serde_json::Value::Object(shim)) =
+            (v.as_object_mut(), serde_json::to_value(&self.shim)?)
+        {
+            obj.extend(shim.into_iter().filter(|(_, x)| !x.is_null()));
+        }
+        Ok(v)
     }
 
     /// Parses a spec from a JSON value (what a TOML file reads as, too).

@@ -329,3 +329,61 @@ fn sockets_are_removed_with_their_guards_and_stale_ones_replaced() {
     drop(g);
     assert!(!p.exists());
 }
+
+/// vesseld's typed requests are the documented wire form, and typed answers read back.
+#[test]
+fn typed_requests_and_replies() {
+    use vessel_shim::control::{Reply, Request};
+    let r = Request::AttachDisk {
+        slot: 2,
+        path: "/l.erofs".into(),
+        read_only: true,
+        serial: "abc".into(),
+    };
+    assert_eq!(
+        serde_json::to_value(&r).unwrap(),
+        json!({"op":"attach_disk","slot":2,"path":"/l.erofs","read_only":true,"serial":"abc"})
+    );
+    assert_eq!(
+        serde_json::to_value(Request::SetLog { id: "c".into() }).unwrap(),
+        json!({"op":"set_log","id":"c"})
+    );
+    let f = start();
+    let mut c = Client::connect(&f.ctl).unwrap();
+    let a = c.call(&Request::Ping, None).unwrap();
+    assert!(a.ok && a.pid == Some(std::process::id()), "{a:?}");
+    let a = c
+        .call(&Request::DropLog { id: "none".into() }, None)
+        .unwrap();
+    assert_eq!(
+        a,
+        Reply {
+            ok: true,
+            known: Some(false),
+            ..Default::default()
+        }
+    );
+    let a = c.call(&Request::DetachDisk { slot: 99 }, None).unwrap();
+    assert!(
+        !a.ok && a.error.as_deref().unwrap_or("").contains("99"),
+        "{a:?}"
+    );
+}
+
+/// A spec vesseld writes with the shim's types reads back as the same spec.
+#[test]
+fn typed_spec_round_trips() {
+    let v = json!({
+        "kernel": "/k", "mem_mib": 128, "vcpus": 1,
+        "vsock": {"guest_cid": 3, "uds_path": "/d/v.sock"},
+        "control_socket": "/d/ctl.sock", "log_port": 1025, "spare_disks": 2,
+    });
+    let spec = vessel_shim::Spec::from_value(v).unwrap();
+    let again = vessel_shim::Spec::from_value(spec.to_value().unwrap()).unwrap();
+    assert_eq!(again.shim.log_port, Some(1025));
+    assert_eq!(again.vm.spare_disks, 2);
+    assert_eq!(
+        again.log_socket(),
+        Some(std::path::PathBuf::from("/d/v.sock_1025"))
+    );
+}

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use vessel_agent::proto as ap;
 use vessel_images::ImageStore;
+use vessel_shim::control::Request as ControlRequest;
 
 /// The VM backend and what it needs from the node.
 pub struct VmBackend {
@@ -46,9 +47,9 @@ fn vm_of(rec: &PodRecord) -> VmPodState {
 /// One request to the pod's shim control socket, off the async threads.
 async fn control(
     v: &VmPodState,
-    req: serde_json::Value,
+    req: ControlRequest,
     fd: Option<std::os::fd::OwnedFd>,
-) -> std::result::Result<serde_json::Value, VmError> {
+) -> std::result::Result<vessel_shim::control::Reply, VmError> {
     use std::os::fd::AsFd;
     let ctl = v.control.clone();
     tokio::task::spawn_blocking(move || shim::control(&ctl, &req, fd.as_ref().map(|f| f.as_fd())))
@@ -68,13 +69,9 @@ async fn set_log(v: &VmPodState, id: &str, log_path: &str) -> std::result::Resul
             source,
         }
     })?;
-    control(
-        v,
-        serde_json::json!({"op": "set_log", "id": id}),
-        Some(f.into()),
-    )
-    .await
-    .map(|_| ())
+    control(v, ControlRequest::SetLog { id: id.into() }, Some(f.into()))
+        .await
+        .map(|_| ())
 }
 
 #[tonic::async_trait]
@@ -271,12 +268,7 @@ impl SandboxBackend for VmBackend {
             return;
         }
         let v = vm_of(&prec);
-        let _ = control(
-            &v,
-            serde_json::json!({"op": "drop_log", "id": rec.id}),
-            None,
-        )
-        .await;
+        let _ = control(&v, ControlRequest::DropLog { id: rec.id.clone() }, None).await;
         if let Ok(mut c) = pod.client().await {
             let _ = c
                 .remove_files(ap::RemoveFilesRequest {
@@ -377,10 +369,12 @@ impl VmBackend {
                 self.store.erofs_layer(&digest).await.map_err(|e| {
                     RuntimeError::Internal(format!("EROFS image of layer {l}: {e}"))
                 })?;
-            let req = serde_json::json!({
-                "op": "attach_disk", "slot": slot, "path": img,
-                "read_only": true, "serial": shim::layer_serial(&l),
-            });
+            let req = ControlRequest::AttachDisk {
+                slot,
+                path: img,
+                read_only: true,
+                serial: shim::layer_serial(&l),
+            };
             control(&v, req, None)
                 .await
                 .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;

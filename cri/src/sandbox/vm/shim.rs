@@ -85,37 +85,51 @@ pub struct Launched {
     pub start_time: u64,
 }
 
-/// The shim spec for a pod (docs/vm-pods.md).
-pub fn shim_spec(spec: &LaunchSpec<'_>) -> serde_json::Value {
+/// The shim spec for a pod (docs/vm-pods.md), as the shim's own types.
+pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
+    use vessel_vmm::vm::{Console, DiskConfig, VmConfig, VsockConfig};
     let p = VmPaths::new(spec.dir);
     let (initrd, disks, cmdline) = match spec.root {
         crate::config::GuestRoot::Initrd(i) => (Some(i.clone()), vec![], ""),
         // The root disk is the first virtio-blk device, before the spare slots: /dev/vda.
         crate::config::GuestRoot::Erofs(r) => (
             None,
-            vec![serde_json::json!({"path": r, "read_only": true, "serial": "vessel-root"})],
+            vec![DiskConfig {
+                path: r.clone(),
+                read_only: true,
+                serial: "vessel-root".into(),
+            }],
             "root=/dev/vda rootfstype=erofs ro init=/init",
         ),
     };
-    serde_json::json!({
-        "kernel": spec.kernel,
-        "initrd": initrd,
-        "disks": disks,
-        "cmdline": cmdline,
-        "mem_mib": spec.mem_mib,
-        "vcpus": spec.vcpus,
-        "console": if spec.console_log {
-            serde_json::json!({"file": p.console})
-        } else {
-            serde_json::json!("off")
+    vessel_shim::Spec {
+        vm: VmConfig {
+            kernel: spec.kernel.to_path_buf(),
+            initrd,
+            cmdline: cmdline.into(),
+            mem_mib: spec.mem_mib,
+            vcpus: spec.vcpus,
+            console: if spec.console_log {
+                Console::File(p.console.clone())
+            } else {
+                Console::Off
+            },
+            verbose: spec.console_log,
+            kvm_device: PathBuf::from("/dev/kvm"),
+            stop_timeout_ms: 5000,
+            disks,
+            spare_disks: spec.spare_disks as usize,
+            nets: vec![],
+            vsock: Some(VsockConfig {
+                guest_cid: 3,
+                uds_path: p.vsock.clone(),
+            }),
         },
-        "verbose": spec.console_log,
-        "stop_timeout_ms": 5000,
-        "vsock": {"guest_cid": 3, "uds_path": p.vsock},
-        "spare_disks": spec.spare_disks,
-        "control_socket": p.control,
-        "log_port": LOG_PORT,
-    })
+        shim: vessel_shim::ShimConfig {
+            control_socket: Some(p.control.clone()),
+            log_port: Some(LOG_PORT),
+        },
+    }
 }
 
 /// Writes the spec and starts the shim as a session leader that outlives vesseld. Returns
@@ -126,7 +140,11 @@ pub fn spawn(spec: &LaunchSpec<'_>) -> Result<Launched, VmError> {
     for f in [&p.vsock, &p.control] {
         let _ = std::fs::remove_file(f);
     }
-    let data = serde_json::to_vec_pretty(&shim_spec(spec)).unwrap_or_default();
+    let value = shim_spec(spec).to_value().map_err(|e| VmError::Control {
+        op: "spec".into(),
+        detail: e.to_string(),
+    })?;
+    let data = serde_json::to_vec_pretty(&value).unwrap_or_default();
     vessel_images::fsutil::atomic_write_fast(&p.spec, &data).map_err(io("write", &p.spec))?;
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -223,23 +241,19 @@ pub async fn stop_shim(pid: u32, start_time: u64, grace: Duration) {
 /// answer, or the shim's error as a [`VmError::Control`].
 pub fn control(
     path: &Path,
-    req: &serde_json::Value,
+    req: &vessel_shim::control::Request,
     fd: Option<BorrowedFd<'_>>,
-) -> Result<serde_json::Value, VmError> {
-    let op = req["op"].as_str().unwrap_or("?").to_string();
+) -> Result<vessel_shim::control::Reply, VmError> {
     let err = |detail: String| VmError::Control {
-        op: op.clone(),
+        op: format!("{req:?}"),
         detail,
     };
     let mut c = vessel_shim::control::Client::connect(path).map_err(|e| err(e.to_string()))?;
-    let v = c.request(req, fd).map_err(|e| err(e.to_string()))?;
-    if v["ok"].as_bool() != Some(true) {
-        return Err(err(v["error"]
-            .as_str()
-            .unwrap_or("no reason given")
-            .to_string()));
+    let r = c.call(req, fd).map_err(|e| err(e.to_string()))?;
+    if !r.ok {
+        return Err(err(r.error.unwrap_or_else(|| "no reason given".into())));
     }
-    Ok(v)
+    Ok(r)
 }
 
 /// The serial id a layer's disk carries: the first 20 hex digits of its diff ID.
@@ -320,7 +334,9 @@ mod tests {
             console_log: false,
             boot_timeout: Duration::from_secs(1),
             log_level: "info",
-        });
+        })
+        .to_value()
+        .unwrap();
         assert_eq!(s["spare_disks"], 4);
         assert_eq!(s["log_port"], LOG_PORT);
         assert_eq!(s["console"], "off");
