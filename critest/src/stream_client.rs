@@ -2,8 +2,7 @@
 //! them to a runtime's streaming server: exec (`v4.channel.k8s.io`) and port-forward
 //! (`portforward.k8s.io`). For tests: it sends all its input up front and collects the output.
 
-#[path = "../../cri/src/streaming/spdy.rs"]
-pub mod spdy;
+pub use vessel_spdy as spdy;
 
 use spdy::{Codec, Frame};
 use std::collections::HashMap;

@@ -8,7 +8,7 @@
 //!   dedicated thread that enters the namespace; tokio workers never change namespace).
 //! - WebSocket (`v5.channel.k8s.io`) upgrades are refused with a clear 400 for now.
 
-pub mod spdy;
+pub use vessel_spdy as spdy;
 
 mod conn;
 

@@ -3,7 +3,7 @@
 //! per direction per connection, primed with the SPDY/3 dictionary).
 //!
 //! Pure codec: no I/O, so both vesseld's streaming server and the critest client use it
-//! (critest includes this file with `#[path]`). Every length read from the peer is checked;
+//! (a crate of its own, nested in `cri/`). Every length read from the peer is checked;
 //! malformed input is an error, never a panic.
 
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
