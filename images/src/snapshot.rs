@@ -304,4 +304,20 @@ impl ImageStore {
             .filter(|id| matches!(self.snapshot(id), Ok(Some(s)) if &s.meta.image == image))
             .collect()
     }
+
+    /// The layer diff IDs that snapshots still use (their lower dirs), from snapshot metadata.
+    pub(crate) fn layers_in_snapshots(&self) -> std::collections::HashSet<String> {
+        let mut used = std::collections::HashSet::new();
+        let dir = self.root().join("snapshots");
+        if let Ok(rd) = std::fs::read_dir(&dir) {
+            for e in rd.flatten() {
+                if let Ok(data) = std::fs::read(e.path().join("snapshot.json")) {
+                    if let Ok(meta) = serde_json::from_slice::<SnapshotMeta>(&data) {
+                        used.extend(meta.layers.iter().map(|d| d.hex().to_string()));
+                    }
+                }
+            }
+        }
+        used
+    }
 }

@@ -783,23 +783,6 @@ impl ImageStore {
         Ok(deleted)
     }
 
-    /// The layer diff IDs that snapshots still use (their lower dirs), from snapshot metadata.
-    fn layers_in_snapshots(&self) -> HashSet<String> {
-        let mut used = HashSet::new();
-        let dir = self.root.join("snapshots");
-        if let Ok(rd) = fs::read_dir(&dir) {
-            for e in rd.flatten() {
-                if let Ok(data) = fs::read(e.path().join("snapshot.json")) {
-                    if let Ok(meta) = serde_json::from_slice::<crate::snapshot::SnapshotMeta>(&data)
-                    {
-                        used.extend(meta.layers.iter().map(|d| d.hex().to_string()));
-                    }
-                }
-            }
-        }
-        used
-    }
-
     /// Hex digests of blobs and layers that records and snapshots reference.
     fn referenced(&self) -> Result<(HashSet<String>, HashSet<String>)> {
         let recs = self.list()?;

@@ -10,5 +10,6 @@ pub mod devices;
 pub mod kick;
 pub mod mptable;
 pub mod probe;
+pub mod run_state;
 pub mod virtio;
 pub mod vm;

@@ -5,8 +5,7 @@ use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -26,21 +25,7 @@ use crate::virtio::vsock::Vsock;
 use crate::virtio::VirtioDevice;
 use crate::{arch, boot, mptable};
 
-/// How the guest ended.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase", tag = "outcome", content = "detail")]
-pub enum Outcome {
-    /// The guest powered off (or halted).
-    Poweroff,
-    /// The guest asked for a reset (i8042 reset, triple fault).
-    Reboot,
-    /// The guest kernel panicked.
-    Panic,
-    /// The VMM stopped the guest (a stop request).
-    Stopped,
-    /// The VMM failed while running the guest.
-    Error(String),
-}
+pub use crate::run_state::{Control, Outcome};
 
 /// Where the serial console goes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -194,79 +179,6 @@ pub enum VmError {
 
 fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::KvmIoctl { what, source }
-}
-
-/// Shared run state: the outcome (first one wins), the stop flag and guest-reported events.
-#[derive(Default)]
-pub struct Control {
-    outcome: Mutex<Option<Outcome>>,
-    cv: Condvar,
-    stopping: AtomicBool,
-    events: Mutex<Vec<(String, Instant)>>,
-}
-
-impl Control {
-    /// Records the outcome if none was recorded yet and wakes waiters.
-    pub fn finish(&self, o: Outcome) {
-        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_none() {
-            tracing::debug!(?o, "guest outcome");
-            *g = Some(o);
-        }
-        self.stopping.store(true, Ordering::SeqCst);
-        self.cv.notify_all();
-    }
-
-    pub fn outcome(&self) -> Option<Outcome> {
-        self.outcome
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    pub fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::SeqCst)
-    }
-
-    /// Waits for the outcome, at most `timeout` if given.
-    pub fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        while g.is_none() {
-            match deadline {
-                None => g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return None;
-                    }
-                    g = self
-                        .cv
-                        .wait_timeout(g, d - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            }
-        }
-        g.clone()
-    }
-
-    /// Records a `vessel-event: NAME` line from the guest console.
-    pub fn event(&self, name: String, at: Instant) {
-        tracing::debug!(%name, "guest event");
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((name, at));
-        self.cv.notify_all();
-    }
-
-    pub fn events(&self) -> Vec<(String, Instant)> {
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
 }
 
 /// The host's total memory in MiB (from /proc/meminfo).

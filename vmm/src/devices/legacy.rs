@@ -10,7 +10,7 @@ use std::time::Instant;
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::vm::{Control, Outcome};
+use crate::run_state::{Control, Outcome};
 
 /// COM1.
 pub const SERIAL_PORT: u16 = 0x3f8;
