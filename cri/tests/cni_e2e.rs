@@ -7,6 +7,9 @@
 //!
 //! Prints `SKIP cni_e2e: <reason>` when not root or the plugins are not installed.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use k8s_cri::v1 as cri;
 use std::path::Path;
 use std::process::Command;

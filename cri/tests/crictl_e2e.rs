@@ -4,6 +4,9 @@
 //!
 //! Prints `SKIP crictl_every_verb: <reason>` when not root or without `shared/cri-tools`.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

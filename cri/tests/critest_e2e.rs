@@ -1,5 +1,8 @@
 //! The whole vessel-critest conformance suite against a live vesseld (flat pods).
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::path::Path;
 use vessel_critest::daemon::{TestCni, Vesseld};
 use vessel_critest::suite::{self, Outcome};

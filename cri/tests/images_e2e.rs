@@ -1,6 +1,9 @@
 //! End to end: a real vesseld on a temporary socket, driven over CRI, pulling deterministic
 //! busybox images from a real docker-registry on 127.0.0.1.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use k8s_cri::v1 as cri;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -5,6 +5,9 @@
 //! (`scripts/vm-harness.sh pods`): `VESSEL_E2E_HANDLER=vm` makes every pod ask for the `vm`
 //! handler and `VESSEL_E2E_CONFIG` adds TOML to vesseld's config (the guest kernel/initrd).
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

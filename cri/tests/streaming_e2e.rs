@@ -3,6 +3,9 @@
 //! tokens, WebSocket upgrades, RPC errors. Exec and port-forward themselves are exercised
 //! through flat pods by those specs.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

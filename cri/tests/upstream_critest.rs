@@ -7,6 +7,9 @@
 //!
 //! Prints `SKIP upstream_critest_flat: <reason>` when not root or without `shared/cri-tools`.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;

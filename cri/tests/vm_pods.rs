@@ -11,6 +11,9 @@
 //! forces a run, `VESSEL_VM_HARNESS=0` skips it. `VESSEL_VM_PODS_FOCUS` narrows the critest
 //! specs, `VESSEL_VM_PODS_E2E` the pods_e2e tests (a libtest filter).
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -1,5 +1,8 @@
 //! ExecSync, Exec streams and signals.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 mod common;
 
 use std::time::Duration;

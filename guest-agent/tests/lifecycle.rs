@@ -1,5 +1,8 @@
 //! Container lifecycle through a real flat agent: create, start, wait, logs, status.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 mod common;
 
 use common::*;

@@ -1,6 +1,9 @@
 //! Pod-level behaviour: shared network, hostname, logs rotation, OOM, stats, reconnects,
 //! crashes and shutdown.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 mod common;
 
 use std::time::Duration;

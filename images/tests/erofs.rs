@@ -3,6 +3,9 @@
 //! Content is checked with erofs-utils (`fsck.erofs --extract`, `dump.erofs`) and, where this
 //! runs as root on a kernel with EROFS, by mounting the image read-only on a loop device.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::fs;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};

@@ -1,6 +1,9 @@
 //! Unpack limits through the store: a gzip bomb fails the unpack at the ratio bound, naming
 //! it, and leaves nothing behind; crash debris in tmp is removed at start.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::io::Write;
 use vessel_images::unpack::{UnpackError, UnpackLimits};
 use vessel_images::{Digest, ImageError, ImageStore};

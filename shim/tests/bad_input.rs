@@ -3,6 +3,9 @@
 //! socket behind. None of this needs a fast KVM; the cases that open /dev/kvm are skipped
 //! where there is none.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::path::Path;
 use std::process::Command;
 

@@ -1,6 +1,9 @@
 //! The control socket and the log listener on the host, without KVM: a fake disk-slot
 //! backend (and a real, unattached virtio-blk slot), real Unix sockets, the `ctl` client.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::io::Write;
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;

@@ -8,6 +8,9 @@
 //! `SKIP vm_suite: <reason>`. `VESSEL_VM_HARNESS=1` forces a run (building the kernel if
 //! needed), `VESSEL_VM_HARNESS=0` skips it. The shim is the debug build the tests already made.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use std::path::Path;
 use std::process::Command;
 

@@ -4,6 +4,9 @@
 //! emulating KVM must come out unusable; the nested harness expects usable). Without it the
 //! test prints the verdict and evidence and checks only that the probe is consistent and fast.
 
+// An integration test crate: the whole file is the test module.
+#![allow(clippy::tests_outside_test_module)]
+
 use vessel_vmm::probe::{probe, Verdict};
 
 #[test]
