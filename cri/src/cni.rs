@@ -172,8 +172,9 @@ pub fn result_ips(r: &Value) -> Vec<String> {
             // Only addresses of an interface inside the pod (one with a sandbox), when the
             // result says which interface an address is on.
             if let (Some(i), Some(ifaces)) = (ip.get("interface").and_then(Value::as_u64), ifaces) {
-                let in_pod = ifaces
-                    .get(i as usize)
+                let in_pod = usize::try_from(i)
+                    .ok()
+                    .and_then(|i| ifaces.get(i))
                     .and_then(|f| f.get("sandbox"))
                     .and_then(Value::as_str)
                     .is_some_and(|s| !s.is_empty());

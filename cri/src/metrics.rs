@@ -31,8 +31,10 @@ impl Metrics {
         } else {
             self.pulls_failed.fetch_add(1, Ordering::Relaxed);
         }
-        self.pull_micros_total
-            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        self.pull_micros_total.fetch_add(
+            u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     pub fn add_pulled_bytes(&self, n: u64) {

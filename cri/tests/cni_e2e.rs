@@ -441,7 +441,7 @@ async fn restart_keeps_ips_and_detaches_dead_pods() {
     let info = std::fs::read_to_string(h.v.root_dir().join("pods").join(&doomed).join("pod.json"))
         .unwrap();
     let rec: serde_json::Value = serde_json::from_str(&info).unwrap();
-    let pid = rec["agent_pid"].as_u64().unwrap() as i32;
+    let pid = i32::try_from(rec["agent_pid"].as_u64().unwrap()).unwrap();
     // SAFETY: kill(2) with a pid read from the pod record and a valid signal.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let start = Instant::now();

@@ -1042,7 +1042,7 @@ async fn agent_killed_marks_pod_not_ready() {
     let id = h.run(&pod, &pcfg, "sleeper", "sleep 1000").await;
     let info = h.verbose_status(&pod).await.info;
     let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let pid = v["pid"].as_u64().unwrap() as i32;
+    let pid = i32::try_from(v["pid"].as_u64().unwrap()).unwrap();
     // SAFETY: kill(2) of the agent pid vesseld reported.
     unsafe {
         libc::kill(pid, libc::SIGKILL);

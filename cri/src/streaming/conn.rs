@@ -193,7 +193,8 @@ fn handle(
             if !data.is_empty() {
                 // Flow control: give the stream's window back at once. (No connection-level
                 // update on stream 0: SPDY/3 framers, which kubelet's is, refuse stream 0.)
-                let delta = data.len() as u32;
+                // A frame is at most spdy::MAX_FRAME (1 MiB) long.
+                let delta = u32::try_from(data.len()).unwrap_or(u32::MAX);
                 w.send(Frame::WindowUpdate { stream_id, delta });
                 if let Some(tx) = r.get(&stream_id) {
                     let _ = tx.send(data);

@@ -270,13 +270,14 @@ pub fn size_of(
     overhead_mib: u64,
 ) -> (u8, u64) {
     let host_cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(254) as u8;
+        .map(|n| u8::try_from(n.get().min(254)).unwrap_or(254))
+        .unwrap_or(1);
     let r = pod.linux.as_ref().and_then(|l| l.resources.as_ref());
     let vcpus = match r {
         Some(r) if r.cpu_quota > 0 && r.cpu_period > 0 => {
-            ((r.cpu_quota + r.cpu_period - 1) / r.cpu_period).clamp(1, 254) as u8
+            // Ceiling division without overflow for any quota a request carries.
+            let n = r.cpu_quota / r.cpu_period + i64::from(r.cpu_quota % r.cpu_period != 0);
+            u8::try_from(n.clamp(1, 254)).unwrap_or(254)
         }
         _ => default_vcpus,
     }
@@ -309,7 +310,10 @@ mod tests {
             ..Default::default()
         });
         let host = std::thread::available_parallelism().unwrap().get();
-        assert_eq!(size_of(&pod, 1, 256, 64), (2.min(host) as u8, 164));
+        assert_eq!(
+            size_of(&pod, 1, 256, 64),
+            (u8::try_from(2.min(host)).unwrap(), 164)
+        );
     }
 
     #[test]
