@@ -314,6 +314,15 @@ mod tests {
             size_of(&pod, 1, 256, 64),
             (u8::try_from(2.min(host)).unwrap(), 164)
         );
+        // A quota near i64::MAX sizes the VM to the host, without overflow.
+        if let Some(r) = pod.linux.as_mut().and_then(|l| l.resources.as_mut()) {
+            r.cpu_quota = i64::MAX;
+            r.cpu_period = 3;
+        }
+        assert_eq!(
+            size_of(&pod, 1, 256, 64).0,
+            u8::try_from(host.min(254)).unwrap()
+        );
     }
 
     #[test]
