@@ -16,11 +16,13 @@ pub mod error;
 pub mod fsutil;
 pub mod import;
 pub mod oci;
+#[cfg(feature = "test-support")]
 pub mod push;
 pub mod reference;
 pub mod registry;
 pub mod snapshot;
 pub mod store;
+#[cfg(feature = "test-support")]
 pub mod testimages;
 pub mod unpack;
 
