@@ -4,6 +4,26 @@
 use tonic::Status;
 use vessel_images::ImageError;
 
+/// An I/O failure on a path, with what was being done ("create /var/lib/vessel/pods: ...").
+/// The error enums of vesseld's modules wrap it (`#[error(transparent)] Io(#[from] IoAt)`).
+#[derive(Debug, thiserror::Error)]
+#[error("{op} {path}: {source}")]
+pub struct IoAt {
+    pub op: &'static str,
+    pub path: std::path::PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// `.map_err(io_at("create", &dir))` into any error that wraps [`IoAt`].
+pub fn io_at<E: From<IoAt>>(
+    op: &'static str,
+    path: &std::path::Path,
+) -> impl FnOnce(std::io::Error) -> E {
+    let path = path.to_path_buf();
+    move |source| IoAt { op, path, source }.into()
+}
+
 /// Errors of runtime operations (pods, containers, sandboxes); each maps to one gRPC code in
 /// [`RuntimeError::to_status`], the one place a runtime error becomes a `tonic::Status`.
 #[derive(Debug, thiserror::Error)]

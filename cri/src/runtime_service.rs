@@ -2,6 +2,7 @@
 
 use crate::errors::not_built;
 use crate::runtime::Runtime;
+use crate::streaming::ExecTarget;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +38,36 @@ impl RuntimeService {
         self.streaming.as_deref().ok_or_else(|| {
             Status::unavailable(format!("{rpc}: the streaming server is not running"))
         })
+    }
+
+    /// What Exec and Attach check alike: a stream asked for, a streaming server, a running
+    /// container.
+    fn stream_target(
+        &self,
+        rpc: &str,
+        container_id: &str,
+        any_stream: bool,
+    ) -> Result<
+        (
+            &crate::streaming::StreamingServer,
+            crate::state::ContainerRecord,
+        ),
+        Status,
+    > {
+        if !any_stream {
+            return Err(Status::invalid_argument(format!(
+                "{rpc}: one of stdin, stdout and stderr must be set"
+            )));
+        }
+        let srv = self.streaming(rpc)?;
+        let c = self.rt.streaming_container(container_id).map_err(st)?;
+        if c.state != crate::state::ContainerState::Running {
+            return Err(Status::failed_precondition(format!(
+                "{rpc}: container {} is not running ({:?})",
+                c.id, c.state
+            )));
+        }
+        Ok((srv, c))
     }
 
     /// Runtime conditions, from what can be checked now.
@@ -357,25 +388,13 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         &self,
         req: Request<cri::ExecRequest>,
     ) -> Result<Response<cri::ExecResponse>, Status> {
-        use crate::state::ContainerState;
         let r = req.into_inner();
         if r.cmd.is_empty() || r.cmd[0].is_empty() {
             return Err(Status::invalid_argument("Exec: empty command"));
         }
-        if !(r.stdin || r.stdout || r.stderr) {
-            return Err(Status::invalid_argument(
-                "Exec: one of stdin, stdout and stderr must be set",
-            ));
-        }
-        let srv = self.streaming("Exec")?;
-        let c = self.rt.streaming_container(&r.container_id).map_err(st)?;
-        if c.state != ContainerState::Running {
-            return Err(Status::failed_precondition(format!(
-                "Exec: container {} is not running ({:?})",
-                c.id, c.state
-            )));
-        }
-        let url = srv.url(crate::streaming::StreamRequest::Exec {
+        let any = r.stdin || r.stdout || r.stderr;
+        let (srv, c) = self.stream_target("Exec", &r.container_id, any)?;
+        let url = srv.url(ExecTarget {
             container_id: c.id,
             cmd: Some(r.cmd),
             tty: r.tty,
@@ -391,21 +410,9 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         &self,
         req: Request<cri::AttachRequest>,
     ) -> Result<Response<cri::AttachResponse>, Status> {
-        use crate::state::ContainerState;
         let r = req.into_inner();
-        if !(r.stdin || r.stdout || r.stderr) {
-            return Err(Status::invalid_argument(
-                "Attach: one of stdin, stdout and stderr must be set",
-            ));
-        }
-        let srv = self.streaming("Attach")?;
-        let c = self.rt.streaming_container(&r.container_id).map_err(st)?;
-        if c.state != ContainerState::Running {
-            return Err(Status::failed_precondition(format!(
-                "Attach: container {} is not running ({:?})",
-                c.id, c.state
-            )));
-        }
+        let any = r.stdin || r.stdout || r.stderr;
+        let (srv, c) = self.stream_target("Attach", &r.container_id, any)?;
         if r.stdin && !c.config.stdin {
             return Err(Status::invalid_argument(format!(
                 "Attach: container {} was not created with stdin",
@@ -414,7 +421,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         }
         // The terminal is the container's, whatever the request says (as containerd does).
         let tty = c.config.tty;
-        let url = srv.url(crate::streaming::StreamRequest::Exec {
+        let url = srv.url(ExecTarget {
             container_id: c.id,
             cmd: None,
             tty,

@@ -18,13 +18,8 @@ const MAX_MESSAGE: usize = 16 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("{op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::errors::IoAt),
     #[error("another vesseld holds {path} (state dir in use)")]
     AlreadyRunning { path: PathBuf },
     #[error("opening the image store: {0}")]
@@ -38,8 +33,7 @@ pub enum ServeError {
 }
 
 fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ServeError {
-    let path = path.to_path_buf();
-    move |source| ServeError::Io { op, path, source }
+    crate::errors::io_at(op, path)
 }
 
 /// A running daemon's shared parts.

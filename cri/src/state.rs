@@ -164,13 +164,8 @@ pub struct StateDirs {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    #[error("{op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::errors::IoAt),
     #[error("record {path}: {source}")]
     Json {
         path: PathBuf,
@@ -180,8 +175,7 @@ pub enum StateError {
 }
 
 fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StateError {
-    let path = path.to_path_buf();
-    move |source| StateError::Io { op, path, source }
+    crate::errors::io_at(op, path)
 }
 
 impl StateDirs {

@@ -3,9 +3,10 @@
 
 use super::Runtime;
 use crate::errors::{agent_err, Result, RuntimeError};
-use crate::sandbox::ForwardTarget;
+use crate::sandbox::{ForwardTarget, Pod};
 use crate::state::{ContainerRecord, ContainerState, PodRecord, PodState};
 use k8s_cri::v1 as cri;
+use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
 use vessel_agent::proto::{self as ap, agent_client::AgentClient};
@@ -22,8 +23,14 @@ impl Runtime {
         id: &str,
         what: &str,
     ) -> Result<(ContainerRecord, AgentClient<Channel>)> {
-        let ctr = self.ctr(id)?;
-        let rec = ctr.record();
+        let (rec, pod) = self.running_in_pod(id, what)?;
+        let c = pod.client().await?;
+        Ok((rec, c))
+    }
+
+    /// A running container's record and its pod, or why `what` cannot act on it.
+    fn running_in_pod(&self, id: &str, what: &str) -> Result<(ContainerRecord, Arc<Pod>)> {
+        let rec = self.ctr(id)?.record();
         if rec.state != ContainerState::Running {
             return Err(RuntimeError::FailedPrecondition(format!(
                 "{what}: container {} is not running ({:?})",
@@ -31,8 +38,7 @@ impl Runtime {
             )));
         }
         let pod = self.pod(&rec.pod_id)?;
-        let c = pod.client().await?;
-        Ok((rec, c))
+        Ok((rec, pod))
     }
 
     pub async fn exec_sync(
@@ -83,15 +89,7 @@ impl Runtime {
     }
 
     pub async fn reopen_log(&self, id: &str) -> Result<()> {
-        let ctr = self.ctr(id)?;
-        let rec = ctr.record();
-        if rec.state != ContainerState::Running {
-            return Err(RuntimeError::FailedPrecondition(format!(
-                "ReopenContainerLog: container {} is not running ({:?})",
-                rec.id, rec.state
-            )));
-        }
-        let pod = self.pod(&rec.pod_id)?;
+        let (rec, pod) = self.running_in_pod(id, "ReopenContainerLog")?;
         self.backend(&pod.record()).reopen_log(&pod, &rec).await
     }
 
@@ -125,10 +123,8 @@ impl Runtime {
         if cmd.is_empty() || cmd[0].is_empty() {
             return Err(RuntimeError::InvalidArgument("Exec: empty command".into()));
         }
-        let (rec, mut c) = self.running(id, "Exec").await?;
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let start = ap::ExecInput {
-            msg: Some(ap::exec_input::Msg::Start(ap::ExecStart {
+        self.agent_session(id, "Exec", false, |rec| {
+            ap::exec_input::Msg::Start(ap::ExecStart {
                 id: rec.id.clone(),
                 args: cmd,
                 env: vec![],
@@ -136,39 +132,48 @@ impl Runtime {
                 tty,
                 stdin,
                 size,
-            })),
-        };
-        tx.send(start)
-            .await
-            .map_err(|_| RuntimeError::Internal("Exec: input channel closed".into()))?;
-        let out = c
-            .exec(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .map_err(|s| agent_err(&format!("Exec in {}", rec.id), s))?
-            .into_inner();
-        Ok((tx, out))
+            })
+        })
+        .await
     }
 
     /// Attaches to a running container's own stdio through its pod agent (flat or VM alike):
     /// input goes in as for Exec; output is what the container writes from now on, then its
     /// exit code.
     pub async fn attach_stream(&self, id: &str, stdin: bool) -> Result<ExecChannels> {
-        let (rec, mut c) = self.running(id, "Attach").await?;
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let start = ap::ExecInput {
-            msg: Some(ap::exec_input::Msg::Attach(ap::AttachStart {
+        self.agent_session(id, "Attach", true, |rec| {
+            ap::exec_input::Msg::Attach(ap::AttachStart {
                 id: rec.id.clone(),
                 stdin,
-            })),
-        };
-        tx.send(start)
-            .await
-            .map_err(|_| RuntimeError::Internal("Attach: input channel closed".into()))?;
-        let out = c
-            .attach(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .map_err(|s| agent_err(&format!("Attach to {}", rec.id), s))?
-            .into_inner();
+            })
+        })
+        .await
+    }
+
+    /// Opens the agent's Exec (or Attach) stream for a running container, its first message
+    /// made by `start`.
+    async fn agent_session(
+        &self,
+        id: &str,
+        what: &str,
+        attach: bool,
+        start: impl FnOnce(&ContainerRecord) -> ap::exec_input::Msg,
+    ) -> Result<ExecChannels> {
+        let (rec, mut c) = self.running(id, what).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tx.send(ap::ExecInput {
+            msg: Some(start(&rec)),
+        })
+        .await
+        .map_err(|_| RuntimeError::Internal(format!("{what}: input channel closed")))?;
+        let input = tokio_stream::wrappers::ReceiverStream::new(rx);
+        let out = if attach {
+            c.attach(input).await
+        } else {
+            c.exec(input).await
+        }
+        .map_err(|s| agent_err(&format!("{what} in {}", rec.id), s))?
+        .into_inner();
         Ok((tx, out))
     }
 }

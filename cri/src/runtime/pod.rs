@@ -1,6 +1,7 @@
 //! Pod sandboxes: RunPodSandbox, StopPodSandbox, RemovePodSandbox, their status and list.
 //! What differs between flat and VM pods is the backend's (`crate::sandbox`).
 
+use super::translate::pod_state;
 use super::{matches_labels, pod_name_key, valid_dns_label, Runtime};
 use crate::errors::{internal, Result, RuntimeError};
 use crate::sandbox::{self, HostShare};
@@ -224,11 +225,7 @@ impl Runtime {
         let status = cri::PodSandboxStatus {
             id: rec.id.clone(),
             metadata: rec.config.metadata.clone(),
-            state: if rec.state == PodState::Ready {
-                cri::PodSandboxState::SandboxReady as i32
-            } else {
-                cri::PodSandboxState::SandboxNotready as i32
-            },
+            state: pod_state(rec.state),
             created_at: rec.created_at,
             network: Some(cri::PodSandboxNetworkStatus {
                 ip: rec.ips.first().cloned().unwrap_or_default(),
@@ -292,11 +289,7 @@ impl Runtime {
             .map(|r| cri::PodSandbox {
                 id: r.id.clone(),
                 metadata: r.config.metadata.clone(),
-                state: if r.state == PodState::Ready {
-                    cri::PodSandboxState::SandboxReady as i32
-                } else {
-                    cri::PodSandboxState::SandboxNotready as i32
-                },
+                state: pod_state(r.state),
                 created_at: r.created_at,
                 labels: r.config.labels.clone(),
                 annotations: r.config.annotations.clone(),

@@ -129,3 +129,12 @@ pub(super) fn cri_state(s: ContainerState) -> cri::ContainerState {
         ContainerState::Exited => cri::ContainerState::ContainerExited,
     }
 }
+
+/// A pod's CRI state: ready, or not (a pod being created is not listed at all).
+pub(super) fn pod_state(s: crate::state::PodState) -> i32 {
+    if s == crate::state::PodState::Ready {
+        cri::PodSandboxState::SandboxReady as i32
+    } else {
+        cri::PodSandboxState::SandboxNotready as i32
+    }
+}

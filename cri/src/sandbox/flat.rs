@@ -34,13 +34,8 @@ pub enum FlatError {
     Agent(String),
     #[error("the pod agent did not report ready within {0:?}")]
     Timeout(Duration),
-    #[error("{op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::errors::IoAt),
 }
 
 /// The flat backend and what it needs from the node.
@@ -237,11 +232,7 @@ async fn launch(spec: &LaunchSpec<'_>) -> Result<Launched, FlatError> {
         .create(true)
         .append(true)
         .open(spec.log_file)
-        .map_err(|source| FlatError::Io {
-            op: "open",
-            path: spec.log_file.to_path_buf(),
-            source,
-        })?;
+        .map_err(crate::errors::io_at::<FlatError>("open", spec.log_file))?;
     let mut cmd = tokio::process::Command::new(spec.agent_binary);
     cmd.arg("flat")
         .arg("--socket")

@@ -7,20 +7,14 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
-    #[error("{op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::errors::IoAt),
     #[error("invalid sysctl name {0:?}")]
     BadSysctl(String),
 }
 
 fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> NetnsError {
-    let path = path.to_path_buf();
-    move |source| NetnsError::Io { op, path, source }
+    crate::errors::io_at(op, path)
 }
 
 /// Pins the network namespace of process `pid` at `path` with a bind mount.

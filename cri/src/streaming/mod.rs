@@ -49,19 +49,24 @@ pub enum StreamingError {
     },
 }
 
+/// What an exec or attach session runs against and which streams it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecTarget {
+    pub container_id: String,
+    /// The command to run; `None` attaches to the container's own process (its terminal
+    /// when it has one).
+    pub cmd: Option<Vec<String>>,
+    pub tty: bool,
+    pub stdin: bool,
+    pub stdout: bool,
+    pub stderr: bool,
+}
+
 /// What a token stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamRequest {
-    /// An exec of `cmd`, or with no `cmd` an attach to the container's own stdio (its
-    /// terminal when it has one).
-    Exec {
-        container_id: String,
-        cmd: Option<Vec<String>>,
-        tty: bool,
-        stdin: bool,
-        stdout: bool,
-        stderr: bool,
-    },
+    /// An exec of a command, or an attach to the container's own stdio.
+    Exec(ExecTarget),
     PortForward {
         pod_id: String,
         /// The pod's pinned network namespace; empty: the host's.
@@ -69,11 +74,17 @@ pub enum StreamRequest {
     },
 }
 
+impl From<ExecTarget> for StreamRequest {
+    fn from(t: ExecTarget) -> StreamRequest {
+        StreamRequest::Exec(t)
+    }
+}
+
 impl StreamRequest {
     fn kind(&self) -> &'static str {
         match self {
-            StreamRequest::Exec { cmd: Some(_), .. } => "exec",
-            StreamRequest::Exec { cmd: None, .. } => "attach",
+            StreamRequest::Exec(t) if t.cmd.is_some() => "exec",
+            StreamRequest::Exec(_) => "attach",
             StreamRequest::PortForward { .. } => "portforward",
         }
     }
@@ -155,7 +166,8 @@ impl StreamingServer {
     }
 
     /// A one-time URL for `req`.
-    pub fn url(&self, req: StreamRequest) -> String {
+    pub fn url(&self, req: impl Into<StreamRequest>) -> String {
+        let req = req.into();
         let kind = req.kind();
         let token = self.tokens.insert(req);
         format!("{}/{kind}/{token}", self.base)
@@ -221,7 +233,7 @@ impl StreamingServer {
             .filter(|v| !v.is_empty())
             .collect();
         let supported: &[&str] = match &req {
-            StreamRequest::Exec { .. } => EXEC_PROTOCOLS,
+            StreamRequest::Exec(_) => EXEC_PROTOCOLS,
             StreamRequest::PortForward { .. } => &[PORT_FORWARD_PROTOCOL],
         };
         // The client's order decides, as in Kubernetes' handshake.
@@ -260,24 +272,8 @@ impl StreamingServer {
             _ => 1,
         };
         match req {
-            StreamRequest::Exec {
-                container_id,
-                cmd,
-                tty,
-                stdin,
-                stdout,
-                stderr,
-            } => {
-                let x = ExecParams {
-                    container_id,
-                    cmd,
-                    tty,
-                    stdin,
-                    stdout,
-                    stderr,
-                    version,
-                };
-                exec(&self.rt, x, &w, streams).await;
+            StreamRequest::Exec(target) => {
+                exec(&self.rt, ExecParams { target, version }, &w, streams).await;
             }
             StreamRequest::PortForward { pod_id, netns } => {
                 port_forward(&pod_id, netns, &w, streams).await;
@@ -364,15 +360,17 @@ async fn reply(s: &mut TcpStream, code: u16, msg: &str) -> std::io::Result<()> {
 
 // ---------- exec ----------
 
+/// An exec session: its target and the protocol version the client chose.
 struct ExecParams {
-    container_id: String,
-    /// The command to run; `None` attaches to the container's own process.
-    cmd: Option<Vec<String>>,
-    tty: bool,
-    stdin: bool,
-    stdout: bool,
-    stderr: bool,
+    target: ExecTarget,
     version: u8,
+}
+
+impl std::ops::Deref for ExecParams {
+    type Target = ExecTarget;
+    fn deref(&self) -> &ExecTarget {
+        &self.target
+    }
 }
 
 #[derive(Default)]

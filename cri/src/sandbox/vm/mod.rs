@@ -62,13 +62,9 @@ async fn control(
 
 /// Opens (creating) a container's log file and hands it to the shim.
 async fn set_log(v: &VmPodState, id: &str, log_path: &str) -> std::result::Result<(), VmError> {
-    let f = vessel_agent::logs::open_log_nofollow(Path::new(log_path)).map_err(|source| {
-        VmError::Io {
-            op: "open",
-            path: PathBuf::from(log_path),
-            source,
-        }
-    })?;
+    let path = Path::new(log_path);
+    let f = vessel_agent::logs::open_log_nofollow(path)
+        .map_err(crate::errors::io_at::<VmError>("open", path))?;
     control(v, ControlRequest::SetLog { id: id.into() }, Some(f.into()))
         .await
         .map(|_| ())

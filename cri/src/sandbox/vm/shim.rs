@@ -23,13 +23,8 @@ pub enum VmError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{op} {path}: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::errors::IoAt),
     #[error("the VM shim exited during boot ({status}): {detail}")]
     ShimExited { status: String, detail: String },
     #[error("the guest agent did not answer within {timeout:?} of the VM's start: {detail}")]
@@ -39,8 +34,7 @@ pub enum VmError {
 }
 
 fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> VmError {
-    let path = path.to_path_buf();
-    move |source| VmError::Io { op, path, source }
+    crate::errors::io_at(op, path)
 }
 
 /// What a VM pod is booted with.
