@@ -14,7 +14,7 @@ use k8s_cri::v1 as cri;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use vessel_critest::client::CriClient;
+use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::{TestCni, Vesseld};
 use vessel_critest::registry::Registry;
 
@@ -29,90 +29,37 @@ struct H {
 impl H {
     fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
         cri::PodSandboxConfig {
-            metadata: Some(cri::PodSandboxMetadata {
-                name: name.into(),
-                uid: format!("uid-{name}"),
-                namespace: "cni".into(),
-                attempt: 0,
-            }),
+            metadata: pod_metadata(name, "cni"),
             hostname: name.into(),
             log_directory: self.logs.path().join(name).display().to_string(),
             ..Default::default()
         }
     }
-
     async fn run_pod(&mut self, cfg: &cri::PodSandboxConfig) -> Result<String, tonic::Status> {
-        self.c
-            .runtime
-            .run_pod_sandbox(cri::RunPodSandboxRequest {
-                config: Some(cfg.clone()),
-                runtime_handler: "flat".into(),
-            })
-            .await
-            .map(|r| r.into_inner().pod_sandbox_id)
+        self.c.run_pod(cfg, "flat").await
     }
-
     async fn pod_status(&mut self, id: &str) -> cri::PodSandboxStatus {
-        self.c
-            .runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: id.into(),
-                verbose: false,
-            })
-            .await
-            .expect("PodSandboxStatus")
-            .into_inner()
-            .status
-            .unwrap()
+        self.c.pod_status(id).await.expect("PodSandboxStatus")
     }
-
     async fn run(&mut self, pod: &str, pcfg: &cri::PodSandboxConfig, script: &str) -> String {
+        let cfg = sh_container("c", &self.image, script);
         let id = self
             .c
-            .runtime
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: pod.into(),
-                config: Some(cri::ContainerConfig {
-                    metadata: Some(cri::ContainerMetadata {
-                        name: "c".into(),
-                        attempt: 0,
-                    }),
-                    image: Some(cri::ImageSpec {
-                        image: self.image.clone(),
-                        ..Default::default()
-                    }),
-                    command: vec!["sh".into(), "-c".into(), script.into()],
-                    log_path: "c.log".into(),
-                    ..Default::default()
-                }),
-                sandbox_config: Some(pcfg.clone()),
-            })
+            .create_container(pod, pcfg, cfg)
             .await
-            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.v.log()))
-            .into_inner()
-            .container_id;
+            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.v.log()));
         self.c
-            .runtime
-            .start_container(cri::StartContainerRequest {
-                container_id: id.clone(),
-            })
+            .start_container(&id)
             .await
             .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.v.log()));
         id
     }
-
     async fn sh(&mut self, id: &str, script: &str) -> (i32, String) {
         let r = self
             .c
-            .runtime
-            .exec_sync(cri::ExecSyncRequest {
-                container_id: id.into(),
-                cmd: vec!["sh".into(), "-c".into(), script.into()],
-                timeout: 10,
-            })
+            .exec_sync(id, &["sh", "-c", script], 10)
             .await
-            .expect("ExecSync")
-            .into_inner();
+            .expect("ExecSync");
         (
             r.exit_code,
             format!(
@@ -122,24 +69,12 @@ impl H {
             ),
         )
     }
-
     async fn remove_pod(&mut self, id: &str) {
         self.c
-            .runtime
-            .stop_pod_sandbox(cri::StopPodSandboxRequest {
-                pod_sandbox_id: id.into(),
-            })
+            .stop_and_remove_pod(id)
             .await
-            .expect("StopPodSandbox");
-        self.c
-            .runtime
-            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
-                pod_sandbox_id: id.into(),
-            })
-            .await
-            .expect("RemovePodSandbox");
+            .expect("StopPodSandbox, RemovePodSandbox");
     }
-
     async fn network_ready(&mut self) -> cri::RuntimeCondition {
         self.c
             .runtime

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tonic::Code;
-use vessel_critest::client::CriClient;
+use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::{mounts_under, Vesseld};
 use vessel_critest::registry::Registry;
 use vessel_images::push::{push_image, PushTarget};
@@ -76,12 +76,7 @@ async fn harness_with(more: &str) -> H {
 impl H {
     fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
         cri::PodSandboxConfig {
-            metadata: Some(cri::PodSandboxMetadata {
-                name: name.into(),
-                uid: format!("uid-{name}"),
-                namespace: "e2e".into(),
-                attempt: 0,
-            }),
+            metadata: pod_metadata(name, "e2e"),
             hostname: name.into(),
             log_directory: self.logs.path().join(name).display().to_string(),
             labels: HashMap::from([("app".to_string(), name.to_string())]),
@@ -93,67 +88,35 @@ impl H {
             ..Default::default()
         }
     }
-
     async fn run_pod(&mut self, name: &str) -> (String, cri::PodSandboxConfig) {
         let cfg = self.pod_config(name);
         let id = self
             .c
-            .runtime
-            .run_pod_sandbox(cri::RunPodSandboxRequest {
-                config: Some(cfg.clone()),
-                runtime_handler: handler(),
-            })
+            .run_pod(&cfg, &handler())
             .await
-            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.v.log()))
-            .into_inner()
-            .pod_sandbox_id;
+            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.v.log()));
         (id, cfg)
     }
-
     fn ctr_config(&self, name: &str, script: &str) -> cri::ContainerConfig {
         cri::ContainerConfig {
-            metadata: Some(cri::ContainerMetadata {
-                name: name.into(),
-                attempt: 0,
-            }),
-            image: Some(cri::ImageSpec {
-                image: self.image.clone(),
-                ..Default::default()
-            }),
-            command: vec!["sh".into(), "-c".into(), script.into()],
-            log_path: format!("{name}.log"),
             labels: HashMap::from([("ctr".to_string(), name.to_string())]),
-            ..Default::default()
+            ..sh_container(name, &self.image, script)
         }
     }
-
     async fn create(
         &mut self,
         pod: &str,
         pcfg: &cri::PodSandboxConfig,
         cfg: cri::ContainerConfig,
     ) -> Result<String, tonic::Status> {
-        self.c
-            .runtime
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: pod.into(),
-                config: Some(cfg),
-                sandbox_config: Some(pcfg.clone()),
-            })
-            .await
-            .map(|r| r.into_inner().container_id)
+        self.c.create_container(pod, pcfg, cfg).await
     }
-
     async fn start(&mut self, id: &str) {
         self.c
-            .runtime
-            .start_container(cri::StartContainerRequest {
-                container_id: id.into(),
-            })
+            .start_container(id)
             .await
             .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", self.v.log()));
     }
-
     async fn run(
         &mut self,
         pod: &str,
@@ -171,19 +134,8 @@ impl H {
     }
 
     async fn status(&mut self, id: &str) -> cri::ContainerStatus {
-        self.c
-            .runtime
-            .container_status(cri::ContainerStatusRequest {
-                container_id: id.into(),
-                verbose: false,
-            })
-            .await
-            .expect("ContainerStatus")
-            .into_inner()
-            .status
-            .unwrap()
+        self.c.container_status(id).await.expect("ContainerStatus")
     }
-
     async fn wait_exit(&mut self, id: &str, limit: Duration) -> cri::ContainerStatus {
         let start = Instant::now();
         loop {
@@ -205,49 +157,17 @@ impl H {
         cmd: &[&str],
         timeout: i64,
     ) -> Result<cri::ExecSyncResponse, tonic::Status> {
-        self.c
-            .runtime
-            .exec_sync(cri::ExecSyncRequest {
-                container_id: id.into(),
-                cmd: cmd.iter().map(|s| s.to_string()).collect(),
-                timeout,
-            })
-            .await
-            .map(|r| r.into_inner())
+        self.c.exec_sync(id, cmd, timeout).await
     }
-
     async fn pod_state(&mut self, id: &str) -> i32 {
-        self.c
-            .runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: id.into(),
-                verbose: false,
-            })
-            .await
-            .expect("PodSandboxStatus")
-            .into_inner()
-            .status
-            .unwrap()
-            .state
+        self.c.pod_status(id).await.expect("PodSandboxStatus").state
     }
-
     async fn remove_pod(&mut self, id: &str) {
         self.c
-            .runtime
-            .stop_pod_sandbox(cri::StopPodSandboxRequest {
-                pod_sandbox_id: id.into(),
-            })
+            .stop_and_remove_pod(id)
             .await
-            .expect("StopPodSandbox");
-        self.c
-            .runtime
-            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
-                pod_sandbox_id: id.into(),
-            })
-            .await
-            .expect("RemovePodSandbox");
+            .expect("StopPodSandbox, RemovePodSandbox");
     }
-
     async fn verbose_status(&mut self, id: &str) -> cri::PodSandboxStatusResponse {
         self.c
             .runtime

@@ -1,5 +1,6 @@
 //! CRI clients over a Unix socket, for any CRI runtime (vessel or containerd).
 
+use k8s_cri::v1 as cri;
 use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use std::path::{Path, PathBuf};
@@ -35,4 +36,138 @@ impl CriClient {
             images: ImageServiceClient::new(ch).max_decoding_message_size(16 << 20),
         })
     }
+}
+
+/// The CRI calls the end-to-end tests make again and again (our `pods_e2e`, `cni_e2e` and
+/// the critest suite's `Ctx`), as kubelet makes them: one place, errors as the runtime sent
+/// them. Each call clones the client (a channel handle), so `&self` is enough.
+impl CriClient {
+    pub async fn run_pod(&self, cfg: &cri::PodSandboxConfig, handler: &str) -> CriResult<String> {
+        let r = self
+            .runtime
+            .clone()
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(cfg.clone()),
+                runtime_handler: handler.into(),
+            })
+            .await?;
+        Ok(r.into_inner().pod_sandbox_id)
+    }
+
+    pub async fn create_container(
+        &self,
+        pod: &str,
+        pcfg: &cri::PodSandboxConfig,
+        cfg: cri::ContainerConfig,
+    ) -> CriResult<String> {
+        let r = self
+            .runtime
+            .clone()
+            .create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: pod.into(),
+                config: Some(cfg),
+                sandbox_config: Some(pcfg.clone()),
+            })
+            .await?;
+        Ok(r.into_inner().container_id)
+    }
+
+    pub async fn start_container(&self, id: &str) -> CriResult<()> {
+        self.runtime
+            .clone()
+            .start_container(cri::StartContainerRequest {
+                container_id: id.into(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn container_status(&self, id: &str) -> CriResult<cri::ContainerStatus> {
+        self.runtime
+            .clone()
+            .container_status(cri::ContainerStatusRequest {
+                container_id: id.into(),
+                verbose: false,
+            })
+            .await?
+            .into_inner()
+            .status
+            .ok_or_else(|| tonic::Status::internal(format!("ContainerStatus of {id}: no status")))
+    }
+
+    pub async fn pod_status(&self, id: &str) -> CriResult<cri::PodSandboxStatus> {
+        self.runtime
+            .clone()
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.into(),
+                verbose: false,
+            })
+            .await?
+            .into_inner()
+            .status
+            .ok_or_else(|| tonic::Status::internal(format!("PodSandboxStatus of {id}: no status")))
+    }
+
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: &[&str],
+        timeout: i64,
+    ) -> CriResult<cri::ExecSyncResponse> {
+        let r = self
+            .runtime
+            .clone()
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: id.into(),
+                cmd: cmd.iter().map(|s| s.to_string()).collect(),
+                timeout,
+            })
+            .await?;
+        Ok(r.into_inner())
+    }
+
+    /// StopPodSandbox then RemovePodSandbox, as kubelet does.
+    pub async fn stop_and_remove_pod(&self, id: &str) -> CriResult<()> {
+        let mut rt = self.runtime.clone();
+        rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: id.into(),
+        })
+        .await?;
+        rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: id.into(),
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// What a CRI call answers.
+pub type CriResult<T> = Result<T, tonic::Status>;
+
+/// A container of `image` running `sh -c script`, logging to `<name>.log` in its pod's log
+/// directory.
+pub fn sh_container(name: &str, image: &str, script: &str) -> cri::ContainerConfig {
+    cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: name.into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        log_path: format!("{name}.log"),
+        ..Default::default()
+    }
+}
+
+/// A pod's metadata with a uid made from its name.
+pub fn pod_metadata(name: &str, namespace: &str) -> Option<cri::PodSandboxMetadata> {
+    Some(cri::PodSandboxMetadata {
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        namespace: namespace.into(),
+        attempt: 0,
+    })
 }

@@ -4,7 +4,7 @@
 use super::testimages::Images;
 use super::{ctr_state, Stop, RUN_LABEL, SPEC_LABEL};
 use crate::client::CriClient;
-use crate::{check, fail};
+use crate::check;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -211,18 +211,11 @@ impl Ctx {
     }
 
     pub async fn run_pod_with(&self, cfg: &cri::PodSandboxConfig) -> Result<String, Stop> {
-        let mut c = self.c.clone();
-        let r = c
-            .runtime
-            .run_pod_sandbox(cri::RunPodSandboxRequest {
-                config: Some(cfg.clone()),
-                runtime_handler: self.env.runtime_handler.clone(),
-            })
+        self.c
+            .run_pod(cfg, &self.env.runtime_handler)
             .await
-            .map_err(|e| Stop::Fail(format!("RunPodSandbox: {:?}: {}", e.code(), e.message())))?;
-        Ok(r.into_inner().pod_sandbox_id)
+            .map_err(|e| Stop::Fail(format!("RunPodSandbox: {:?}: {}", e.code(), e.message())))
     }
-
     /// Runs a pod with [`Ctx::pod_config`].
     pub async fn run_pod(&self, name: &str) -> Result<(String, cri::PodSandboxConfig), Stop> {
         let cfg = self.pod_config(name);
@@ -286,20 +279,12 @@ impl Ctx {
     /// A busybox container running `sh -c script`, logging to `<name>.log`.
     pub fn ctr_config(&self, name: &str, script: &str) -> cri::ContainerConfig {
         cri::ContainerConfig {
-            metadata: Some(cri::ContainerMetadata {
-                name: name.into(),
-                attempt: 0,
-            }),
-            image: spec(&self.env.images.busybox),
-            command: vec!["sh".into(), "-c".into(), script.into()],
-            log_path: format!("{name}.log"),
             labels: self.labels(),
             annotations: HashMap::from([("vessel-critest/ctr".to_string(), name.to_string())]),
             linux: Some(cri::LinuxContainerConfig::default()),
-            ..Default::default()
+            ..crate::client::sh_container(name, &self.env.images.busybox, script)
         }
     }
-
     /// The container's security context, created if absent.
     pub fn sec(cfg: &mut cri::ContainerConfig) -> &mut cri::LinuxContainerSecurityContext {
         cfg.linux
@@ -317,30 +302,18 @@ impl Ctx {
         if let Some(img) = cfg.image.as_ref() {
             self.ensure_image(&img.image).await?;
         }
-        let mut c = self.c.clone();
-        let r = c
-            .runtime
-            .create_container(cri::CreateContainerRequest {
-                pod_sandbox_id: pod.into(),
-                config: Some(cfg),
-                sandbox_config: Some(pcfg.clone()),
-            })
+        self.c
+            .create_container(pod, pcfg, cfg)
             .await
-            .map_err(|e| Stop::Fail(format!("CreateContainer: {:?}: {}", e.code(), e.message())))?;
-        Ok(r.into_inner().container_id)
+            .map_err(|e| Stop::Fail(format!("CreateContainer: {:?}: {}", e.code(), e.message())))
     }
 
     pub async fn start(&self, id: &str) -> Result<(), Stop> {
-        let mut c = self.c.clone();
-        c.runtime
-            .start_container(cri::StartContainerRequest {
-                container_id: id.into(),
-            })
+        self.c
+            .start_container(id)
             .await
-            .map_err(|e| Stop::Fail(format!("StartContainer: {:?}: {}", e.code(), e.message())))?;
-        Ok(())
+            .map_err(|e| Stop::Fail(format!("StartContainer: {:?}: {}", e.code(), e.message())))
     }
-
     /// Creates and starts `cfg`.
     pub async fn run_cfg(
         &self,
@@ -365,39 +338,11 @@ impl Ctx {
     }
 
     pub async fn status(&self, id: &str) -> Result<cri::ContainerStatus, Stop> {
-        let mut c = self.c.clone();
-        let s = c
-            .runtime
-            .container_status(cri::ContainerStatusRequest {
-                container_id: id.into(),
-                verbose: false,
-            })
-            .await?
-            .into_inner()
-            .status;
-        match s {
-            Some(s) => Ok(s),
-            None => fail!("ContainerStatus of {id} has no status"),
-        }
+        Ok(self.c.container_status(id).await?)
     }
-
     pub async fn pod_status(&self, id: &str) -> Result<cri::PodSandboxStatus, Stop> {
-        let mut c = self.c.clone();
-        let s = c
-            .runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: id.into(),
-                verbose: false,
-            })
-            .await?
-            .into_inner()
-            .status;
-        match s {
-            Some(s) => Ok(s),
-            None => fail!("PodSandboxStatus of {id} has no status"),
-        }
+        Ok(self.c.pod_status(id).await?)
     }
-
     /// Waits for the container to reach `state` within `limit`.
     pub async fn wait_state(
         &self,
@@ -438,17 +383,8 @@ impl Ctx {
         cmd: &[&str],
         timeout: i64,
     ) -> Result<cri::ExecSyncResponse, tonic::Status> {
-        let mut c = self.c.clone();
-        c.runtime
-            .exec_sync(cri::ExecSyncRequest {
-                container_id: id.into(),
-                cmd: cmd.iter().map(|s| s.to_string()).collect(),
-                timeout,
-            })
-            .await
-            .map(|r| r.into_inner())
+        self.c.exec_sync(id, cmd, timeout).await
     }
-
     /// `sh -c script` in the container: (exit code, stdout, stderr).
     pub async fn sh(&self, id: &str, script: &str) -> Result<(i32, String, String), Stop> {
         let r = self
