@@ -217,7 +217,8 @@ impl Bench {
             .info;
         let v: serde_json::Value =
             serde_json::from_str(info.get("info").context("no verbose info")?)?;
-        Ok(v["pid"].as_u64().context("no pid")? as u32)
+        let pid = v["pid"].as_u64().context("no pid")?;
+        u32::try_from(pid).with_context(|| format!("pid {pid} out of range"))
     }
 
     /// One timed PullImage; then, untimed, RemoveImage, so the next pull fetches it all.
@@ -383,6 +384,8 @@ fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
 
+// The median of u64 samples lies within u64's range; dropping the fraction is intended.
+#[allow(clippy::cast_possible_truncation)]
 fn median_kib(v: &[u64]) -> u64 {
     Stats::of(&v.iter().map(|&k| k as f64).collect::<Vec<_>>()).map_or(0, |s| s.median as u64)
 }

@@ -110,7 +110,8 @@ impl Stats {
         } else {
             (v[n / 2 - 1] + v[n / 2]) / 2.0
         };
-        // Nearest-rank p95.
+        // Nearest-rank p95. ceil(0.95 n) is at most n, a usize (and clamped anyway).
+        #[allow(clippy::cast_possible_truncation)]
         let rank = ((0.95 * n as f64).ceil() as usize).clamp(1, n);
         Some(Stats {
             n,

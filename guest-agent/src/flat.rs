@@ -286,9 +286,12 @@ pub fn loopback_up() -> std::io::Result<()> {
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // IFF_UP | IFF_RUNNING is 0x41: it fits the short `ifr_flags`.
+    #[allow(clippy::cast_possible_truncation)]
+    let up = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     // SAFETY: after SIOCGIFFLAGS the union holds `ifru_flags`.
     unsafe {
-        req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        req.ifr_ifru.ifru_flags |= up;
     }
     // SAFETY: SIOCSIFFLAGS reads the flags from the live `req` we pass.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {

@@ -69,6 +69,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub fn now_nanos() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
+        // Saturates (in the year 2262) rather than wrapping negative.
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         .unwrap_or(0)
 }

@@ -658,8 +658,8 @@ impl Libct {
                             return Err(std::io::Error::last_os_error());
                         }
                     }
-                    for (i, t) in tmp.iter().enumerate() {
-                        if libc::dup2(*t, 3 + i as RawFd) < 0 {
+                    for (t, target) in tmp.iter().zip(3 as RawFd..) {
+                        if libc::dup2(*t, target) < 0 {
                             return Err(std::io::Error::last_os_error());
                         }
                     }

@@ -106,9 +106,10 @@ impl AsyncWrite for AsyncFdIo {
 
 /// Sets the window size of the terminal `fd` (a pty master).
 pub fn set_winsize(fd: RawFd, rows: u32, cols: u32) -> io::Result<()> {
+    // A size beyond what the kernel's `winsize` holds is clamped.
     let ws = libc::winsize {
-        ws_row: rows.min(u16::MAX as u32) as u16,
-        ws_col: cols.min(u16::MAX as u32) as u16,
+        ws_row: u16::try_from(rows).unwrap_or(u16::MAX),
+        ws_col: u16::try_from(cols).unwrap_or(u16::MAX),
         ws_xpixel: 0,
         ws_ypixel: 0,
     };
@@ -140,7 +141,8 @@ impl ConsoleSocket {
     /// start a moment before the size is set; clients resize later anyway.
     pub fn recv_master(self, timeout: Duration, size: Option<(u32, u32)>) -> io::Result<OwnedFd> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // poll(2) takes an i32 of milliseconds: a longer timeout is clamped.
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
         let mut fds = [PollFd::new(self.listener.as_fd(), PollFlags::POLLIN)];
         let n = poll(
             &mut fds,

@@ -20,6 +20,8 @@ pub const LOG_PORT: u32 = 1025;
 /// The host's CID.
 pub const HOST_CID: u32 = libc::VMADDR_CID_HOST;
 
+// AF_VSOCK (40) fits `sa_family_t`.
+#[allow(clippy::cast_possible_truncation)]
 fn sockaddr(cid: u32, port: u32) -> libc::sockaddr_vm {
     // SAFETY: sockaddr_vm is plain old data; all-zero is a valid value.
     let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
@@ -55,6 +57,8 @@ impl VsockListener {
     pub fn bind(port: u32) -> io::Result<VsockListener> {
         let fd = socket(true)?;
         let addr = sockaddr(libc::VMADDR_CID_ANY, port);
+        // sockaddr_vm is 16 bytes: its size fits `socklen_t`.
+        #[allow(clippy::cast_possible_truncation)]
         // SAFETY: `addr` is a valid sockaddr_vm and the length is its size.
         let r = unsafe {
             libc::bind(
@@ -174,6 +178,8 @@ pub fn connect_blocking(cid: u32, port: u32, send_timeout: Duration) -> io::Resu
     let fd = socket(false)?;
     let addr = sockaddr(cid, port);
     loop {
+        // sockaddr_vm is 16 bytes: its size fits `socklen_t`.
+        #[allow(clippy::cast_possible_truncation)]
         // SAFETY: `addr` is a valid sockaddr_vm and the length is its size.
         let r = unsafe {
             libc::connect(
@@ -194,6 +200,8 @@ pub fn connect_blocking(cid: u32, port: u32, send_timeout: Duration) -> io::Resu
         tv_sec: send_timeout.as_secs() as libc::time_t,
         tv_usec: send_timeout.subsec_micros() as libc::suseconds_t,
     };
+    // A timeval is 16 bytes: its size fits `socklen_t`.
+    #[allow(clippy::cast_possible_truncation)]
     // SAFETY: SO_SNDTIMEO reads a timeval of the given size from a live local.
     let r = unsafe {
         libc::setsockopt(

@@ -226,7 +226,8 @@ impl ImageStore {
         tracing::info!(
             layer = %diff_id.short(),
             bytes = size,
-            ms = started.elapsed().as_millis() as u64,
+            // Saturating: a log field.
+            ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
             "image store: built EROFS layer image"
         );
         Ok(())

@@ -781,7 +781,8 @@ impl Puller {
                 });
             }
         }
-        if manifest.config.size as usize > MAX_CONFIG {
+        // Compared as u64: the size comes from the registry and may not fit a usize.
+        if manifest.config.size > MAX_CONFIG as u64 {
             return Err(ImageError::BadImage {
                 reference: r.to_string(),
                 reason: format!("config of {} bytes is too large", manifest.config.size),
@@ -895,7 +896,8 @@ impl Puller {
             id = %rec.id,
             bytes_downloaded = downloaded,
             layers_downloaded,
-            ms = elapsed.as_millis() as u64,
+            // Saturating: a log field.
+            ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
             "pull: done"
         );
         Ok(PullReport {
@@ -944,7 +946,8 @@ impl Puller {
             layer = format!("{}/{}", i + 1, n),
             digest = %desc.digest.short(),
             bytes,
-            unpack_ms = t.elapsed().as_millis() as u64,
+            // Saturating: a log field.
+            unpack_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX),
             "pull: layer ready"
         );
         Ok(bytes)

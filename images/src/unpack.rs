@@ -1254,7 +1254,7 @@ fn parse_meta<R: Read>(entry: &mut tar::Entry<'_, R>, raw: &[u8]) -> Result<Meta
         }
         v(header).map_err(|e| bad(raw, format!("invalid {what}: {e}")))
     };
-    let mode = num(&old.mode, |h| h.mode().map(u64::from), "mode")? as u32 & 0o7777;
+    let mode = (num(&old.mode, |h| h.mode().map(u64::from), "mode")? & 0o7777) as u32;
     let id = |field: &[u8], v: fn(&tar::Header) -> io::Result<u64>, what: &str| {
         u32::try_from(num(field, v, what)?)
             .ok()

@@ -80,6 +80,8 @@ fn vsock_echo_hybrid(sock: &Path, port: u32, deadline: Instant, child: &mut Chil
 
 fn vsock_echo_cid(cid: u32, port: u32, deadline: Instant, child: &mut Child) -> Result<()> {
     loop {
+        // AF_VSOCK (40) fits `sa_family_t` and sockaddr_vm's 16 bytes fit `socklen_t`.
+        #[allow(clippy::cast_possible_truncation)]
         // SAFETY: plain socket/connect/read/write/close calls on an fd this block owns, with
         // a properly initialised sockaddr_vm of the size passed.
         let r = unsafe {

@@ -336,6 +336,8 @@ fn vsock_connect(
     };
     let connected_ms = start.elapsed().as_secs_f64() * 1e3;
     if let Some(n) = echo_bytes {
+        // i % 251 fits a u8.
+        #[allow(clippy::cast_possible_truncation)]
         let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
         let mut w = s.try_clone()?;
         let writer = std::thread::spawn(move || -> std::io::Result<()> {
@@ -348,6 +350,8 @@ fn vsock_connect(
             .join()
             .map_err(|_| anyhow::anyhow!("writer panicked"))??;
         let secs = start.elapsed().as_secs_f64() - connected_ms / 1e3;
+        // i % 251 fits a u8.
+        #[allow(clippy::cast_possible_truncation)]
         let ok = back.len() == n && back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8);
         if !ok {
             bail!(

@@ -62,6 +62,8 @@ const GDT: [u64; 4] = [
 
 fn segment_from_gdt(entry: u64, index: u8) -> kvm_segment {
     let base = ((entry >> 16) & 0xff_ffff) | ((entry >> 32) & 0xff00_0000);
+    // The segment limit is a 20-bit field (both parts masked).
+    #[allow(clippy::cast_possible_truncation)]
     let limit = ((entry & 0xffff) | ((entry >> 32) & 0xf_0000)) as u32;
     let g = ((entry >> 55) & 1) as u8;
     kvm_segment {
@@ -103,7 +105,10 @@ pub fn long_mode_sregs(sregs: &mut kvm_sregs) {
     let data = segment_from_gdt(GDT[2], 2);
     let tss = segment_from_gdt(GDT[3], 3);
     sregs.gdt.base = GDT_ADDR;
-    sregs.gdt.limit = (std::mem::size_of_val(&GDT) - 1) as u16;
+    // The GDT is 4 entries (32 bytes): its limit fits the 16-bit field.
+    #[allow(clippy::cast_possible_truncation)]
+    let gdt_limit = (std::mem::size_of_val(&GDT) - 1) as u16;
+    sregs.gdt.limit = gdt_limit;
     sregs.idt.base = IDT_ADDR;
     sregs.idt.limit = 7;
     sregs.cs = code;

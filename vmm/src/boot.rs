@@ -61,6 +61,8 @@ pub enum BootError {
 }
 
 /// The RAM ranges for `size` bytes of guest memory, around the 32-bit MMIO hole.
+// usize is 64 bits on the (x86_64 KVM) hosts this VMM builds for, so the sizes never truncate.
+#[allow(clippy::cast_possible_truncation)]
 pub fn ram_ranges(size: u64) -> Vec<(GuestAddress, usize)> {
     if size <= MMIO_HOLE_START {
         vec![(GuestAddress(0), size as usize)]
@@ -152,6 +154,8 @@ pub fn load_initrd(
             path: p.clone(),
             size,
         })?;
+    // size <= top <= MMIO_HOLE_START (checked_sub above): it fits a usize.
+    #[allow(clippy::cast_possible_truncation)]
     mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
         .map_err(|e| BootError::Memory(format!("reading initrd {p}: {e}")))?;
     Ok((addr, size))
@@ -179,11 +183,20 @@ pub fn write_boot_params(
         params.hdr.kernel_alignment = KERNEL_MIN_ALIGNMENT;
     }
     params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
-    params.hdr.cmd_line_ptr = CMDLINE_ADDR as u32;
-    params.hdr.cmdline_size = (cmdline.len() + 1) as u32;
+    // CMDLINE_ADDR is below 1 MiB, and the command line fitted in CMDLINE_MAX (64 KiB) above.
+    #[allow(clippy::cast_possible_truncation)]
+    let (cmd_line_ptr, cmdline_size) = (CMDLINE_ADDR as u32, (cmdline.len() + 1) as u32);
+    params.hdr.cmd_line_ptr = cmd_line_ptr;
+    params.hdr.cmdline_size = cmdline_size;
     if let Some((addr, size)) = initrd {
-        params.hdr.ramdisk_image = addr as u32;
-        params.hdr.ramdisk_size = size as u32;
+        // The boot protocol's ramdisk fields are 32-bit ([`load_initrd`] stays below 4 GiB).
+        let (Ok(image), Ok(len)) = (u32::try_from(addr), u32::try_from(size)) else {
+            return Err(BootError::Memory(format!(
+                "initrd at {addr:#x} ({size} bytes) is not below 4 GiB"
+            )));
+        };
+        params.hdr.ramdisk_image = image;
+        params.hdr.ramdisk_size = len;
     }
     let mut e820 = vec![(0u64, crate::mptable::MPTABLE_START)];
     for r in mem.iter() {
@@ -201,7 +214,10 @@ pub fn write_boot_params(
             r#type: E820_RAM,
         };
     }
-    params.e820_entries = e820.len() as u8;
+    // At most 3 entries (the low area and two RAM ranges); e820_table holds 128.
+    #[allow(clippy::cast_possible_truncation)]
+    let e820_entries = e820.len() as u8;
+    params.e820_entries = e820_entries;
     mem.write_obj(params, GuestAddress(ZERO_PAGE))
         .map_err(|e| BootError::Memory(e.to_string()))?;
     Ok(())
@@ -220,6 +236,8 @@ mod tests {
     use super::*;
 
     #[test]
+    // usize is 64 bits here, as for [`ram_ranges`].
+    #[allow(clippy::cast_possible_truncation)]
     fn ram_ranges_skip_the_mmio_hole() {
         assert_eq!(ram_ranges(128 << 20), vec![(GuestAddress(0), 128 << 20)]);
         let r = ram_ranges(4 << 30);

@@ -73,6 +73,8 @@ pub fn build(cpus: u8, start: u64) -> Result<Vec<u8>, MptableError> {
 
     let mut table: Vec<u8> = Vec::with_capacity(44 + entries.len());
     table.extend_from_slice(b"PCMP");
+    // With at most 254 vCPUs (checked above) the table is under 5.5 KiB.
+    #[allow(clippy::cast_possible_truncation)]
     table.extend_from_slice(&((44 + entries.len()) as u16).to_le_bytes());
     table.push(4); // spec revision 1.4
     table.push(0); // checksum, below
@@ -90,7 +92,10 @@ pub fn build(cpus: u8, start: u64) -> Result<Vec<u8>, MptableError> {
 
     let mut fp: Vec<u8> = Vec::with_capacity(16 + table.len());
     fp.extend_from_slice(b"_MP_");
-    fp.extend_from_slice(&(config_addr as u32).to_le_bytes());
+    // The pointer to the configuration table is a 32-bit physical address.
+    let config_addr = u32::try_from(config_addr)
+        .map_err(|_| vm_memory::GuestMemoryError::InvalidGuestAddress(GuestAddress(config_addr)))?;
+    fp.extend_from_slice(&config_addr.to_le_bytes());
     fp.push(1); // length in 16-byte units
     fp.push(4); // spec revision
     fp.push(0); // checksum, below

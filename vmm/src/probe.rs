@@ -235,6 +235,8 @@ fn build_vm(dev: &Path) -> Result<CalibrationVm, String> {
         let host = mem
             .get_host_address(region.start_addr())
             .map_err(|e| format!("guest memory: {e}"))?;
+        // One region, slot 0.
+        #[allow(clippy::cast_possible_truncation)]
         let r = kvm_userspace_memory_region {
             slot: slot as u32,
             flags: 0,
@@ -347,7 +349,10 @@ fn calibrate(vcpu: &mut VcpuFd, budget: Duration) -> Result<GuestTiming, String>
         } else {
             64.0
         };
-        n = ((n as f64 * grow.clamp(2.0, 64.0)) as u64).max(n * 2);
+        // n <= 2^34 (see above) times at most 64 fits a u64; the fraction is dropped.
+        #[allow(clippy::cast_possible_truncation)]
+        let next = (n as f64 * grow.clamp(2.0, 64.0)) as u64;
+        n = next.max(n * 2);
     }
 }
 

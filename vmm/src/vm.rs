@@ -253,6 +253,8 @@ impl Vm {
             let host = mem
                 .get_host_address(r.start_addr())
                 .map_err(|e| VmError::Memory(e.to_string()))?;
+            // At most two regions (around the MMIO hole).
+            #[allow(clippy::cast_possible_truncation)]
             let region = kvm_userspace_memory_region {
                 slot: slot as u32,
                 flags: 0,
@@ -266,6 +268,8 @@ impl Vm {
                 .map_err(ioctl("set_user_memory_region"))?;
             // Transparent huge pages for guest RAM (as QEMU does): far fewer (nested) page
             // faults while the guest first touches its memory. Advisory; failure is harmless.
+            // The region is mapped in our address space, so its length fits a usize.
+            #[allow(clippy::cast_possible_truncation)]
             // SAFETY: madvise on a range inside a live anonymous mapping owned by `mem`.
             let rc = unsafe { libc::madvise(host.cast(), r.len() as usize, libc::MADV_HUGEPAGE) };
             if rc != 0 {
@@ -333,6 +337,8 @@ impl Vm {
         }
         for (i, dev) in devices.into_iter().enumerate() {
             let base = boot::VIRTIO_MMIO_BASE + i as u64 * MMIO_WINDOW;
+            // i < max_devices (checked above), under 24.
+            #[allow(clippy::cast_possible_truncation)]
             let irq = VIRTIO_IRQ_BASE + i as u32;
             let t = MmioTransport::new(dev, mem.clone())?;
             vm.register_irqfd(&t.interrupt().evt, irq)

@@ -190,6 +190,8 @@ pub fn dictionary() -> Vec<u8> {
     );
     let mut d = Vec::with_capacity(1500);
     for w in WORDS {
+        // The words are the short constants above (the longest is 19 bytes).
+        #[allow(clippy::cast_possible_truncation)]
         d.extend_from_slice(&(w.len() as u32).to_be_bytes());
         d.extend_from_slice(w.as_bytes());
     }
@@ -212,6 +214,11 @@ impl Default for Codec {
 
 fn be32(b: &[u8]) -> u32 {
     u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// `n` as a frame's 24-bit length field, if it fits.
+fn len24(n: usize) -> Option<u32> {
+    u32::try_from(n).ok().filter(|&n| n <= 0x00ff_ffff)
 }
 
 impl Codec {
@@ -348,6 +355,8 @@ impl Codec {
                 Ok(Status::StreamEnd) => break,
                 Ok(_) => {}
                 Err(e) if e.needs_dictionary().is_some() => {
+                    // zlib consumed at most `input.len()` bytes, a usize.
+                    #[allow(clippy::cast_possible_truncation)]
                     let consumed = (self.inflate.total_in() - before_in) as usize;
                     input = &input[consumed.min(input.len())..];
                     self.inflate
@@ -357,6 +366,8 @@ impl Codec {
                 }
                 Err(e) => return Err(SpdyError::Headers(e.to_string())),
             }
+            // zlib consumed at most `input.len()` bytes, a usize.
+            #[allow(clippy::cast_possible_truncation)]
             let consumed = (self.inflate.total_in() - before_in) as usize;
             input = &input[consumed.min(input.len())..];
             if input.is_empty() && out.len() < out.capacity() {
@@ -402,14 +413,27 @@ impl Codec {
         Ok(h)
     }
 
-    fn write_headers(&mut self, h: &Headers) -> Vec<u8> {
+    /// The compressed header block for `h`; `None` (logged) when a count or length does not
+    /// fit its 32-bit field. Checked before compressing, so the connection's deflate context
+    /// stays in step with the peer's.
+    fn write_headers(&mut self, h: &Headers) -> Option<Vec<u8>> {
+        let len32 = |n: usize| match u32::try_from(n) {
+            Ok(n) => Some(n.to_be_bytes()),
+            Err(_) => {
+                tracing::error!(
+                    len = n,
+                    "SPDY: header block field over 4 GiB; frame not sent"
+                );
+                None
+            }
+        };
         let mut raw = Vec::new();
-        raw.extend_from_slice(&(h.len() as u32).to_be_bytes());
+        raw.extend_from_slice(&len32(h.len())?);
         for (k, v) in h {
             let k = k.to_ascii_lowercase();
-            raw.extend_from_slice(&(k.len() as u32).to_be_bytes());
+            raw.extend_from_slice(&len32(k.len())?);
             raw.extend_from_slice(k.as_bytes());
-            raw.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            raw.extend_from_slice(&len32(v.len())?);
             raw.extend_from_slice(v.as_bytes());
         }
         let mut out = Vec::with_capacity(raw.len() + 64);
@@ -424,22 +448,34 @@ impl Codec {
                 tracing::error!(error = %e, "SPDY: header compression failed");
                 break;
             }
+            // zlib consumed at most `input.len()` bytes, a usize.
+            #[allow(clippy::cast_possible_truncation)]
             let used = (self.deflate.total_in() - before) as usize;
             input = &input[used.min(input.len())..];
             if input.is_empty() && out.len() < out.capacity() {
                 break;
             }
         }
-        out
+        Some(out)
     }
 
-    /// Appends the wire form of `f` to `out`.
+    /// Appends the wire form of `f` to `out`. A frame whose payload does not fit the 24-bit
+    /// length field (16 MiB - 1; callers send data in far smaller chunks) is not written, with
+    /// an error logged: writing it would corrupt the connection.
     pub fn encode(&mut self, f: &Frame, out: &mut Vec<u8>) {
         let control = |out: &mut Vec<u8>, kind: u16, flags: u8, payload: &[u8]| {
+            let Some(len) = len24(payload.len()) else {
+                tracing::error!(
+                    kind,
+                    len = payload.len(),
+                    "SPDY: control frame too large; not sent"
+                );
+                return;
+            };
             out.extend_from_slice(
                 &(0x8000_0000u32 | (VERSION as u32) << 16 | kind as u32).to_be_bytes(),
             );
-            out.extend_from_slice(&((flags as u32) << 24 | payload.len() as u32).to_be_bytes());
+            out.extend_from_slice(&((flags as u32) << 24 | len).to_be_bytes());
             out.extend_from_slice(payload);
         };
         match f {
@@ -448,8 +484,12 @@ impl Codec {
                 flags,
                 data,
             } => {
+                let Some(len) = len24(data.len()) else {
+                    tracing::error!(len = data.len(), "SPDY: data frame too large; not sent");
+                    return;
+                };
                 out.extend_from_slice(&(stream_id & 0x7fff_ffff).to_be_bytes());
-                out.extend_from_slice(&((*flags as u32) << 24 | data.len() as u32).to_be_bytes());
+                out.extend_from_slice(&((*flags as u32) << 24 | len).to_be_bytes());
                 out.extend_from_slice(data);
             }
             Frame::SynStream {
@@ -464,7 +504,10 @@ impl Codec {
                 p.extend_from_slice(&associated.to_be_bytes());
                 p.push(priority << 5);
                 p.push(0);
-                p.extend(self.write_headers(headers));
+                let Some(block) = self.write_headers(headers) else {
+                    return;
+                };
+                p.extend(block);
                 control(out, TYPE_SYN_STREAM, *flags, &p);
             }
             Frame::SynReply {
@@ -473,7 +516,10 @@ impl Codec {
                 headers,
             } => {
                 let mut p = stream_id.to_be_bytes().to_vec();
-                p.extend(self.write_headers(headers));
+                let Some(block) = self.write_headers(headers) else {
+                    return;
+                };
+                p.extend(block);
                 control(out, TYPE_SYN_REPLY, *flags, &p);
             }
             Frame::Headers {
@@ -482,7 +528,10 @@ impl Codec {
                 headers,
             } => {
                 let mut p = stream_id.to_be_bytes().to_vec();
-                p.extend(self.write_headers(headers));
+                let Some(block) = self.write_headers(headers) else {
+                    return;
+                };
+                p.extend(block);
                 control(out, TYPE_HEADERS, *flags, &p);
             }
             Frame::RstStream { stream_id, status } => {
@@ -629,7 +678,8 @@ mod tests {
                     seed ^= seed << 13;
                     seed ^= seed >> 17;
                     seed ^= seed << 5;
-                    seed as u8
+                    // The low byte of the xorshift state.
+                    seed.to_le_bytes()[0]
                 })
                 .collect();
             if n > 1 && seed & 1 == 0 {
@@ -638,6 +688,23 @@ mod tests {
             }
             while let Ok(Some(_)) = c.decode(&mut b) {}
         }
+    }
+
+    #[test]
+    fn frame_too_large_for_the_length_field_is_not_written() {
+        let mut c = Codec::new();
+        let mut out = Vec::new();
+        let data = vec![0u8; 1 << 24];
+        c.encode(
+            &Frame::Data {
+                stream_id: 1,
+                flags: FLAG_FIN,
+                data,
+            },
+            &mut out,
+        );
+        assert!(out.is_empty());
+        assert_eq!(len24(0x00ff_ffff), Some(0x00ff_ffff));
     }
 
     #[test]
@@ -652,7 +719,8 @@ mod tests {
             .unwrap();
         let mut p = vec![0, 0, 0, 1];
         p.extend(z);
-        let mut b = vec![0x80, 3, 0, 2, 0, 0, 0, p.len() as u8];
+        let len = u8::try_from(p.len()).expect("a one-byte length");
+        let mut b = vec![0x80, 3, 0, 2, 0, 0, 0, len];
         b.extend(p);
         let mut rx = Codec::new();
         assert!(rx.decode(&mut b).is_err());

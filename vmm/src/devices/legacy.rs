@@ -127,6 +127,8 @@ impl PioBus {
 
     /// Handles an `IN` from `port`, filling `data`.
     pub fn read(&self, port: u16, data: &mut [u8]) {
+        // The offsets fit a u8: 0..=7 from SERIAL_PORT, 0 or 4 from I8042_PORT (the arms).
+        #[allow(clippy::cast_possible_truncation)]
         let v = match port {
             SERIAL_PORT..=0x3ff => lock(&self.serial).read((port - SERIAL_PORT) as u8),
             // 0x64 status: nothing to read, input buffer empty; 0x60 data: 0.
@@ -145,6 +147,8 @@ impl PioBus {
     /// Handles an `OUT` of `data` to `port`.
     pub fn write(&self, port: u16, data: &[u8]) {
         let Some(&v) = data.first() else { return };
+        // The offsets fit a u8: 0..=7 from SERIAL_PORT, 0 or 4 from I8042_PORT (the arms).
+        #[allow(clippy::cast_possible_truncation)]
         match port {
             SERIAL_PORT..=0x3ff => {
                 if let Err(e) = lock(&self.serial).write((port - SERIAL_PORT) as u8, v) {

@@ -239,7 +239,9 @@ impl Block {
                         writer.write_all(&buf[..n])?;
                         done += n;
                     }
-                    (status, done as u32)
+                    // done <= data_len, which only a chain of overlapping descriptors can
+                    // push past 4 GiB: the used length then saturates.
+                    (status, u32::try_from(done).unwrap_or(u32::MAX))
                 }
             }
             VIRTIO_BLK_T_OUT => {
@@ -272,6 +274,8 @@ impl Block {
                 Some(Ok(())) | None => (VIRTIO_BLK_S_OK, 0),
                 Some(Err(_)) => (VIRTIO_BLK_S_IOERR, 0),
             },
+            // n <= ID_BYTES (20).
+            #[allow(clippy::cast_possible_truncation)]
             VIRTIO_BLK_T_GET_ID => {
                 let n = data_len.min(ID_BYTES);
                 writer.write_all(&serial[..n])?;
@@ -280,7 +284,7 @@ impl Block {
             _ => (VIRTIO_BLK_S_UNSUPP, 0),
         };
         status_w.write_all(&[status])?;
-        Ok(written + 1)
+        Ok(written.saturating_add(1))
     }
 }
 
@@ -360,6 +364,8 @@ mod tests {
 
     fn disk(bytes: usize) -> tempfile::NamedTempFile {
         let f = tempfile::NamedTempFile::new().unwrap();
+        // Each sector's bytes are its number, wrapping at 256: truncation intended.
+        #[allow(clippy::cast_possible_truncation)]
         let data: Vec<u8> = (0..bytes).map(|i| (i / 512) as u8).collect();
         std::fs::write(f.path(), data).unwrap();
         f

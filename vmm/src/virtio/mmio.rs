@@ -94,6 +94,8 @@ impl MmioTransport {
             0x08 => self.device.device_type(),
             0x0c => VENDOR,
             0x10 => match self.device_features_sel {
+                // The low half of the 64-bit feature word: truncation intended.
+                #[allow(clippy::cast_possible_truncation)]
                 0 => self.offered_features() as u32,
                 1 => (self.offered_features() >> 32) as u32,
                 _ => 0,
@@ -135,8 +137,9 @@ impl MmioTransport {
             0x24 => self.driver_features_sel = v,
             0x30 => self.queue_sel = v,
             0x38 if setup => {
-                if let Some(q) = self.queue() {
-                    q.set_size(v as u16);
+                // QueueNum is 16 bits: a larger value is an invalid size, ignored like others.
+                if let (Some(q), Ok(size)) = (self.queue(), u16::try_from(v)) {
+                    q.set_size(size);
                 }
             }
             0x44 if setup => {

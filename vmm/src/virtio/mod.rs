@@ -154,6 +154,7 @@ pub trait VirtioDevice: Send {
 /// Copies `src` (a config space image) at `offset` into `data`; out-of-range bytes read as 0.
 pub fn read_config_bytes(src: &[u8], offset: u64, data: &mut [u8]) {
     for (i, b) in data.iter_mut().enumerate() {
-        *b = src.get(offset as usize + i).copied().unwrap_or(0);
+        let at = usize::try_from(offset).ok().and_then(|o| o.checked_add(i));
+        *b = at.and_then(|at| src.get(at)).copied().unwrap_or(0);
     }
 }

@@ -78,6 +78,8 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
     // struct ifreq: 16 bytes of name, then a union whose first member is the flags (short).
     let mut ifr = [0u8; 40];
     ifr[..name.len()].copy_from_slice(name.as_bytes());
+    // IFF_TAP | IFF_NO_PI is 0x1002: it fits the short flags.
+    #[allow(clippy::cast_possible_truncation)]
     let flags = (libc::IFF_TAP | libc::IFF_NO_PI) as i16;
     ifr[16..18].copy_from_slice(&flags.to_ne_bytes());
     // SAFETY: TUNSETIFF reads and writes a struct ifreq, for which `ifr` is a large enough,
@@ -271,6 +273,8 @@ impl Inner {
             };
             let head = chain.head_index();
             let len = match chain.writer(&*mem) {
+                // frame.len() <= MAX_FRAME (64 KiB + a header).
+                #[allow(clippy::cast_possible_truncation)]
                 Ok(mut w) if w.available_bytes() >= frame.len() => {
                     let _ = w.write_all(&frame);
                     frame.len() as u32
@@ -335,11 +339,15 @@ mod tests {
     use std::os::unix::net::UnixDatagram;
     use std::time::{Duration, Instant};
 
+    // Bytes n, n+1, ... wrapping at 256: truncation intended.
+    #[allow(clippy::cast_possible_truncation)]
     fn frame(n: u8, len: usize) -> Vec<u8> {
         (0..len).map(|i| n.wrapping_add(i as u8)).collect()
     }
 
     #[test]
+    // The test frames' lengths are about 100 bytes.
+    #[allow(clippy::cast_possible_truncation)]
     fn frames_flow_both_ways_through_the_queues() {
         let (ours, theirs) = UnixDatagram::pair().unwrap();
         theirs

@@ -60,6 +60,9 @@ impl Driver {
     }
 
     /// Status handshake, accept all offered features, set up `queues`, DRIVER_OK.
+    // Writes the low half of the feature word (the high half follows), and the low halves of
+    // the queue addresses, all below 4 GiB (their high halves are written as 0).
+    #[allow(clippy::cast_possible_truncation)]
     pub fn init(&mut self, queues: &[u32]) {
         assert_eq!(self.read_reg(0), 0x7472_6976);
         assert_eq!(self.read_reg(4), 2);
@@ -143,6 +146,8 @@ impl Driver {
     /// Adds a chain and notifies.
     pub fn submit(&mut self, q: usize, chain: &[(u64, u32, u16)]) {
         self.add(q, chain);
+        // A queue index (0..3).
+        #[allow(clippy::cast_possible_truncation)]
         self.notify(q as u32);
     }
 

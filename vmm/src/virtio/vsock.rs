@@ -119,6 +119,9 @@ impl Conn {
         while !self.to_stream.is_empty() {
             match self.stream.write(&self.to_stream) {
                 Ok(0) => return Err(ErrorKind::WriteZero.into()),
+                // fwd_cnt is a free-running u32 counter (virtio-vsock): adding n modulo 2^32
+                // is the intent.
+                #[allow(clippy::cast_possible_truncation)]
                 Ok(n) => {
                     self.to_stream.drain(..n);
                     self.fwd_cnt = self.fwd_cnt.wrapping_add(n as u32);
@@ -344,6 +347,8 @@ impl Inner {
                 }
             }
             OP_RESPONSE => match self.conns.get_mut(&key) {
+                // The OK line is a few bytes; fwd_cnt counts modulo 2^32 anyway.
+                #[allow(clippy::cast_possible_truncation)]
                 Some(c) if c.state == State::Connecting => {
                     c.state = State::Established;
                     let line = format!("OK {}\n", key.0);
@@ -475,6 +480,9 @@ impl Inner {
             let fwd_cnt = match self.conns.get_mut(&(local, peer)) {
                 Some(c) => {
                     c.last_fwd_cnt_sent = c.fwd_cnt;
+                    // tx_cnt is a free-running u32 counter (virtio-vsock): adding n modulo
+                    // 2^32 is the intent (and n <= MAX_PKT_DATA anyway).
+                    #[allow(clippy::cast_possible_truncation)]
                     if op == OP_RW {
                         c.tx_cnt = c.tx_cnt.wrapping_add(n as u32);
                     }
@@ -495,9 +503,13 @@ impl Inner {
             if op == OP_RW && n > 0 {
                 if let Some(s) = p.data_slice() {
                     let _ = s.write_slice(&buf[..n], 0);
+                    // n <= buf.len() = MAX_PKT_DATA, a u32.
+                    #[allow(clippy::cast_possible_truncation)]
                     p.set_len(n as u32);
                 }
             }
+            // The header is 44 bytes.
+            #[allow(clippy::cast_possible_truncation)]
             let len = p.header_slice().len() as u32 + p.len();
             let Some((_, rx, _, _)) = self.active.as_mut() else {
                 break;
@@ -752,6 +764,8 @@ mod tests {
             for _ in 0..8 {
                 g.post_rx();
             }
+            // A queue index.
+            #[allow(clippy::cast_possible_truncation)]
             g.d.notify(RXQ as u32);
             g
         }
@@ -780,6 +794,8 @@ mod tests {
                     assert_eq!(*len, HDR + dlen);
                     let op = u16::from_le_bytes(hb[30..32].try_into().unwrap());
                     self.post_rx();
+                    // A queue index.
+                    #[allow(clippy::cast_possible_truncation)]
                     self.d.notify(RXQ as u32);
                     return Rx {
                         src_port: u32at(16),
@@ -796,6 +812,8 @@ mod tests {
             }
         }
 
+        // Test payloads are at most a few KiB.
+        #[allow(clippy::cast_possible_truncation)]
         fn send(&mut self, src_port: u32, dst_port: u32, op: u16, flags: u32, data: &[u8]) {
             let h = self.d.buf(&hdr(
                 src_port,
@@ -882,6 +900,8 @@ mod tests {
     }
 
     #[test]
+    // Byte patterns wrap at 256, and the u32 credit counter wraps by design.
+    #[allow(clippy::cast_possible_truncation)]
     fn bulk_transfer_respects_credit_both_ways() {
         const N: usize = 256 * 1024;
         let dir = tempfile::tempdir().unwrap();
@@ -940,6 +960,8 @@ mod tests {
     }
 
     #[test]
+    // Byte patterns wrap at 256, and the u32 credit counters wrap by design.
+    #[allow(clippy::cast_possible_truncation)]
     fn concurrent_echo_of_a_large_stream() {
         // The guest echoes everything while the host is still writing, within the credit the
         // device grants, and the host starts reading late so the device's writes to it stall:
