@@ -3,8 +3,8 @@
 
 use super::testimages::Images;
 use super::{ctr_state, Stop, RUN_LABEL, SPEC_LABEL};
-use crate::client::CriClient;
 use crate::check;
+use crate::client::CriClient;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
