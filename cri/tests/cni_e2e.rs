@@ -14,17 +14,10 @@ use k8s_cri::v1 as cri;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use vessel_critest::client::{pod_metadata, sh_container, CriClient};
-use vessel_critest::daemon::{TestCni, Vesseld};
-use vessel_critest::registry::Registry;
+use vessel_critest::client::{pod_metadata, sh_container};
+use vessel_critest::daemon::TestCni;
 
-struct H {
-    _reg: Registry,
-    v: Vesseld,
-    c: CriClient,
-    image: String,
-    logs: tempfile::TempDir,
-}
+vessel_critest::e2e_harness!(H);
 
 impl H {
     fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
@@ -92,18 +85,7 @@ impl H {
 }
 
 async fn harness(extra: &str) -> H {
-    let (reg, v, c, image) = vessel_critest::daemon::vesseld_with_busybox(
-        Path::new(env!("CARGO_BIN_EXE_vesseld")),
-        extra,
-    )
-    .await;
-    H {
-        _reg: reg,
-        v,
-        c,
-        image,
-        logs: tempfile::tempdir().unwrap(),
-    }
+    H::launch(Path::new(env!("CARGO_BIN_EXE_vesseld")), extra).await
 }
 
 fn skip_reason() -> Option<String> {

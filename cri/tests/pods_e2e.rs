@@ -13,19 +13,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tonic::Code;
-use vessel_critest::client::{pod_metadata, sh_container, CriClient};
+use vessel_critest::client::{pod_metadata, sh_container};
 use vessel_critest::daemon::{mounts_under, Vesseld};
-use vessel_critest::registry::Registry;
 use vessel_images::push::{push_image, PushTarget};
 use vessel_images::testimages;
 
-struct H {
-    _reg: Registry,
-    v: Vesseld,
-    c: CriClient,
-    image: String,
-    logs: tempfile::TempDir,
-}
+vessel_critest::e2e_harness!(H);
 
 /// The runtime handler every pod of this run asks for ("" = vesseld's default).
 fn handler() -> String {
@@ -62,15 +55,7 @@ async fn harness() -> H {
 /// A harness whose vesseld config gets `more` appended (after `VESSEL_E2E_CONFIG`).
 async fn harness_with(more: &str) -> H {
     let extra = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default() + more;
-    let (reg, v, c, image) =
-        vessel_critest::daemon::vesseld_with_busybox(&vesseld_binary(), &extra).await;
-    H {
-        _reg: reg,
-        v,
-        c,
-        image,
-        logs: tempfile::tempdir().unwrap(),
-    }
+    H::launch(&vesseld_binary(), &extra).await
 }
 
 impl H {
@@ -744,7 +729,6 @@ async fn filters_and_name_conflicts() {
         .unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e}");
 
-    let pods = |f: cri::PodSandboxFilter| cri::ListPodSandboxRequest { filter: Some(f) };
     let all =
         h.c.runtime
             .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
@@ -754,85 +738,57 @@ async fn filters_and_name_conflicts() {
             .items;
     assert_eq!(all.len(), 2);
     let r =
-        h.c.runtime
-            .list_pod_sandbox(pods(cri::PodSandboxFilter {
-                id: p1[..12].into(),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .items;
-    assert_eq!(
-        r.iter().map(|p| p.id.clone()).collect::<Vec<_>>(),
-        vec![p1.clone()]
-    );
+        h.c.list_pod_ids(cri::PodSandboxFilter {
+            id: p1[..12].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, vec![p1.clone()]);
     let r =
-        h.c.runtime
-            .list_pod_sandbox(pods(cri::PodSandboxFilter {
-                label_selector: HashMap::from([("app".to_string(), "beta".to_string())]),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .items;
+        h.c.list_pod_ids(cri::PodSandboxFilter {
+            label_selector: HashMap::from([("app".to_string(), "beta".to_string())]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(r.len(), 1);
-    assert_eq!(r[0].id, p2);
+    assert_eq!(r[0], p2);
 
-    let ctrs = |f: cri::ContainerFilter| cri::ListContainersRequest { filter: Some(f) };
     let r =
-        h.c.runtime
-            .list_containers(ctrs(cri::ContainerFilter {
-                pod_sandbox_id: p2.clone(),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .containers;
-    assert_eq!(
-        r.iter().map(|c| c.id.clone()).collect::<Vec<_>>(),
-        vec![b.clone()]
-    );
+        h.c.list_container_ids(cri::ContainerFilter {
+            pod_sandbox_id: p2.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, vec![b.clone()]);
     let running = cri::ContainerStateValue {
         state: cri::ContainerState::ContainerRunning as i32,
     };
     let r =
-        h.c.runtime
-            .list_containers(ctrs(cri::ContainerFilter {
-                state: Some(running),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .containers;
-    assert_eq!(
-        r.iter().map(|c| c.id.clone()).collect::<Vec<_>>(),
-        vec![a.clone()]
-    );
+        h.c.list_container_ids(cri::ContainerFilter {
+            state: Some(running),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, vec![a.clone()]);
     let r =
-        h.c.runtime
-            .list_containers(ctrs(cri::ContainerFilter {
-                label_selector: HashMap::from([("ctr".to_string(), "b".to_string())]),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .containers;
+        h.c.list_container_ids(cri::ContainerFilter {
+            label_selector: HashMap::from([("ctr".to_string(), "b".to_string())]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(r.len(), 1);
     let r =
-        h.c.runtime
-            .list_containers(ctrs(cri::ContainerFilter {
-                id: a[..10].into(),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .containers;
+        h.c.list_container_ids(cri::ContainerFilter {
+            id: a[..10].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(r.len(), 1);
 
     // NotReady filter after a stop.
@@ -846,19 +802,13 @@ async fn filters_and_name_conflicts() {
         state: cri::PodSandboxState::SandboxNotready as i32,
     };
     let r =
-        h.c.runtime
-            .list_pod_sandbox(pods(cri::PodSandboxFilter {
-                state: Some(nr),
-                ..Default::default()
-            }))
-            .await
-            .unwrap()
-            .into_inner()
-            .items;
-    assert_eq!(
-        r.iter().map(|p| p.id.clone()).collect::<Vec<_>>(),
-        vec![p1.clone()]
-    );
+        h.c.list_pod_ids(cri::PodSandboxFilter {
+            state: Some(nr),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, vec![p1.clone()]);
     // The container of a stopped pod has exited.
     assert_eq!(
         h.status(&a).await.state,

@@ -126,6 +126,34 @@ impl CriClient {
         Ok(r.into_inner())
     }
 
+    /// The ids of the pods `filter` lists.
+    pub async fn list_pod_ids(&self, filter: cri::PodSandboxFilter) -> CriResult<Vec<String>> {
+        let r = self
+            .runtime
+            .clone()
+            .list_pod_sandbox(cri::ListPodSandboxRequest {
+                filter: Some(filter),
+            })
+            .await?;
+        Ok(r.into_inner().items.into_iter().map(|p| p.id).collect())
+    }
+
+    /// The ids of the containers `filter` lists.
+    pub async fn list_container_ids(&self, filter: cri::ContainerFilter) -> CriResult<Vec<String>> {
+        let r = self
+            .runtime
+            .clone()
+            .list_containers(cri::ListContainersRequest {
+                filter: Some(filter),
+            })
+            .await?;
+        Ok(r.into_inner()
+            .containers
+            .into_iter()
+            .map(|c| c.id)
+            .collect())
+    }
+
     /// StopPodSandbox then RemovePodSandbox, as kubelet does.
     pub async fn stop_and_remove_pod(&self, id: &str) -> CriResult<()> {
         let mut rt = self.runtime.clone();

@@ -430,3 +430,34 @@ pub async fn vesseld_with_busybox(
         .expect("pull busybox");
     (reg, v, c, image)
 }
+
+/// Defines the end-to-end tests' harness type `$name` in the calling test crate: a registry
+/// serving the busybox test images, a vesseld, a CRI client to it, the busybox image's name
+/// and a directory for pod logs. Each test crate adds its own helper methods to the type
+/// (which it can, the type being its own).
+#[macro_export]
+macro_rules! e2e_harness {
+    ($name:ident) => {
+        struct $name {
+            _reg: $crate::registry::Registry,
+            v: $crate::daemon::Vesseld,
+            c: $crate::client::CriClient,
+            image: String,
+            logs: $crate::tempfile::TempDir,
+        }
+
+        impl $name {
+            /// Starts the registry and `vesseld` (with `extra` TOML in its config).
+            async fn launch(vesseld: &std::path::Path, extra: &str) -> $name {
+                let (reg, v, c, image) = $crate::daemon::vesseld_with_busybox(vesseld, extra).await;
+                $name {
+                    _reg: reg,
+                    v,
+                    c,
+                    image,
+                    logs: $crate::tempfile::tempdir().expect("a temporary log directory"),
+                }
+            }
+        }
+    };
+}

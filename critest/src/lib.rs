@@ -14,3 +14,6 @@ pub mod registry;
 pub mod stream_client;
 pub mod suite;
 pub mod upstream;
+
+/// For the [`e2e_harness`] macro.
+pub use tempfile;
