@@ -191,7 +191,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                     "version": env!("CARGO_PKG_VERSION"),
                     "rootDir": self.root_dir,
                     "agentBinary": self.rt.agent_binary(),
-                    "sandboxBackends": if self.rt.vm_support().ready { vec!["flat", "vm"] } else { vec!["flat"] },
+                    "sandboxBackends": crate::sandbox::available(self.rt.vm_support()),
                     "kvm": {"usable": self.rt.vm_support().kvm_usable, "reason": self.rt.vm_support().reason},
                     "podCIDR": self.rt.pod_cidr(),
                 })

@@ -292,6 +292,15 @@ pub struct Admission<'a> {
     pub host_namespaces: crate::config::HostNamespacesPolicy,
 }
 
+/// The backends pods can get on this node.
+pub fn available(vm: &VmSupport) -> Vec<&'static str> {
+    let mut b = vec![BackendKind::Flat.as_str()];
+    if vm.ready {
+        b.push(BackendKind::Vm.as_str());
+    }
+    b
+}
+
 /// The runtime handlers a pod may name: the default (empty), `flat` and `vm`.
 pub const HANDLERS: &[&str] = &["", "flat", "vm"];
 
