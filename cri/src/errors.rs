@@ -42,6 +42,14 @@ pub enum RuntimeError {
     Unavailable(String),
     #[error("{0}")]
     Internal(String),
+    /// An internal failure of something below the runtime (state files, the image store, a
+    /// backend's process or socket), its cause kept as the error's source.
+    #[error("{context}: {source}")]
+    Caused {
+        context: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
 }
 
 impl RuntimeError {
@@ -54,7 +62,7 @@ impl RuntimeError {
             RuntimeError::FailedPrecondition(_) => Status::failed_precondition(m),
             RuntimeError::DeadlineExceeded(_) => Status::deadline_exceeded(m),
             RuntimeError::Unavailable(_) => Status::unavailable(m),
-            RuntimeError::Internal(_) => Status::internal(m),
+            RuntimeError::Internal(_) | RuntimeError::Caused { .. } => Status::internal(m),
         }
     }
 }
@@ -67,9 +75,17 @@ impl From<RuntimeError> for Status {
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
-/// An internal failure with its context: `.map_err(|e| internal("saving record")(&e))`.
-pub fn internal(ctx: &str) -> impl FnOnce(&dyn std::fmt::Display) -> RuntimeError + '_ {
-    move |e| RuntimeError::Internal(format!("{ctx}: {e}"))
+/// An internal failure with its context, the cause kept as its source:
+/// `.map_err(internal("saving pod record"))`.
+pub fn internal<E>(context: impl Into<String>) -> impl FnOnce(E) -> RuntimeError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let context = context.into();
+    move |e| RuntimeError::Caused {
+        context,
+        source: Box::new(e),
+    }
 }
 
 /// A CNI failure as a runtime error.
@@ -152,6 +168,27 @@ pub fn bounded(mut msg: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn internal_failures_keep_their_cause() {
+        let io = std::io::Error::from(std::io::ErrorKind::StorageFull);
+        let e: RuntimeError = internal("saving pod record p1")(IoAt {
+            op: "write",
+            path: "/var/lib/vessel/pods/p1/pod.json".into(),
+            source: io,
+        });
+        assert_eq!(
+            e.to_string(),
+            "saving pod record p1: write /var/lib/vessel/pods/p1/pod.json: no storage space"
+        );
+        let cause = std::error::Error::source(&e).expect("a source");
+        let io = std::error::Error::source(cause).expect("the I/O error under it");
+        assert_eq!(
+            io.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+            Some(std::io::ErrorKind::StorageFull)
+        );
+        assert_eq!(e.to_status().code(), tonic::Code::Internal);
+    }
 
     #[test]
     fn long_messages_are_cut_on_a_char_boundary() {

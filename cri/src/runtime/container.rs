@@ -79,7 +79,7 @@ impl Runtime {
         let q = image_name.clone();
         let image = tokio::task::spawn_blocking(move || store.find(&q))
             .await
-            .map_err(|e| internal("image lookup")(&e))?
+            .map_err(internal("image lookup"))?
             .map_err(|e| match e {
                 vessel_images::ImageError::InvalidReference(_) => {
                     RuntimeError::InvalidArgument(e.to_string())
@@ -169,13 +169,13 @@ impl Runtime {
         };
         self.dirs
             .save_container(&rec)
-            .map_err(|e| internal("saving container record")(&e))?;
+            .map_err(internal("saving container record"))?;
         let snap = match self.store.prepare_snapshot(id, &image) {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.store.remove_snapshot(id);
                 let _ = self.dirs.delete_container(id);
-                return Err(RuntimeError::Internal(format!("preparing rootfs: {e}")));
+                return Err(internal("preparing rootfs")(e));
             }
         };
         let in_use = self
@@ -201,7 +201,7 @@ impl Runtime {
                 .await?;
             let req = ap::CreateContainerRequest {
                 id: id.to_string(),
-                oci_spec: serde_json::to_vec(&spec).map_err(|e| internal("spec")(&e))?,
+                oci_spec: serde_json::to_vec(&spec).map_err(internal("spec"))?,
                 rootfs: Some(prepared.rootfs),
                 log_path: prepared.log_path,
                 tty: config.tty,
@@ -219,7 +219,7 @@ impl Runtime {
             rec.state = ContainerState::Created;
             self.dirs
                 .save_container(&rec)
-                .map_err(|e| internal("saving container record")(&e))
+                .map_err(internal("saving container record"))
         }
         .await;
         if let Err(e) = created {
@@ -290,7 +290,7 @@ impl Runtime {
         });
         self.dirs
             .save_container(&rec)
-            .map_err(|e| internal("saving container record")(&e))?;
+            .map_err(internal("saving container record"))?;
         self.spawn_watcher(pod, ctr.clone(), c);
         tracing::info!(container = %rec.id, "container started");
         Ok(())
@@ -392,7 +392,7 @@ impl Runtime {
         }
         self.store
             .remove_snapshot(&rec.snapshot)
-            .map_err(|e| RuntimeError::Internal(format!("removing rootfs of {}: {e}", rec.id)))?;
+            .map_err(internal(format!("removing rootfs of {}", rec.id)))?;
         if let Ok(pod) = self.pod(&rec.pod_id) {
             self.backend(&pod.record())
                 .release_container(&pod, &rec)
@@ -400,7 +400,7 @@ impl Runtime {
         }
         self.dirs
             .delete_container(&rec.id)
-            .map_err(|e| internal("removing record")(&e))?;
+            .map_err(internal("removing record"))?;
         self.ctrs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -463,7 +463,7 @@ impl Runtime {
         });
         self.dirs
             .save_container(&rec)
-            .map_err(|e| internal("saving container record")(&e))?;
+            .map_err(internal("saving container record"))?;
         tracing::info!(container = %rec.id, "container resources updated");
         Ok(())
     }
@@ -492,7 +492,7 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
     std::fs::create_dir_all(dir)
         .and_then(|()| std::fs::canonicalize(dir))
         .map(|d| d.join(rel).display().to_string())
-        .map_err(|e| RuntimeError::Internal(format!("log directory {log_directory:?}: {e}")))
+        .map_err(internal(format!("log directory {log_directory:?}")))
 }
 
 #[cfg(test)]

@@ -150,8 +150,7 @@ fn matches_labels(labels: &HashMap<String, String>, selector: &HashMap<String, S
 
 impl Runtime {
     pub async fn open(opts: RuntimeOptions, store: Arc<ImageStore>) -> Result<Arc<Runtime>> {
-        let dirs =
-            StateDirs::new(&opts.root_dir, &opts.state_dir).map_err(|e| internal("state")(&e))?;
+        let dirs = StateDirs::new(&opts.root_dir, &opts.state_dir).map_err(internal("state"))?;
         let backends = Backends {
             flat: Arc::new(FlatBackend {
                 agent_binary: opts.agent_binary.clone(),

@@ -199,7 +199,7 @@ impl Runtime {
         self.opts.cni.forget(&rec.id);
         self.dirs
             .delete_pod(&rec.id)
-            .map_err(|e| internal("removing pod state")(&e))?;
+            .map_err(internal("removing pod state"))?;
         self.pods
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -9,7 +9,7 @@ use super::{
     PodLayout, PreparedContainer, SandboxBackend,
 };
 use crate::cni::Cni;
-use crate::errors::{agent_err, Result, RuntimeError};
+use crate::errors::{agent_err, internal, Result, RuntimeError};
 use crate::state::{BackendKind, BackendState, ContainerRecord, PodRecord, PodState, StateDirs};
 use k8s_cri::v1 as cri;
 use std::collections::HashSet;
@@ -72,9 +72,7 @@ impl SandboxBackend for FlatBackend {
         let rec = pod.record();
         let share = HostShare::of(config);
         let dir = self.dirs.pod_dir(&rec.id);
-        let io = |what: &str, e: std::io::Error| {
-            RuntimeError::Internal(format!("pod {}: {what}: {e}", rec.id))
-        };
+        let io = |what: &str, e: std::io::Error| internal(format!("pod {}: {what}", rec.id))(e);
         std::fs::write(dir.join("hostname"), format!("{}\n", rec.hostname))
             .map_err(|e| io("writing hostname", e))?;
         std::fs::write(
@@ -100,7 +98,7 @@ impl SandboxBackend for FlatBackend {
             log_level: &self.log_level,
         })
         .await
-        .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+        .map_err(internal(format!("pod {}", rec.id)))?;
         // Not saved yet: until the Ready record is written, a crash is cleaned up through the
         // Creating record (the agent is found by its socket path).
         let rec = pod.update(|r| {
@@ -110,7 +108,7 @@ impl SandboxBackend for FlatBackend {
         let sysctls = super::net_sysctls(config);
         if !share.net {
             netns::pin(launched.pid, &rec.netns_path)
-                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+                .map_err(internal(format!("pod {}", rec.id)))?;
             netns::apply_net_sysctls(&rec.netns_path, &sysctls)
                 .await
                 .map_err(|e| {

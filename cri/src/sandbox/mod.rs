@@ -25,7 +25,7 @@ pub mod network;
 pub mod process;
 pub mod vm;
 
-use crate::errors::{Result, RuntimeError};
+use crate::errors::{internal, Result, RuntimeError};
 use crate::state::{BackendKind, BackendState, ContainerRecord, PodRecord, PodState};
 use k8s_cri::v1 as cri;
 use std::collections::HashSet;
@@ -436,6 +436,5 @@ pub fn net_sysctls(config: &cri::PodSandboxConfig) -> std::collections::HashMap<
 
 /// Saves a pod's record, as an internal error when it cannot be written.
 pub fn save(dirs: &crate::state::StateDirs, rec: &PodRecord) -> Result<()> {
-    dirs.save_pod(rec)
-        .map_err(|e| crate::errors::internal("saving pod record")(&e))
+    dirs.save_pod(rec).map_err(internal("saving pod record"))
 }

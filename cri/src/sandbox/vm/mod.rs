@@ -114,8 +114,7 @@ impl SandboxBackend for VmBackend {
     async fn start(&self, pod: &Pod, config: &cri::PodSandboxConfig) -> Result<()> {
         let rec = pod.record();
         let v = vm_of(&rec);
-        let fail =
-            |e: &dyn std::fmt::Display| RuntimeError::Internal(format!("pod {}: {e}", rec.id));
+        let fail = |e: VmError| internal(format!("pod {}", rec.id))(e);
         super::create_log_directory(&rec, config)?;
         let cfg = &self.cfg;
         let launch = shim::LaunchSpec {
@@ -130,7 +129,7 @@ impl SandboxBackend for VmBackend {
             boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
             log_level: &self.log_level,
         };
-        let launched = shim::spawn(&launch).map_err(|e| fail(&e))?;
+        let launched = shim::spawn(&launch).map_err(fail)?;
         // Saved at once: a crash from here on finds the shim through the Creating record.
         let rec = pod.update(|r| {
             r.agent_pid = launched.pid;
@@ -143,7 +142,7 @@ impl SandboxBackend for VmBackend {
                 VmError::BootTimeout { .. } => {
                     RuntimeError::DeadlineExceeded(format!("pod {}: {e}", rec.id))
                 }
-                e => fail(&e),
+                e => fail(e),
             })?;
         c.configure_sandbox(ap::ConfigureSandboxRequest {
             hostname: rec.hostname.clone(),
@@ -227,7 +226,7 @@ impl SandboxBackend for VmBackend {
         let (entries, rewritten) =
             tokio::task::spawn_blocking(move || copy_in::copy_in_mounts(&cid, &mounts, limit))
                 .await
-                .map_err(|e| internal("copy-in")(&e))?
+                .map_err(internal("copy-in"))?
                 .map_err(|e| {
                     RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}"))
                 })?;
@@ -238,7 +237,7 @@ impl SandboxBackend for VmBackend {
         if !req.log_path.is_empty() {
             set_log(&vm_of(&prec), req.id, req.log_path)
                 .await
-                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
+                .map_err(internal(format!("pod {}", prec.id)))?;
         }
         if !entries.is_empty() {
             let mut c = pod.client().await?;
@@ -280,7 +279,7 @@ impl SandboxBackend for VmBackend {
         }
         set_log(&vm_of(&pod.record()), &rec.id, &rec.log_path)
             .await
-            .map_err(|e| RuntimeError::Internal(format!("ReopenContainerLog {}: {e}", rec.id)))
+            .map_err(internal(format!("ReopenContainerLog {}", rec.id)))
     }
 
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget> {
@@ -358,13 +357,13 @@ impl VmBackend {
             plan.push((free, l.clone()));
         }
         for (slot, l) in plan {
-            let digest: vessel_images::Digest = l
-                .parse()
-                .map_err(|e| RuntimeError::Internal(format!("layer {l}: {e}")))?;
-            let img =
-                self.store.erofs_layer(&digest).await.map_err(|e| {
-                    RuntimeError::Internal(format!("EROFS image of layer {l}: {e}"))
-                })?;
+            let digest: vessel_images::Digest =
+                l.parse().map_err(internal(format!("layer {l}")))?;
+            let img = self
+                .store
+                .erofs_layer(&digest)
+                .await
+                .map_err(internal(format!("EROFS image of layer {l}")))?;
             let req = ControlRequest::AttachDisk {
                 slot,
                 path: img,
@@ -373,7 +372,7 @@ impl VmBackend {
             };
             control(&v, req, None)
                 .await
-                .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", prec.id)))?;
+                .map_err(internal(format!("pod {}", prec.id)))?;
             let rec = pod.update(|r| {
                 if let BackendState::Vm { vm } = &mut r.backend {
                     if let Some(s) = vm.slots.get_mut(slot) {
