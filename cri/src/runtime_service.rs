@@ -533,11 +533,31 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         >,
     >;
 
+    /// Container lifecycle events from now on, until the client goes away. A client too slow
+    /// to keep up gets Unavailable and relists (as kubelet's evented PLEG does after any
+    /// stream error).
     async fn get_container_events(
         &self,
         _req: Request<cri::GetEventsRequest>,
     ) -> Result<Response<Self::GetContainerEventsStream>, Status> {
-        Err(not_built("GetContainerEvents"))
+        use futures::StreamExt;
+        use tokio_stream::wrappers::{errors::BroadcastStreamRecvError, BroadcastStream};
+        let events = BroadcastStream::new(self.rt.subscribe_events())
+            .map(|e| match e {
+                Ok(ev) => Ok(ev),
+                Err(BroadcastStreamRecvError::Lagged(n)) => Err(Status::unavailable(format!(
+                    "GetContainerEvents: the client fell {n} events behind; relist and subscribe again"
+                ))),
+            })
+            // The stream ends after the first error.
+            .scan(false, |failed, e| {
+                let next = (!*failed).then(|| {
+                    *failed = e.is_err();
+                    e
+                });
+                std::future::ready(next)
+            });
+        Ok(Response::new(Box::pin(events)))
     }
 
     async fn list_metric_descriptors(

@@ -186,6 +186,20 @@ fn crictl_every_verb() {
             "log_path": "web.log"
         }),
     );
+    // `crictl events` follows every container's lifecycle from here to the web server's rm.
+    let mut events = c
+        .cmd(&[
+            "events",
+            "-o",
+            "go-template",
+            "--template",
+            "{{.containerId}} {{.containerEventType}}",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("crictl events");
+    std::thread::sleep(Duration::from_millis(500));
     let ctr = c.ok(&["create", &pod, &web, &pod_json]).trim().to_string();
     let out = c.ok(&["ps", "-a"]);
     assert!(out.contains("web") && out.contains("Created"), "{out}");
@@ -353,6 +367,25 @@ fn crictl_every_verb() {
     c.ok(&["rm", &ctr]);
     let o = c.output(&["inspect", &ctr], None);
     assert!(!o.status.success(), "inspect of a removed container: {o:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = events.kill();
+    let out = events.wait_with_output().unwrap();
+    let lines = String::from_utf8_lossy(&out.stdout);
+    let web_events: Vec<&str> = lines
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("{ctr} ")))
+        .collect();
+    assert_eq!(
+        web_events,
+        [
+            "CONTAINER_CREATED_EVENT",
+            "CONTAINER_STARTED_EVENT",
+            "CONTAINER_STOPPED_EVENT",
+            "CONTAINER_DELETED_EVENT"
+        ],
+        "crictl events: {lines}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     c.ok(&["stopp", &pod]);
     let p = c.json(&["inspectp", &pod]);
     assert_eq!(p["status"]["state"], "SANDBOX_NOTREADY", "{p}");

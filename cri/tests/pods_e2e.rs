@@ -409,6 +409,93 @@ async fn pod_and_container_lifecycle_with_logs() {
     h.assert_clean();
 }
 
+/// GetContainerEvents (kubelet's evented PLEG, `crictl events`): every lifecycle transition
+/// of a container arrives once, in order, with the pod's and the containers' statuses as
+/// they are after it; a container that exits by itself gets its stopped event too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_events_arrive_once_per_transition() {
+    let mut h = harness().await;
+    let mut events =
+        h.c.runtime
+            .clone()
+            .get_container_events(cri::GetEventsRequest {})
+            .await
+            .expect("GetContainerEvents")
+            .into_inner();
+    let (pod, pcfg) = h.run_pod("events").await;
+    let a = h
+        .run(&pod, &pcfg, "a", "trap 'exit 0' TERM; sleep 1000 & wait")
+        .await;
+    let b = h.run(&pod, &pcfg, "b", "exit 3").await;
+    h.wait_exit(&b, Duration::from_secs(30)).await;
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: a.clone(),
+            timeout: 10,
+        })
+        .await
+        .unwrap();
+    for id in [&a, &b] {
+        h.c.runtime
+            .remove_container(cri::RemoveContainerRequest {
+                container_id: id.to_string(),
+            })
+            .await
+            .unwrap();
+    }
+    use cri::ContainerEventType as T;
+    let mut seen: HashMap<String, Vec<i32>> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen
+        .values()
+        .filter(|v| v.last() == Some(&(T::ContainerDeletedEvent as i32)))
+        .count()
+        < 2
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ev = tokio::time::timeout(left, events.message())
+            .await
+            .unwrap_or_else(|_| panic!("events so far: {seen:?}"))
+            .expect("event stream")
+            .expect("an event");
+        let ps = ev
+            .pod_sandbox_status
+            .as_ref()
+            .expect("pod status in the event");
+        assert_eq!(ps.id, pod);
+        let me = ev
+            .containers_statuses
+            .iter()
+            .find(|c| c.id == ev.container_id);
+        match T::try_from(ev.container_event_type).unwrap() {
+            T::ContainerCreatedEvent => assert_eq!(
+                me.map(|c| c.state),
+                Some(cri::ContainerState::ContainerCreated as i32)
+            ),
+            T::ContainerStoppedEvent => assert_eq!(
+                me.map(|c| c.state),
+                Some(cri::ContainerState::ContainerExited as i32)
+            ),
+            T::ContainerDeletedEvent => assert!(me.is_none(), "{ev:?}"),
+            T::ContainerStartedEvent => {}
+        }
+        seen.entry(ev.container_id.clone())
+            .or_default()
+            .push(ev.container_event_type);
+    }
+    let once = vec![
+        T::ContainerCreatedEvent as i32,
+        T::ContainerStartedEvent as i32,
+        T::ContainerStoppedEvent as i32,
+        T::ContainerDeletedEvent as i32,
+    ];
+    assert_eq!(seen.get(&a), Some(&once), "{seen:?}");
+    assert_eq!(seen.get(&b), Some(&once), "{seen:?}");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_containers_share_localhost() {
     let mut h = harness().await;

@@ -236,7 +236,8 @@ impl Runtime {
         self.ctrs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id.to_string(), Arc::new(Ctr::new(rec)));
+            .insert(id.to_string(), Arc::new(Ctr::new(rec.clone())));
+        self.emit(&rec, cri::ContainerEventType::ContainerCreatedEvent);
         tracing::info!(container = %id, pod = %prec.id, name = %key, image = %image_name, "container created");
         Ok(())
     }
@@ -277,6 +278,7 @@ impl Runtime {
                 r.message = e.to_string();
             });
             let _ = self.dirs.save_container(&rec);
+            self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
             return Err(e);
         }
         let rec = ctr.update(|r| {
@@ -291,6 +293,7 @@ impl Runtime {
         self.dirs
             .save_container(&rec)
             .map_err(internal("saving container record"))?;
+        self.emit(&rec, cri::ContainerEventType::ContainerStartedEvent);
         self.spawn_watcher(pod, ctr.clone(), c);
         tracing::info!(container = %rec.id, "container started");
         Ok(())
@@ -406,6 +409,7 @@ impl Runtime {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&rec.id);
         self.release(&rec.name_key, &rec.id);
+        self.emit(&rec, cri::ContainerEventType::ContainerDeletedEvent);
         tracing::info!(container = %rec.id, "container removed");
         Ok(())
     }

@@ -16,6 +16,7 @@
 //! - [`translate`]: records to CRI messages.
 
 mod container;
+mod events;
 mod exec;
 mod pod;
 mod recover;
@@ -98,6 +99,8 @@ pub struct Runtime {
     pod_cidr: Mutex<String>,
     /// Records found unreadable (and moved aside) at start, for Status.
     quarantined: Mutex<Vec<PathBuf>>,
+    /// Container lifecycle events, for GetContainerEvents subscribers.
+    events: tokio::sync::broadcast::Sender<cri::ContainerEventResponse>,
 }
 
 fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
@@ -188,6 +191,7 @@ impl Runtime {
             names: Mutex::default(),
             pod_cidr: Mutex::default(),
             quarantined: Mutex::default(),
+            events: tokio::sync::broadcast::channel(events::EVENT_BACKLOG).0,
         });
         rt.recover().await;
         Ok(rt)

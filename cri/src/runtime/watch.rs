@@ -4,6 +4,7 @@
 use super::{exit_reason, Ctr, Runtime};
 use crate::sandbox::{process, Pod};
 use crate::state::{self, ContainerRecord, ContainerState, PodState};
+use k8s_cri::v1 as cri;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -13,8 +14,10 @@ impl Runtime {
     /// Records a container's exit (once).
     pub(super) fn record_exit(&self, ctr: &Ctr, exit: &ap::ExitInfo) -> ContainerRecord {
         let (code, reason) = exit_reason(exit);
+        let mut changed = false;
         let rec = ctr.update(|r| {
             if r.state != ContainerState::Exited {
+                changed = true;
                 r.state = ContainerState::Exited;
                 r.exit_code = code;
                 r.reason = reason.clone();
@@ -29,16 +32,21 @@ impl Runtime {
         if let Err(e) = self.dirs.save_container(&rec) {
             tracing::error!(container = %rec.id, error = %e, "cannot save exit");
         }
+        if changed {
+            self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
+        }
         rec
     }
 
     /// Marks a container that was created or running as exited with an unknown status.
     pub(super) fn mark_lost(&self, ctr: &Ctr, why: &str) {
+        let mut changed = false;
         let rec = ctr.update(|r| {
             if matches!(
                 r.state,
                 ContainerState::Running | ContainerState::Created | ContainerState::Creating
             ) {
+                changed = true;
                 let was_running = r.state == ContainerState::Running;
                 r.state = ContainerState::Exited;
                 r.finished_at = state::now_nanos();
@@ -48,6 +56,9 @@ impl Runtime {
             }
         });
         let _ = self.dirs.save_container(&rec);
+        if changed {
+            self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
+        }
     }
 
     pub(super) fn spawn_watcher(
