@@ -715,11 +715,9 @@ impl ImageStore {
         Ok(rec)
     }
 
-    /// Removes an image name, or the whole image.
-    ///
-    /// - by ID: the image and every tag and digest of it;
-    /// - by tag: that tag; the image goes when it has no tag left;
-    /// - by repo digest: that digest; the image goes when it has no tag and no digest left.
+    /// Removes the image a name refers to, whole: by ID, by any one of its tags or by a repo
+    /// digest, the image goes with every tag and digest it has (the CRI's RemoveImage
+    /// contract, as containerd implements it; kubelet removes by ID).
     ///
     /// Returns the IDs of images deleted. A name that matches nothing is not an error.
     pub fn remove(
@@ -736,41 +734,22 @@ impl ImageStore {
         let mut deleted = Vec::new();
         {
             let _l = self.lock()?;
-            let victims: Vec<(ImageRecord, bool)> = if let Some(id) = &by_id {
-                self.get(id)?.map(|r| vec![(r, true)]).unwrap_or_default()
+            let victims: Vec<ImageRecord> = if let Some(id) = &by_id {
+                self.get(id)?.into_iter().collect()
             } else {
                 let r = Reference::parse(q)?;
-                let mut v = Vec::new();
-                for mut rec in self.list()?.into_iter().filter(|x| x.matches(&r)) {
-                    if let Some(d) = &r.digest {
-                        let rd = r.repo_digest(d);
-                        rec.repo_digests.retain(|x| x != &rd);
-                    } else if let Some(t) = r.repo_tag() {
-                        rec.repo_tags.retain(|x| x != &t);
-                    }
-                    let gone = if r.digest.is_some() {
-                        rec.repo_tags.is_empty() && rec.repo_digests.is_empty()
-                    } else {
-                        rec.repo_tags.is_empty()
-                    };
-                    v.push((rec, gone));
-                }
-                v
+                self.list()?.into_iter().filter(|x| x.matches(&r)).collect()
             };
-            for (rec, gone) in victims {
-                if gone {
-                    if let Some(users) = in_use(&rec.id) {
-                        return Err(ImageError::InUse {
-                            reference: q.to_string(),
-                            users,
-                        });
-                    }
-                    let p = self.record_path(&rec.id);
-                    fs::remove_file(&p).map_err(ImageError::io("remove", &p))?;
-                    deleted.push(rec.id.clone());
-                } else {
-                    self.write_record(&rec)?;
+            for rec in victims {
+                if let Some(users) = in_use(&rec.id) {
+                    return Err(ImageError::InUse {
+                        reference: q.to_string(),
+                        users,
+                    });
                 }
+                let p = self.record_path(&rec.id);
+                fs::remove_file(&p).map_err(ImageError::io("remove", &p))?;
+                deleted.push(rec.id.clone());
             }
             if !deleted.is_empty() {
                 let recs = self.root.join("records");

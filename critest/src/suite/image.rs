@@ -19,7 +19,7 @@ pub(super) fn specs() -> Vec<Spec> {
         ),
         spec!(
             "image",
-            "remove by id removes every tag of the image",
+            "remove by id or by one tag removes every tag of the image",
             remove_across_tags
         ),
         spec!(
@@ -196,6 +196,14 @@ async fn remove_across_tags(c: Ctx) -> SpecResult {
     check!(
         status(&c, &b).await?.is_none(),
         "{b} still there after removing the id"
+    );
+    // By one tag: the image goes with its other tags (the CRI's contract, containerd's).
+    c.pull(&a).await?;
+    c.pull(&b).await?;
+    remove(&c, &a).await?;
+    check!(
+        status(&c, &b).await?.is_none(),
+        "{b} still there after removing {a}"
     );
     Ok(())
 }
