@@ -211,6 +211,20 @@ fn crictl_every_verb() {
 
     // exec: plain, with stdin, with a terminal (script(1) gives crictl one).
     assert_eq!(c.ok(&["exec", &ctr, "echo", "hi"]).trim(), "hi");
+    // The web server's writable layer is on the container filesystem, apart from the images.
+    let fs = c.json(&["imagefsinfo"]);
+    let cfs = &fs["status"]["containerFilesystems"][0];
+    assert!(
+        cfs["fsId"]["mountpoint"]
+            .as_str()
+            .is_some_and(|m| m.ends_with("/snapshots")),
+        "{fs}"
+    );
+    let used: u64 = cfs["usedBytes"]["value"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(used > 0, "container filesystem usage: {fs}");
     assert_eq!(
         c.ok_in(&["exec", "-i", &ctr, "cat"], Some(b"through stdin")),
         "through stdin"

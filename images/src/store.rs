@@ -836,4 +836,18 @@ impl ImageStore {
     pub fn usage(&self) -> Result<(u64, u64)> {
         fsutil::disk_usage(&self.root).map_err(ImageError::io("measure", &self.root))
     }
+
+    /// (bytes, inodes) the containers' writable layers use: the snapshots directory.
+    pub fn snapshots_usage(&self) -> Result<(u64, u64)> {
+        let dir = self.snapshots_root();
+        match fsutil::disk_usage(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((0, 0)),
+            r => r.map_err(ImageError::io("measure", &dir)),
+        }
+    }
+
+    /// Where container root filesystems (snapshots) live.
+    pub fn snapshots_root(&self) -> PathBuf {
+        self.root.join("snapshots")
+    }
 }
