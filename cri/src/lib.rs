@@ -10,6 +10,7 @@ pub mod config;
 pub mod errors;
 pub mod image_service;
 pub mod metrics;
+pub mod notify;
 pub mod runtime;
 pub mod runtime_service;
 pub mod sandbox;

@@ -227,7 +227,13 @@ impl Daemon {
                 .max_decoding_message_size(MAX_MESSAGE)
                 .max_encoding_message_size(MAX_MESSAGE),
         );
+        // The socket listens and the services are built: tell systemd (Type=notify).
+        crate::notify::notify(&format!(
+            "READY=1\nSTATUS=serving CRI on {}",
+            socket.display()
+        ));
         let res: Result<(), std::io::Error> = serve_grpc(listener, routes, shutdown).await;
+        crate::notify::notify("STOPPING=1");
         if let Some(t) = metrics_task {
             t.abort();
         }

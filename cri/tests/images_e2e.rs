@@ -110,6 +110,37 @@ fn assert_store_empty(v: &Vesseld) {
     }
 }
 
+/// Under systemd (`Type=notify`), vesseld says READY=1 once its CRI socket serves, and
+/// STOPPING=1 when it shuts down; its pod agents do not inherit the notify socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tells_the_service_manager_when_it_serves() {
+    let d = tempfile::tempdir().unwrap();
+    let sock = d.path().join("notify");
+    let rx = std::os::unix::net::UnixDatagram::bind(&sock).unwrap();
+    rx.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    // This test runs in a process of its own (nextest): vesseld inherits the variable.
+    std::env::set_var("NOTIFY_SOCKET", &sock);
+    let mut v = vesseld("");
+    std::env::remove_var("NOTIFY_SOCKET");
+    let mut buf = [0u8; 512];
+    let n = rx.recv(&mut buf).expect("a notify message from vesseld");
+    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(msg.starts_with("READY=1\n"), "{msg}");
+    assert!(msg.contains("STATUS=serving CRI on"), "{msg}");
+    // READY came after the socket serves: a call answers at once.
+    let mut c = v.client().await;
+    c.runtime
+        .version(cri::VersionRequest::default())
+        .await
+        .expect("Version after READY");
+    drop(c);
+    let status = v.stop();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let n = rx.recv(&mut buf).expect("STOPPING from vesseld");
+    assert_eq!(&buf[..n], b"STOPPING=1");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_status_and_unbuilt_rpcs() {
     let v = vesseld("");

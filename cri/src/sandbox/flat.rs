@@ -258,6 +258,8 @@ async fn launch(spec: &LaunchSpec<'_>) -> Result<Launched, FlatError> {
         .stdout(Stdio::piped())
         .stderr(log)
         .env_remove("RUST_LOG")
+        // Only vesseld talks to its service manager.
+        .env_remove("NOTIFY_SOCKET")
         .kill_on_drop(true);
     let mut child = cmd.spawn().map_err(|source| FlatError::Spawn {
         binary: spec.agent_binary.to_path_buf(),

@@ -154,7 +154,9 @@ pub fn spawn(spec: &LaunchSpec<'_>) -> Result<Launched, VmError> {
         .stdout(log)
         .stderr(log2)
         .env("VESSEL_LOG", spec.log_level)
-        .env_remove("RUST_LOG");
+        .env_remove("RUST_LOG")
+        // Only vesseld talks to its service manager.
+        .env_remove("NOTIFY_SOCKET");
     // SAFETY: setsid(2) is async-signal-safe and touches no memory of the parent; the shim
     // becomes a session leader so that it outlives vesseld and its process group.
     unsafe {
