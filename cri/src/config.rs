@@ -312,14 +312,91 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
+/// The drop-in directory beside a config file: `<dir>/config.d` (`/etc/vessel/config.d`).
+pub fn dropin_dir(config: &Path) -> PathBuf {
+    config.parent().unwrap_or(Path::new("/")).join("config.d")
+}
+
+/// The `*.toml` files of a drop-in directory, in name order (none when it does not exist).
+pub fn dropins(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(ConfigError::Read {
+                path: dir.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let mut files: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml") && p.is_file())
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Merges `over` into `base`: tables key by key, at any depth; any other value (arrays
+/// too) replaces the one before it, as CRI-O's `crio.conf.d` does.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
 impl Config {
     /// Loads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::parse(&text, path)
+        Self::load_layers(Some(path), &[])
+    }
+
+    /// The configuration from the built-in defaults, then `main` (if any), then each drop-in
+    /// file in order, merged key by key (see [`merge`]); validated once, at the end. An
+    /// unknown key in any file is an error naming that file.
+    pub fn load_layers(main: Option<&Path>, dropins: &[PathBuf]) -> Result<Config, ConfigError> {
+        let read = |path: &Path| -> Result<toml::Table, ConfigError> {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let t: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            // Each file on its own must be a valid part of a config (unknown keys named
+            // against the file that has them).
+            toml::Value::Table(t.clone())
+                .try_into::<Config>()
+                .map_err(|e| ConfigError::Parse {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                })?;
+            Ok(t)
+        };
+        let mut merged = toml::Table::new();
+        for p in main.into_iter().chain(dropins.iter().map(PathBuf::as_path)) {
+            merge(&mut merged, read(p)?);
+        }
+        let last = dropins
+            .last()
+            .map(PathBuf::as_path)
+            .or(main)
+            .unwrap_or(Path::new("default"));
+        let c: Config = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e| ConfigError::Parse {
+                path: last.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        c.validate(last)?;
+        Ok(c)
     }
 
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
@@ -562,6 +639,56 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dropins_merge_over_the_file_in_name_order() {
+        let d = tempfile::tempdir().unwrap();
+        let main = d.path().join("config.toml");
+        std::fs::write(
+            &main,
+            "[daemon]\nlog_level = \"info\"\n[images]\nmax_concurrent_downloads = 3\n",
+        )
+        .unwrap();
+        let dir = dropin_dir(&main);
+        assert_eq!(dir, d.path().join("config.d"));
+        assert!(
+            dropins(&dir).unwrap().is_empty(),
+            "no directory: no drop-ins"
+        );
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(
+            dir.join("20-debug.toml"),
+            "[daemon]\nlog_level = \"debug\"\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("10-first.toml"),
+            "[daemon]\nlog_level = \"warn\"\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("README"), "not toml").unwrap();
+        let files = dropins(&dir).unwrap();
+        assert_eq!(
+            files,
+            vec![dir.join("10-first.toml"), dir.join("20-debug.toml")]
+        );
+        let c = Config::load_layers(Some(&main), &files).unwrap();
+        // The last drop-in wins; keys no drop-in names keep the file's value.
+        assert_eq!(c.daemon.log_level, "debug");
+        assert_eq!(c.images.max_concurrent_downloads, 3);
+        // Without a file: defaults, then drop-ins.
+        let c = Config::load_layers(None, &files).unwrap();
+        assert_eq!(c.daemon.log_level, "debug");
+        assert_eq!(
+            c.images.max_concurrent_downloads,
+            Config::default().images.max_concurrent_downloads
+        );
+        // A typo in a drop-in names that file and the key.
+        std::fs::write(dir.join("30-typo.toml"), "[daemon]\nlog_levle = \"x\"\n").unwrap();
+        let e = Config::load_layers(Some(&main), &dropins(&dir).unwrap()).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("30-typo.toml") && m.contains("log_levle"), "{m}");
+    }
 
     #[test]
     fn documented_defaults_are_the_defaults() {

@@ -18,6 +18,10 @@ struct Cli {
     /// Configuration file (TOML). Default: /etc/vessel/config.toml if present, else built-in defaults.
     #[arg(long, short = 'c', global = true)]
     config: Option<PathBuf>,
+    /// Drop-in directory: its `*.toml` files are merged over the configuration file, in name
+    /// order. Default: `config.d` beside the configuration file (/etc/vessel/config.d).
+    #[arg(long, global = true)]
+    config_dir: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Option<Cmd>,
 }
@@ -44,6 +48,8 @@ enum ConfigCmd {
     Default,
     /// Validate the configuration and print it as vesseld will use it.
     Check,
+    /// Print the merged configuration (file, then drop-ins) with the files it came from.
+    Dump,
 }
 
 #[derive(Subcommand)]
@@ -62,14 +68,23 @@ enum ImageCmd {
     List,
 }
 
-fn load_config(path: Option<&Path>) -> Result<Config> {
-    match path {
-        Some(p) => Config::load(p).map_err(anyhow::Error::from),
-        None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
-            Config::load(Path::new(DEFAULT_CONFIG_PATH)).map_err(anyhow::Error::from)
-        }
-        None => Ok(Config::default()),
-    }
+/// The configuration file (if any) and the drop-in files vesseld reads, in merge order.
+fn config_sources(cli: &Cli) -> Result<(Option<PathBuf>, Vec<PathBuf>)> {
+    let main = match &cli.config {
+        Some(p) => Some(p.clone()),
+        None if Path::new(DEFAULT_CONFIG_PATH).exists() => Some(PathBuf::from(DEFAULT_CONFIG_PATH)),
+        None => None,
+    };
+    let dir = cli.config_dir.clone().unwrap_or_else(|| {
+        vessel_cri::config::dropin_dir(main.as_deref().unwrap_or(Path::new(DEFAULT_CONFIG_PATH)))
+    });
+    let dropins = vessel_cri::config::dropins(&dir)?;
+    Ok((main, dropins))
+}
+
+fn load_config(cli: &Cli) -> Result<Config> {
+    let (main, dropins) = config_sources(cli)?;
+    Ok(Config::load_layers(main.as_deref(), &dropins)?)
 }
 
 fn init_logging(c: &Config) {
@@ -91,8 +106,9 @@ fn init_logging(c: &Config) {
 }
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
-    match cli.cmd.unwrap_or(Cmd::Serve) {
+    let mut cli = Cli::parse();
+    let cmd = cli.cmd.take().unwrap_or(Cmd::Serve);
+    match cmd {
         Cmd::Config {
             cmd: ConfigCmd::Default,
         } => {
@@ -100,14 +116,27 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Config {
+            cmd: ConfigCmd::Dump,
+        } => {
+            let (main, dropins) = config_sources(&cli)?;
+            let c = Config::load_layers(main.as_deref(), &dropins)?;
+            println!("# vesseld configuration, merged in this order:");
+            println!("#   built-in defaults");
+            for p in main.iter().chain(dropins.iter()) {
+                println!("#   {}", p.display());
+            }
+            print!("{}", toml::to_string_pretty(&c).context("printing config")?);
+            Ok(())
+        }
+        Cmd::Config {
             cmd: ConfigCmd::Check,
         } => {
-            let c = load_config(cli.config.as_deref())?;
+            let c = load_config(&cli)?;
             print!("{}", toml::to_string_pretty(&c).context("printing config")?);
             Ok(())
         }
         Cmd::Image { cmd } => {
-            let c = load_config(cli.config.as_deref())?;
+            let c = load_config(&cli)?;
             init_logging(&c);
             let store = c
                 .open_image_store()
@@ -139,7 +168,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Serve => {
-            let c = load_config(cli.config.as_deref())?;
+            let c = load_config(&cli)?;
             init_logging(&c);
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -804,6 +804,27 @@ async fn config_cli_and_metrics() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("sokcet"));
+    // Drop-ins beside the file are merged over it in name order; `config dump` says so.
+    let main = dir.path().join("vessel.toml");
+    std::fs::write(&main, "[daemon]\nlog_level = \"info\"\n").unwrap();
+    std::fs::create_dir(dir.path().join("config.d")).unwrap();
+    std::fs::write(
+        dir.path().join("config.d/50-debug.toml"),
+        "[daemon]\nlog_level = \"debug\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["--config", main.to_str().unwrap(), "config", "dump"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("config.d/50-debug.toml"), "{text}");
+    assert!(text.contains("log_level = \"debug\""), "{text}");
 
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
