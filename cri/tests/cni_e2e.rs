@@ -237,6 +237,35 @@ async fn flat_pods_get_ips_talk_and_leave_nothing() {
         .expect("host reaches the pod IP");
     assert!(body.ends_with("hi-from-server\n"), "{body:?}");
 
+    // The server pod's network counters (PodSandboxStats), from its own namespace: eth0
+    // carried the traffic above; loopback is not listed.
+    let st =
+        h.c.runtime
+            .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+                pod_sandbox_id: a.clone(),
+            })
+            .await
+            .expect("PodSandboxStats")
+            .into_inner()
+            .stats
+            .unwrap();
+    let net = st
+        .linux
+        .unwrap()
+        .network
+        .expect("network stats of a pod with its own netns");
+    let eth0 = net.default_interface.expect("a default interface");
+    assert_eq!(eth0.name, "eth0");
+    assert!(
+        eth0.rx_bytes.unwrap().value > 0 && eth0.tx_bytes.unwrap().value > 0,
+        "{eth0:?}"
+    );
+    assert!(
+        net.interfaces.iter().all(|i| i.name != "lo"),
+        "{:?}",
+        net.interfaces
+    );
+
     // Host port through portmap.
     match portmap_unusable() {
         Some(why) => println!("SKIP cni_e2e host port: {why}"),

@@ -94,6 +94,9 @@ impl SandboxBackend for Double {
     fn forward_target(&self, _rec: &PodRecord) -> Result<ForwardTarget> {
         Ok(ForwardTarget::Netns(PathBuf::new()))
     }
+    fn network_usage(&self, _rec: &PodRecord) -> Option<cri::NetworkUsage> {
+        None
+    }
     fn info(&self, _rec: &PodRecord) -> serde_json::Value {
         serde_json::json!({"double": true})
     }

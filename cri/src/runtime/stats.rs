@@ -151,6 +151,7 @@ impl Runtime {
             linux: Some(cri::LinuxPodSandboxStats {
                 cpu: Some(cpu),
                 memory: Some(memory),
+                network: self.backend(&rec).network_usage(&rec),
                 containers,
                 ..Default::default()
             }),

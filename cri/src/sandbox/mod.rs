@@ -249,6 +249,9 @@ pub trait SandboxBackend: Send + Sync {
     /// Where PortForward connects, or why it cannot.
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget>;
 
+    /// The pod's network counters, where the host can see them (its own network namespace).
+    fn network_usage(&self, rec: &PodRecord) -> Option<cri::NetworkUsage>;
+
     /// The backend's part of verbose PodSandboxStatus.
     fn info(&self, rec: &PodRecord) -> serde_json::Value;
 

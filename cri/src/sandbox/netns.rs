@@ -117,3 +117,47 @@ pub async fn apply_net_sysctls(
     .await
     .map_err(io("write sysctls in", netns))
 }
+
+/// Per-interface counters of the network namespace process `pid` is in, from
+/// `/proc/<pid>/net/dev`, loopback left out: (name, rx bytes, rx errors, tx bytes, tx errors).
+pub fn interface_counters(pid: u32) -> Vec<(String, u64, u64, u64, u64)> {
+    std::fs::read_to_string(format!("/proc/{pid}/net/dev"))
+        .map(|t| parse_net_dev(&t))
+        .unwrap_or_default()
+}
+
+fn parse_net_dev(text: &str) -> Vec<(String, u64, u64, u64, u64)> {
+    text.lines()
+        .skip(2)
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            let name = name.trim();
+            let f: Vec<u64> = rest
+                .split_whitespace()
+                .map(|x| x.parse().ok())
+                .collect::<Option<_>>()?;
+            // rx: bytes packets errs drop fifo frame compressed multicast; tx: bytes packets errs ...
+            (name != "lo" && f.len() >= 11).then(|| (name.to_string(), f[0], f[2], f[8], f[10]))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn net_dev_counters() {
+        let t = "Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo:     100       2    0    0    0     0          0         0      100       2    0    0    0     0       0          0
+  eth0:    5000      40    1    0    0     0          0         0     7000      50    3    0    0     0       0          0
+";
+        assert_eq!(
+            parse_net_dev(t),
+            vec![("eth0".to_string(), 5000, 1, 7000, 3)]
+        );
+        assert!(parse_net_dev("garbage").is_empty());
+        assert!(interface_counters(u32::MAX).is_empty());
+    }
+}

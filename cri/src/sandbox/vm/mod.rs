@@ -290,6 +290,11 @@ impl SandboxBackend for VmBackend {
         )))
     }
 
+    /// The guest's network is not on the host yet (VM pod networking is its own issue).
+    fn network_usage(&self, _rec: &PodRecord) -> Option<cri::NetworkUsage> {
+        None
+    }
+
     fn info(&self, rec: &PodRecord) -> serde_json::Value {
         let v = vm_of(rec);
         serde_json::json!({
