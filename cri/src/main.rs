@@ -87,21 +87,141 @@ fn load_config(cli: &Cli) -> Result<Config> {
     Ok(Config::load_layers(main.as_deref(), &dropins)?)
 }
 
-fn init_logging(c: &Config) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new(format!(
-            "{lvl},h2=warn,hyper=warn,tower=warn,reqwest=warn,rustls=warn",
-            lvl = c.daemon.log_level
-        ))
-    });
+/// Sets the log level at run time (SIGHUP); `None` when `RUST_LOG` fixes it.
+type SetLogLevel = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+fn log_filter(level: &str) -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::new(format!(
+        "{level},h2=warn,hyper=warn,tower=warn,reqwest=warn,rustls=warn"
+    ))
+}
+
+fn init_logging(c: &Config) -> Option<SetLogLevel> {
+    let from_env = tracing_subscriber::EnvFilter::try_from_default_env().ok();
+    let fixed = from_env.is_some();
+    let filter = from_env.unwrap_or_else(|| log_filter(&c.daemon.log_level));
     // Colours only on a terminal: a log file or the journal gets plain text.
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match c.daemon.log_format {
-        LogFormat::Json => b.json().init(),
-        LogFormat::Text => b.init(),
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let set: SetLogLevel = match c.daemon.log_format {
+        LogFormat::Json => {
+            let b = tracing_subscriber::fmt()
+                .json()
+                .with_env_filter(filter)
+                .with_ansi(ansi)
+                .with_writer(std::io::stderr)
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.init();
+            Box::new(move |l| h.reload(log_filter(l)).map_err(|e| e.to_string()))
+        }
+        LogFormat::Text => {
+            let b = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_ansi(ansi)
+                .with_writer(std::io::stderr)
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.init();
+            Box::new(move |l| h.reload(log_filter(l)).map_err(|e| e.to_string()))
+        }
+    };
+    (!fixed).then_some(set)
+}
+
+/// The config keys (dotted) whose values differ between `a` and `b`.
+fn changed_keys(a: &Config, b: &Config) -> Vec<String> {
+    fn flat(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flat(&key, v, out);
+                }
+            }
+            v => {
+                out.insert(prefix.to_string(), v.to_string());
+            }
+        }
+    }
+    let (mut fa, mut fb) = (Default::default(), Default::default());
+    flat(
+        "",
+        &toml::Value::try_from(a).unwrap_or(toml::Value::Boolean(false)),
+        &mut fa,
+    );
+    flat(
+        "",
+        &toml::Value::try_from(b).unwrap_or(toml::Value::Boolean(false)),
+        &mut fb,
+    );
+    let mut keys: Vec<String> = fa
+        .keys()
+        .chain(fb.keys())
+        .filter(|k| fa.get(*k) != fb.get(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+/// On SIGHUP: reads the configuration again (file and drop-ins) and applies what can change
+/// at run time, the log level and the registry settings; says which other changed keys wait
+/// for a restart. A configuration that does not load changes nothing.
+async fn reload_on_sighup(
+    cli: Cli,
+    started: Config,
+    puller: std::sync::Arc<vessel_images::Puller>,
+    set_log_level: Option<SetLogLevel>,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGHUP: configuration reload disabled");
+            return;
+        }
+    };
+    let mut applied = started.clone();
+    while hup.recv().await.is_some() {
+        let new = match load_config(&cli) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "SIGHUP: configuration not reloaded; nothing changed");
+                continue;
+            }
+        };
+        if new.daemon.log_level != applied.daemon.log_level {
+            match &set_log_level {
+                Some(set) => match set(&new.daemon.log_level) {
+                    Ok(()) => {
+                        tracing::info!(level = %new.daemon.log_level, "SIGHUP: log level set")
+                    }
+                    Err(e) => tracing::error!(error = %e, "SIGHUP: cannot set the log level"),
+                },
+                None => tracing::warn!(
+                    "SIGHUP: RUST_LOG sets the log filter; daemon.log_level is not applied"
+                ),
+            }
+        }
+        let registries = new.pull_config().registries;
+        if registries != applied.pull_config().registries {
+            puller.set_registries(registries);
+            tracing::info!("SIGHUP: registry settings applied to new pulls");
+        }
+        let restart: Vec<String> = changed_keys(&started, &new)
+            .into_iter()
+            .filter(|k| k != "daemon.log_level" && !k.starts_with("images.registries"))
+            .collect();
+        if !restart.is_empty() {
+            tracing::warn!(keys = ?restart, "SIGHUP: these changes take effect at the next restart of vesseld");
+        }
+        applied = new;
+        tracing::info!("SIGHUP: configuration reloaded");
     }
 }
 
@@ -169,7 +289,7 @@ fn main() -> Result<()> {
         }
         Cmd::Serve => {
             let c = load_config(&cli)?;
-            init_logging(&c);
+            let set_log_level = init_logging(&c);
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .worker_threads(2)
@@ -178,7 +298,8 @@ fn main() -> Result<()> {
                 .build()
                 .context("starting the async runtime")?;
             rt.block_on(async {
-                let d = vessel_cri::server::Daemon::open(c).context("starting vesseld")?;
+                let d = vessel_cri::server::Daemon::open(c.clone()).context("starting vesseld")?;
+                tokio::spawn(reload_on_sighup(cli, c, d.puller.clone(), set_log_level));
                 d.serve(vessel_cri::server::shutdown_signal())
                     .await
                     .context("vesseld stopped with an error")

@@ -110,6 +110,84 @@ fn assert_store_empty(v: &Vesseld) {
     }
 }
 
+/// SIGHUP applies registry settings from the configuration (here a drop-in that sends pulls
+/// to a dead mirror, then its removal) without a restart, and names the keys that wait for
+/// one; a configuration that does not load changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_registry_settings() {
+    let reg = registry(RegistryOptions::default());
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&target(&reg, "hup"), &img, Some("v1"))
+        .await
+        .unwrap();
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let name = format!("{}/hup:v1", reg.host());
+    let dropins = v.dir.path().join("config.d");
+    std::fs::create_dir(&dropins).unwrap();
+    let hup = |n: usize| {
+        // SAFETY: kill(2) on the vesseld child this test started.
+        unsafe {
+            libc::kill(v.pid().unwrap() as libc::pid_t, libc::SIGHUP);
+        }
+        let start = std::time::Instant::now();
+        while v.log().matches("SIGHUP: configuration reloaded").count() < n {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(20),
+                "{}",
+                v.log()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    std::fs::write(
+        dropins.join("50-mirror.toml"),
+        format!(
+            "[images.registries.\"{}\"]\nmirrors = [\"http://127.0.0.1:9\"]\nmirrors_only = true\n",
+            reg.host()
+        ),
+    )
+    .unwrap();
+    hup(1);
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert!(e.message().contains("127.0.0.1:9"), "{e:?}");
+
+    // A drop-in with a typo: nothing changes (the mirror stays), and the log says why.
+    std::fs::write(dropins.join("70-typo.toml"), "[images]\nplatfrom = \"x\"\n").unwrap();
+    // SAFETY: as above.
+    unsafe {
+        libc::kill(v.pid().unwrap() as libc::pid_t, libc::SIGHUP);
+    }
+    let start = std::time::Instant::now();
+    while !v.log().contains("configuration not reloaded") {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "{}",
+            v.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(pull(&mut c, &name, None).await.is_err());
+
+    std::fs::remove_file(dropins.join("70-typo.toml")).unwrap();
+    std::fs::remove_file(dropins.join("50-mirror.toml")).unwrap();
+    std::fs::write(
+        dropins.join("60-restart.toml"),
+        "[images]\nmax_concurrent_downloads = 7\n",
+    )
+    .unwrap();
+    hup(2);
+    pull(&mut c, &name, None)
+        .await
+        .expect("the pull goes to the registry again");
+    let log = v.log();
+    assert!(
+        log.contains("take effect at the next restart")
+            && log.contains("images.max_concurrent_downloads"),
+        "{log}"
+    );
+}
+
 /// Under systemd (`Type=notify`), vesseld says READY=1 once its CRI socket serves, and
 /// STOPPING=1 when it shuts down; its pod agents do not inherit the notify socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

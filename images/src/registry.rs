@@ -197,6 +197,9 @@ pub struct PullReport {
 pub struct Puller {
     store: Arc<ImageStore>,
     config: PullConfig,
+    /// Per-registry settings: `config.registries` at start, replaced by
+    /// [`Puller::set_registries`] (vesseld's SIGHUP).
+    registries: std::sync::RwLock<BTreeMap<String, RegistryConfig>>,
     clients: Mutex<HashMap<(bool, Option<PathBuf>), reqwest::Client>>,
     tokens: Mutex<HashMap<(String, String), (String, Instant)>>,
     /// Endpoints that answered over HTTP when HTTPS failed, so later pulls go straight there.
@@ -210,6 +213,7 @@ impl Puller {
         let n = config.max_concurrent_downloads.max(1);
         Puller {
             store,
+            registries: std::sync::RwLock::new(config.registries.clone()),
             config,
             clients: Mutex::new(HashMap::new()),
             tokens: Mutex::new(HashMap::new()),
@@ -225,6 +229,28 @@ impl Puller {
 
     pub fn config(&self) -> &PullConfig {
         &self.config
+    }
+
+    /// Replaces the per-registry settings (mirrors, TLS, auth) for pulls from now on; pulls
+    /// under way keep the endpoints they chose. HTTP clients are rebuilt as needed.
+    pub fn set_registries(&self, registries: BTreeMap<String, RegistryConfig>) {
+        *self.registries.write().unwrap_or_else(|p| p.into_inner()) = registries;
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        self.plain_http
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// The per-registry settings in use.
+    pub fn registries(&self) -> BTreeMap<String, RegistryConfig> {
+        self.registries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn client(&self, insecure: bool, ca: &Option<PathBuf>) -> Result<reqwest::Client> {
@@ -257,7 +283,12 @@ impl Puller {
     }
 
     fn endpoints(&self, r: &Reference) -> Vec<Endpoint> {
-        let explicit = self.config.registries.get(&r.domain).cloned();
+        let explicit = self
+            .registries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&r.domain)
+            .cloned();
         // Loopback registries are insecure by default, as in Docker, unless configured.
         let insecure = match &explicit {
             Some(c) => c.insecure,
