@@ -98,6 +98,9 @@ platform = "linux/amd64"
 max_concurrent_downloads = 3
 # Seconds to wait for a TCP/TLS connection to a registry.
 connect_timeout_secs = 10
+# A pull fails when a registry sends nothing (headers or body) for this many seconds, like
+# containerd's image_pull_progress_timeout; a slow but moving download goes on. 0: no limit.
+pull_progress_timeout_secs = 300
 # Bounds on what unpacking one layer may write, so that a small layer cannot fill the disk
 # (a gzip bomb, a sparse file whose holes unpack as zeros); a pull that goes past one fails
 # naming the key, and what it wrote is removed. 0 turns a bound off.
@@ -262,6 +265,7 @@ pub struct ImagesConfig {
     pub platform: String,
     pub max_concurrent_downloads: usize,
     pub connect_timeout_secs: u64,
+    pub pull_progress_timeout_secs: u64,
     pub max_layer_bytes: u64,
     pub max_layer_entries: u64,
     pub max_unpack_ratio: u64,
@@ -289,6 +293,7 @@ impl Default for ImagesConfig {
             platform: "linux/amd64".into(),
             max_concurrent_downloads: 3,
             connect_timeout_secs: 10,
+            pull_progress_timeout_secs: 300,
             max_layer_bytes: vessel_images::unpack::UnpackLimits::default().max_bytes,
             max_layer_entries: vessel_images::unpack::UnpackLimits::default().max_entries,
             max_unpack_ratio: vessel_images::unpack::UnpackLimits::default().max_ratio,
@@ -632,6 +637,8 @@ impl Config {
             registries: self.images.registries.clone(),
             max_concurrent_downloads: self.images.max_concurrent_downloads,
             connect_timeout: std::time::Duration::from_secs(self.images.connect_timeout_secs),
+            progress_timeout: (self.images.pull_progress_timeout_secs > 0)
+                .then(|| std::time::Duration::from_secs(self.images.pull_progress_timeout_secs)),
         }
     }
 }

@@ -938,3 +938,91 @@ async fn config_cli_and_metrics() {
         .unwrap();
     assert_eq!(missing.status().as_u16(), 404);
 }
+
+/// A registry (on loopback, plain HTTP) that serves one image but sends only half of its
+/// layer and then nothing, holding the connection open.
+async fn stalling_registry(img: testimages::BuiltImage) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let img = std::sync::Arc::new(img);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let img = img.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 << 10];
+                let Ok(n) = s.read(&mut buf).await else {
+                    return;
+                };
+                let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let mut words = head.split_whitespace();
+                let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+                if method != "GET" && method != "HEAD" {
+                    return; // a TLS handshake: the client then tries plain HTTP
+                }
+                let config = img.config.digest().to_string();
+                let (status, ctype, body, stall): (u16, String, &[u8], bool) = if path == "/v2/" {
+                    (200, "application/json".into(), b"{}", false)
+                } else if path.contains("/manifests/") {
+                    (
+                        200,
+                        img.manifest.media_type.clone(),
+                        &img.manifest.data,
+                        false,
+                    )
+                } else if path.ends_with(&config) {
+                    (
+                        200,
+                        "application/octet-stream".into(),
+                        &img.config.data,
+                        false,
+                    )
+                } else if path.contains("/blobs/") {
+                    (
+                        200,
+                        "application/octet-stream".into(),
+                        &img.layers[0].data,
+                        true,
+                    )
+                } else {
+                    (404, "text/plain".into(), b"", false)
+                };
+                let hdr = format!(
+                    "HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nDocker-Content-Digest: {}\r\nConnection: close\r\n\r\n",
+                    body.len(),
+                    img.manifest_digest()
+                );
+                let _ = s.write_all(hdr.as_bytes()).await;
+                if method == "GET" {
+                    let end = if stall { body.len() / 2 } else { body.len() };
+                    let _ = s.write_all(&body[..end]).await;
+                }
+                if stall {
+                    tokio::time::sleep(Duration::from_secs(120)).await;
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A registry that stops sending in the middle of a layer fails the pull after
+/// `images.pull_progress_timeout_secs`, naming the key, and leaves nothing in the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_pull_fails_after_the_progress_timeout() {
+    let port = stalling_registry(testimages::busybox_image(Compression::Gzip)).await;
+    let v = vesseld("[images]\npull_progress_timeout_secs = 2\n");
+    let mut c = v.client().await;
+    let start = std::time::Instant::now();
+    let e = pull(&mut c, &format!("127.0.0.1:{port}/stall:v1"), None)
+        .await
+        .unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        e.message().contains("no progress") && e.message().contains("pull_progress_timeout_secs"),
+        "{e:?}"
+    );
+    assert!(took < Duration::from_secs(30), "failed after {took:?}");
+    assert!(list(&mut c).await.is_empty());
+    assert_store_empty(&v);
+}

@@ -61,6 +61,9 @@ pub struct PullConfig {
     pub registries: BTreeMap<String, RegistryConfig>,
     pub max_concurrent_downloads: usize,
     pub connect_timeout: Duration,
+    /// How long a registry may send nothing (no response, no body bytes) before the pull
+    /// fails; `None`: no limit.
+    pub progress_timeout: Option<Duration>,
 }
 
 impl Default for PullConfig {
@@ -70,6 +73,7 @@ impl Default for PullConfig {
             registries: BTreeMap::new(),
             max_concurrent_downloads: 3,
             connect_timeout: Duration::from_secs(10),
+            progress_timeout: Some(Duration::from_secs(300)),
         }
     }
 }
@@ -229,6 +233,14 @@ impl Puller {
 
     pub fn config(&self) -> &PullConfig {
         &self.config
+    }
+
+    /// `f`, or `None` when it makes no progress within the progress timeout.
+    async fn progress<T>(&self, f: impl std::future::Future<Output = T>) -> Option<T> {
+        match self.config.progress_timeout {
+            Some(t) => tokio::time::timeout(t, f).await.ok(),
+            None => Some(f.await),
+        }
     }
 
     /// Replaces the per-registry settings (mirrors, TLS, auth) for pulls from now on; pulls
@@ -621,15 +633,27 @@ impl Puller {
                 registry: ep.name.clone(),
                 message: "puller shut down".into(),
             })?;
+        let stalled = |what_waited: &str| {
+            ImageError::Transport {
+            reference: r.to_string(),
+            registry: ep.name.clone(),
+            message: format!(
+                "{what} {}: no progress for {:?} while waiting for {what_waited} (images.pull_progress_timeout_secs)",
+                desc.digest,
+                self.config.progress_timeout.unwrap_or_default()
+            ),
+        }
+        };
         let resp = self
-            .get(
+            .progress(self.get(
                 ep,
                 &format!("/v2/{}/blobs/{}", r.path, desc.digest),
                 None,
                 r,
                 creds,
-            )
-            .await?;
+            ))
+            .await
+            .ok_or_else(|| stalled("the response"))??;
         let status = resp.status();
         if !status.is_success() {
             let body = resp.bytes().await.unwrap_or_default();
@@ -642,7 +666,11 @@ impl Puller {
         }
         let mut w = self.store.blob_writer()?;
         let mut stream = resp.bytes_stream();
-        while let Some(chunk) = stream.next().await {
+        while let Some(chunk) = self
+            .progress(stream.next())
+            .await
+            .ok_or_else(|| stalled("data"))?
+        {
             let chunk = chunk.map_err(|e| ImageError::Transport {
                 reference: r.to_string(),
                 registry: ep.name.clone(),
