@@ -119,7 +119,7 @@ impl NetworkList {
         })
     }
 
-    fn plugin_types(&self) -> impl Iterator<Item = &str> {
+    pub fn plugin_types(&self) -> impl Iterator<Item = &str> {
         self.plugins
             .iter()
             .map(|p| p.get("type").and_then(Value::as_str).unwrap_or_default())

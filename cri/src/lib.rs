@@ -7,6 +7,7 @@
 
 pub mod cni;
 pub mod config;
+pub mod doctor;
 pub mod errors;
 pub mod image_service;
 pub mod metrics;

@@ -35,6 +35,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ConfigCmd,
     },
+    /// Check this node for what vessel needs (KVM, cgroups, CNI, guest kernel, mirrors) and
+    /// say what to fix; exits 1 when pods cannot run as configured.
+    Doctor {
+        /// Skip the KVM probe (it boots a calibration guest, a second or so).
+        #[arg(long)]
+        no_kvm_probe: bool,
+    },
     /// Image store operations that work without a registry.
     Image {
         #[command(subcommand)]
@@ -284,6 +291,16 @@ fn main() -> Result<()> {
                         );
                     }
                 }
+            }
+            Ok(())
+        }
+        Cmd::Doctor { no_kvm_probe } => {
+            let c = load_config(&cli)?;
+            let checks = vessel_cri::doctor::run(&c, !no_kvm_probe);
+            let (text, ok) = vessel_cri::doctor::report(&checks);
+            print!("{text}");
+            if !ok {
+                std::process::exit(1);
             }
             Ok(())
         }

@@ -1,0 +1,322 @@
+//! `vesseld doctor`: checks a node the way an operator would before (or after) switching it
+//! to vessel, and says what to fix. Each check ends `ok`, `warn` (vessel runs, with less:
+//! flat pods only, loopback only) or `fail` (vessel cannot run pods as configured).
+
+use crate::config::Config;
+use std::path::Path;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+impl std::fmt::Display for Level {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Level::Ok => "ok",
+            Level::Warn => "warn",
+            Level::Fail => "FAIL",
+        })
+    }
+}
+
+/// One check's outcome: what was found, and what to do about it when it is not ok.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub name: &'static str,
+    pub level: Level,
+    pub found: String,
+    pub fix: String,
+}
+
+fn check(name: &'static str, level: Level, found: String, fix: &str) -> Check {
+    Check {
+        name,
+        level,
+        found,
+        fix: fix.to_string(),
+    }
+}
+
+/// Runs every check. `kvm_probe` runs the KVM calibration guest (a second or so).
+pub fn run(c: &Config, kvm_probe: bool) -> Vec<Check> {
+    let mut out = vec![root(), overlayfs(), cgroups()];
+    out.push(file(
+        "pod agent",
+        &c.agent_binary(),
+        Level::Fail,
+        "install vessel-agent (scripts/install.sh) or set runtime.agent_binary",
+    ));
+    out.push(cni(c));
+    if kvm_probe {
+        out.push(kvm());
+    }
+    let vm_files = [
+        ("guest kernel", c.vm.kernel.clone()),
+        ("guest root", c.guest_root().path().to_path_buf()),
+        ("VM shim", c.shim_binary()),
+    ];
+    for (what, p) in vm_files {
+        out.push(file(
+            what,
+            &p,
+            Level::Warn,
+            "VM pods need it: scripts/install.sh builds it (or set the [vm] path); flat pods run without",
+        ));
+    }
+    out.extend(mirrors(c));
+    out
+}
+
+fn root() -> Check {
+    if rustix::process::geteuid().is_root() {
+        check("root", Level::Ok, "running as root".into(), "")
+    } else {
+        check(
+            "root",
+            Level::Fail,
+            "not root".into(),
+            "run vesseld as root: it mounts, creates namespaces and cgroups",
+        )
+    }
+}
+
+fn overlayfs() -> Check {
+    let fs = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if fs.lines().any(|l| l.trim_end().ends_with("overlay")) {
+        check(
+            "overlayfs",
+            Level::Ok,
+            "the kernel has overlayfs".into(),
+            "",
+        )
+    } else {
+        check(
+            "overlayfs",
+            Level::Fail,
+            "overlayfs is not in /proc/filesystems".into(),
+            "modprobe overlay (and add it to /etc/modules-load.d/)",
+        )
+    }
+}
+
+fn cgroups() -> Check {
+    let v2 = crate::spec::host_is_cgroup_v2();
+    let want = ["cpu", "memory", "pids"];
+    let have: Vec<&str> = if v2 {
+        let ctl = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").unwrap_or_default();
+        want.iter()
+            .copied()
+            .filter(|w| ctl.split_whitespace().any(|c| c == *w))
+            .collect()
+    } else {
+        want.iter()
+            .copied()
+            .filter(|w| {
+                crate::sandbox::cgroup::cgroup_dirs("").iter().any(|d| {
+                    d.file_name()
+                        .is_some_and(|n| n.to_string_lossy().split(',').any(|c| c == *w))
+                })
+            })
+            .collect()
+    };
+    let missing: Vec<&str> = want.iter().copied().filter(|w| !have.contains(w)).collect();
+    let mode = if v2 {
+        "cgroup v2"
+    } else {
+        "cgroup v1 (or hybrid)"
+    };
+    if missing.is_empty() {
+        check(
+            "cgroups",
+            Level::Ok,
+            format!("{mode}; controllers {}", want.join(", ")),
+            "",
+        )
+    } else {
+        check(
+            "cgroups",
+            Level::Fail,
+            format!("{mode}; missing controllers: {}", missing.join(", ")),
+            "enable them (kernel command line cgroup_enable=..., or the controllers of the root cgroup)",
+        )
+    }
+}
+
+fn file(name: &'static str, p: &Path, if_missing: Level, fix: &str) -> Check {
+    if p.is_file() {
+        check(name, Level::Ok, p.display().to_string(), "")
+    } else {
+        check(name, if_missing, format!("{} is missing", p.display()), fix)
+    }
+}
+
+fn cni(c: &Config) -> Check {
+    use crate::cni::CniError;
+    match c.cni().ready() {
+        Ok(net) => check(
+            "CNI",
+            Level::Ok,
+            format!(
+                "network {:?} from {} (plugins {})",
+                net.name,
+                net.source.display(),
+                net.plugin_types().collect::<Vec<_>>().join(", ")
+            ),
+            "",
+        ),
+        Err(e @ CniError::NoConfig(_)) => check(
+            "CNI",
+            Level::Warn,
+            e.to_string(),
+            "pods get loopback only: put a network config (*.conflist) in cni.conf_dir and its plugins in cni.bin_dirs",
+        ),
+        Err(e) => check(
+            "CNI",
+            Level::Fail,
+            e.to_string(),
+            "fix the network config or install the plugin it names",
+        ),
+    }
+}
+
+fn kvm() -> Check {
+    let p = vessel_vmm::probe::probe();
+    let found = format!("KVM {}: {}", p.verdict, p.reason);
+    if p.verdict == vessel_vmm::probe::Verdict::Usable {
+        check("KVM", Level::Ok, found, "")
+    } else {
+        check(
+            "KVM",
+            Level::Warn,
+            found,
+            "VM pods run flat (runtime.vm_fallback); microVMs need hardware virtualization (vmx/svm) and /dev/kvm",
+        )
+    }
+}
+
+/// Every configured mirror answers a TCP connection (its registry is checked at pull time).
+fn mirrors(c: &Config) -> Vec<Check> {
+    let mut out = Vec::new();
+    for (host, r) in &c.images.registries {
+        for m in &r.mirrors {
+            let Some(addr) = mirror_addr(m) else {
+                out.push(check(
+                    "registry mirror",
+                    Level::Fail,
+                    format!("{host}: mirror {m:?} is not a host[:port] URL"),
+                    "write mirrors as https://host[:port][/prefix]",
+                ));
+                continue;
+            };
+            let reach = std::net::ToSocketAddrs::to_socket_addrs(&addr.as_str())
+                .ok()
+                .and_then(|mut a| a.next())
+                .map(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(3)));
+            match reach {
+                Some(Ok(_)) => out.push(check(
+                    "registry mirror",
+                    Level::Ok,
+                    format!("{host}: {m} answers"),
+                    "",
+                )),
+                Some(Err(e)) => out.push(check(
+                    "registry mirror",
+                    Level::Warn,
+                    format!("{host}: {m}: {e}"),
+                    "pulls fall through to the next mirror or the registry itself (unless mirrors_only)",
+                )),
+                None => out.push(check(
+                    "registry mirror",
+                    Level::Warn,
+                    format!("{host}: {m}: the name does not resolve"),
+                    "pulls fall through to the next mirror or the registry itself (unless mirrors_only)",
+                )),
+            }
+        }
+    }
+    out
+}
+
+/// `host:port` of a mirror URL (`https://host[:port][/prefix]`), the port from the scheme
+/// when absent.
+fn mirror_addr(m: &str) -> Option<String> {
+    let (scheme, rest) = match m.split_once("://") {
+        Some((s, r)) => (s, r),
+        None => ("https", m),
+    };
+    let host = rest.split('/').next().filter(|h| !h.is_empty())?;
+    if host
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
+        return Some(host.to_string());
+    }
+    let port = if scheme == "http" { 80 } else { 443 };
+    Some(format!("{host}:{port}"))
+}
+
+/// The report as printed, and whether vessel can run pods as configured (no `FAIL`).
+pub fn report(checks: &[Check]) -> (String, bool) {
+    let mut s = String::new();
+    for c in checks {
+        s.push_str(&format!(
+            "{:<5} {:<16} {}\n",
+            c.level.to_string(),
+            c.name,
+            c.found
+        ));
+        if c.level != Level::Ok && !c.fix.is_empty() {
+            s.push_str(&format!("{:<5} {:<16} -> {}\n", "", "", c.fix));
+        }
+    }
+    let ok = checks.iter().all(|c| c.level != Level::Fail);
+    (s, ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mirror_addresses() {
+        assert_eq!(
+            mirror_addr("https://m.local").as_deref(),
+            Some("m.local:443")
+        );
+        assert_eq!(
+            mirror_addr("http://m.local/v2").as_deref(),
+            Some("m.local:80")
+        );
+        assert_eq!(
+            mirror_addr("m.local:5000/prefix").as_deref(),
+            Some("m.local:5000")
+        );
+        assert_eq!(mirror_addr("https://").as_deref(), None);
+    }
+
+    #[test]
+    fn a_node_without_its_files_is_told_what_to_fix() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = Config::default();
+        c.runtime.agent_binary = d.path().join("no-agent").display().to_string();
+        c.vm.kernel = d.path().join("no-kernel");
+        c.cni.conf_dir = d.path().join("no-cni");
+        let checks = run(&c, false);
+        let (text, ok) = report(&checks);
+        assert!(!ok, "{text}");
+        let agent = checks.iter().find(|c| c.name == "pod agent").unwrap();
+        assert_eq!(agent.level, Level::Fail, "{text}");
+        assert!(
+            text.contains("no-agent is missing") && text.contains("-> install vessel-agent"),
+            "{text}"
+        );
+        let kernel = checks.iter().find(|c| c.name == "guest kernel").unwrap();
+        assert_eq!(kernel.level, Level::Warn);
+        let cni = checks.iter().find(|c| c.name == "CNI").unwrap();
+        assert_eq!(cni.level, Level::Warn, "{text}");
+    }
+}
