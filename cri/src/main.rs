@@ -109,29 +109,18 @@ fn init_logging(c: &Config) -> Option<SetLogLevel> {
     let filter = from_env.unwrap_or_else(|| log_filter(&c.daemon.log_level));
     // Colours only on a terminal: a log file or the journal gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let set: SetLogLevel = match c.daemon.log_format {
-        LogFormat::Json => {
-            let b = tracing_subscriber::fmt()
-                .json()
-                .with_env_filter(filter)
-                .with_ansi(ansi)
-                .with_writer(std::io::stderr)
-                .with_filter_reloading();
-            let h = b.reload_handle();
-            b.init();
-            Box::new(move |l| h.reload(log_filter(l)).map_err(|e| e.to_string()))
-        }
-        LogFormat::Text => {
-            let b = tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_ansi(ansi)
-                .with_writer(std::io::stderr)
-                .with_filter_reloading();
-            let h = b.reload_handle();
-            b.init();
-            Box::new(move |l| h.reload(log_filter(l)).map_err(|e| e.to_string()))
-        }
+    use tracing_subscriber::prelude::*;
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    let fmt = match c.daemon.log_format {
+        LogFormat::Json => fmt.json().boxed(),
+        LogFormat::Text => fmt.boxed(),
     };
+    tracing_subscriber::registry().with(filter).with(fmt).init();
+    let set: SetLogLevel =
+        Box::new(move |l| handle.reload(log_filter(l)).map_err(|e| e.to_string()));
     (!fixed).then_some(set)
 }
 
