@@ -197,33 +197,28 @@ impl cri::image_service_server::ImageService for ImageService {
         _req: Request<cri::ImageFsInfoRequest>,
     ) -> Result<Response<cri::ImageFsInfoResponse>, Status> {
         let store = self.store();
-        // The image store's directory holds the containers' writable layers too (under
-        // snapshots/): reported apart, as containerd does, so kubelet's eviction sees each.
-        let (root, snaps, all, ctrs) = blocking(move || {
+        let (root, all, ctrs) = blocking(move || {
             let all = store.usage().map_err(|e| image_status(&e))?;
             let ctrs = store.snapshots_usage().map_err(|e| image_status(&e))?;
-            Ok((
-                store.root().to_path_buf(),
-                store.snapshots_root(),
-                all,
-                ctrs,
-            ))
+            Ok((store.root().to_path_buf(), all, ctrs))
         })
         .await?;
         let now = chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0);
-        let usage =
-            |mountpoint: &std::path::Path, (bytes, inodes): (u64, u64)| cri::FilesystemUsage {
-                timestamp: now,
-                fs_id: Some(cri::FilesystemIdentifier {
-                    mountpoint: mountpoint.display().to_string(),
-                }),
-                used_bytes: Some(cri::UInt64Value { value: bytes }),
-                inodes_used: Some(cri::UInt64Value { value: inodes }),
-            };
-        let images = (all.0.saturating_sub(ctrs.0), all.1.saturating_sub(ctrs.1));
+        let usage = |(bytes, inodes): (u64, u64)| cri::FilesystemUsage {
+            timestamp: now,
+            fs_id: Some(cri::FilesystemIdentifier {
+                mountpoint: root.display().to_string(),
+            }),
+            used_bytes: Some(cri::UInt64Value { value: bytes }),
+            inodes_used: Some(cri::UInt64Value { value: inodes }),
+        };
+        // The containers' writable layers (snapshots/) are on the image store's filesystem:
+        // one mountpoint for both, so kubelet sees no split image filesystem (a different
+        // mountpoint would make it apply split-disk eviction and GC to one disk). The image
+        // filesystem's usage includes the writable layers, as before.
         Ok(Response::new(cri::ImageFsInfoResponse {
-            image_filesystems: vec![usage(&root, images)],
-            container_filesystems: vec![usage(&snaps, ctrs)],
+            image_filesystems: vec![usage(all)],
+            container_filesystems: vec![usage(ctrs)],
         }))
     }
 }

@@ -184,7 +184,7 @@ async fn reload_on_sighup(
     };
     let mut applied = started.clone();
     while hup.recv().await.is_some() {
-        let new = match load_config(&cli) {
+        let mut new = match load_config(&cli) {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(error = %format!("{e:#}"), "SIGHUP: configuration not reloaded; nothing changed");
@@ -197,7 +197,11 @@ async fn reload_on_sighup(
                     Ok(()) => {
                         tracing::info!(level = %new.daemon.log_level, "SIGHUP: log level set")
                     }
-                    Err(e) => tracing::error!(error = %e, "SIGHUP: cannot set the log level"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "SIGHUP: cannot set the log level");
+                        // Not applied: the next SIGHUP tries again.
+                        new.daemon.log_level = applied.daemon.log_level.clone();
+                    }
                 },
                 None => tracing::warn!(
                     "SIGHUP: RUST_LOG sets the log filter; daemon.log_level is not applied"

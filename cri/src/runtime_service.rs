@@ -542,7 +542,9 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
     ) -> Result<Response<Self::GetContainerEventsStream>, Status> {
         use futures::StreamExt;
         use tokio_stream::wrappers::{errors::BroadcastStreamRecvError, BroadcastStream};
+        let end = self.rt.event_streams_end();
         let events = BroadcastStream::new(self.rt.subscribe_events())
+            .take_until(end)
             .map(|e| match e {
                 Ok(ev) => Ok(ev),
                 Err(BroadcastStreamRecvError::Lagged(n)) => Err(Status::unavailable(format!(

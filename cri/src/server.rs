@@ -208,6 +208,7 @@ impl Daemon {
         )
         .await?;
         let streaming_task = tokio::spawn(streaming.clone().serve(streaming_listener));
+        let events_rt = rt.clone();
         let runtime = RuntimeService::new(rt, self.config.daemon.root_dir.display().to_string())
             .with_streaming(streaming);
         let images = ImageService::new(self.puller.clone(), self.metrics.clone());
@@ -232,8 +233,14 @@ impl Daemon {
             "READY=1\nSTATUS=serving CRI on {}",
             socket.display()
         ));
+        // At the signal: tell systemd, and end event streams (they never end by themselves,
+        // and graceful shutdown waits for open calls).
+        let shutdown = async move {
+            shutdown.await;
+            crate::notify::notify("STOPPING=1");
+            events_rt.end_event_streams();
+        };
         let res: Result<(), std::io::Error> = serve_grpc(listener, routes, shutdown).await;
-        crate::notify::notify("STOPPING=1");
         if let Some(t) = metrics_task {
             t.abort();
         }

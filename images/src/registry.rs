@@ -276,6 +276,12 @@ impl Puller {
             .user_agent(concat!("vessel/", env!("CARGO_PKG_VERSION")))
             .pool_idle_timeout(Duration::from_secs(30))
             .danger_accept_invalid_certs(insecure);
+        // Every read (headers or body, of manifests, tokens and blobs alike) gives up after
+        // the progress timeout; blob downloads hit their own (`progress`, a second earlier),
+        // which names the config key.
+        if let Some(t) = self.config.progress_timeout {
+            b = b.read_timeout(t + Duration::from_secs(1));
+        }
         if let Some(ca) = ca {
             let pem = std::fs::read(ca).map_err(ImageError::io("read CA file", ca))?;
             let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| ImageError::Io {

@@ -101,6 +101,8 @@ pub struct Runtime {
     quarantined: Mutex<Vec<PathBuf>>,
     /// Container lifecycle events, for GetContainerEvents subscribers.
     events: tokio::sync::broadcast::Sender<cri::ContainerEventResponse>,
+    /// Set at shutdown: event streams end.
+    shutting_down: tokio::sync::watch::Sender<bool>,
 }
 
 fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
@@ -192,6 +194,7 @@ impl Runtime {
             pod_cidr: Mutex::default(),
             quarantined: Mutex::default(),
             events: tokio::sync::broadcast::channel(events::EVENT_BACKLOG).0,
+            shutting_down: tokio::sync::watch::channel(false).0,
         });
         rt.recover().await;
         Ok(rt)

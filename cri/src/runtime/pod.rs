@@ -119,6 +119,8 @@ impl Runtime {
                     .unwrap_or_else(|p| p.into_inner())
                     .insert(id.to_string(), pod.clone());
                 self.spawn_pod_watcher(pod);
+                self.emit_pod(id, cri::ContainerEventType::ContainerCreatedEvent);
+                self.emit_pod(id, cri::ContainerEventType::ContainerStartedEvent);
                 tracing::info!(pod = %id, name = %meta.name, namespace = %meta.namespace, backend = %kind, "pod sandbox ready");
                 Ok(())
             }
@@ -167,16 +169,21 @@ impl Runtime {
         }
         pod.set_client(None).await;
         self.teardown_pod_resources(&rec).await;
-        for ctr in self.ctrs_of(&rec.id) {
-            self.mark_lost(&ctr, "pod sandbox stopped");
-        }
+        let was_ready = rec.state == PodState::Ready;
+        // NotReady first: the containers' stopped events carry the pod's state as it is.
         let rec = pod.update(|r| {
             r.state = PodState::NotReady;
             if r.reason.is_empty() {
                 r.reason = "stopped".into();
             }
         });
+        for ctr in self.ctrs_of(&rec.id) {
+            self.mark_lost(&ctr, "pod sandbox stopped");
+        }
         sandbox::save(&self.dirs, &rec)?;
+        if was_ready {
+            self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);
+        }
         tracing::info!(pod = %rec.id, "pod sandbox stopped");
         Ok(())
     }
@@ -200,11 +207,16 @@ impl Runtime {
         self.dirs
             .delete_pod(&rec.id)
             .map_err(internal("removing pod state"))?;
+        // Built while the pod is still known (its last status goes with the event).
+        let deleted = self.pod_event(&rec.id, cri::ContainerEventType::ContainerDeletedEvent);
         self.pods
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&rec.id);
         self.release(&rec.name_key, &rec.id);
+        if let Some(ev) = deleted {
+            let _ = self.events.send(ev);
+        }
         tracing::info!(pod = %rec.id, "pod sandbox removed");
         Ok(())
     }

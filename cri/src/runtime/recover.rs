@@ -96,17 +96,21 @@ impl Runtime {
             if !agent_lists.contains_key(&rec.pod_id) {
                 let list = if pod_ready {
                     match pod.client().await {
-                        Ok(mut c) => c
-                            .list_containers(ap::ListContainersRequest {})
-                            .await
-                            .ok()
-                            .map(|r| {
-                                r.into_inner()
-                                    .containers
-                                    .into_iter()
-                                    .map(|i| (i.id.clone(), i))
-                                    .collect()
-                            }),
+                        // Bounded: a wedged agent must not hold up the daemon's start.
+                        Ok(mut c) => tokio::time::timeout(
+                            Duration::from_secs(10),
+                            c.list_containers(ap::ListContainersRequest {}),
+                        )
+                        .await
+                        .ok()
+                        .and_then(|r| r.ok())
+                        .map(|r| {
+                            r.into_inner()
+                                .containers
+                                .into_iter()
+                                .map(|i| (i.id.clone(), i))
+                                .collect()
+                        }),
                         Err(_) => None,
                     }
                 } else {

@@ -131,13 +131,15 @@ impl Runtime {
         tracing::warn!(pod = %rec.id, pid = rec.agent_pid, reason = %what, "pod lost; pod is not ready");
         pod.set_client(None).await;
         self.teardown_pod_resources(&rec).await;
+        // NotReady first: the containers' stopped events carry the pod's state as it is.
+        let rec = pod.update(|r| {
+            r.state = PodState::NotReady;
+            r.reason = what.clone();
+        });
         for ctr in self.ctrs_of(&rec.id) {
             self.mark_lost(&ctr, &what);
         }
-        let rec = pod.update(|r| {
-            r.state = PodState::NotReady;
-            r.reason = what;
-        });
         let _ = self.dirs.save_pod(&rec);
+        self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);
     }
 }
