@@ -84,11 +84,16 @@ pub fn become_subreaper() {
     }
 }
 
-/// Sends `sig` to `pid` if it is still the process that started at `start_time`.
-pub fn signal(pid: u32, start_time: u64, sig: Signal) {
+/// Sends `sig` to `pid` if it is still the process that started at `start_time` (reaping it
+/// first if it is our exited child); returns whether it was.
+pub fn signal(pid: u32, start_time: u64, sig: Signal) -> bool {
     reap(pid);
-    if let Some(p) = pid_of(pid).filter(|_| is_alive(pid, start_time)) {
-        let _ = rustix::process::kill_process(p, sig);
+    match pid_of(pid).filter(|_| is_alive(pid, start_time)) {
+        Some(p) => {
+            let _ = rustix::process::kill_process(p, sig);
+            true
+        }
+        None => false,
     }
 }
 
@@ -96,11 +101,9 @@ pub fn signal(pid: u32, start_time: u64, sig: Signal) {
 /// As PID 1 of its pid namespace an agent's death takes every container process of the pod
 /// with it; a shim's takes its VM.
 pub fn kill(pid: u32, start_time: u64) {
-    if !is_alive(pid, start_time) {
-        reap(pid);
+    if !signal(pid, start_time, Signal::KILL) {
         return;
     }
-    signal(pid, start_time, Signal::KILL);
     for _ in 0..400 {
         reap(pid);
         if !is_alive(pid, start_time) {
@@ -116,11 +119,9 @@ pub fn kill(pid: u32, start_time: u64) {
 
 /// Stops a process gently: SIGTERM, then SIGKILL after `grace`. Idempotent.
 pub async fn terminate(pid: u32, start_time: u64, grace: Duration) {
-    reap(pid);
-    if !is_alive(pid, start_time) {
+    if !signal(pid, start_time, Signal::TERM) {
         return;
     }
-    signal(pid, start_time, Signal::TERM);
     let _ = tokio::time::timeout(grace, wait_exit(pid, start_time)).await;
     kill(pid, start_time);
 }
