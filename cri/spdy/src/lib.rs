@@ -510,29 +510,28 @@ impl Codec {
                 p.extend(block);
                 control(out, TYPE_SYN_STREAM, *flags, &p);
             }
+            // The same layout, two frame types.
             Frame::SynReply {
                 stream_id,
                 flags,
                 headers,
-            } => {
-                let mut p = stream_id.to_be_bytes().to_vec();
-                let Some(block) = self.write_headers(headers) else {
-                    return;
-                };
-                p.extend(block);
-                control(out, TYPE_SYN_REPLY, *flags, &p);
             }
-            Frame::Headers {
+            | Frame::Headers {
                 stream_id,
                 flags,
                 headers,
             } => {
+                let ty = if matches!(f, Frame::SynReply { .. }) {
+                    TYPE_SYN_REPLY
+                } else {
+                    TYPE_HEADERS
+                };
                 let mut p = stream_id.to_be_bytes().to_vec();
                 let Some(block) = self.write_headers(headers) else {
                     return;
                 };
                 p.extend(block);
-                control(out, TYPE_HEADERS, *flags, &p);
+                control(out, ty, *flags, &p);
             }
             Frame::RstStream { stream_id, status } => {
                 let mut p = stream_id.to_be_bytes().to_vec();

@@ -292,17 +292,7 @@ async fn container_requests_are_checked_before_the_backend_is_asked() {
         f.rt.run_pod_sandbox(Some(pod_config("p")), "")
             .await
             .unwrap();
-    let ctr = |name: &str, image: &str| cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: name.into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+    let ctr = |name: &str, image: &str| vessel_critest::client::sh_container(name, image, "true");
     let e =
         f.rt.create_container(&id, Some(ctr("c", "busybox:none")))
             .await
