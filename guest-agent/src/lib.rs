@@ -57,6 +57,7 @@ pub mod logs;
 pub mod reaper;
 pub mod rootfs;
 pub mod service;
+pub mod signals;
 pub mod spec;
 pub mod stdio;
 pub mod vm;

@@ -461,7 +461,7 @@ impl AgentState {
     }
 
     /// Sends `sig` to the init (or every process) of `c`.
-    fn signal(c: &Container, sig: Signal, all: bool) -> Result<(), AgentError> {
+    fn signal(c: &Arc<Container>, sig: Signal, all: bool) -> Result<(), AgentError> {
         if c.is_exited() {
             return Ok(());
         }
@@ -470,7 +470,12 @@ impl AgentState {
                 let _ = kill(Pid::from_raw(p), sig);
             }
         }
-        match kill(Pid::from_raw(c.pid), sig) {
+        let sent = if all {
+            kill(Pid::from_raw(c.pid), sig)
+        } else {
+            crate::signals::send_to_init(c, sig)
+        };
+        match sent {
             Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
             Err(e) => Err(AgentError::internal(format!("kill {}", c.pid), e)),
         }

@@ -9,6 +9,7 @@ use tonic::Code;
 pub(super) fn specs() -> Vec<Spec> {
     vec![
         spec!("container", "create, start, stop, remove", lifecycle),
+        spec!("container", "a stop right after start reaches an init that traps SIGTERM late", stop_late_trap),
         spec!("container", "exit code and reason of a finished container", exit_codes),
         spec!("container", "status carries metadata, image, labels, annotations and log path", status_fields),
         spec!("container", "list filters by id, state, pod and label", list_filters),
@@ -100,6 +101,32 @@ async fn lifecycle(c: Ctx) -> SpecResult {
         Err(e) if e.code() == Code::NotFound => Ok(()),
         other => fail!("ContainerStatus after remove: {other:?}, want NotFound"),
     }
+}
+
+/// The kernel drops SIGTERM to a namespace init without a handler; a stop that comes before
+/// the entrypoint installs its handler must still end in the handler, not in the SIGKILL.
+async fn stop_late_trap(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("late-trap").await?;
+    let cmd = "sleep 1; trap 'exit 7' TERM; while true; do sleep 0.1; done";
+    let id = c.create(&pod, &pcfg, c.ctr_config("late", cmd)).await?;
+    c.start(&id).await?;
+    let began = std::time::Instant::now();
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 20,
+        })
+        .await?;
+    let took = began.elapsed();
+    let s = c.status(&id).await?;
+    check!(
+        s.exit_code == 7,
+        "exit code {} after {took:?}, want 7 (the trap's): the stop signal was lost",
+        s.exit_code
+    );
+    check!(took < Duration::from_secs(15), "stop took {took:?}");
+    Ok(())
 }
 
 async fn exit_codes(c: Ctx) -> SpecResult {
