@@ -10,6 +10,7 @@ use vessel_vmm::vm::{Outcome, VmConfig};
 
 pub mod control;
 pub mod logs;
+pub mod podnet;
 
 /// Errors reading a spec.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +35,10 @@ pub struct ShimConfig {
     /// `<vsock uds_path>_<port>`. Needs `vsock`.
     #[serde(default)]
     pub log_port: Option<u32>,
+    /// The pod network: a tap in this namespace, joined to its CNI interface, becomes the
+    /// guest's first virtio-net interface ([`podnet`]).
+    #[serde(default)]
+    pub pod_net: Option<podnet::PodNet>,
 }
 
 /// A shim spec, as JSON or (for a `.toml` file) TOML: the VM configuration and, at the same
@@ -82,6 +87,7 @@ impl Spec {
         let shim = ShimConfig {
             control_socket: key(obj, "control_socket")?,
             log_port: key(obj, "log_port")?,
+            pod_net: key(obj, "pod_net")?,
         };
         let vm: VmConfig = serde_json::from_value(v).map_err(|e| e.to_string())?;
         if shim.log_port.is_some() && vm.vsock.is_none() {

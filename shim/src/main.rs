@@ -200,7 +200,27 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         println!("{}", serde_json::json!({"outcome": "error", "detail": e}));
         Ok(1)
     };
-    let cfg = vessel_shim::read_spec(spec)?;
+    let mut cfg = vessel_shim::read_spec(spec)?;
+    if let Some(net) = &cfg.shim.pod_net {
+        match vessel_shim::podnet::plug(net) {
+            Ok(p) => {
+                tracing::info!(netns = %net.netns.display(), tap = %net.tap, mac = %p.mac_string(), mtu = p.mtu, "pod network plugged");
+                let mac = p.mac_string();
+                // The VM takes the tap fd over (spec `tap_fd`); it is the first interface.
+                let fd = std::os::fd::IntoRawFd::into_raw_fd(p.tap);
+                cfg.vm.nets.insert(
+                    0,
+                    vessel_vmm::vm::NetConfig {
+                        tap: None,
+                        tap_fd: Some(fd),
+                        mac: Some(mac),
+                        mtu: Some(p.mtu),
+                    },
+                );
+            }
+            Err(e) => return fail(format!("pod network: {e}")),
+        }
+    }
     let logs = std::sync::Arc::new(vessel_shim::logs::LogRouter::default());
     // The log listener is bound before the guest boots; these guards remove the sockets when
     // run() returns, however it ends.

@@ -90,6 +90,9 @@ pub struct NetConfig {
     /// `aa:bb:cc:dd:ee:ff`; the guest picks a random one if absent.
     #[serde(default)]
     pub mac: Option<String>,
+    /// The MTU offered to the guest (VIRTIO_NET_F_MTU); the guest's default (1500) if absent.
+    #[serde(default)]
+    pub mtu: Option<u16>,
 }
 
 /// virtio-vsock: the guest's CID and the host Unix socket (`CONNECT <port>` to reach guest
@@ -330,7 +333,7 @@ impl Vm {
                     ))
                 }
             };
-            devices.push(Box::new(dev));
+            devices.push(Box::new(dev.with_mtu(n.mtu)));
         }
         if let Some(v) = vsock {
             devices.push(Box::new(v));

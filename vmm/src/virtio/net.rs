@@ -21,7 +21,10 @@ pub const VIRTIO_ID_NET: u32 = 1;
 const QUEUE_SIZE: u16 = 256;
 const RXQ: usize = 0;
 const TXQ: usize = 1;
+const VIRTIO_NET_F_MTU: u64 = 1 << 3;
 const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+/// `virtio_net_config.mtu`: after mac[6], status and max_virtqueue_pairs.
+const CONFIG_MTU_OFFSET: usize = 10;
 /// `virtio_net_hdr_v1`: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers.
 pub const NET_HDR_LEN: usize = 12;
 const MAX_FRAME: usize = 65562;
@@ -69,12 +72,28 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
             "no such interface",
         )));
     }
+    tun_set_iff(name).map_err(err)
+}
+
+/// Creates tap interface `name` in the calling thread's network namespace (or attaches to it
+/// if it exists), non-blocking. Not persistent: it goes when the last fd on it closes.
+pub fn create_tap(name: &str) -> Result<File, NetError> {
+    let err = |source| NetError::Tap {
+        name: name.into(),
+        source,
+    };
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
+        return Err(err(std::io::Error::from(ErrorKind::InvalidInput)));
+    }
+    tun_set_iff(name).map_err(err)
+}
+
+fn tun_set_iff(name: &str) -> std::io::Result<File> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open("/dev/net/tun")
-        .map_err(err)?;
+        .open("/dev/net/tun")?;
     // struct ifreq: 16 bytes of name, then a union whose first member is the flags (short).
     let mut ifr = [0u8; 40];
     ifr[..name.len()].copy_from_slice(name.as_bytes());
@@ -86,7 +105,7 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
     // properly initialised buffer that lives across the call.
     let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::TUNSETIFF as _, ifr.as_mut_ptr()) };
     if r < 0 {
-        return Err(err(std::io::Error::last_os_error()));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(f)
 }
@@ -108,6 +127,7 @@ pub struct Net {
     worker: Worker,
     queue_sizes: [u16; 2],
     mac: Option<[u8; 6]>,
+    mtu: Option<u16>,
 }
 
 fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
@@ -140,7 +160,15 @@ impl Net {
             worker,
             queue_sizes: [QUEUE_SIZE; 2],
             mac,
+            mtu: None,
         })
+    }
+
+    /// Offers the guest an MTU (VIRTIO_NET_F_MTU): its eth0 comes up with it, as the pod
+    /// network's interface on the host has it.
+    pub fn with_mtu(mut self, mtu: Option<u16>) -> Self {
+        self.mtu = mtu;
+        self
     }
 
     /// A device on an fd the caller passes by number (e.g. inherited from a parent).
@@ -163,15 +191,21 @@ impl VirtioDevice for Net {
     }
 
     fn features(&self) -> u64 {
+        let mut f = 0;
         if self.mac.is_some() {
-            VIRTIO_NET_F_MAC
-        } else {
-            0
+            f |= VIRTIO_NET_F_MAC;
         }
+        if self.mtu.is_some() {
+            f |= VIRTIO_NET_F_MTU;
+        }
+        f
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.mac.unwrap_or_default(), offset, data);
+        let mut config = [0u8; CONFIG_MTU_OFFSET + 2];
+        config[..6].copy_from_slice(&self.mac.unwrap_or_default());
+        config[CONFIG_MTU_OFFSET..].copy_from_slice(&self.mtu.unwrap_or_default().to_le_bytes());
+        read_config_bytes(&config, offset, data);
     }
 
     fn activate(
@@ -393,6 +427,20 @@ mod tests {
         let data = d.read(rxb, NET_HDR_LEN + 100);
         assert_eq!(data[10], 1, "num_buffers");
         assert_eq!(&data[NET_HDR_LEN..], frame(9, 100).as_slice());
+    }
+
+    #[test]
+    fn mtu_is_offered_in_the_config_space() {
+        let (ours, _theirs) = UnixDatagram::pair().unwrap();
+        let dev = Net::new(OwnedFd::from(ours), None)
+            .unwrap()
+            .with_mtu(Some(1450));
+        let mut d = Driver::new(Box::new(dev), 0);
+        assert_ne!(d.device_features() & VIRTIO_NET_F_MTU, 0);
+        assert_eq!(d.device_features() & VIRTIO_NET_F_MAC, 0);
+        let mut mtu = [0u8; 2];
+        d.t.read(0x100 + CONFIG_MTU_OFFSET as u64, &mut mtu);
+        assert_eq!(u16::from_le_bytes(mtu), 1450);
     }
 
     #[test]
