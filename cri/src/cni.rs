@@ -199,6 +199,105 @@ pub fn result_ips(r: &Value) -> Vec<String> {
     out
 }
 
+/// What a VM guest's `ifname` needs from a CNI result (0.3.0 and later): the addresses of the
+/// pod's interface (with their prefixes) and the routes. A route without `gw` goes via the
+/// gateway of the pod's first address of its family (as the IPAM plugins install it), or is
+/// on-link if there is none; a gateway outside every prefix of the pod (a /32 pod address
+/// with a link-local gateway) first gets an on-link route of its own.
+pub fn guest_network(
+    r: &Value,
+    ifname: &str,
+) -> (
+    Vec<vessel_agent::proto::GuestInterface>,
+    Vec<vessel_agent::proto::GuestRoute>,
+) {
+    use std::net::IpAddr;
+    use vessel_agent::proto::{GuestInterface, GuestRoute};
+    let ifaces = r.get("interfaces").and_then(Value::as_array);
+    let in_pod = |ip: &Value| match (ip.get("interface").and_then(Value::as_u64), ifaces) {
+        (Some(i), Some(ifaces)) => usize::try_from(i)
+            .ok()
+            .and_then(|i| ifaces.get(i))
+            .and_then(|f| f.get("sandbox"))
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty()),
+        _ => true,
+    };
+    let parse = |cidr: &str| -> Option<(IpAddr, u8)> {
+        let (a, n) = cidr.split_once('/')?;
+        Some((a.parse().ok()?, n.parse().ok()?))
+    };
+    // (address, prefix, gateway) of the pod's interface.
+    let mut addrs: Vec<(IpAddr, u8, Option<IpAddr>)> = Vec::new();
+    for ip in r.get("ips").and_then(Value::as_array).into_iter().flatten() {
+        if !in_pod(ip) {
+            continue;
+        }
+        let Some((a, n)) = ip.get("address").and_then(Value::as_str).and_then(parse) else {
+            continue;
+        };
+        let gw = ip
+            .get("gateway")
+            .and_then(Value::as_str)
+            .and_then(|g| g.parse().ok());
+        addrs.push((a, n, gw));
+    }
+    let covered = |g: &IpAddr| {
+        addrs.iter().any(|(a, n, _)| match (a, g) {
+            (IpAddr::V4(a), IpAddr::V4(g)) => {
+                let m = u32::MAX.checked_shl(32 - u32::from(*n)).unwrap_or(0);
+                u32::from(*a) & m == u32::from(*g) & m
+            }
+            (IpAddr::V6(a), IpAddr::V6(g)) => {
+                let m = u128::MAX.checked_shl(128 - u32::from(*n)).unwrap_or(0);
+                u128::from(*a) & m == u128::from(*g) & m
+            }
+            _ => false,
+        })
+    };
+    let mut routes: Vec<GuestRoute> = Vec::new();
+    let route = |dst: String, gw: String| GuestRoute {
+        destination: dst,
+        gateway: gw,
+        interface: ifname.to_string(),
+    };
+    for rt in r.get("routes").and_then(Value::as_array).into_iter().flatten() {
+        let Some((dst, len)) = rt.get("dst").and_then(Value::as_str).and_then(parse) else {
+            continue;
+        };
+        let gw: Option<IpAddr> = rt
+            .get("gw")
+            .and_then(Value::as_str)
+            .and_then(|g| g.parse().ok())
+            .or_else(|| {
+                addrs
+                    .iter()
+                    .find(|(a, _, g)| a.is_ipv4() == dst.is_ipv4() && g.is_some())
+                    .and_then(|(_, _, g)| *g)
+            });
+        if let Some(g) = gw.filter(|g| !covered(g)) {
+            let host = if g.is_ipv4() { 32 } else { 128 };
+            let link = route(format!("{g}/{host}"), String::new());
+            if !routes.contains(&link) {
+                routes.push(link);
+            }
+        }
+        routes.push(route(
+            format!("{dst}/{len}"),
+            gw.map(|g| g.to_string()).unwrap_or_default(),
+        ));
+    }
+    let interfaces = if addrs.is_empty() {
+        Vec::new()
+    } else {
+        vec![GuestInterface {
+            name: ifname.to_string(),
+            addresses: addrs.iter().map(|(a, n, _)| format!("{a}/{n}")).collect(),
+        }]
+    };
+    (interfaces, routes)
+}
+
 /// CNI versions before 0.4.0 give DEL no `prevResult`.
 fn del_has_prev_result(version: &str) -> bool {
     !["0.1.", "0.2.", "0.3."]
@@ -525,6 +624,47 @@ pub fn port_mappings(pm: &[k8s_cri::v1::PortMapping]) -> Vec<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guest_network_from_bridge_and_calico_like_results() {
+        // bridge + host-local: the default route has no gw; the IP's gateway is used.
+        let bridge = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "interfaces": [{"name": "cni0"}, {"name": "veth1"}, {"name": "eth0", "sandbox": "/run/x"}],
+            "ips": [
+                {"address": "10.88.0.5/16", "gateway": "10.88.0.1", "interface": 2},
+                {"address": "fd00::5/64", "gateway": "fd00::1", "interface": 2},
+                {"address": "10.88.0.1/16", "interface": 0}
+            ],
+            "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}]
+        });
+        let (ifs, routes) = guest_network(&bridge, "eth0");
+        assert_eq!(ifs.len(), 1);
+        assert_eq!(ifs[0].addresses, ["10.88.0.5/16", "fd00::5/64"]);
+        let r: Vec<(&str, &str)> = routes
+            .iter()
+            .map(|r| (r.destination.as_str(), r.gateway.as_str()))
+            .collect();
+        assert_eq!(r, [("0.0.0.0/0", "10.88.0.1"), ("::/0", "fd00::1")]);
+        // A /32 with a link-local gateway: an on-link route to the gateway comes first.
+        let calico = serde_json::json!({
+            "ips": [{"address": "192.168.7.9/32"}],
+            "routes": [{"dst": "0.0.0.0/0", "gw": "169.254.1.1"}, {"dst": "10.0.0.0/8", "gw": "169.254.1.1"}]
+        });
+        let (ifs, routes) = guest_network(&calico, "eth0");
+        assert_eq!(ifs[0].addresses, ["192.168.7.9/32"]);
+        let r: Vec<(&str, &str)> = routes
+            .iter()
+            .map(|r| (r.destination.as_str(), r.gateway.as_str()))
+            .collect();
+        assert_eq!(
+            r,
+            [("169.254.1.1/32", ""), ("0.0.0.0/0", "169.254.1.1"), ("10.0.0.0/8", "169.254.1.1")]
+        );
+        assert!(routes.iter().all(|r| r.interface == "eth0"));
+        // Nothing usable: loopback only.
+        assert_eq!(guest_network(&serde_json::json!({}), "eth0"), (vec![], vec![]));
+    }
 
     #[test]
     fn parses_conflist_and_conf() {

@@ -78,11 +78,12 @@ host_namespaces = "flat"
 copy_in_limit_mib = 64
 
 [cni]
-# CNI for flat pods that have their own network namespace: the first valid network config
-# (*.conflist, *.conf or *.json, by file name) in conf_dir is run through its plugin chain
-# (ADD when the pod starts, DEL in reverse when it stops). Without a config, NetworkReady is
-# false and such pods get loopback only. Host-network pods get no CNI; VM pods get loopback
-# only for now (CNI through a tap mirrored with tc redirect comes later).
+# CNI for pods that have their own network namespace, flat and VM: the first valid network
+# config (*.conflist, *.conf or *.json, by file name) in conf_dir is run through its plugin
+# chain (ADD when the pod starts, DEL in reverse when it stops). A VM pod's guest gets the CNI
+# interface's addresses, routes, MAC and MTU through a tap joined to it with tc redirect.
+# Without a config, NetworkReady is false and such pods get loopback only. Host-network pods
+# get no CNI.
 conf_dir = "/etc/cni/net.d"
 # Where plugin binaries are looked up, in order (Debian's containernetworking-plugins
 # installs them in /usr/lib/cni). Also the plugins' CNI_PATH.

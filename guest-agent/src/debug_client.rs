@@ -200,6 +200,7 @@ async fn run(a: DebugArgs) -> Result<i32, Error> {
                 c.configure_sandbox(proto::ConfigureSandboxRequest {
                     hostname: h,
                     sysctls: [("net.ipv4.ip_forward".to_string(), "1".to_string())].into(),
+                    ..Default::default()
                 })
                 .await?;
                 let p = c.ping(proto::PingRequest {}).await?.into_inner();

@@ -270,6 +270,14 @@ fn setup_pod(args: &FlatArgs) -> Result<AgentListener, FlatError> {
 
 /// `ip link set lo up`, by ioctl.
 pub fn loopback_up() -> std::io::Result<()> {
+    link_up("lo")
+}
+
+/// Sets IFF_UP (and IFF_RUNNING) on interface `name` of this thread's network namespace.
+pub fn link_up(name: &str) -> std::io::Result<()> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('\0') {
+        return Err(std::io::ErrorKind::InvalidInput.into());
+    }
     // SAFETY: a plain socket(2) call; the returned fd is checked and owned below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
@@ -279,7 +287,7 @@ pub fn loopback_up() -> std::io::Result<()> {
     let sock = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     // SAFETY: ifreq is plain old data; all-zero is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+    for (d, s) in req.ifr_name.iter_mut().zip(name.as_bytes()) {
         *d = *s as libc::c_char;
     }
     // SAFETY: SIOCGIFFLAGS writes the flags into the live `req` we pass.

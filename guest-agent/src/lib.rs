@@ -54,6 +54,8 @@ pub mod flat;
 pub mod libct;
 pub mod listener;
 pub mod logs;
+pub mod net;
+pub mod netlink;
 pub mod reaper;
 pub mod rootfs;
 pub mod service;

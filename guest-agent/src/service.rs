@@ -556,12 +556,14 @@ impl AgentState {
         for k in req.sysctls.keys() {
             crate::files::sysctl_path(&vm.proc_sys, k)?;
         }
+        crate::net::validate(&req.interfaces, &req.routes)?;
         if !req.hostname.is_empty() {
             nix::unistd::sethostname(&req.hostname)
                 .map_err(|e| AgentError::internal("sethostname", e))?;
             tracing::info!(hostname = %req.hostname, "hostname set");
         }
-        crate::files::apply_sysctls(&vm.proc_sys, &req.sysctls)
+        crate::files::apply_sysctls(&vm.proc_sys, &req.sysctls)?;
+        crate::net::configure(&req.interfaces, &req.routes)
     }
 
     /// SIGTERM every container, SIGKILL what is left after [`STOP_GRACE`], delete them all.
@@ -1330,6 +1332,7 @@ mod tests {
         let req = proto::ConfigureSandboxRequest {
             hostname: String::new(),
             sysctls: [("net.core.somaxconn".to_string(), "1024".to_string())].into(),
+            ..Default::default()
         };
         vm.configure_sandbox(Request::new(req)).await.unwrap();
         assert_eq!(
@@ -1340,6 +1343,7 @@ mod tests {
             let req = proto::ConfigureSandboxRequest {
                 hostname: h.into(),
                 sysctls: [(k.to_string(), "1".to_string())].into(),
+                ..Default::default()
             };
             let e = vm.configure_sandbox(Request::new(req)).await.unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{h:?} {k:?}");

@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use vessel_agent::netlink::{Msg, Socket, NLM_F_CREATE, NLM_F_EXCL};
 
 /// Where the pod's network is: the spec's `pod_net`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,7 +114,7 @@ fn plug_here(net: &PodNet) -> Result<Plugged, PodNetError> {
     set_mtu(&ctl, &net.tap, mtu).map_err(iface(&net.tap))?;
     set_up(&ctl, &net.tap).map_err(iface(&net.tap))?;
     let tap_index = index_of(&net.tap).map_err(iface(&net.tap))?;
-    let nl = Netlink::open().map_err(|source| PodNetError::Tc {
+    let nl = Socket::open().map_err(|source| PodNetError::Tc {
         op: "netlink socket".into(),
         source,
     })?;
@@ -253,103 +254,35 @@ const TCA_ACT_OPTIONS: u16 = 2;
 const TCA_MIRRED_PARMS: u16 = 2;
 const TC_ACT_STOLEN: i32 = 4;
 const TCA_EGRESS_REDIR: i32 = 1;
-const NLA_F_NESTED: u16 = 0x8000;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_EXCL: u16 = 0x200;
-const NLM_F_CREATE: u16 = 0x400;
-const NLMSG_ERROR: u16 = 0x2;
 /// ETH_P_ALL in network byte order, as `tcm_info`'s protocol half wants it.
 const ETH_P_ALL_BE: u32 = 0x0300;
 
-/// One rtnetlink request being built: header, `struct tcmsg`, attributes.
-#[derive(Debug, Clone)]
-pub struct TcMsg {
-    buf: Vec<u8>,
-    nests: Vec<usize>,
-}
-
-impl TcMsg {
-    fn new(kind: u16, flags: u16, ifindex: i32, handle: u32, parent: u32, info: u32) -> TcMsg {
-        let mut buf = Vec::with_capacity(128);
-        buf.extend_from_slice(&0u32.to_ne_bytes()); // nlmsg_len, set in finish()
-        buf.extend_from_slice(&kind.to_ne_bytes());
-        let f = flags | (NLM_F_REQUEST | NLM_F_ACK);
-        buf.extend_from_slice(&f.to_ne_bytes());
-        buf.extend_from_slice(&1u32.to_ne_bytes()); // seq
-        buf.extend_from_slice(&0u32.to_ne_bytes()); // pid
-                                                    // struct tcmsg: family (AF_UNSPEC), 3 pad bytes, ifindex, handle, parent, info.
-        buf.extend_from_slice(&[0, 0, 0, 0]);
-        buf.extend_from_slice(&ifindex.to_ne_bytes());
-        buf.extend_from_slice(&handle.to_ne_bytes());
-        buf.extend_from_slice(&parent.to_ne_bytes());
-        buf.extend_from_slice(&info.to_ne_bytes());
-        TcMsg {
-            buf,
-            nests: Vec::new(),
-        }
-    }
-
-    fn pad(&mut self) {
-        while !self.buf.len().is_multiple_of(4) {
-            self.buf.push(0);
-        }
-    }
-
-    fn attr(mut self, kind: u16, data: &[u8]) -> TcMsg {
-        let len = u16::try_from(4 + data.len()).unwrap_or(u16::MAX);
-        self.buf.extend_from_slice(&len.to_ne_bytes());
-        self.buf.extend_from_slice(&kind.to_ne_bytes());
-        self.buf.extend_from_slice(data);
-        self.pad();
-        self
-    }
-
-    fn begin(mut self, kind: u16) -> TcMsg {
-        self.nests.push(self.buf.len());
-        self.buf.extend_from_slice(&0u16.to_ne_bytes());
-        self.buf
-            .extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
-        self
-    }
-
-    fn end(mut self) -> TcMsg {
-        if let Some(at) = self.nests.pop() {
-            let len = u16::try_from(self.buf.len() - at).unwrap_or(u16::MAX);
-            self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
-        }
-        self
-    }
-
-    fn finish(mut self) -> Vec<u8> {
-        let len = u32::try_from(self.buf.len()).unwrap_or(u32::MAX);
-        self.buf[..4].copy_from_slice(&len.to_ne_bytes());
-        self.buf
-    }
+/// A `struct tcmsg`: family (AF_UNSPEC), 3 pad bytes, ifindex, handle, parent, info.
+fn tcmsg(ifindex: i32, handle: u32, parent: u32, info: u32) -> Vec<u8> {
+    let mut t = vec![0u8; 4];
+    t.extend_from_slice(&ifindex.to_ne_bytes());
+    t.extend_from_slice(&handle.to_ne_bytes());
+    t.extend_from_slice(&parent.to_ne_bytes());
+    t.extend_from_slice(&info.to_ne_bytes());
+    t
 }
 
 fn add_ingress_qdisc(ifindex: i32) -> Vec<u8> {
     let flags = NLM_F_CREATE | NLM_F_EXCL;
-    TcMsg::new(
+    Msg::new(
         libc::RTM_NEWQDISC,
         flags,
-        ifindex,
-        INGRESS_HANDLE,
-        TC_H_INGRESS,
-        0,
+        &tcmsg(ifindex, INGRESS_HANDLE, TC_H_INGRESS, 0),
     )
     .attr(TCA_KIND, b"ingress\0")
     .finish()
 }
 
 fn del_ingress_qdisc(ifindex: i32) -> Vec<u8> {
-    TcMsg::new(
+    Msg::new(
         libc::RTM_DELQDISC,
         0,
-        ifindex,
-        INGRESS_HANDLE,
-        TC_H_INGRESS,
-        0,
+        &tcmsg(ifindex, INGRESS_HANDLE, TC_H_INGRESS, 0),
     )
     .finish()
 }
@@ -364,13 +297,11 @@ fn add_redirect(from: i32, to: i32) -> Vec<u8> {
     for v in [0i32, 0, TC_ACT_STOLEN, 0, 0, TCA_EGRESS_REDIR, to] {
         parms.extend_from_slice(&v.to_ne_bytes());
     }
-    TcMsg::new(
+    let info = (1 << 16) | ETH_P_ALL_BE;
+    Msg::new(
         libc::RTM_NEWTFILTER,
         flags,
-        from,
-        0,
-        INGRESS_HANDLE,
-        (1 << 16) | ETH_P_ALL_BE,
+        &tcmsg(from, 0, INGRESS_HANDLE, info),
     )
     .attr(TCA_KIND, b"u32\0")
     .begin(TCA_OPTIONS)
@@ -394,89 +325,6 @@ fn match_everything() -> [u8; 32] {
     sel[0] = TC_U32_TERMINAL;
     sel[2] = 1;
     sel
-}
-
-/// A NETLINK_ROUTE socket that sends one request at a time and reads its ack.
-struct Netlink(OwnedFd);
-
-impl Netlink {
-    fn open() -> std::io::Result<Netlink> {
-        // SAFETY: socket(2) with constant arguments; the fd is owned at once.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let tv = libc::timeval {
-            tv_sec: 5,
-            tv_usec: 0,
-        };
-        #[allow(clippy::cast_possible_truncation)] // a timeval is 16 bytes
-        let len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
-        // SAFETY: SO_RCVTIMEO reads a timeval of the given size.
-        unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                std::ptr::addr_of!(tv).cast(),
-                len,
-            );
-        }
-        Ok(Netlink(fd))
-    }
-
-    /// Sends `msg` to the kernel and returns its ack's verdict.
-    fn request(&self, msg: &[u8]) -> std::io::Result<()> {
-        // SAFETY: send(2) reads `msg.len()` bytes of `msg`; an unconnected netlink socket
-        // sends to the kernel.
-        let n = unsafe { libc::send(self.0.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
-        if n < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let mut buf = [0u8; 4096];
-        loop {
-            // SAFETY: recv(2) writes at most `buf.len()` bytes into `buf`.
-            let n =
-                unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            if n < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let got = &buf[..usize::try_from(n).unwrap_or(0)];
-            if let Some(verdict) = ack_of(got) {
-                return verdict;
-            }
-        }
-    }
-}
-
-/// The error code of the first `NLMSG_ERROR` in a datagram (0 is an ack), if there is one.
-fn ack_of(datagram: &[u8]) -> Option<std::io::Result<()>> {
-    let mut at = 0;
-    while at + 16 <= datagram.len() {
-        let len = u32::from_ne_bytes(datagram[at..at + 4].try_into().ok()?) as usize;
-        let kind = u16::from_ne_bytes(datagram[at + 4..at + 6].try_into().ok()?);
-        if kind == NLMSG_ERROR && at + 20 <= datagram.len() {
-            let code = i32::from_ne_bytes(datagram[at + 16..at + 20].try_into().ok()?);
-            return Some(if code == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::from_raw_os_error(-code))
-            });
-        }
-        if len < 16 {
-            return None;
-        }
-        at += (len + 3) & !3;
-    }
-    None
 }
 
 #[cfg(test)]
@@ -517,18 +365,6 @@ mod tests {
             9
         );
         assert_eq!(m.len() % 4, 0);
-    }
-
-    #[test]
-    fn acks_and_errors_are_read_from_the_reply() {
-        let mut ok = vec![0u8; 36];
-        ok[..4].copy_from_slice(&36u32.to_ne_bytes());
-        ok[4..6].copy_from_slice(&(NLMSG_ERROR).to_ne_bytes());
-        assert!(matches!(ack_of(&ok), Some(Ok(()))));
-        ok[16..20].copy_from_slice(&(-libc::EEXIST).to_ne_bytes());
-        let e = ack_of(&ok).unwrap().unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
-        assert!(ack_of(&[0u8; 8]).is_none());
     }
 
     #[test]

@@ -170,6 +170,7 @@ impl Runtime {
                 log_level: opts.log_level.clone(),
                 dirs: dirs.clone(),
                 store: store.clone(),
+                cni: opts.cni.clone(),
             }),
         };
         Self::with_backends(opts, dirs, store, backends).await

@@ -140,11 +140,7 @@ impl SandboxBackend for FlatBackend {
             process::kill(rec.agent_pid, rec.agent_start_time);
         }
         process::kill_by_arg("--socket", &rec.agent_socket);
-        // The pin keeps the netns (and the veth in it) alive until after DEL.
-        network::detach(&self.cni, rec).await;
-        if let Err(e) = netns::unpin(&rec.netns_path) {
-            tracing::warn!(pod = %rec.id, error = %e, "cannot unpin netns");
-        }
+        network::release(&self.cni, rec).await;
         if rec.cgroup_parent == format!("/vessel/{}", rec.id) {
             cgroup::remove_cgroup(&rec.cgroup_parent);
         }
@@ -203,35 +199,13 @@ impl SandboxBackend for FlatBackend {
         Ok(ForwardTarget::Netns(rec.netns_path.clone()))
     }
 
-    /// From the pod's network namespace (the agent's): none for a host-network pod, whose
-    /// counters are the node's.
+    /// From the pod's network namespace: none for a host-network pod, whose counters are
+    /// the node's, or once the agent is gone.
     fn network_usage(&self, rec: &PodRecord) -> Option<cri::NetworkUsage> {
-        if rec.netns_path.as_os_str().is_empty()
-            || !process::is_alive(rec.agent_pid, rec.agent_start_time)
-        {
+        if !process::is_alive(rec.agent_pid, rec.agent_start_time) {
             return None;
         }
-        let u = |v: u64| Some(cri::UInt64Value { value: v });
-        let interfaces: Vec<cri::NetworkInterfaceUsage> = netns::interface_counters(rec.agent_pid)
-            .into_iter()
-            .map(|(name, rxb, rxe, txb, txe)| cri::NetworkInterfaceUsage {
-                name,
-                rx_bytes: u(rxb),
-                rx_errors: u(rxe),
-                tx_bytes: u(txb),
-                tx_errors: u(txe),
-            })
-            .collect();
-        let default_interface = interfaces
-            .iter()
-            .find(|i| i.name == "eth0")
-            .or(interfaces.first())
-            .cloned();
-        Some(cri::NetworkUsage {
-            timestamp: crate::state::now_nanos(),
-            default_interface,
-            interfaces,
-        })
+        netns::network_usage(&rec.netns_path)
     }
 
     fn info(&self, _rec: &PodRecord) -> serde_json::Value {

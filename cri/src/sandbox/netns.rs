@@ -33,6 +33,40 @@ pub fn pin(pid: u32, path: &Path) -> Result<(), NetnsError> {
         .map_err(|e| io("bind-mount netns", path)(e.into()))
 }
 
+/// Creates a new network namespace pinned at `path` (a VM pod's: no process lives in it;
+/// CNI configures it and the VM's tap joins it).
+pub fn create(path: &Path) -> Result<(), NetnsError> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).map_err(io("create", path))?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io("create", path))?;
+    let target = path.to_path_buf();
+    let pinned = std::thread::Builder::new()
+        .name("vessel-netns-new".into())
+        .spawn(move || -> std::io::Result<()> {
+            // SAFETY: unshare(2) of the network namespace affects only this thread, which
+            // exits right after pinning it.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            rustix::mount::mount_bind("/proc/thread-self/ns/net", &target)
+                .map_err(std::io::Error::from)
+        })
+        .map_err(io("spawn a thread for", path))?
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("netns thread panicked")));
+    if let Err(e) = pinned {
+        let _ = std::fs::remove_file(path);
+        return Err(io("create netns", path)(e));
+    }
+    Ok(())
+}
+
 /// Unmounts and removes a netns pin. Missing (or an empty path: no pin) is fine.
 pub fn unpin(path: &Path) -> Result<(), NetnsError> {
     if path.as_os_str().is_empty() {
@@ -118,12 +152,57 @@ pub async fn apply_net_sysctls(
     .map_err(io("write sysctls in", netns))
 }
 
-/// Per-interface counters of the network namespace process `pid` is in, from
-/// `/proc/<pid>/net/dev`, loopback left out: (name, rx bytes, rx errors, tx bytes, tx errors).
-pub fn interface_counters(pid: u32) -> Vec<(String, u64, u64, u64, u64)> {
-    std::fs::read_to_string(format!("/proc/{pid}/net/dev"))
+/// Per-interface counters of the network namespace pinned at `netns`, from a thread in it
+/// (`/proc/thread-self/net/dev`), loopback left out: (name, rx bytes, rx errors, tx bytes,
+/// tx errors). Empty if the namespace is gone.
+pub fn interface_counters(netns: &Path) -> Vec<(String, u64, u64, u64, u64)> {
+    let Ok(ns) = std::fs::File::open(netns) else {
+        return Vec::new();
+    };
+    std::thread::Builder::new()
+        .name("vessel-netns-stats".into())
+        .spawn(move || {
+            rustix::thread::move_into_link_name_space(
+                ns.as_fd(),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .ok()?;
+            std::fs::read_to_string("/proc/thread-self/net/dev").ok()
+        })
+        .ok()
+        .and_then(|t| t.join().ok().flatten())
         .map(|t| parse_net_dev(&t))
         .unwrap_or_default()
+}
+
+/// A pod's `NetworkUsage` from its network namespace's counters (eth0 the default
+/// interface); `None` without a namespace of its own.
+pub fn network_usage(netns: &Path) -> Option<k8s_cri::v1::NetworkUsage> {
+    use k8s_cri::v1 as cri;
+    if netns.as_os_str().is_empty() {
+        return None;
+    }
+    let u = |v: u64| Some(cri::UInt64Value { value: v });
+    let interfaces: Vec<cri::NetworkInterfaceUsage> = interface_counters(netns)
+        .into_iter()
+        .map(|(name, rxb, rxe, txb, txe)| cri::NetworkInterfaceUsage {
+            name,
+            rx_bytes: u(rxb),
+            rx_errors: u(rxe),
+            tx_bytes: u(txb),
+            tx_errors: u(txe),
+        })
+        .collect();
+    let default_interface = interfaces
+        .iter()
+        .find(|i| i.name == "eth0")
+        .or(interfaces.first())
+        .cloned();
+    Some(cri::NetworkUsage {
+        timestamp: crate::state::now_nanos(),
+        default_interface,
+        interfaces,
+    })
 }
 
 fn parse_net_dev(text: &str) -> Vec<(String, u64, u64, u64, u64)> {
@@ -158,6 +237,10 @@ mod tests {
             vec![("eth0".to_string(), 5000, 1, 7000, 3)]
         );
         assert!(parse_net_dev("garbage").is_empty());
-        assert!(interface_counters(u32::MAX).is_empty());
+        assert!(interface_counters(Path::new("/nonexistent")).is_empty());
+        // This process's own namespace, through its nsfs file.
+        let own = interface_counters(Path::new("/proc/self/ns/net"));
+        assert!(own.iter().all(|(n, ..)| n != "lo"));
+        assert!(network_usage(Path::new("")).is_none());
     }
 }

@@ -49,3 +49,12 @@ pub async fn detach(cni: &Cni, rec: &PodRecord) {
         Err(e) => tracing::warn!(pod = %id, error = %e, "CNI DEL failed"),
     }
 }
+
+/// Takes a pod off the network: CNI DEL (while the pin still keeps the namespace, and the
+/// interface in it, alive), then the pin itself.
+pub async fn release(cni: &Cni, rec: &PodRecord) {
+    detach(cni, rec).await;
+    if let Err(e) = super::netns::unpin(&rec.netns_path) {
+        tracing::warn!(pod = %rec.id, error = %e, "cannot unpin netns");
+    }
+}

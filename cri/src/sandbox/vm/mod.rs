@@ -10,7 +10,7 @@ pub mod shim;
 pub use shim::{VmError, VmPaths, GUEST_FILES};
 
 use super::{
-    process, AgentAddr, ContainerRequest, ForwardTarget, HostShare, Pod, PodLayout,
+    netns, network, process, AgentAddr, ContainerRequest, ForwardTarget, HostShare, Pod, PodLayout,
     PreparedContainer, SandboxBackend, AGENT_PORT, LOG_PORT,
 };
 use crate::errors::{agent_err, internal, Result, RuntimeError};
@@ -25,6 +25,7 @@ use std::time::Duration;
 use vessel_agent::proto as ap;
 use vessel_images::ImageStore;
 use vessel_shim::control::Request as ControlRequest;
+use vessel_shim::podnet::PodNet;
 
 /// The VM backend and what it needs from the node.
 pub struct VmBackend {
@@ -35,6 +36,7 @@ pub struct VmBackend {
     pub log_level: String,
     pub dirs: StateDirs,
     pub store: Arc<ImageStore>,
+    pub cni: crate::cni::Cni,
 }
 
 fn vm_of(rec: &PodRecord) -> VmPodState {
@@ -87,8 +89,9 @@ impl SandboxBackend for VmBackend {
         );
         PodLayout {
             agent_socket: paths.vsock.clone(),
-            // A VM pod's network namespace is the guest's.
-            netns_path: PathBuf::new(),
+            // On the host, the namespace CNI configures and the VM's tap joins; inside the
+            // guest, the guest's own network stack is the pod's.
+            netns_path: self.dirs.netns_dir().join(id),
             state: BackendState::Vm {
                 vm: VmPodState {
                     dir,
@@ -116,6 +119,14 @@ impl SandboxBackend for VmBackend {
         let v = vm_of(&rec);
         let fail = |e: VmError| internal(format!("pod {}", rec.id))(e);
         super::create_log_directory(&rec, config)?;
+        netns::create(&rec.netns_path).map_err(internal(format!("pod {}", rec.id)))?;
+        network::attach(&self.cni, pod, config).await?;
+        let attachment = self.cni.cached(&rec.id);
+        let pod_net = attachment.as_ref().map(|_| PodNet {
+            netns: rec.netns_path.clone(),
+            peer: crate::cni::IFNAME.into(),
+            tap: "vessel-tap0".into(),
+        });
         let cfg = &self.cfg;
         let launch = shim::LaunchSpec {
             shim_binary: &self.shim_binary,
@@ -128,6 +139,7 @@ impl SandboxBackend for VmBackend {
             console_log: cfg.console_log,
             boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
             log_level: &self.log_level,
+            pod_net,
         };
         let launched = shim::spawn(&launch).map_err(fail)?;
         // Saved at once: a crash from here on finds the shim through the Creating record.
@@ -144,9 +156,14 @@ impl SandboxBackend for VmBackend {
                 }
                 e => fail(e),
             })?;
+        let (interfaces, routes) = attachment
+            .map(|a| crate::cni::guest_network(&a.result, crate::cni::IFNAME))
+            .unwrap_or_default();
         c.configure_sandbox(ap::ConfigureSandboxRequest {
             hostname: rec.hostname.clone(),
             sysctls: super::net_sysctls(config),
+            interfaces,
+            routes,
         })
         .await
         .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
@@ -187,6 +204,8 @@ impl SandboxBackend for VmBackend {
         let v = vm_of(rec);
         process::kill(rec.agent_pid, rec.agent_start_time);
         process::kill_by_arg("--spec", &VmPaths::new(&v.dir).spec);
+        // The tap went with the shim; CNI DEL removes the interface and its tc filters.
+        network::release(&self.cni, rec).await;
         if let Err(e) = vessel_images::fsutil::remove_any(&v.dir) {
             tracing::warn!(pod = %rec.id, error = %e, "cannot remove the VM's files");
         }
@@ -290,9 +309,13 @@ impl SandboxBackend for VmBackend {
         )))
     }
 
-    /// The guest's network is not on the host yet (VM pod networking is its own issue).
-    fn network_usage(&self, _rec: &PodRecord) -> Option<cri::NetworkUsage> {
-        None
+    /// The CNI interface's counters in the pod's namespace on the host: every frame of the
+    /// guest crosses it.
+    fn network_usage(&self, rec: &PodRecord) -> Option<cri::NetworkUsage> {
+        if rec.state != PodState::Ready {
+            return None;
+        }
+        netns::network_usage(&rec.netns_path)
     }
 
     fn info(&self, rec: &PodRecord) -> serde_json::Value {

@@ -49,6 +49,8 @@ pub struct LaunchSpec<'a> {
     pub console_log: bool,
     pub boot_timeout: Duration,
     pub log_level: &'a str,
+    /// The pod's network namespace with its CNI interface, if it has one.
+    pub pod_net: Option<vessel_shim::podnet::PodNet>,
 }
 
 /// Paths of a VM pod's files in its directory.
@@ -122,6 +124,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
         shim: vessel_shim::ShimConfig {
             control_socket: Some(p.control.clone()),
             log_port: Some(LOG_PORT),
+            pod_net: spec.pod_net.clone(),
         },
     }
 }
