@@ -261,7 +261,12 @@ pub fn guest_network(
         gateway: gw,
         interface: ifname.to_string(),
     };
-    for rt in r.get("routes").and_then(Value::as_array).into_iter().flatten() {
+    for rt in r
+        .get("routes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         let Some((dst, len)) = rt.get("dst").and_then(Value::as_str).and_then(parse) else {
             continue;
         };
@@ -659,11 +664,18 @@ mod tests {
             .collect();
         assert_eq!(
             r,
-            [("169.254.1.1/32", ""), ("0.0.0.0/0", "169.254.1.1"), ("10.0.0.0/8", "169.254.1.1")]
+            [
+                ("169.254.1.1/32", ""),
+                ("0.0.0.0/0", "169.254.1.1"),
+                ("10.0.0.0/8", "169.254.1.1")
+            ]
         );
         assert!(routes.iter().all(|r| r.interface == "eth0"));
         // Nothing usable: loopback only.
-        assert_eq!(guest_network(&serde_json::json!({}), "eth0"), (vec![], vec![]));
+        assert_eq!(
+            guest_network(&serde_json::json!({}), "eth0"),
+            (vec![], vec![])
+        );
     }
 
     #[test]

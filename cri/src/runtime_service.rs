@@ -444,10 +444,9 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                 "PortForward: invalid port {p}"
             )));
         }
-        let crate::sandbox::ForwardTarget::Netns(netns) = target;
         let url = srv.url(crate::streaming::StreamRequest::PortForward {
             pod_id: pod.id,
-            netns,
+            target,
         });
         Ok(Response::new(cri::PortForwardResponse { url }))
     }

@@ -51,6 +51,7 @@ pub mod disks;
 pub mod error;
 pub mod files;
 pub mod flat;
+pub mod forward;
 pub mod libct;
 pub mod listener;
 pub mod logs;

@@ -233,7 +233,10 @@ mod tests {
         .unwrap();
         let (addrs, v4, v6) = out;
         assert!(addrs.contains("inet 10.89.0.5/32"), "{addrs}");
-        assert!(addrs.contains("inet6 fd00:89::5/64 scope global nodad"), "{addrs}");
+        assert!(
+            addrs.contains("inet6 fd00:89::5/64 scope global nodad"),
+            "{addrs}"
+        );
         assert!(v4.contains("default via 169.254.1.1 dev eth0"), "{v4}");
         assert!(v4.contains("169.254.1.1 dev eth0"), "{v4}");
         assert!(v6.contains("default via fd00:89::1 dev eth0"), "{v6}");

@@ -405,6 +405,18 @@ async fn serve(listener: AgentListener, level: String) -> Result<(), VmError> {
             st.request_exit();
         }
     });
+    match crate::vsock::VsockListener::bind(crate::vsock::FORWARD_PORT) {
+        Ok(l) => {
+            tokio::spawn(async move {
+                if let Err(e) = crate::forward::serve(l).await {
+                    tracing::warn!(error = %e, "port-forward listener");
+                }
+            });
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, port = crate::vsock::FORWARD_PORT, "no port-forward listener")
+        }
+    }
     tracing::info!(listen = %listener.describe(), "serving");
     if std::process::id() == 1 {
         console("vessel-event: agent-serving");

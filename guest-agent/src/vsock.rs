@@ -17,6 +17,8 @@ use crate::stdio::AsyncFdIo;
 pub const AGENT_PORT: u32 = 1024;
 /// The host port container logs go to (the shim serves it; vesseld tells the agent).
 pub const LOG_PORT: u32 = 1025;
+/// The guest port vesseld opens port-forward streams on ([`crate::forward`]).
+pub const FORWARD_PORT: u32 = 1026;
 /// The host's CID.
 pub const HOST_CID: u32 = libc::VMADDR_CID_HOST;
 

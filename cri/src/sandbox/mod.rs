@@ -100,9 +100,13 @@ pub struct PodLayout {
 }
 
 /// Where port-forward connects for a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ForwardTarget {
     /// 127.0.0.1 inside this network namespace on the host (empty: the host's own).
     Netns(PathBuf),
+    /// The guest agent's forward port through a VM's hybrid vsock socket
+    /// (`vessel_agent::forward`): localhost inside the guest.
+    Vsock { uds: PathBuf, port: u32 },
 }
 
 /// What the backend needs to give a new container its root, log and files.

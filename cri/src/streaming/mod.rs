@@ -13,6 +13,7 @@ pub use vessel_spdy as spdy;
 mod conn;
 
 use crate::runtime::Runtime;
+use crate::sandbox::ForwardTarget;
 use conn::{Incoming, Writer};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -69,8 +70,8 @@ pub enum StreamRequest {
     Exec(ExecTarget),
     PortForward {
         pod_id: String,
-        /// The pod's pinned network namespace; empty: the host's.
-        netns: PathBuf,
+        /// Where the pod's localhost is.
+        target: ForwardTarget,
     },
 }
 
@@ -275,8 +276,8 @@ impl StreamingServer {
             StreamRequest::Exec(target) => {
                 exec(&self.rt, ExecParams { target, version }, &w, streams).await;
             }
-            StreamRequest::PortForward { pod_id, netns } => {
-                port_forward(&pod_id, netns, &w, streams).await;
+            StreamRequest::PortForward { pod_id, target } => {
+                port_forward(&pod_id, target, &w, streams).await;
             }
         }
         drop(w);
@@ -658,6 +659,27 @@ async fn connect_in_netns(netns: PathBuf, port: u16) -> std::io::Result<TcpStrea
     TcpStream::from_std(s)
 }
 
+/// A connected port-forward stream, TCP or vsock.
+trait Duplex: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Duplex for T {}
+
+/// Connects to the pod's localhost:`port`: in its network namespace on the host, or through
+/// the guest agent of a VM pod.
+async fn connect_forward(target: ForwardTarget, port: u16) -> std::io::Result<Box<dyn Duplex>> {
+    match target {
+        ForwardTarget::Netns(netns) => Ok(Box::new(connect_in_netns(netns, port).await?)),
+        ForwardTarget::Vsock { uds, port: vport } => {
+            let s = vessel_agent::client::hybrid_vsock_stream(&uds, vport, Duration::from_secs(5))
+                .await
+                .map_err(std::io::Error::other)?;
+            let s = vessel_agent::forward::open(s, port)
+                .await
+                .map_err(std::io::Error::other)?;
+            Ok(Box::new(s))
+        }
+    }
+}
+
 #[derive(Default)]
 struct Pair {
     port: u16,
@@ -667,7 +689,7 @@ struct Pair {
 
 async fn port_forward(
     pod_id: &str,
-    netns: PathBuf,
+    target: ForwardTarget,
     w: &Writer,
     mut incoming: mpsc::UnboundedReceiver<Incoming>,
 ) {
@@ -707,10 +729,10 @@ async fn port_forward(
             }) = pairs.remove(&rid)
             {
                 let w = w.clone();
-                let netns = netns.clone();
+                let target = target.clone();
                 let pod = pod_id.to_string();
                 tasks.push(tokio::spawn(async move {
-                    forward_one(&pod, netns, port, error, data, &w).await;
+                    forward_one(&pod, target, port, error, data, &w).await;
                 }));
             }
         }
@@ -722,13 +744,13 @@ async fn port_forward(
 
 async fn forward_one(
     pod: &str,
-    netns: PathBuf,
+    target: ForwardTarget,
     port: u16,
     error: Incoming,
     mut data: Incoming,
     w: &Writer,
 ) {
-    let sock = match connect_in_netns(netns, port).await {
+    let sock = match connect_forward(target, port).await {
         Ok(s) => s,
         Err(e) => {
             let msg = format!("vessel: pod {pod}: connecting to 127.0.0.1:{port}: {e}");
@@ -740,7 +762,7 @@ async fn forward_one(
         }
     };
     tracing::debug!(pod, port, "port-forward: connected");
-    let (mut rd, mut wr) = sock.into_split();
+    let (mut rd, mut wr) = tokio::io::split(sock);
     let up = async {
         while let Some(d) = data.rx.recv().await {
             if wr.write_all(&d).await.is_err() {
@@ -776,7 +798,7 @@ mod tests {
         let t = Tokens::default();
         let r = StreamRequest::PortForward {
             pod_id: "p".into(),
-            netns: PathBuf::new(),
+            target: ForwardTarget::Netns(PathBuf::new()),
         };
         let a = t.insert(r.clone());
         let b = t.insert(r.clone());
@@ -792,7 +814,7 @@ mod tests {
         let t = Tokens::default();
         let a = t.insert(StreamRequest::PortForward {
             pod_id: "p".into(),
-            netns: PathBuf::new(),
+            target: ForwardTarget::Netns(PathBuf::new()),
         });
         if let Some(e) = t.map.lock().unwrap().get_mut(&a) {
             e.0 -= TOKEN_TTL + Duration::from_secs(1);

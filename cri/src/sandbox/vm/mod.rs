@@ -302,11 +302,10 @@ impl SandboxBackend for VmBackend {
     }
 
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget> {
-        Err(RuntimeError::FailedPrecondition(format!(
-            "PortForward: pod sandbox {} is a microVM pod; port-forward into VM pods is \
-             not implemented yet (needs a vsock proxy in the guest agent)",
-            rec.id
-        )))
+        Ok(ForwardTarget::Vsock {
+            uds: rec.agent_socket.clone(),
+            port: vessel_agent::vsock::FORWARD_PORT,
+        })
     }
 
     /// The CNI interface's counters in the pod's namespace on the host: every frame of the

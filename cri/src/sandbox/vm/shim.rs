@@ -346,9 +346,17 @@ mod tests {
             console_log: false,
             boot_timeout: Duration::from_secs(1),
             log_level: "info",
+            pod_net: Some(vessel_shim::podnet::PodNet {
+                netns: "/run/vessel/netns/p".into(),
+                peer: "eth0".into(),
+                tap: "vessel-tap0".into(),
+            }),
         })
         .to_value()
         .unwrap();
+        assert_eq!(s["pod_net"]["netns"], "/run/vessel/netns/p");
+        let back = vessel_shim::Spec::from_value(s.clone()).unwrap();
+        assert_eq!(back.shim.pod_net.unwrap().peer, "eth0");
         assert_eq!(s["spare_disks"], 4);
         assert_eq!(s["log_port"], LOG_PORT);
         assert_eq!(s["console"], "off");
