@@ -177,8 +177,15 @@ add_mod() { # name, with dependencies first
   case " ${mods[*]:-} " in *" $f "*) ;; *) mods+=("$f") ;; esac
 }
 for m in kvm_amd tun vhost_vsock; do add_mod "$m"; done
-# Pods: overlayfs for flat pods' root filesystems, erofs and loop for layer images.
-if [ "$mode" = pods ]; then for m in overlay erofs loop; do add_mod "$m"; done; fi
+# Pods: overlayfs for flat pods' root filesystems, erofs and loop for layer images; veth and
+# bridge for the CNI bridge plugin; ingress qdisc, u32 filter and mirred action for a VM pod's
+# tap joined to its CNI interface.
+if [ "$mode" = pods ]; then
+  for m in overlay erofs loop veth bridge sch_ingress cls_u32 act_mirred; do add_mod "$m"; done
+  # iptables (nft) for the portmap CNI plugin's host-port rules.
+  for m in nf_tables nft_compat nft_chain_nat nft_nat nft_masq nft_ct xt_comment xt_multiport \
+    xt_nat xt_MASQUERADE xt_mark xt_addrtype xt_conntrack xt_tcpudp; do add_mod "$m"; done
+fi
 : >"$L/lib/modules/order"
 for f in "${mods[@]}"; do
   case "$f" in *.xz) xz -dc "$f" >"$L/lib/modules/$(basename "${f%.xz}")" ;; *) cp "$f" "$L/lib/modules/" ;; esac
@@ -198,6 +205,27 @@ if [ "$mode" = pods ]; then
     bins+=("$b")
   done
   cp /usr/bin/docker-registry /usr/bin/mkfs.erofs /usr/bin/fsck.erofs /usr/bin/dump.erofs "$L/usr/bin/"
+  # A CNI network for L1's pods, flat and VM (vesseld's default conf_dir and bin_dirs): Debian's
+  # bridge + host-local + portmap + loopback, and iptables (nft) for portmap.
+  if [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ]; then
+    mkdir -p "$L/usr/lib/cni" "$L/etc/cni/net.d" "$L/usr/sbin" "$L/usr/lib/x86_64-linux-gnu"
+    for p in bridge host-local portmap loopback; do cp "/usr/lib/cni/$p" "$L/usr/lib/cni/"; bins+=("/usr/lib/cni/$p"); done
+    XT=$(readlink -f /usr/sbin/iptables)
+    cp "$XT" "$L/usr/sbin/"; bins+=("$XT")
+    for t in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do
+      ln -sf "$(basename "$XT")" "$L/usr/sbin/$t"
+    done
+    cp -a /usr/lib/x86_64-linux-gnu/xtables "$L/usr/lib/x86_64-linux-gnu/"
+    cat >"$L/etc/cni/net.d/10-vessel-l1.conflist" <<'EOC'
+{"cniVersion": "1.0.0", "name": "vessel-l1", "plugins": [
+  {"type": "bridge", "bridge": "vessel-l1", "isGateway": true, "ipMasq": false,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.89.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+  {"type": "portmap", "capabilities": {"portMappings": true}},
+  {"type": "loopback"}]}
+EOC
+  else
+    log "no CNI plugins in /usr/lib/cni (containernetworking-plugins): L1's pods get loopback only"
+  fi
   printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$L/etc/passwd"
   printf 'root:x:0:\nnogroup:x:65534:\n' >"$L/etc/group"
   printf '127.0.0.1 localhost\n::1 localhost\n' >"$L/etc/hosts"
@@ -234,7 +262,7 @@ else
 fi
 cat >"$L/init" <<'EOS'
 #!/bin/sh
-export PATH=/usr/local/bin:/bin:/sbin:/usr/bin HOME=/ TMPDIR=/tmp
+export PATH=/usr/local/bin:/bin:/sbin:/usr/bin:/usr/sbin HOME=/ TMPDIR=/tmp
 if [ -d /newroot ] && [ "${1:-}" != stage2 ]; then
   # pivot_root(2) refuses to leave the initramfs, and container runtimes pivot_root into each
   # container's rootfs: move everything onto a tmpfs and make that the root.

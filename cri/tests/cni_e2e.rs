@@ -1,9 +1,14 @@
-//! CNI end to end: flat pods attached to a private bridge network by the node's real CNI
-//! plugins (Debian's containernetworking-plugins in /usr/lib/cni): pod IPs in
-//! PodSandboxStatus and on the container's eth0, pod-to-pod traffic, a host port through
-//! `portmap`, and nothing left after RemovePodSandbox (no veth, no IP held by host-local, no
-//! netns pin, no cache entry). The bridge itself stays until the test deletes it: the
-//! `bridge` plugin never removes bridges, which other pods may share.
+//! CNI end to end: pods attached to a private bridge network by the node's real CNI plugins
+//! (Debian's containernetworking-plugins in /usr/lib/cni): pod IPs in PodSandboxStatus and on
+//! the container's eth0, pod-to-pod traffic both ways, host to pod, a host port through
+//! `portmap`, network counters, and nothing left after RemovePodSandbox, also of a pod whose
+//! host process was killed (no veth, no IP held by host-local, no netns pin, no cache entry,
+//! no iptables rule). The bridge itself stays until the test deletes it: the `bridge` plugin
+//! never removes bridges, which other pods may share.
+//!
+//! Flat pods by default; `VESSEL_E2E_HANDLER=vm` (the nested VM harness runs it so, in L1)
+//! makes the pods VM pods, and adds a flat pod that talks to them both ways.
+//! `VESSEL_E2E_VESSELD` and `VESSEL_E2E_CONFIG` as for pods_e2e.
 //!
 //! Prints `SKIP cni_e2e: <reason>` when not root or the plugins are not installed.
 
@@ -11,7 +16,7 @@
 #![allow(clippy::tests_outside_test_module)]
 
 use k8s_cri::v1 as cri;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vessel_critest::client::{pod_metadata, sh_container};
@@ -29,7 +34,14 @@ impl H {
         }
     }
     async fn run_pod(&mut self, cfg: &cri::PodSandboxConfig) -> Result<String, tonic::Status> {
-        self.c.run_pod(cfg, "flat").await
+        self.c.run_pod(cfg, &handler()).await
+    }
+    async fn run_pod_with(
+        &mut self,
+        cfg: &cri::PodSandboxConfig,
+        handler: &str,
+    ) -> Result<String, tonic::Status> {
+        self.c.run_pod(cfg, handler).await
     }
     async fn pod_status(&mut self, id: &str) -> cri::PodSandboxStatus {
         self.c.pod_status(id).await.expect("PodSandboxStatus")
@@ -84,8 +96,48 @@ impl H {
     }
 }
 
+/// The handler of this run's pods: `VESSEL_E2E_HANDLER`, or flat.
+fn handler() -> String {
+    std::env::var("VESSEL_E2E_HANDLER")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "flat".into())
+}
+
 async fn harness(extra: &str) -> H {
-    H::launch(Path::new(env!("CARGO_BIN_EXE_vesseld")), extra).await
+    let vesseld = std::env::var_os("VESSEL_E2E_VESSELD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vesseld")));
+    let config = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default() + extra;
+    H::launch(&vesseld, &config).await
+}
+
+/// Polls an HTTP GET from inside container `from` to `ip:port` until it answers `want`.
+async fn reach(h: &mut H, from: &str, ip: &str, port: u16, want: &str) {
+    let start = Instant::now();
+    loop {
+        let (code, out) = h
+            .sh(
+                from,
+                &format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {ip} {port}"),
+            )
+            .await;
+        if code == 0 && out.contains(want) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{from} cannot reach {ip}:{port}: {code} {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A server answering `hi-from-<name>` on `port`.
+fn http_server(name: &str, port: u16) -> String {
+    format!(
+        "mkdir -p /tmp/www && echo hi-from-{name} > /tmp/www/index.html && exec httpd -f -p {port} -h /tmp/www"
+    )
 }
 
 fn skip_reason() -> Option<String> {
@@ -160,12 +212,13 @@ async fn http_get_retry(addr: std::net::SocketAddr) -> Result<String, String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn flat_pods_get_ips_talk_and_leave_nothing() {
+async fn pods_get_ips_talk_and_leave_nothing() {
     let Some(cni) = test_cni() else { return };
     let mut h = harness(&cni.config_toml()).await;
     let ready = h.network_ready().await;
     assert!(ready.status, "NetworkReady=false: {ready:?}");
     assert!(ready.message.contains(&cni.network), "{ready:?}");
+    let vm = handler() == "vm";
 
     let host_port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -182,54 +235,59 @@ async fn flat_pods_get_ips_talk_and_leave_nothing() {
     let a = h.run_pod(&acfg).await.expect("RunPodSandbox server");
     let bcfg = h.pod_config("client");
     let b = h.run_pod(&bcfg).await.expect("RunPodSandbox client");
-    let a_ip = h.pod_status(&a).await.network.unwrap_or_default().ip;
-    let b_ip = h.pod_status(&b).await.network.unwrap_or_default().ip;
-    for ip in [&a_ip, &b_ip] {
+    // With VM pods, a flat pod on the same network too.
+    let ccfg = h.pod_config("flat-peer");
+    let c = if vm {
+        Some(
+            h.run_pod_with(&ccfg, "flat")
+                .await
+                .expect("RunPodSandbox flat peer"),
+        )
+    } else {
+        None
+    };
+    let mut pods = vec![a.clone(), b.clone()];
+    pods.extend(c.clone());
+    let mut ips = Vec::new();
+    for p in &pods {
+        let ip = h.pod_status(p).await.network.unwrap_or_default().ip;
         assert!(
             ip.starts_with(&format!("{}.", cni.prefix)),
             "pod IP {ip:?} is not in {}.0/24",
             cni.prefix
         );
+        ips.push(ip);
     }
-    assert_ne!(a_ip, b_ip);
+    let (a_ip, b_ip) = (ips[0].clone(), ips[1].clone());
+    let mut distinct = ips.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), ips.len(), "pod IPs not distinct: {ips:?}");
     let mut got = cni.allocated_ips();
     got.sort();
-    let mut want = vec![a_ip.clone(), b_ip.clone()];
-    want.sort();
-    assert_eq!(got, want, "host-local's allocations");
-    assert_eq!(bridge_ports(&cni.bridge).len(), 2, "one veth per pod");
+    assert_eq!(got, distinct, "host-local's allocations");
+    assert_eq!(
+        bridge_ports(&cni.bridge).len(),
+        pods.len(),
+        "one veth per pod"
+    );
 
-    let sa = h
-        .run(
-            &a,
-            &acfg,
-            "mkdir -p /tmp/www && echo hi-from-server > /tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www",
-        )
-        .await;
-    let sb = h.run(&b, &bcfg, "exec sleep 100000").await;
+    let sa = h.run(&a, &acfg, &http_server("server", 8080)).await;
+    let sb = h.run(&b, &bcfg, &http_server("client", 8081)).await;
     let (code, out) = h.sh(&sa, "ip -4 -o addr show dev eth0").await;
     assert!(
         code == 0 && out.contains(&format!("inet {a_ip}/24")),
         "eth0 of the server: {code} {out}"
     );
 
-    // Pod to pod, over the bridge.
-    let start = Instant::now();
-    loop {
-        let (code, out) = h
-            .sh(
-                &sb,
-                &format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {a_ip} 8080"),
-            )
-            .await;
-        if code == 0 && out.contains("hi-from-server") {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "client pod cannot reach {a_ip}:8080: {code} {out}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    // Pod to pod over the bridge, both ways.
+    reach(&mut h, &sb, &a_ip, 8080, "hi-from-server").await;
+    reach(&mut h, &sa, &b_ip, 8081, "hi-from-client").await;
+    if let Some(c) = &c {
+        let c_ip = ips[2].clone();
+        let sc = h.run(c, &ccfg, &http_server("flat-peer", 8082)).await;
+        reach(&mut h, &sc, &a_ip, 8080, "hi-from-server").await;
+        reach(&mut h, &sa, &c_ip, 8082, "hi-from-flat-peer").await;
     }
     // Host to pod IP (the bridge is the pods' gateway).
     let body = http_get_retry(format!("{a_ip}:8080").parse().unwrap())
@@ -278,8 +336,35 @@ async fn flat_pods_get_ips_talk_and_leave_nothing() {
         }
     }
 
-    h.remove_pod(&a).await;
-    h.remove_pod(&b).await;
+    // The server's host process (its agent, or its VM's shim) dies: the pod goes NotReady and
+    // its removal still takes everything down.
+    let info =
+        h.c.runtime
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: a.clone(),
+                verbose: true,
+            })
+            .await
+            .expect("PodSandboxStatus")
+            .into_inner()
+            .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let pid = i32::try_from(v["pid"].as_u64().unwrap()).unwrap();
+    // SAFETY: kill(2) of the host process pid vesseld reported.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let start = Instant::now();
+    while h.pod_status(&a).await.state != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "pod still ready after its host process died"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for p in &pods {
+        h.remove_pod(p).await;
+    }
     assert!(
         bridge_ports(&cni.bridge).is_empty(),
         "veths left: {:?}",
@@ -290,7 +375,7 @@ async fn flat_pods_get_ips_talk_and_leave_nothing() {
         "IPs not released: {:?}",
         cni.allocated_ips()
     );
-    for d in ["state/netns", "root/cni", "root/pods"] {
+    for d in ["state/netns", "root/cni", "root/pods", "state/vms"] {
         let p = h.v.dir.path().join(d);
         let e: Vec<_> = std::fs::read_dir(&p)
             .map(|r| r.flatten().map(|e| e.file_name()).collect())

@@ -1,6 +1,7 @@
 //! VM pods end to end: vesseld with the `vm` handler, driven by the conformance suite
-//! (`vessel-critest --vm`) and by this crate's pods end-to-end suite (`pods_e2e`, with
-//! `VESSEL_E2E_HANDLER=vm`), against microVMs booted by `vessel-shim`.
+//! (`vessel-critest --vm`) and by this crate's pods and CNI end-to-end suites (`pods_e2e` and
+//! `cni_e2e`, with `VESSEL_E2E_HANDLER=vm`), against microVMs booted by `vessel-shim`. In the
+//! nested harness, L1 has a CNI network (bridge, host-local, portmap, loopback; iptables).
 //!
 //! * KVM usable here (real hardware virtualisation): both suites run directly.
 //! * Otherwise they run inside the nested VM harness (QEMU/TCG L1 with nested SVM:
@@ -21,40 +22,23 @@ use vessel_vmm::probe::{probe, Verdict};
 
 /// The conformance specs that a VM pod fails today, with the reason; anything else must pass.
 /// A spec listed here that passes fails the test too, so that the list stays true.
-const KNOWN_FAILURES: &[(&str, &str)] = &[
-    (
-        "[runtime] Status reports NetworkReady=true",
-        "the nested VM harness has no CNI network config",
-    ),
-    (
-        "[network] PodSandboxStatus reports the pod IP",
-        "VM pods get no CNI yet (a tap mirrored to the CNI veth with tc redirect)",
-    ),
-    (
-        "[network] a host port mapping reaches the container",
-        "VM pods get no CNI yet (a tap mirrored to the CNI veth with tc redirect)",
-    ),
-    (
-        "[streaming] PortForward reaches a port inside the pod",
-        "port-forward into VM pods needs a vsock proxy in the agent",
-    ),
-    (
-        "[container] host path mounts, read-write and read-only",
-        "VM pods copy host paths in at CreateContainer: guest writes do not reach the host (virtio-fs not built)",
-    ),
-];
+const KNOWN_FAILURES: &[(&str, &str)] = &[(
+    "[container] host path mounts, read-write and read-only",
+    "VM pods copy host paths in at CreateContainer: guest writes do not reach the host (virtio-fs not built)",
+)];
 
-/// The newest `pods_e2e-<hash>` test binary next to this one (cargo builds every test
-/// binary of the crate before running any).
-fn pods_e2e_binary() -> Option<PathBuf> {
+/// The newest `<name>-<hash>` test binary next to this one (cargo builds every test binary
+/// of the crate before running any).
+fn test_binary(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
+    let prefix = format!("{name}-");
     std::fs::read_dir(dir)
         .ok()?
         .flatten()
         .filter(|e| {
             let n = e.file_name().to_string_lossy().to_string();
-            n.starts_with("pods_e2e-") && !n.contains('.')
+            n.starts_with(&prefix) && !n.contains('.')
         })
         .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
         .map(|e| e.path())
@@ -110,11 +94,17 @@ fn vm_pods() {
         );
         return;
     }
-    let Some(e2e) = pods_e2e_binary() else {
-        panic!(
-            "no pods_e2e test binary next to {:?}",
-            std::env::current_exe()
-        );
+    let bins: Vec<PathBuf> = ["pods_e2e", "cni_e2e"]
+        .iter()
+        .map(|n| {
+            test_binary(n).unwrap_or_else(|| {
+                panic!("no {n} test binary next to {:?}", std::env::current_exe())
+            })
+        })
+        .collect();
+    let e2e = E2e {
+        pods: &bins[0],
+        cni: &bins[1],
     };
     let bindir = Path::new(env!("CARGO_BIN_EXE_vesseld"))
         .parent()
@@ -148,28 +138,41 @@ fn vm_pods() {
 }
 
 /// Both suites inside L1: critest through l1-pods.sh, pods_e2e as its extra command.
+/// The end-to-end test binaries run against VM pods after the conformance suite.
+struct E2e<'a> {
+    pods: &'a Path,
+    cni: &'a Path,
+}
+
 fn run_nested(
     root: &Path,
     bindir: &Path,
-    e2e: &Path,
+    e2e: &E2e<'_>,
     focus: &str,
     e2e_filter: &str,
 ) -> (String, bool) {
-    let e2e_name = e2e.file_name().unwrap().to_string_lossy().to_string();
+    let name = |p: &Path| p.file_name().unwrap().to_string_lossy().to_string();
+    let (pods_name, cni_name) = (name(e2e.pods), name(e2e.cni));
     let config = vm_config(
         Path::new("/vessel/guest/vmlinux"),
         Path::new("/vessel/guest/vessel-initrd.img"),
         Path::new("/vessel/guest/vessel-rootfs.erofs"),
     );
+    let env = format!(
+        "VESSEL_E2E_VESSELD=/vessel/bin/vesseld VESSEL_E2E_HANDLER=vm VESSEL_E2E_CONFIG='{config}'"
+    );
     let extra = format!(
-        "VESSEL_E2E_VESSELD=/vessel/bin/vesseld VESSEL_E2E_HANDLER=vm VESSEL_E2E_CONFIG='{config}' /vessel/bin/{e2e_name} --test-threads 1 {e2e_filter}"
+        "{env} /vessel/bin/{pods_name} --test-threads 1 {e2e_filter} && {env} /vessel/bin/{cni_name} --test-threads 1 {e2e_filter}"
     );
     let mut cmd = Command::new("bash");
     cmd.arg(root.join("scripts/vm-harness.sh"))
         .arg("pods")
         .env("VESSEL_PODS_BINDIR", bindir)
         .env("VESSEL_PODS_HANDLER", "vm")
-        .env("VESSEL_PODS_ADD", e2e)
+        .env(
+            "VESSEL_PODS_ADD",
+            format!("{} {}", e2e.pods.display(), e2e.cni.display()),
+        )
         .env("VESSEL_PODS_EXTRA", extra)
         // Appended to l1-pods.sh's config, whose last section is [vm].
         .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
@@ -192,7 +195,7 @@ fn run_nested(
 fn run_direct(
     root: &Path,
     bindir: &Path,
-    e2e: &Path,
+    e2e: &E2e<'_>,
     kdir: Option<&str>,
     focus: &str,
     e2e_filter: &str,
@@ -231,18 +234,22 @@ fn run_direct(
     let c = critest.output().expect("vessel-critest");
     out.push_str(&String::from_utf8_lossy(&c.stdout));
     drop(v);
-    let mut t = Command::new(e2e);
-    t.args(["--test-threads", "1"])
-        .env("VESSEL_E2E_HANDLER", "vm")
-        .env("VESSEL_E2E_CONFIG", &config);
-    if !e2e_filter.is_empty() {
-        t.arg(e2e_filter);
+    let mut all_ok = true;
+    for bin in [e2e.pods, e2e.cni] {
+        let mut t = Command::new(bin);
+        t.args(["--test-threads", "1"])
+            .env("VESSEL_E2E_HANDLER", "vm")
+            .env("VESSEL_E2E_CONFIG", &config);
+        if !e2e_filter.is_empty() {
+            t.arg(e2e_filter);
+        }
+        let t = t.output().expect("an end-to-end test binary");
+        out.push_str(&String::from_utf8_lossy(&t.stdout));
+        all_ok &= t.status.success();
     }
-    let t = t.output().expect("pods_e2e");
-    out.push_str(&String::from_utf8_lossy(&t.stdout));
     out.push_str(&format!(
         "\n{} extra\n",
-        if t.status.success() { "PASS" } else { "FAIL" }
+        if all_ok { "PASS" } else { "FAIL" }
     ));
     (out, true)
 }
@@ -261,7 +268,7 @@ fn check(stdout: &str, harness_ok: bool) {
         .collect();
     assert!(
         passes.iter().any(|p| p.starts_with("extra")),
-        "the pods_e2e suite did not pass against VM pods (FAIL extra or no result)"
+        "the pods_e2e and cni_e2e suites did not pass against VM pods (FAIL extra or no result)"
     );
     let unexpected: Vec<&&str> = fails
         .iter()

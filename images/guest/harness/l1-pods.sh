@@ -67,6 +67,12 @@ if [ ! -S "$VESSEL_SOCK" ]; then
   exit 1
 fi
 echo "l1-pods: vesseld up in $(since "$t0") s"
+# A heartbeat on the console: tells an L1 that hangs (no heartbeat) from a suite that waits
+# on something (heartbeats, with vesseld's last log line).
+( while sleep 120; do
+    echo "l1-pods: heartbeat at $(cut -d' ' -f1 /proc/uptime) s; vesseld: $(tail -n 1 "$STATE/vesseld.log" | cut -c1-300)"
+  done ) &
+hb=$!
 
 set -- --endpoint "unix://$VESSEL_SOCK" --runtime-handler "$HANDLER" "$@"
 [ "$HANDLER" = vm ] && set -- "$@" --vm
@@ -91,6 +97,7 @@ if [ -n "${VESSEL_PODS_EXTRA:-}" ]; then
   fi
 fi
 
+kill $hb 2>/dev/null
 kill -TERM $vpid 2>/dev/null
 i=0; while kill -0 $vpid 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 kill -KILL $vpid 2>/dev/null
