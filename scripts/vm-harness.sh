@@ -19,6 +19,7 @@
 # retried once. VESSEL_PROFILE=release|debug (default release) picks the shim build.
 # pods: VESSEL_PODS_HANDLER=flat|vm (default flat), VESSEL_PODS_FOCUS=REGEX (critest --focus),
 # VESSEL_PODS_ADD="FILE..." (copied into /vessel/bin, on PATH in L1),
+# VESSEL_PODS_ADD_DIRS="SRC:DEST..." (directories copied to DEST in L1),
 # VESSEL_PODS_EXTRA="CMD" (run in L1 after the suite), VESSEL_PODS_CONFIG="TOML" (appended to
 # vesseld's config), VESSEL_PODS_BINDIR=DIR (take vesseld, vessel-agent, vessel-shim and
 # vessel-critest from DIR instead of building them; default profile debug), VESSEL_HARNESS_MEM
@@ -115,6 +116,10 @@ if [ "$mode" = pods ]; then
     [ -f "$f" ] || { log "VESSEL_PODS_ADD: no file $f"; exit 1; }
     strip --strip-debug -o "$STAGE/bin/$(basename "$f")" "$f" 2>/dev/null || cp "$f" "$STAGE/bin/"
   done
+  for a in ${VESSEL_PODS_ADD_DIRS:-}; do
+    [ -d "${a%%:*}" ] || { log "VESSEL_PODS_ADD_DIRS: no directory ${a%%:*}"; exit 1; }
+    adds+=("$a")
+  done
   # The VM pods' guest initrd (/init = vessel-agent), when its build script exists.
   if [ -f scripts/build-guest-initrd.sh ]; then
     # Its last line names the initrd (or the directory holding initrd*).
@@ -209,7 +214,7 @@ if [ "$mode" = pods ]; then
   # bridge + host-local + portmap + loopback, and iptables (nft) for portmap.
   if [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ]; then
     mkdir -p "$L/usr/lib/cni" "$L/etc/cni/net.d" "$L/usr/sbin" "$L/usr/lib/x86_64-linux-gnu"
-    for p in bridge host-local portmap loopback; do cp "/usr/lib/cni/$p" "$L/usr/lib/cni/"; bins+=("/usr/lib/cni/$p"); done
+    for p in bridge host-local portmap loopback tuning; do cp "/usr/lib/cni/$p" "$L/usr/lib/cni/"; bins+=("/usr/lib/cni/$p"); done
     XT=$(readlink -f /usr/sbin/iptables)
     cp "$XT" "$L/usr/sbin/"; bins+=("$XT")
     for t in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do

@@ -2,15 +2,19 @@
 //! live vesseld running flat pods on a private bridge CNI network, with critest's images served
 //! by stand-ins on 127.0.0.1 and pulled through vessel's registry client (mirrors).
 //!
-//! The outcome of every spec is judged against `critest/upstream/flat.expected`: a spec not
+//! The outcome of every spec is judged against `critest/upstream/<mode>.expected`: a spec not
 //! listed must pass, a listed one must end as listed (so the list only shrinks).
 //!
-//! Prints `SKIP upstream_critest_flat: <reason>` when not root or without `shared/cri-tools`.
+//! `upstream_critest_flat` prints `SKIP upstream_critest_flat: <reason>` when not root or
+//! without `shared/cri-tools`. `upstream_critest_vm` runs where VM pods do: `vm_pods` runs this
+//! binary inside the nested harness's L1 with `VESSEL_E2E_HANDLER=vm` (critest, its stand-in
+//! images as an OCI layout pushed to a `docker-registry`, and `vm.expected` staged there;
+//! `VESSEL_UPSTREAM_FOCUS` narrows the specs); elsewhere it prints a SKIP line.
 
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use vessel_critest::daemon;
@@ -24,10 +28,41 @@ fn upstream_critest_flat() {
     ) else {
         return;
     };
-    let expected_path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/flat.expected");
+    let expected = Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/flat.expected");
+    run("flat", &f, &expected, &[]);
+}
+
+#[test]
+fn upstream_critest_vm() {
+    if std::env::var("VESSEL_E2E_HANDLER").as_deref() != Ok("vm") {
+        println!(
+            "SKIP upstream_critest_vm: runs against VM pods inside vm_pods (VESSEL_E2E_HANDLER=vm)"
+        );
+        return;
+    }
+    let vesseld = std::env::var_os("VESSEL_E2E_VESSELD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vesseld")));
+    let config = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default();
+    let Some(f) = upstream::Fixture::start_with("upstream_critest_vm", &vesseld, &config) else {
+        return;
+    };
+    let expected = std::env::var_os("VESSEL_UPSTREAM_EXPECTED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/vm.expected")
+        });
+    let mut args = vec!["--runtime-handler=vm".to_string()];
+    if let Ok(focus) = std::env::var("VESSEL_UPSTREAM_FOCUS") {
+        args.push(format!("-ginkgo.focus={focus}"));
+    }
+    run("vm", &f, &expected, &args);
+}
+
+/// Runs critest against the fixture's vesseld and judges its report against `expected_path`.
+fn run(mode: &str, f: &upstream::Fixture, expected_path: &Path, args: &[String]) {
     let expected = upstream::parse_expected(
-        &std::fs::read_to_string(&expected_path).expect("the expected-outcomes list"),
+        &std::fs::read_to_string(expected_path).expect("the expected-outcomes list"),
     )
     .unwrap_or_else(|e| panic!("{}: {e}", expected_path.display()));
     let (bin, v, cni) = (&f.bin, &f.vesseld, &f.cni);
@@ -44,12 +79,13 @@ fn upstream_critest_flat() {
         .arg("-ginkgo.no-color")
         .arg(format!("-ginkgo.json-report={}", report.display()))
         .arg("-ginkgo.timeout=30m")
+        .args(args)
         .output()
         .expect("running critest");
     let took = t.elapsed();
     let stdout = String::from_utf8_lossy(&out.stdout);
     // critest's own summary: "Ran N of M Specs ...", "FAIL! -- ..." / "SUCCESS! -- ...".
-    println!("upstream critest v1.36.0 against flat pods, {took:.0?}; its summary:");
+    println!("upstream critest v1.36.0 against {mode} pods, {took:.0?}; its summary:");
     for l in stdout.lines().filter(|l| {
         l.starts_with("Ran ")
             || l.contains("SUCCESS!")
@@ -66,10 +102,16 @@ fn upstream_critest_flat() {
             String::from_utf8_lossy(&out.stderr)
         )
     });
-    let specs = upstream::parse_report(&json).expect("critest's JSON report");
+    let mut specs = upstream::parse_report(&json).expect("critest's JSON report");
+    if args.iter().any(|a| a.starts_with("-ginkgo.focus")) {
+        // Specs outside the focus are reported as skipped: judge only the focused ones.
+        let before = specs.len();
+        specs.retain(|s| s.outcome != upstream::Outcome::Skip || expected.contains_key(&s.name));
+        println!("focus {args:?}: {} of {before} specs judged", specs.len());
+    }
     let verdict = upstream::judge(&specs, &expected);
     println!(
-        "upstream critest (flat pods): {} passed, {} failed, {} skipped of {} specs; {} listed as expected failures or skips in {}",
+        "upstream critest ({mode} pods): {} passed, {} failed, {} skipped of {} specs; {} listed as expected failures or skips in {}",
         verdict.passed,
         verdict.failed,
         verdict.skipped,

@@ -94,7 +94,7 @@ fn vm_pods() {
         );
         return;
     }
-    let bins: Vec<PathBuf> = ["pods_e2e", "cni_e2e"]
+    let bins: Vec<PathBuf> = ["pods_e2e", "cni_e2e", "upstream_critest"]
         .iter()
         .map(|n| {
             test_binary(n).unwrap_or_else(|| {
@@ -105,6 +105,7 @@ fn vm_pods() {
     let e2e = E2e {
         pods: &bins[0],
         cni: &bins[1],
+        upstream: &bins[2],
     };
     let bindir = Path::new(env!("CARGO_BIN_EXE_vesseld"))
         .parent()
@@ -142,6 +143,24 @@ fn vm_pods() {
 struct E2e<'a> {
     pods: &'a Path,
     cni: &'a Path,
+    /// Upstream critest's networking and streaming specs (`upstream_critest_vm`).
+    upstream: &'a Path,
+}
+
+/// Upstream critest's specs run against VM pods (its networking and streaming groups).
+const UPSTREAM_FOCUS: &str = "Networking|Streaming";
+
+/// Upstream critest and its stand-in images' OCI layout, from `../shared/cri-tools` (built
+/// and cached as for `upstream_critest_flat`); `None`, with the reason, without them.
+fn upstream_tools() -> Result<(PathBuf, PathBuf), String> {
+    use vessel_critest::upstream;
+    let shared = upstream::shared_dir().ok_or("../shared/cri-tools not found")?;
+    let bin = upstream::tools_bin(&shared)?;
+    let oci = upstream::images_dir(&shared)?.join("oci");
+    if !oci.join("index.json").is_file() {
+        return Err(format!("no OCI layout at {}", oci.display()));
+    }
+    Ok((bin.join("critest"), oci))
 }
 
 fn run_nested(
@@ -152,7 +171,7 @@ fn run_nested(
     e2e_filter: &str,
 ) -> (String, bool) {
     let name = |p: &Path| p.file_name().unwrap().to_string_lossy().to_string();
-    let (pods_name, cni_name) = (name(e2e.pods), name(e2e.cni));
+    let (pods_name, cni_name, up_name) = (name(e2e.pods), name(e2e.cni), name(e2e.upstream));
     let config = vm_config(
         Path::new("/vessel/guest/vmlinux"),
         Path::new("/vessel/guest/vessel-initrd.img"),
@@ -161,18 +180,34 @@ fn run_nested(
     let env = format!(
         "VESSEL_E2E_VESSELD=/vessel/bin/vesseld VESSEL_E2E_HANDLER=vm VESSEL_E2E_CONFIG='{config}'"
     );
-    let extra = format!(
+    let mut extra = format!(
         "{env} /vessel/bin/{pods_name} --test-threads 1 {e2e_filter} && {env} /vessel/bin/{cni_name} --test-threads 1 {e2e_filter}"
     );
+    let mut add = format!("{} {}", e2e.pods.display(), e2e.cni.display());
+    let mut add_dirs = String::new();
+    match upstream_tools() {
+        Ok((critest, oci)) => {
+            let listed = root.join("critest/upstream/vm.expected");
+            add.push_str(&format!(
+                " {} {} {}",
+                e2e.upstream.display(),
+                critest.display(),
+                listed.display()
+            ));
+            add_dirs = format!("{}:/vessel/cri-tools/oci", oci.display());
+            extra.push_str(&format!(
+                " && {env} VESSEL_CRI_TOOLS_BIN=/vessel/bin VESSEL_CRI_TOOLS_OCI=/vessel/cri-tools/oci VESSEL_UPSTREAM_EXPECTED=/vessel/bin/vm.expected VESSEL_UPSTREAM_FOCUS='{UPSTREAM_FOCUS}' /vessel/bin/{up_name} --test-threads 1 --nocapture upstream_critest_vm"
+            ));
+        }
+        Err(why) => println!("vm_pods: upstream critest not run against VM pods: {why}"),
+    }
     let mut cmd = Command::new("bash");
     cmd.arg(root.join("scripts/vm-harness.sh"))
         .arg("pods")
         .env("VESSEL_PODS_BINDIR", bindir)
         .env("VESSEL_PODS_HANDLER", "vm")
-        .env(
-            "VESSEL_PODS_ADD",
-            format!("{} {}", e2e.pods.display(), e2e.cni.display()),
-        )
+        .env("VESSEL_PODS_ADD", add)
+        .env("VESSEL_PODS_ADD_DIRS", add_dirs)
         .env("VESSEL_PODS_EXTRA", extra)
         // Appended to l1-pods.sh's config, whose last section is [vm].
         .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
@@ -235,12 +270,15 @@ fn run_direct(
     out.push_str(&String::from_utf8_lossy(&c.stdout));
     drop(v);
     let mut all_ok = true;
-    for bin in [e2e.pods, e2e.cni] {
+    for bin in [e2e.pods, e2e.cni, e2e.upstream] {
         let mut t = Command::new(bin);
         t.args(["--test-threads", "1"])
             .env("VESSEL_E2E_HANDLER", "vm")
-            .env("VESSEL_E2E_CONFIG", &config);
-        if !e2e_filter.is_empty() {
+            .env("VESSEL_E2E_CONFIG", &config)
+            .env("VESSEL_UPSTREAM_FOCUS", UPSTREAM_FOCUS);
+        if bin == e2e.upstream {
+            t.args(["--nocapture", "upstream_critest_vm"]);
+        } else if !e2e_filter.is_empty() {
             t.arg(e2e_filter);
         }
         let t = t.output().expect("an end-to-end test binary");

@@ -106,15 +106,104 @@ impl StandInRegistry {
 
     /// vesseld's `[images.registries]` tables sending every critest image host here.
     pub fn mirrors_toml(&self) -> String {
-        IMAGE_HOSTS
-            .iter()
-            .map(|h| {
-                format!(
-                    "[images.registries.\"{h}\"]\nmirrors = [\"http://127.0.0.1:{}\"]\nmirrors_only = true\ninsecure = true\n",
-                    self.port
-                )
-            })
-            .collect()
+        mirrors_toml(self.port)
+    }
+}
+
+/// vesseld's `[images.registries]` tables sending every critest image host to a registry on
+/// 127.0.0.1:`port`.
+pub fn mirrors_toml(port: u16) -> String {
+    IMAGE_HOSTS
+        .iter()
+        .map(|h| {
+            format!(
+                "[images.registries.\"{h}\"]\nmirrors = [\"http://127.0.0.1:{port}\"]\nmirrors_only = true\ninsecure = true\n"
+            )
+        })
+        .collect()
+}
+
+/// The images of an OCI layout (`images/build.sh`'s `oci/`): each single-platform manifest of
+/// `index.json` with the name in its `io.containerd.image.name` annotation, and its blobs.
+pub fn oci_layout_images(
+    dir: &Path,
+) -> Result<Vec<(String, vessel_images::testimages::BuiltImage)>, String> {
+    use vessel_images::testimages::{Blob, BuiltImage};
+    let read = |p: PathBuf| std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()));
+    let json = |data: &[u8], what: &str| -> Result<serde_json::Value, String> {
+        serde_json::from_slice(data).map_err(|e| format!("{what}: {e}"))
+    };
+    let blob = |desc: &serde_json::Value| -> Result<Blob, String> {
+        let digest = desc["digest"].as_str().unwrap_or_default();
+        let hex = digest
+            .strip_prefix("sha256:")
+            .ok_or_else(|| format!("unsupported digest {digest:?}"))?;
+        let data = read(dir.join("blobs/sha256").join(hex))?;
+        Ok(Blob::new(
+            desc["mediaType"].as_str().unwrap_or_default(),
+            data,
+        ))
+    };
+    let index = json(&read(dir.join("index.json"))?, "index.json")?;
+    let mut out = Vec::new();
+    for m in index["manifests"].as_array().into_iter().flatten() {
+        let Some(name) = m["annotations"]["io.containerd.image.name"].as_str() else {
+            continue;
+        };
+        let manifest = blob(m)?;
+        let parsed = json(&manifest.data, name)?;
+        let Some(layers) = parsed["layers"].as_array() else {
+            continue; // an index: not a stand-in critest needs offline
+        };
+        let img = BuiltImage {
+            config: blob(&parsed["config"])?,
+            layers: layers.iter().map(&blob).collect::<Result<_, _>>()?,
+            manifest,
+            diff_ids: Vec::new(),
+        };
+        out.push((name.to_string(), img));
+    }
+    Ok(out)
+}
+
+/// Where critest's images come from: `registry.py` over the stand-in blob store, or (where
+/// there is no Python, as in the nested VM harness's L1) a `docker-registry` on 127.0.0.1 into
+/// which the stand-ins' OCI layout (`VESSEL_CRI_TOOLS_OCI`) was pushed.
+pub enum StandIns {
+    Py(StandInRegistry),
+    Pushed(crate::registry::Registry),
+}
+
+impl StandIns {
+    pub fn mirrors_toml(&self) -> String {
+        match self {
+            StandIns::Py(r) => r.mirrors_toml(),
+            StandIns::Pushed(r) => mirrors_toml(r.port()),
+        }
+    }
+
+    /// Starts a `docker-registry` and pushes every image of the OCI layout at `oci` into it,
+    /// under its name without the registry host (as the mirrors ask for it).
+    pub fn pushed(oci: &Path) -> Result<StandIns, String> {
+        use vessel_images::push::{push_image, PushTarget};
+        let images = oci_layout_images(oci)?;
+        let reg = crate::registry::Registry::start(crate::registry::RegistryOptions::default())
+            .map_err(|e| format!("docker-registry: {e}"))?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        for (name, img) in &images {
+            let rest = name.split_once('/').map(|(_, r)| r).unwrap_or(name);
+            let (repo, tag) = rest.rsplit_once(':').unwrap_or((rest, "latest"));
+            rt.block_on(push_image(
+                &PushTarget::new(&reg.url(), repo),
+                img,
+                Some(tag),
+            ))
+            .map_err(|e| format!("pushing {name}: {e}"))?;
+        }
+        Ok(StandIns::Pushed(reg))
     }
 }
 
@@ -131,33 +220,48 @@ pub struct Fixture {
     pub bin: PathBuf,
     pub vesseld: crate::daemon::Vesseld,
     pub cni: crate::daemon::TestCni,
-    pub registry: StandInRegistry,
+    pub registry: StandIns,
 }
 
 impl Fixture {
     /// Starts it for the test `name`, or prints `SKIP <name>: <reason>` and returns `None`
     /// when this machine cannot (not root, no `shared/cri-tools`). `vesseld` is the binary.
     pub fn start(name: &str, vesseld: &Path) -> Option<Fixture> {
+        Self::start_with(name, vesseld, "[runtime]\ndefault_handler = \"flat\"\n")
+    }
+
+    /// As [`Fixture::start`], with `config` (TOML) at the head of vesseld's config. With
+    /// `VESSEL_CRI_TOOLS_BIN` and `VESSEL_CRI_TOOLS_OCI` set, no `shared/cri-tools` is needed
+    /// (the nested VM harness stages both).
+    pub fn start_with(name: &str, vesseld: &Path, config: &str) -> Option<Fixture> {
         // SAFETY: geteuid has no preconditions and cannot fail.
         if unsafe { libc::geteuid() } != 0 {
             println!("SKIP {name}: needs root (pods, mounts, cgroups)");
             return None;
         }
-        let Some(shared) = shared_dir() else {
-            println!("SKIP {name}: ../shared/cri-tools not found (set VESSEL_CRI_TOOLS_SRC)");
-            return None;
+        let staged = std::env::var_os("VESSEL_CRI_TOOLS_OCI").map(PathBuf::from);
+        let (bin, registry) = match (&staged, std::env::var_os("VESSEL_CRI_TOOLS_BIN")) {
+            (Some(oci), Some(bin)) => (
+                PathBuf::from(bin),
+                StandIns::pushed(oci).expect("critest's stand-in images pushed to docker-registry"),
+            ),
+            _ => {
+                let Some(shared) = shared_dir() else {
+                    println!(
+                        "SKIP {name}: ../shared/cri-tools not found (set VESSEL_CRI_TOOLS_SRC)"
+                    );
+                    return None;
+                };
+                let bin = tools_bin(&shared).expect("upstream critest and crictl");
+                let images = images_dir(&shared).expect("critest's stand-in images");
+                let registry = StandInRegistry::start(&shared, &images).expect("stand-in registry");
+                (bin, StandIns::Py(registry))
+            }
         };
-        let bin = tools_bin(&shared).expect("upstream critest and crictl");
-        let images = images_dir(&shared).expect("critest's stand-in images");
-        let registry = StandInRegistry::start(&shared, &images).expect("stand-in registry");
         let cni = crate::daemon::TestCni::new().expect("CNI plugins");
         let vesseld = crate::daemon::Vesseld::start(
             vesseld,
-            &format!(
-                "[runtime]\ndefault_handler = \"flat\"\n{}{}",
-                cni.config_toml(),
-                registry.mirrors_toml()
-            ),
+            &format!("{config}{}{}", cni.config_toml(), registry.mirrors_toml()),
         )
         .expect("vesseld");
         Some(Fixture {
