@@ -17,8 +17,8 @@ fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> NetnsErro
     crate::errors::io_at(op, path)
 }
 
-/// Pins the network namespace of process `pid` at `path` with a bind mount.
-pub fn pin(pid: u32, path: &Path) -> Result<(), NetnsError> {
+/// Creates the empty file (and its directory) a namespace is bind-mounted on.
+fn mount_point(path: &Path) -> Result<(), NetnsError> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d).map_err(io("create", path))?;
     }
@@ -28,6 +28,12 @@ pub fn pin(pid: u32, path: &Path) -> Result<(), NetnsError> {
         .write(true)
         .open(path)
         .map_err(io("create", path))?;
+    Ok(())
+}
+
+/// Pins the network namespace of process `pid` at `path` with a bind mount.
+pub fn pin(pid: u32, path: &Path) -> Result<(), NetnsError> {
+    mount_point(path)?;
     let src = format!("/proc/{pid}/ns/net");
     rustix::mount::mount_bind(src.as_str(), path)
         .map_err(|e| io("bind-mount netns", path)(e.into()))
@@ -36,15 +42,7 @@ pub fn pin(pid: u32, path: &Path) -> Result<(), NetnsError> {
 /// Creates a new network namespace pinned at `path` (a VM pod's: no process lives in it;
 /// CNI configures it and the VM's tap joins it).
 pub fn create(path: &Path) -> Result<(), NetnsError> {
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d).map_err(io("create", path))?;
-    }
-    std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(io("create", path))?;
+    mount_point(path)?;
     let target = path.to_path_buf();
     let pinned = std::thread::Builder::new()
         .name("vessel-netns-new".into())

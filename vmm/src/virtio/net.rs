@@ -56,12 +56,16 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6], NetError> {
     Ok(mac)
 }
 
-/// Opens the existing tap interface `name` (`IFF_TAP | IFF_NO_PI`), non-blocking.
-pub fn open_tap(name: &str) -> Result<File, NetError> {
-    let err = |source| NetError::Tap {
+fn tap_error(name: &str) -> impl Fn(std::io::Error) -> NetError + '_ {
+    move |source| NetError::Tap {
         name: name.into(),
         source,
-    };
+    }
+}
+
+/// Opens the existing tap interface `name` (`IFF_TAP | IFF_NO_PI`), non-blocking.
+pub fn open_tap(name: &str) -> Result<File, NetError> {
+    let err = tap_error(name);
     if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
         return Err(err(std::io::Error::from(ErrorKind::InvalidInput)));
     }
@@ -78,10 +82,7 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
 /// Creates tap interface `name` in the calling thread's network namespace (or attaches to it
 /// if it exists), non-blocking. Not persistent: it goes when the last fd on it closes.
 pub fn create_tap(name: &str) -> Result<File, NetError> {
-    let err = |source| NetError::Tap {
-        name: name.into(),
-        source,
-    };
+    let err = tap_error(name);
     if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
         return Err(err(std::io::Error::from(ErrorKind::InvalidInput)));
     }
