@@ -11,6 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use vessel_shim::podnet::{plug, PodNet};
+use vessel_vmm::virtio::net::NET_HDR_LEN;
 
 const ETHERTYPE: u16 = 0x88b5; // IEEE local experimental
 
@@ -86,8 +87,9 @@ fn packet_socket(ifname: &str) -> OwnedFd {
     fd
 }
 
-/// Reads frames from `fd` until one has our ethertype and `payload`, or 5 s pass.
-fn expect_frame(fd: &OwnedFd, payload: &[u8]) -> bool {
+/// Reads frames from `fd` (after a `skip`-byte header) until one has our ethertype and
+/// `payload`, or 5 s pass.
+fn expect_frame(fd: &OwnedFd, skip: usize, payload: &[u8]) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut buf = [0u8; 2048];
     while Instant::now() < deadline {
@@ -97,7 +99,9 @@ fn expect_frame(fd: &OwnedFd, payload: &[u8]) -> bool {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         }
-        let f = &buf[..usize::try_from(n).unwrap()];
+        let Some(f) = buf[..usize::try_from(n).unwrap()].get(skip..) else {
+            continue;
+        };
         if f.len() >= 14 && f[12..14] == ETHERTYPE.to_be_bytes() && f[14..].starts_with(payload) {
             return true;
         }
@@ -175,17 +179,20 @@ fn podnet() {
         "eth0's ingress filter: {filters}"
     );
 
-    // Guest -> network: a frame written to the tap leaves through the veth.
+    // Guest -> network: a frame written to the tap (after its all-zero virtio-net header)
+    // leaves through the veth.
     let host = packet_socket(&pod.host_if);
-    write_all(&plugged.tap, &frame([2, 0, 0, 0, 0, 1], b"from-the-guest"));
+    let mut out = vec![0u8; NET_HDR_LEN];
+    out.extend(frame([2, 0, 0, 0, 0, 1], b"from-the-guest"));
+    write_all(&plugged.tap, &out);
     assert!(
-        expect_frame(&host, b"from-the-guest"),
+        expect_frame(&host, 0, b"from-the-guest"),
         "the guest's frame did not reach the veth"
     );
-    // Network -> guest: a frame arriving on eth0 is read from the tap.
+    // Network -> guest: a frame arriving on eth0 is read from the tap, after its header.
     write_all(&host, &frame([2, 0, 0, 0, 0, 2], b"to-the-guest"));
     assert!(
-        expect_frame(&plugged.tap, b"to-the-guest"),
+        expect_frame(&plugged.tap, NET_HDR_LEN, b"to-the-guest"),
         "the network's frame did not reach the tap"
     );
 
