@@ -291,8 +291,9 @@ pub async fn port_forward(
             ]
         };
         let mut frames = vec![syn(1, &h("error")), data(1, &[], true), syn(3, &h("data"))];
-        if !input.is_empty() {
-            frames.push(data(3, input, false));
+        // In 32 KiB frames, as kubectl's SPDY streams write them.
+        for chunk in input.chunks(32 << 10) {
+            frames.push(data(3, chunk, false));
         }
         frames.push(data(3, &[], true));
         c.send(&frames).await?;

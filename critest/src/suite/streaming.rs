@@ -35,7 +35,59 @@ pub(super) fn specs() -> Vec<Spec> {
             "PortForward reaches a port inside the pod",
             port_forward
         ),
+        spec!(
+            "streaming",
+            "PortForward carries 10 MiB both ways intact",
+            port_forward_bulk
+        ),
     ]
+}
+
+/// 10 MiB through an echo server (`nc -e cat`) inside the pod: every byte comes back, in
+/// order, and the stream ends when the server sees our half-close.
+async fn port_forward_bulk(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("spfbulk").await?;
+    let cfg = c.ctr_config("echo", "exec nc -ll -p 9000 -e cat");
+    c.run_cfg(&pod, &pcfg, cfg).await?;
+    // Deterministic, incompressible-looking bytes (xorshift).
+    let mut x: u32 = 0x9e37_79b9;
+    let payload: Vec<u8> = (0..10 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x.to_le_bytes()[0]
+        })
+        .collect();
+    let mut last = String::new();
+    for _ in 0..50 {
+        let mut cl = c.c.clone();
+        let r = cl
+            .runtime
+            .port_forward(cri::PortForwardRequest {
+                pod_sandbox_id: pod.clone(),
+                port: vec![9000],
+            })
+            .await?
+            .into_inner();
+        match stream_client::port_forward(&r.url, 9000, &payload, Duration::from_secs(120)).await {
+            Ok((back, err)) if err.is_empty() && !back.is_empty() => {
+                let first_bad = back.iter().zip(&payload).position(|(a, b)| a != b);
+                check!(
+                    back.len() == payload.len() && first_bad.is_none(),
+                    "{} of {} bytes came back; first difference at {first_bad:?}",
+                    back.len(),
+                    payload.len()
+                );
+                return Ok(());
+            }
+            // nc may not listen yet.
+            Ok((_, err)) => last = err,
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    fail!("port-forward to the echo server never answered: {last}")
 }
 
 fn check_url(rpc: &str, url: &str) -> SpecResult {
