@@ -53,6 +53,9 @@ pub struct FlatArgs {
     /// tracing filter for the agent's log (stderr).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+    /// The file stderr goes to: rotated past [`crate::logs::OWN_LOG_MAX`] (one old file kept).
+    #[arg(long)]
+    pub log_file: Option<PathBuf>,
 }
 
 impl FlatArgs {
@@ -224,6 +227,12 @@ fn agent_child(args: &FlatArgs, ready: OwnedFd) -> i32 {
             return 1;
         }
     };
+    if let Some(p) = &args.log_file {
+        let every = Duration::from_secs(10);
+        if let Err(e) = crate::logs::bound_stderr(p.clone(), crate::logs::OWN_LOG_MAX, every) {
+            tracing::warn!(error = %e, "no log rotation");
+        }
+    }
     let code = rt.block_on(serve(args.clone(), listener, ready));
     // Do not wait for stray blocking tasks (a console socket accept, say).
     rt.shutdown_timeout(Duration::from_secs(1));

@@ -341,9 +341,87 @@ pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, stream: Stream, log: Arc<
     splitter.finish(&mut emit);
 }
 
+/// How large a daemon's own log (the flat agent's `agent.log`, the shim's `shim.log`) grows
+/// before it is rotated; one old file (`<path>.1`) is kept.
+pub const OWN_LOG_MAX: u64 = 4 << 20;
+
+/// Keeps this process's stderr, which vesseld pointed at `path`, bounded: every `every`, if
+/// the file has grown past `max` bytes, it becomes `<path>.1` (replacing the old one) and
+/// stderr a new, empty `path`. Everything written to stderr (tracing, panics, libraries'
+/// prints) follows. A thread of its own; call it in the process that lives on (after forks).
+pub fn bound_stderr(path: PathBuf, max: u64, every: Duration) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("log-rotate".into())
+        .spawn(move || loop {
+            std::thread::sleep(every);
+            if let Err(e) = rotate_if_large(2, &path, max) {
+                tracing::warn!(path = %path.display(), error = %e, "rotating the log");
+            }
+        })
+        .map(|_| ())
+}
+
+/// If `fd` writes to the file at `path` and that file is larger than `max`: renames it to
+/// `<path>.1`, creates `path` anew (0640) and makes `fd` point at it. Returns whether it did.
+pub fn rotate_if_large(fd: std::os::fd::RawFd, path: &Path, max: u64) -> io::Result<bool> {
+    use std::os::fd::{AsRawFd, BorrowedFd};
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    // SAFETY: the caller's fd stays open for the call; it is only borrowed to stat it.
+    let target = unsafe { BorrowedFd::borrow_raw(fd) };
+    let now = rustix::fs::fstat(target).map_err(io::Error::from)?;
+    let on_disk = std::fs::metadata(path)?;
+    if on_disk.ino() != now.st_ino || on_disk.dev() != now.st_dev {
+        return Ok(false); // not ours (any more)
+    }
+    if on_disk.len() <= max {
+        return Ok(false);
+    }
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    std::fs::rename(path, &old)?;
+    let fresh = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        .open(path)?;
+    // SAFETY: dup2(2) on two open descriptors; `fd` now refers to the new file.
+    if unsafe { libc::dup2(fresh.as_raw_fd(), fd) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_own_log_past_its_bound_is_rotated_and_the_fd_follows() {
+        use std::os::fd::AsRawFd;
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("agent.log");
+        let mut w = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        w.write_all(&[b'x'; 100]).unwrap();
+        assert!(!rotate_if_large(w.as_raw_fd(), &path, 1000).unwrap());
+        w.write_all(&[b'y'; 1000]).unwrap();
+        assert!(rotate_if_large(w.as_raw_fd(), &path, 1000).unwrap());
+        assert_eq!(
+            std::fs::metadata(d.path().join("agent.log.1"))
+                .unwrap()
+                .len(),
+            1100
+        );
+        w.write_all(b"after\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "after\n");
+        // A path that is no longer the fd's file is left alone.
+        std::fs::rename(&path, d.path().join("moved")).unwrap();
+        std::fs::write(&path, [0u8; 5000]).unwrap();
+        assert!(!rotate_if_large(w.as_raw_fd(), &path, 1000).unwrap());
+    }
 
     fn split(chunks: &[&[u8]]) -> Vec<(bool, Vec<u8>)> {
         let mut out = Vec::new();

@@ -39,6 +39,9 @@ pub struct ShimConfig {
     /// guest's first virtio-net interface ([`podnet`]).
     #[serde(default)]
     pub pod_net: Option<podnet::PodNet>,
+    /// The file the shim's stderr goes to: rotated past `vessel_agent::logs::OWN_LOG_MAX`.
+    #[serde(default)]
+    pub log_file: Option<PathBuf>,
 }
 
 /// A shim spec, as JSON or (for a `.toml` file) TOML: the VM configuration and, at the same
@@ -88,6 +91,7 @@ impl Spec {
             control_socket: key(obj, "control_socket")?,
             log_port: key(obj, "log_port")?,
             pod_net: key(obj, "pod_net")?,
+            log_file: key(obj, "log_file")?,
         };
         let vm: VmConfig = serde_json::from_value(v).map_err(|e| e.to_string())?;
         if shim.log_port.is_some() && vm.vsock.is_none() {

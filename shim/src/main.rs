@@ -201,6 +201,12 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         Ok(1)
     };
     let mut cfg = vessel_shim::read_spec(spec)?;
+    if let Some(p) = &cfg.shim.log_file {
+        let (max, every) = (vessel_agent::logs::OWN_LOG_MAX, Duration::from_secs(10));
+        if let Err(e) = vessel_agent::logs::bound_stderr(p.clone(), max, every) {
+            tracing::warn!(error = %e, "no log rotation");
+        }
+    }
     if let Some(net) = &cfg.shim.pod_net {
         match vessel_shim::podnet::plug(net) {
             Ok(p) => {

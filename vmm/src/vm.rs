@@ -27,6 +27,61 @@ use crate::{arch, boot, mptable};
 
 pub use crate::run_state::{Control, Outcome};
 
+/// How large a console file grows before it becomes `<path>.1` and a new one starts.
+pub const CONSOLE_MAX: u64 = 1 << 20;
+
+/// A console log file kept bounded: past `max` bytes it is renamed to `<path>.1` (replacing
+/// the previous one) and a new file starts, so a chatty guest cannot fill the host's disk.
+pub struct ConsoleFile {
+    path: PathBuf,
+    file: std::fs::File,
+    written: u64,
+    max: u64,
+}
+
+impl ConsoleFile {
+    pub fn open(path: &std::path::Path, max: u64) -> std::io::Result<ConsoleFile> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let written = file.metadata()?.len();
+        Ok(ConsoleFile {
+            path: path.to_path_buf(),
+            file,
+            written,
+            max,
+        })
+    }
+
+    fn rotate(&mut self) -> std::io::Result<()> {
+        let mut old = self.path.as_os_str().to_owned();
+        old.push(".1");
+        std::fs::rename(&self.path, &old)?;
+        self.file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        self.written = 0;
+        Ok(())
+    }
+}
+
+impl Write for ConsoleFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.written + buf.len() as u64 > self.max && self.written > 0 {
+            if let Err(e) = self.rotate() {
+                tracing::warn!(path = %self.path.display(), error = %e, "rotating the console log");
+                self.written = 0; // keep writing where we are; try again after another max
+            }
+        }
+        let n = self.file.write(buf)?;
+        self.written += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
 /// Where the serial console goes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -373,16 +428,12 @@ impl Vm {
         let console_out: Option<Box<dyn Write + Send>> = match &cfg.console {
             Console::Off => None,
             Console::Stderr => Some(Box::new(std::io::stderr())),
-            Console::File(p) => Some(Box::new(
-                OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(p)
-                    .map_err(|source| VmError::Console {
-                        path: p.display().to_string(),
-                        source,
-                    })?,
-            )),
+            Console::File(p) => Some(Box::new(ConsoleFile::open(p, CONSOLE_MAX).map_err(
+                |source| VmError::Console {
+                    path: p.display().to_string(),
+                    source,
+                },
+            )?)),
         };
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK)?;
         vm.register_irqfd(&serial_irq, SERIAL_IRQ)
@@ -646,6 +697,23 @@ impl Drop for RunningVm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_console_file_is_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("console.log");
+        let mut c = ConsoleFile::open(&p, 1000).unwrap();
+        for _ in 0..50 {
+            c.write_all(&[b'x'; 99]).unwrap();
+            c.write_all(b"\n").unwrap();
+        }
+        let now = std::fs::metadata(&p).unwrap().len();
+        let old = std::fs::metadata(d.path().join("console.log.1"))
+            .unwrap()
+            .len();
+        assert!(now <= 1000 && old <= 1000, "{now} {old}");
+        assert!(now > 0 && old > 0);
+    }
     use vm_memory::{Bytes, GuestAddress};
 
     #[test]

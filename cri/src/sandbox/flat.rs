@@ -245,7 +245,9 @@ async fn launch(spec: &LaunchSpec<'_>) -> Result<Launched, FlatError> {
         .arg("--hostname")
         .arg(spec.hostname)
         .arg("--log-level")
-        .arg(spec.log_level);
+        .arg(spec.log_level)
+        .arg("--log-file")
+        .arg(spec.log_file);
     let mut shared = Vec::new();
     if spec.share.net {
         shared.push("net");

@@ -125,6 +125,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
             control_socket: Some(p.control.clone()),
             log_port: Some(LOG_PORT),
             pod_net: spec.pod_net.clone(),
+            log_file: Some(p.shim_log.clone()),
         },
     }
 }
