@@ -34,9 +34,6 @@ const VIRTIO_NET_F_GUEST_TSO4: u64 = 1 << 7;
 const VIRTIO_NET_F_GUEST_TSO6: u64 = 1 << 8;
 const VIRTIO_NET_F_HOST_TSO4: u64 = 1 << 11;
 const VIRTIO_NET_F_HOST_TSO6: u64 = 1 << 12;
-/// VIRTIO_RING_F_EVENT_IDX: the driver and the device say how far the other may go before a
-/// notification is due, so that neither side kicks or interrupts per frame.
-const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
 /// What a tap with a vnet header can do for the guest.
 const OFFLOADS: u64 = VIRTIO_NET_F_CSUM
     | VIRTIO_NET_F_GUEST_CSUM
@@ -243,7 +240,7 @@ impl VirtioDevice for Net {
     }
 
     fn features(&self) -> u64 {
-        let mut f = VIRTIO_RING_F_EVENT_IDX;
+        let mut f = 0;
         if self.mac.is_some() {
             f |= VIRTIO_NET_F_MAC;
         }
@@ -332,18 +329,7 @@ impl Inner {
         };
         let mut used = false;
         let mut frame = Vec::with_capacity(MAX_FRAME);
-        // No kicks while we drain; re-enabled (and re-checked) once the ring looks empty.
-        let _ = tx.disable_notification(&*mem);
-        loop {
-            let Some(chain) = tx.pop_descriptor_chain(&*mem) else {
-                match tx.enable_notification(&*mem) {
-                    Ok(true) => {
-                        let _ = tx.disable_notification(&*mem);
-                        continue;
-                    }
-                    _ => break,
-                }
-            };
+        while let Some(chain) = tx.pop_descriptor_chain(&*mem) {
             let head = chain.head_index();
             frame.clear();
             match chain.reader(&*mem) {
@@ -387,8 +373,6 @@ impl Inner {
         };
         let mut used = false;
         let mut buf = vec![0u8; MAX_FRAME];
-        // While there are buffers, the tap's readiness drives RX: no kicks needed.
-        let _ = rx.disable_notification(&*mem);
         loop {
             let frame = match self.held.take() {
                 Some(f) => f,
@@ -412,25 +396,10 @@ impl Inner {
                     }
                 }
             };
-            let chain = match rx.pop_descriptor_chain(&*mem) {
-                Some(c) => c,
-                // Out of buffers: ask for a kick when the driver adds some (and take any that
-                // came in meanwhile).
-                None => match rx.enable_notification(&*mem) {
-                    Ok(true) => match rx.pop_descriptor_chain(&*mem) {
-                        Some(c) => c,
-                        None => {
-                            self.held = Some(frame);
-                            self.rx_blocked = true;
-                            break;
-                        }
-                    },
-                    _ => {
-                        self.held = Some(frame);
-                        self.rx_blocked = true;
-                        break;
-                    }
-                },
+            let Some(chain) = rx.pop_descriptor_chain(&*mem) else {
+                self.held = Some(frame);
+                self.rx_blocked = true;
+                break;
             };
             let head = chain.head_index();
             let len = match chain.writer(&*mem) {
