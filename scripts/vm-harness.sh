@@ -215,6 +215,8 @@ if [ "$mode" = pods ]; then
   if [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ]; then
     mkdir -p "$L/usr/lib/cni" "$L/etc/cni/net.d" "$L/usr/sbin" "$L/usr/lib/x86_64-linux-gnu"
     for p in bridge host-local portmap loopback tuning; do cp "/usr/lib/cni/$p" "$L/usr/lib/cni/"; bins+=("/usr/lib/cni/$p"); done
+    # critest's host-IPC specs make a SysV segment with util-linux's ipcmk.
+    cp /usr/bin/ipcmk "$L/usr/bin/"; bins+=(/usr/bin/ipcmk)
     XT=$(readlink -f /usr/sbin/iptables)
     cp "$XT" "$L/usr/sbin/"; bins+=("$XT")
     for t in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do

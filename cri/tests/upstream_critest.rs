@@ -9,7 +9,8 @@
 //! without `shared/cri-tools`. `upstream_critest_vm` runs where VM pods do: `vm_pods` runs this
 //! binary inside the nested harness's L1 with `VESSEL_E2E_HANDLER=vm` (critest, its stand-in
 //! images as an OCI layout pushed to a `docker-registry`, and `vm.expected` staged there;
-//! `VESSEL_UPSTREAM_FOCUS` narrows the specs); elsewhere it prints a SKIP line.
+//! `VESSEL_UPSTREAM_FOCUS` narrows the specs, and then only the focused ones are judged);
+//! elsewhere it prints a SKIP line.
 
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
@@ -54,7 +55,9 @@ fn upstream_critest_vm() {
         });
     let mut args = vec!["--runtime-handler=vm".to_string()];
     if let Ok(focus) = std::env::var("VESSEL_UPSTREAM_FOCUS") {
-        args.push(format!("-ginkgo.focus={focus}"));
+        if !focus.is_empty() {
+            args.push(format!("-ginkgo.focus={focus}"));
+        }
     }
     run("vm", &f, &expected, &args);
 }
