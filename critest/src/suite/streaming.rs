@@ -2,7 +2,7 @@
 //! server; these specs run commands and forward a connection through it over SPDY/3.1
 //! ([`crate::stream_client`]), as kubelet and crictl do.
 
-use super::{spec, Ctx, Spec, SpecResult};
+use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::stream_client::{self, ExecOptions, ExecOutcome};
 use crate::{check, fail};
 use k8s_cri::v1 as cri;
@@ -59,35 +59,53 @@ async fn port_forward_bulk(c: Ctx) -> SpecResult {
             x.to_le_bytes()[0]
         })
         .collect();
+    // nc may not listen yet: an empty answer is tried again.
+    let back =
+        forward_until_answered(&c, &pod, 9000, &payload, Duration::from_secs(120), true).await?;
+    let first_bad = back.iter().zip(&payload).position(|(a, b)| a != b);
+    check!(
+        back.len() == payload.len() && first_bad.is_none(),
+        "{} of {} bytes came back; first difference at {first_bad:?}",
+        back.len(),
+        payload.len()
+    );
+    Ok(())
+}
+
+/// Port-forwards `input` to `port` of `pod` (a fresh PortForward URL for each try) until the
+/// server inside answers: an empty error stream and, with `need_data`, some data back. Tries
+/// again every 200 ms, 50 times, while it does not listen yet; then fails with what the last
+/// try said.
+async fn forward_until_answered(
+    c: &Ctx,
+    pod: &str,
+    port: u16,
+    input: &[u8],
+    timeout: Duration,
+    need_data: bool,
+) -> Result<Vec<u8>, Stop> {
     let mut last = String::new();
     for _ in 0..50 {
         let mut cl = c.c.clone();
         let r = cl
             .runtime
             .port_forward(cri::PortForwardRequest {
-                pod_sandbox_id: pod.clone(),
-                port: vec![9000],
+                pod_sandbox_id: pod.to_string(),
+                port: vec![i32::from(port)],
             })
             .await?
             .into_inner();
-        match stream_client::port_forward(&r.url, 9000, &payload, Duration::from_secs(120)).await {
-            Ok((back, err)) if err.is_empty() && !back.is_empty() => {
-                let first_bad = back.iter().zip(&payload).position(|(a, b)| a != b);
-                check!(
-                    back.len() == payload.len() && first_bad.is_none(),
-                    "{} of {} bytes came back; first difference at {first_bad:?}",
-                    back.len(),
-                    payload.len()
-                );
-                return Ok(());
+        check_url("PortForward", &r.url)?;
+        match stream_client::port_forward(&r.url, port, input, timeout).await {
+            Ok((back, err)) if err.is_empty() && (!need_data || !back.is_empty()) => {
+                return Ok(back)
             }
-            // nc may not listen yet.
             Ok((_, err)) => last = err,
             Err(e) => last = e.to_string(),
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    fail!("port-forward to the echo server never answered: {last}")
+    fail!("port-forward to {port} never answered: {last}")
 }
 
 fn check_url(rpc: &str, url: &str) -> SpecResult {
@@ -279,32 +297,13 @@ async fn port_forward(c: Ctx) -> SpecResult {
         "mkdir -p /tmp/www && echo pong > /tmp/www/index.html && exec httpd -f -p 127.0.0.1:8080 -h /tmp/www",
     );
     c.run_cfg(&pod, &pcfg, cfg).await?;
-    let mut last = String::new();
-    for _ in 0..50 {
-        let mut cl = c.c.clone();
-        let r = cl
-            .runtime
-            .port_forward(cri::PortForwardRequest {
-                pod_sandbox_id: pod.clone(),
-                port: vec![8080],
-            })
-            .await?
-            .into_inner();
-        check_url("PortForward", &r.url)?;
-        match stream_client::port_forward(&r.url, 8080, b"GET / HTTP/1.0\r\n\r\n", TIMEOUT).await {
-            Ok((body, err)) if err.is_empty() => {
-                let s = String::from_utf8_lossy(&body);
-                check!(
-                    s.starts_with("HTTP/1.") && s.ends_with("pong\n"),
-                    "answer through the port-forward: {s:?}"
-                );
-                return Ok(());
-            }
-            // httpd may not listen yet.
-            Ok((_, err)) => last = err,
-            Err(e) => last = e.to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    fail!("port-forward to 8080 never answered: {last}")
+    // httpd may not listen yet.
+    let body =
+        forward_until_answered(&c, &pod, 8080, b"GET / HTTP/1.0\r\n\r\n", TIMEOUT, false).await?;
+    let s = String::from_utf8_lossy(&body);
+    check!(
+        s.starts_with("HTTP/1.") && s.ends_with("pong\n"),
+        "answer through the port-forward: {s:?}"
+    );
+    Ok(())
 }
