@@ -84,6 +84,34 @@ pub fn unpin(path: &Path) -> Result<(), NetnsError> {
     }
 }
 
+/// Moves the calling thread into the network namespace pinned at `netns` (an empty path:
+/// stays in the host's).
+fn enter(netns: &Path) -> std::io::Result<()> {
+    if netns.as_os_str().is_empty() {
+        return Ok(());
+    }
+    let ns = std::fs::File::open(netns)?;
+    rustix::thread::move_into_link_name_space(
+        ns.as_fd(),
+        Some(rustix::thread::LinkNameSpaceType::Network),
+    )?;
+    Ok(())
+}
+
+/// [`run_in_netns`] for synchronous callers: blocks until `f` has run.
+pub fn run_in_netns_blocking<T, F>(netns: &Path, f: F) -> std::io::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> std::io::Result<T> + Send + 'static,
+{
+    let netns = netns.to_path_buf();
+    std::thread::Builder::new()
+        .name("vessel-netns".into())
+        .spawn(move || enter(&netns).and_then(|()| f()))?
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("netns thread panicked")))
+}
+
 /// Runs `f` on a thread of its own that joins the network namespace pinned at `netns` (an
 /// empty path: the host's). Sockets `f` creates keep that namespace; the thread exits after
 /// `f`, so nothing else ever runs in the pod's namespace by mistake.
@@ -97,16 +125,7 @@ where
     std::thread::Builder::new()
         .name("vessel-netns".into())
         .spawn(move || {
-            let r = (|| {
-                if !netns.as_os_str().is_empty() {
-                    let ns = std::fs::File::open(&netns)?;
-                    rustix::thread::move_into_link_name_space(
-                        ns.as_fd(),
-                        Some(rustix::thread::LinkNameSpaceType::Network),
-                    )?;
-                }
-                f()
-            })();
+            let r = enter(&netns).and_then(|()| f());
             let _ = tx.send(r);
         })?;
     rx.await
@@ -154,23 +173,14 @@ pub async fn apply_net_sysctls(
 /// (`/proc/thread-self/net/dev`), loopback left out: (name, rx bytes, rx errors, tx bytes,
 /// tx errors). Empty if the namespace is gone.
 pub fn interface_counters(netns: &Path) -> Vec<(String, u64, u64, u64, u64)> {
-    let Ok(ns) = std::fs::File::open(netns) else {
-        return Vec::new();
-    };
-    std::thread::Builder::new()
-        .name("vessel-netns-stats".into())
-        .spawn(move || {
-            rustix::thread::move_into_link_name_space(
-                ns.as_fd(),
-                Some(rustix::thread::LinkNameSpaceType::Network),
-            )
-            .ok()?;
-            std::fs::read_to_string("/proc/thread-self/net/dev").ok()
-        })
-        .ok()
-        .and_then(|t| t.join().ok().flatten())
-        .map(|t| parse_net_dev(&t))
-        .unwrap_or_default()
+    if netns.as_os_str().is_empty() {
+        return Vec::new(); // no namespace of its own: not the host's counters
+    }
+    run_in_netns_blocking(netns, || {
+        std::fs::read_to_string("/proc/thread-self/net/dev")
+    })
+    .map(|t| parse_net_dev(&t))
+    .unwrap_or_default()
 }
 
 /// A pod's `NetworkUsage` from its network namespace's counters (eth0 the default
