@@ -74,6 +74,14 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6], NetError> {
     Ok(mac)
 }
 
+/// An interface name the kernel takes (and no path).
+fn valid_tap_name(name: &str) -> std::io::Result<()> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
+        return Err(std::io::Error::from(ErrorKind::InvalidInput));
+    }
+    Ok(())
+}
+
 fn tap_error(name: &str) -> impl Fn(std::io::Error) -> NetError + '_ {
     move |source| NetError::Tap {
         name: name.into(),
@@ -85,9 +93,7 @@ fn tap_error(name: &str) -> impl Fn(std::io::Error) -> NetError + '_ {
 /// [`NET_HDR_LEN`]-byte header per frame), non-blocking.
 pub fn open_tap(name: &str) -> Result<File, NetError> {
     let err = tap_error(name);
-    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
-        return Err(err(std::io::Error::from(ErrorKind::InvalidInput)));
-    }
+    valid_tap_name(name).map_err(&err)?;
     // TUNSETIFF would create a missing interface; we only attach to one that was set up.
     if !std::path::Path::new("/sys/class/net").join(name).exists() {
         return Err(err(std::io::Error::new(
@@ -103,9 +109,7 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
 /// read or written. Not persistent: it goes when the last fd on it closes.
 pub fn create_tap(name: &str) -> Result<File, NetError> {
     let err = tap_error(name);
-    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('/') {
-        return Err(err(std::io::Error::from(ErrorKind::InvalidInput)));
-    }
+    valid_tap_name(name).map_err(&err)?;
     tun_set_iff(name).map_err(err)
 }
 
