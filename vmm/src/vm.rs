@@ -19,6 +19,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::legacy::{ConsoleSink, PioBus, SERIAL_IRQ};
 use crate::virtio::block::{Block, BlockError, DiskSlot};
+use crate::virtio::fs::Fs;
 use crate::virtio::mmio::{MmioBus, MmioTransport, MMIO_WINDOW};
 use crate::virtio::net::{self, Net};
 use crate::virtio::vsock::Vsock;
@@ -131,6 +132,17 @@ pub struct VmConfig {
     /// A virtio-vsock device with a hybrid (Unix socket) host side.
     #[serde(default)]
     pub vsock: Option<VsockConfig>,
+    /// Host directories shared with virtio-fs (`mount -t virtiofs <tag> <dir>` in the guest).
+    #[serde(default)]
+    pub shared_dirs: Vec<SharedDirConfig>,
+}
+
+/// A host directory the guest mounts by its tag.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedDirConfig {
+    pub tag: String,
+    pub path: PathBuf,
 }
 
 /// A virtio-net interface on a tap: an existing tap interface by name, or an open tap fd
@@ -229,6 +241,8 @@ pub enum VmError {
     Vsock(#[from] crate::virtio::vsock::VsockError),
     #[error(transparent)]
     Net(#[from] crate::virtio::net::NetError),
+    #[error(transparent)]
+    Fs(#[from] crate::virtio::fs::FsError),
     #[error("too many virtio devices (at most {0})")]
     TooManyDevices(usize),
     #[error("{0}")]
@@ -346,8 +360,11 @@ impl Vm {
         let mut mmio = MmioBus::default();
         let mut device_args = Vec::new();
         let max_devices = (mptable::IOAPIC_PINS as u32 - VIRTIO_IRQ_BASE) as usize;
-        let n_devices =
-            cfg.disks.len() + cfg.spare_disks + cfg.nets.len() + usize::from(cfg.vsock.is_some());
+        let n_devices = cfg.disks.len()
+            + cfg.spare_disks
+            + cfg.nets.len()
+            + cfg.shared_dirs.len()
+            + usize::from(cfg.vsock.is_some());
         if n_devices > max_devices {
             return Err(VmError::TooManyDevices(max_devices));
         }
@@ -389,6 +406,9 @@ impl Vm {
                 }
             };
             devices.push(Box::new(dev.with_mtu(n.mtu)));
+        }
+        for d in &cfg.shared_dirs {
+            devices.push(Box::new(Fs::new(&d.tag, &d.path)?));
         }
         if let Some(v) = vsock {
             devices.push(Box::new(v));
@@ -745,6 +765,7 @@ mod tests {
             spare_disks: 0,
             nets: Vec::new(),
             vsock: None,
+            shared_dirs: Vec::new(),
         };
         let vm = Vm::new(&cfg).unwrap();
         let mut magic = [0u8; 4];

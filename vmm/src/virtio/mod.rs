@@ -5,6 +5,7 @@
 //! [`VirtioDevice::process_queue`], and it raises its interrupt with [`Interrupt::signal_used`].
 
 pub mod block;
+pub mod fs;
 pub mod mmio;
 pub mod net;
 #[cfg(test)]
@@ -121,7 +122,7 @@ pub enum DeviceError {
 
 /// What a virtio device implements; the MMIO transport does the rest.
 pub trait VirtioDevice: Send {
-    /// The virtio device ID (2 block, 1 net, 19 vsock).
+    /// The virtio device ID (2 block, 1 net, 19 vsock, 26 fs).
     fn device_type(&self) -> u32;
     /// Maximum size of each queue; the number of queues is its length.
     fn queue_max_sizes(&self) -> &[u16];

@@ -1,0 +1,406 @@
+//! virtio-fs (virtio 1.2 §5.11): a host directory shared with the guest, served in-process.
+//!
+//! The guest mounts it with `mount -t virtiofs <tag> <dir>`; its FUSE requests arrive on the
+//! request queue (and FORGETs on the high-priority one) and are answered by
+//! `fuse-backend-rs`'s passthrough filesystem rooted at the shared directory, on the device's
+//! own thread (a vCPU only kicks it). Writes are on the host when the guest's write returns;
+//! the guest's caches of entries and attributes expire after [`CACHE_TIMEOUT`], so changes made
+//! on the host (a kubelet ConfigMap swap) show up within it.
+//!
+//! `fuse-backend-rs` is built on vm-memory 0.17 and virtio-queue 0.17 while the VMM uses 0.18:
+//! at activation the device builds a 0.17 view of the same guest mappings (not owning them;
+//! it holds the VMM's memory, which does) and 0.17 queues with the addresses the driver set.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fuse_backend_rs::api::server::Server;
+use fuse_backend_rs::passthrough::{CachePolicy, Config, PassthroughFs};
+use fuse_backend_rs::transport::{FsCacheReqHandler, Reader, VirtioFsWriter};
+use fuse_virtio_queue::QueueT as _;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
+
+pub const VIRTIO_ID_FS: u32 = 26;
+const QUEUE_SIZE: u16 = 1024;
+/// The high-priority queue and one request queue.
+const QUEUE_SIZES: [u16; 2] = [QUEUE_SIZE, QUEUE_SIZE];
+/// `virtio_fs_config.tag` is 36 bytes, NUL-padded.
+pub const TAG_LEN: usize = 36;
+/// How long the guest may trust a looked-up entry or attributes without asking again.
+pub const CACHE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Errors setting up the device.
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("virtio-fs tag {0:?}: want 1 to {TAG_LEN} bytes")]
+    BadTag(String),
+    #[error("virtio-fs shared directory {dir}: {source}")]
+    Shared { dir: String, source: std::io::Error },
+}
+
+type Fs017 = PassthroughFs<()>;
+type Mem017 = fuse_vm_memory::GuestMemoryMmap<()>;
+
+struct Active {
+    /// Keeps the mappings that `view` points into alive.
+    _mem: GuestMemoryMmap,
+    view: Mem017,
+    queues: Vec<fuse_virtio_queue::Queue>,
+    irq: Arc<Interrupt>,
+}
+
+/// A virtio-fs device sharing one host directory under one tag.
+pub struct Fs {
+    tag: String,
+    active: Arc<Mutex<Option<Active>>>,
+    worker: Worker,
+}
+
+fn lock(m: &Mutex<Option<Active>>) -> std::sync::MutexGuard<'_, Option<Active>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Fs {
+    /// Shares `dir` (which must exist) as `tag`.
+    pub fn new(tag: &str, dir: &Path) -> Result<Self, FsError> {
+        if tag.is_empty() || tag.len() > TAG_LEN || tag.contains('\0') {
+            return Err(FsError::BadTag(tag.into()));
+        }
+        let shared = |source| FsError::Shared {
+            dir: dir.display().to_string(),
+            source,
+        };
+        let root = dir.to_str().ok_or_else(|| {
+            shared(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not UTF-8",
+            ))
+        })?;
+        let cfg = Config {
+            root_dir: root.into(),
+            entry_timeout: CACHE_TIMEOUT,
+            attr_timeout: CACHE_TIMEOUT,
+            cache_policy: CachePolicy::Auto,
+            // The guest is not trusted with the host's file handles.
+            inode_file_handles: false,
+            do_import: true,
+            xattr: true,
+            ..Default::default()
+        };
+        let fs = Fs017::new(cfg).map_err(shared)?;
+        fs.import().map_err(shared)?;
+        let server = Server::new(Arc::new(fs));
+        let active: Arc<Mutex<Option<Active>>> = Arc::new(Mutex::new(None));
+        let worker = {
+            let active = active.clone();
+            Worker::spawn("virtio-fs", move |wake, stop| {
+                serve(&server, &active, wake, stop)
+            })
+            .map_err(shared)?
+        };
+        Ok(Fs {
+            tag: tag.into(),
+            active,
+            worker,
+        })
+    }
+}
+
+/// A 0.17 view of the VMM's guest memory: the same host mappings, not owned.
+fn memory_view(mem: &GuestMemoryMmap) -> Result<Mem017, DeviceError> {
+    let mut regions = Vec::new();
+    for r in mem.iter() {
+        let len = usize::try_from(r.len()).map_err(|_| DeviceError::BadQueue(0))?;
+        // SAFETY: `r` is a live anonymous read-write mapping of `len` bytes owned by `mem`, which
+        // the device keeps (in `Active`) for as long as the view exists; a raw-pointer region
+        // never unmaps what it points at.
+        let m = unsafe {
+            fuse_vm_memory::MmapRegion::<()>::build_raw(
+                r.as_ptr(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            )
+        }
+        .map_err(|e| DeviceError::Io(std::io::Error::other(e.to_string())))?;
+        let at = fuse_vm_memory::GuestAddress(r.start_addr().raw_value());
+        regions.push(
+            fuse_vm_memory::GuestRegionMmap::new(m, at)
+                .ok_or_else(|| DeviceError::Io(std::io::Error::other("region overflows")))?,
+        );
+    }
+    fuse_vm_memory::GuestMemoryMmap::from_regions(regions)
+        .map_err(|e| DeviceError::Io(std::io::Error::other(e.to_string())))
+}
+
+/// A 0.17 queue with what the driver set on the transport's queue.
+fn queue_view(i: usize, q: &Queue) -> Result<fuse_virtio_queue::Queue, DeviceError> {
+    let bad = |_| DeviceError::BadQueue(i);
+    let mut v = fuse_virtio_queue::Queue::new(q.max_size()).map_err(bad)?;
+    v.set_size(q.size());
+    let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+    let (lo, hi) = split(q.desc_table());
+    v.set_desc_table_address(lo, hi);
+    let (lo, hi) = split(q.avail_ring());
+    v.set_avail_ring_address(lo, hi);
+    let (lo, hi) = split(q.used_ring());
+    v.set_used_ring_address(lo, hi);
+    v.set_event_idx(q.event_idx_enabled());
+    v.set_ready(q.ready());
+    Ok(v)
+}
+
+impl VirtioDevice for Fs {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_FS
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn features(&self) -> u64 {
+        0
+    }
+
+    /// `virtio_fs_config`: tag[36], num_request_queues (le32).
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let mut config = [0u8; TAG_LEN + 4];
+        config[..self.tag.len()].copy_from_slice(self.tag.as_bytes());
+        config[TAG_LEN..].copy_from_slice(&(QUEUE_SIZES.len() as u32 - 1).to_le_bytes());
+        read_config_bytes(&config, offset, data);
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        _acked: u64,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), DeviceError> {
+        let view = memory_view(&mem)?;
+        let queues = queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| queue_view(i, q))
+            .collect::<Result<Vec<_>, _>>()?;
+        if queues.len() != QUEUE_SIZES.len() || queues.iter().any(|q| !q.is_valid(&view)) {
+            return Err(DeviceError::BadQueue(queues.len()));
+        }
+        *lock(&self.active) = Some(Active {
+            _mem: mem,
+            view,
+            queues,
+            irq: interrupt,
+        });
+        self.worker.wake();
+        Ok(())
+    }
+
+    fn process_queue(&mut self, _index: usize) {
+        self.worker.wake();
+    }
+
+    fn reset(&mut self) {
+        *lock(&self.active) = None;
+    }
+}
+
+/// The device thread: answers every request the guest has queued whenever it is woken.
+fn serve(
+    server: &Server<Arc<Fs017>>,
+    active: &Mutex<Option<Active>>,
+    wake: &EventFd,
+    stop: &AtomicBool,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let mut fds = [libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: `fds` is a valid array of one pollfd that outlives the call.
+        if unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) } <= 0 {
+            continue;
+        }
+        let _ = wake.read();
+        let mut g = lock(active);
+        let Some(a) = g.as_mut() else {
+            continue;
+        };
+        for q in 0..a.queues.len() {
+            drain(server, a, q);
+        }
+    }
+}
+
+/// Handles every available chain of queue `q`, then tells the driver if it wants to know.
+fn drain(server: &Server<Arc<Fs017>>, a: &mut Active, q: usize) {
+    let mut used = false;
+    loop {
+        let Some(chain) = a.queues[q].pop_descriptor_chain(&a.view) else {
+            // Notifications were off while we worked; look again after turning them on.
+            match a.queues[q].enable_notification(&a.view) {
+                Ok(true) => continue,
+                _ => break,
+            }
+        };
+        let head = chain.head_index();
+        let len = match handle(server, &a.view, chain) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!("virtio-fs: request dropped: {e}");
+                0
+            }
+        };
+        let len = u32::try_from(len).unwrap_or(0);
+        if let Err(e) = a.queues[q].add_used(&a.view, head, len) {
+            tracing::warn!("virtio-fs: add_used: {e}");
+        }
+        used = true;
+    }
+    if used && a.queues[q].needs_notification(&a.view).unwrap_or(true) {
+        a.irq.signal_used();
+    }
+}
+
+fn handle(
+    server: &Server<Arc<Fs017>>,
+    mem: &Mem017,
+    chain: fuse_virtio_queue::DescriptorChain<&Mem017>,
+) -> Result<usize, String> {
+    let reader = Reader::from_descriptor_chain(mem, chain.clone()).map_err(|e| e.to_string())?;
+    let writer = VirtioFsWriter::new(mem, chain).map_err(|e| e.to_string())?;
+    server
+        .handle_message(
+            reader,
+            writer.into(),
+            None::<&mut dyn FsCacheReqHandler>,
+            None,
+        )
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::testing::{Driver, F_READ, F_WRITE};
+    use std::time::Instant;
+
+    const REQQ: usize = 1;
+
+    /// Sends one FUSE request (`fuse_in_header` + `body`) and returns (error, reply body).
+    fn call(d: &mut Driver, unique: u64, opcode: u32, nodeid: u64, body: &[u8]) -> (i32, Vec<u8>) {
+        let mut req = Vec::new();
+        let len = u32::try_from(40 + body.len()).unwrap();
+        req.extend(len.to_le_bytes());
+        req.extend(opcode.to_le_bytes());
+        req.extend(unique.to_le_bytes());
+        req.extend(nodeid.to_le_bytes());
+        req.extend([0u8; 16]); // uid, gid, pid, padding: root
+        req.extend(body);
+        let rb = d.buf(&req);
+        let out = d.buf(&[0u8; 8192]);
+        d.submit(REQQ, &[(rb, len, F_READ), (out, 8192, F_WRITE)]);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let used = loop {
+            let u = d.used(REQQ);
+            if !u.is_empty() || Instant::now() > deadline {
+                break u;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        assert_eq!(used.len(), 1, "one reply to opcode {opcode}");
+        let reply = d.read(out, used[0] as usize);
+        let olen = u32::from_le_bytes(reply[0..4].try_into().unwrap()) as usize;
+        let error = i32::from_le_bytes(reply[4..8].try_into().unwrap());
+        assert_eq!(u64::from_le_bytes(reply[8..16].try_into().unwrap()), unique);
+        (error, reply[16..olen].to_vec())
+    }
+
+    fn u64_at(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn the_guest_reads_and_writes_host_files_through_the_queue() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("hello"), b"from the host").unwrap();
+        let mut drv = Driver::new(Box::new(Fs::new("vessel", d.path()).unwrap()), 0);
+        assert_eq!(drv.read_reg(0x08), VIRTIO_ID_FS);
+        drv.init(&[0, 1]);
+
+        // INIT: major 7, minor 31, max_readahead, flags.
+        let mut init = Vec::new();
+        for v in [7u32, 31, 1 << 20, 0] {
+            init.extend(v.to_le_bytes());
+        }
+        let (e, out) = call(&mut drv, 1, 26, 0, &init);
+        assert_eq!(e, 0);
+        assert_eq!(u32::from_le_bytes(out[0..4].try_into().unwrap()), 7);
+
+        // LOOKUP "hello" in the root (nodeid 1): fuse_entry_out.nodeid, attr.size.
+        let (e, out) = call(&mut drv, 2, 1, 1, b"hello\0");
+        assert_eq!(e, 0);
+        let node = u64_at(&out, 0);
+        assert_eq!(u64_at(&out, 40 + 8), 13, "attr.size");
+        let (e, _) = call(&mut drv, 3, 1, 1, b"absent\0");
+        assert_eq!(e, -libc::ENOENT);
+
+        // OPEN read-write, READ, WRITE at the end: the host sees the write at once.
+        let (e, out) = call(&mut drv, 4, 14, node, &[2u8, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(e, 0);
+        let fh = u64_at(&out, 0);
+        let mut read = Vec::new();
+        read.extend(fh.to_le_bytes());
+        read.extend(0u64.to_le_bytes());
+        read.extend(100u32.to_le_bytes());
+        read.extend([0u8; 20]);
+        let (e, out) = call(&mut drv, 5, 15, node, &read);
+        assert_eq!((e, out.as_slice()), (0, b"from the host".as_slice()));
+        let mut write = Vec::new();
+        write.extend(fh.to_le_bytes());
+        write.extend(13u64.to_le_bytes());
+        write.extend(10u32.to_le_bytes());
+        write.extend([0u8; 20]); // write_flags, lock_owner, flags, padding
+        write.extend(b", and back");
+        let (e, out) = call(&mut drv, 6, 16, node, &write);
+        assert_eq!(
+            (e, u32::from_le_bytes(out[0..4].try_into().unwrap())),
+            (0, 10)
+        );
+        assert_eq!(
+            std::fs::read(d.path().join("hello")).unwrap(),
+            b"from the host, and back"
+        );
+    }
+
+    #[test]
+    fn bad_tags_and_missing_dirs_are_clear_errors() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(matches!(Fs::new("", d.path()), Err(FsError::BadTag(_))));
+        let long = "x".repeat(TAG_LEN + 1);
+        assert!(matches!(Fs::new(&long, d.path()), Err(FsError::BadTag(_))));
+        let e = Fs::new("vol", &d.path().join("absent")).err().unwrap();
+        assert!(e.to_string().contains("absent"), "{e}");
+    }
+
+    #[test]
+    fn config_space_carries_the_tag_and_one_request_queue() {
+        let d = tempfile::tempdir().unwrap();
+        let fs = Fs::new("vessel", d.path()).unwrap();
+        let mut cfg = [0u8; TAG_LEN + 4];
+        fs.read_config(0, &mut cfg);
+        assert_eq!(&cfg[..6], b"vessel");
+        assert!(cfg[6..TAG_LEN].iter().all(|b| *b == 0));
+        assert_eq!(u32::from_le_bytes(cfg[TAG_LEN..].try_into().unwrap()), 1);
+        assert_eq!(fs.device_type(), VIRTIO_ID_FS);
+    }
+}
