@@ -72,10 +72,6 @@ console_log = false
 # Pods that ask for the host's network, pid or ipc namespace, or a privileged pod, cannot be
 # given what they ask in a VM: "flat" runs them flat (with a log line), "refuse" fails them.
 host_namespaces = "flat"
-# CRI mounts of host paths are copied into the guest when a container is created (a
-# snapshot: later host changes do not reach the guest, nor guest writes the host); a
-# mount larger than this is refused.
-copy_in_limit_mib = 64
 
 [cni]
 # CNI for pods that have their own network namespace, flat and VM: the first valid network
@@ -184,7 +180,6 @@ pub struct VmConfig {
     pub spare_disks: u32,
     pub console_log: bool,
     pub host_namespaces: HostNamespacesPolicy,
-    pub copy_in_limit_mib: u64,
 }
 
 impl Default for VmConfig {
@@ -201,7 +196,6 @@ impl Default for VmConfig {
             spare_disks: 12,
             console_log: false,
             host_namespaces: HostNamespacesPolicy::Flat,
-            copy_in_limit_mib: 64,
         }
     }
 }

@@ -22,10 +22,7 @@ use vessel_vmm::probe::{probe, Verdict};
 
 /// The conformance specs that a VM pod fails today, with the reason; anything else must pass.
 /// A spec listed here that passes fails the test too, so that the list stays true.
-const KNOWN_FAILURES: &[(&str, &str)] = &[(
-    "[container] host path mounts, read-write and read-only",
-    "VM pods copy host paths in at CreateContainer: guest writes do not reach the host (virtio-fs not built)",
-)];
+const KNOWN_FAILURES: &[(&str, &str)] = &[];
 
 /// The newest `<name>-<hash>` test binary next to this one (cargo builds every test binary
 /// of the crate before running any).

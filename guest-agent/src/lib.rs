@@ -64,6 +64,7 @@ pub mod signals;
 pub mod spec;
 pub mod stdio;
 pub mod vm;
+pub mod volumes;
 pub mod vsock;
 
 /// The agent's version, reported by `Ping`.

@@ -563,7 +563,14 @@ impl AgentState {
             tracing::info!(hostname = %req.hostname, "hostname set");
         }
         crate::files::apply_sysctls(&vm.proc_sys, &req.sysctls)?;
-        crate::net::configure(&req.interfaces, &req.routes)
+        crate::net::configure(&req.interfaces, &req.routes)?;
+        if !req.shared_fs_tag.is_empty() {
+            crate::volumes::mount_shared(
+                &req.shared_fs_tag,
+                Path::new(crate::volumes::GUEST_SHARED),
+            )?;
+        }
+        Ok(())
     }
 
     /// SIGTERM every container, SIGKILL what is left after [`STOP_GRACE`], delete them all.

@@ -138,7 +138,8 @@ pub fn is_mountpoint(p: &Path) -> bool {
     })
 }
 
-fn unescape_mount_path(s: &str) -> String {
+/// A mount point as `/proc/self/mountinfo` writes it (`\\ooo` escapes), unescaped.
+pub fn unescape_mount_path(s: &str) -> String {
     // mountinfo escapes space, tab, newline and backslash as \ooo
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());

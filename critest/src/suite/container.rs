@@ -29,8 +29,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("multi", "containers of a pod have their own pid namespace by default", own_pid_ns),
         spec!("oom", "a container over its memory limit is OOMKilled", oom),
         spec!("mount", "private propagation: host mounts made later are not seen", prop_private),
-        spec!("mount", "rslave (HostToContainer) propagation: later host mounts are seen", prop_rslave,
-            vm = "a VM pod shares host directories into the guest (virtiofs); host mount events do not cross the VM boundary"),
+        spec!("mount", "rslave (HostToContainer) propagation: later host mounts are seen", prop_rslave),
         spec!("mount", "rshared (Bidirectional) propagation: container mounts reach the host", prop_bidirectional,
             vm = "a VM pod's mounts live in the guest kernel and cannot appear in the host's mount table"),
     ]

@@ -14,6 +14,7 @@ mod pod;
 mod security;
 mod streaming;
 pub mod testimages;
+mod volume;
 
 pub use ctx::Ctx;
 
@@ -151,6 +152,7 @@ pub fn all_specs() -> Vec<Spec> {
     v.extend(pod::runtime_specs());
     v.extend(pod::specs());
     v.extend(container::specs());
+    v.extend(volume::specs());
     v.extend(image::specs());
     v.extend(network::specs());
     v.extend(security::specs());

@@ -31,6 +31,7 @@ pub const VIRTIO_ID_FS: u32 = 26;
 const QUEUE_SIZE: u16 = 1024;
 /// The high-priority queue and one request queue.
 const QUEUE_SIZES: [u16; 2] = [QUEUE_SIZE, QUEUE_SIZE];
+const REQUEST_QUEUES: u32 = 1;
 /// `virtio_fs_config.tag` is 36 bytes, NUL-padded.
 pub const TAG_LEN: usize = 36;
 /// How long the guest may trust a looked-up entry or attributes without asking again.
@@ -145,6 +146,8 @@ fn queue_view(i: usize, q: &Queue) -> Result<fuse_virtio_queue::Queue, DeviceErr
     let bad = |_| DeviceError::BadQueue(i);
     let mut v = fuse_virtio_queue::Queue::new(q.max_size()).map_err(bad)?;
     v.set_size(q.size());
+    // The low and high halves of a 64-bit guest address, as the driver wrote them.
+    #[allow(clippy::cast_possible_truncation)]
     let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
     let (lo, hi) = split(q.desc_table());
     v.set_desc_table_address(lo, hi);
@@ -174,7 +177,7 @@ impl VirtioDevice for Fs {
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut config = [0u8; TAG_LEN + 4];
         config[..self.tag.len()].copy_from_slice(self.tag.as_bytes());
-        config[TAG_LEN..].copy_from_slice(&(QUEUE_SIZES.len() as u32 - 1).to_le_bytes());
+        config[TAG_LEN..].copy_from_slice(&REQUEST_QUEUES.to_le_bytes());
         read_config_bytes(&config, offset, data);
     }
 

@@ -2,10 +2,11 @@
 //! PID 1 is `vessel-agent`, reached through the shim's hybrid vsock socket. Image layers
 //! reach the guest as EROFS disks in the VM's spare slots ([`VmBackend::attach_layers`]);
 //! container logs come back over vsock to the shim, which writes them to the files vesseld
-//! hands it (`set_log`). See docs/vm-pods.md.
+//! hands it (`set_log`); the host paths of CRI mounts are shared with virtio-fs
+//! ([`volumes`]). See docs/vm-pods.md.
 
-pub mod copy_in;
 pub mod shim;
+pub mod volumes;
 
 pub use shim::{VmError, VmPaths, GUEST_FILES};
 
@@ -119,6 +120,8 @@ impl SandboxBackend for VmBackend {
         let v = vm_of(&rec);
         let fail = |e: VmError| internal(format!("pod {}", rec.id))(e);
         super::create_log_directory(&rec, config)?;
+        let shared_dir =
+            volumes::create_share(&v.dir).map_err(internal(format!("pod {}", rec.id)))?;
         netns::create(&rec.netns_path).map_err(internal(format!("pod {}", rec.id)))?;
         network::attach(&self.cni, pod, config).await?;
         let attachment = self.cni.cached(&rec.id);
@@ -140,6 +143,7 @@ impl SandboxBackend for VmBackend {
             boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
             log_level: &self.log_level,
             pod_net,
+            shared_dir: Some(shared_dir),
         };
         let launched = shim::spawn(&launch).map_err(fail)?;
         // Saved at once: a crash from here on finds the shim through the Creating record.
@@ -164,6 +168,7 @@ impl SandboxBackend for VmBackend {
             sysctls: super::net_sysctls(config),
             interfaces,
             routes,
+            shared_fs_tag: volumes::SHARED_TAG.into(),
         })
         .await
         .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
@@ -206,9 +211,8 @@ impl SandboxBackend for VmBackend {
         process::kill_by_arg("--spec", &VmPaths::new(&v.dir).spec);
         // The tap went with the shim; CNI DEL removes the interface and its tc filters.
         network::release(&self.cni, rec).await;
-        if let Err(e) = vessel_images::fsutil::remove_any(&v.dir) {
-            tracing::warn!(pod = %rec.id, error = %e, "cannot remove the VM's files");
-        }
+        let dir = v.dir.clone();
+        let _ = tokio::task::spawn_blocking(move || volumes::remove_vm_dir(&dir)).await;
     }
 
     fn admit_container(&self, prec: &PodRecord, config: &cri::ContainerConfig) -> Result<()> {
@@ -231,8 +235,8 @@ impl SandboxBackend for VmBackend {
         true
     }
 
-    /// Layers as EROFS disks in the pod's slots, the log file handed to the shim, CRI mounts
-    /// copied into the guest.
+    /// Layers as EROFS disks in the pod's slots, the log file handed to the shim, the host
+    /// paths of CRI mounts shared into the guest.
     async fn prepare_container(
         &self,
         pod: &Pod,
@@ -240,16 +244,22 @@ impl SandboxBackend for VmBackend {
     ) -> Result<PreparedContainer> {
         let prec = pod.record();
         let key = req.key;
-        let limit = self.cfg.copy_in_limit_mib << 20;
-        let (mounts, cid) = (req.config.mounts.clone(), req.id.to_string());
-        let (entries, rewritten) =
-            tokio::task::spawn_blocking(move || copy_in::copy_in_mounts(&cid, &mounts, limit))
+        let (mounts, cid, dir) = (
+            req.config.mounts.clone(),
+            req.id.to_string(),
+            vm_of(&prec).dir,
+        );
+        let shared =
+            tokio::task::spawn_blocking(move || volumes::share_mounts(&dir, &cid, &mounts))
                 .await
-                .map_err(internal("copy-in"))?
-                .map_err(|e| {
-                    RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}"))
+                .map_err(internal("sharing volumes"))?
+                .map_err(|e| match e {
+                    RuntimeError::InvalidArgument(m) => {
+                        RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {m}"))
+                    }
+                    e => e,
                 })?;
-        copy_in::rewrite_mount_sources(req.spec, &rewritten);
+        volumes::rewrite_mount_sources(req.spec, &shared);
         let serials = self
             .attach_layers(pod, req.layers, &req.layers_in_use)
             .await?;
@@ -257,14 +267,6 @@ impl SandboxBackend for VmBackend {
             set_log(&vm_of(&prec), req.id, req.log_path)
                 .await
                 .map_err(internal(format!("pod {}", prec.id)))?;
-        }
-        if !entries.is_empty() {
-            let mut c = pod.client().await?;
-            c.write_files(ap::WriteFilesRequest { entries })
-                .await
-                .map_err(|s| {
-                    agent_err(&format!("CreateContainer {key:?}: copying mounts in"), s)
-                })?;
         }
         Ok(PreparedContainer {
             rootfs: ap::Rootfs {
@@ -275,21 +277,16 @@ impl SandboxBackend for VmBackend {
         })
     }
 
-    /// Forgets a container's log fd in the shim and its copied-in files in the guest.
+    /// Forgets a container's log fd in the shim and takes its volumes out of the share.
     async fn release_container(&self, pod: &Pod, rec: &ContainerRecord) {
         let prec = pod.record();
+        let v = vm_of(&prec);
+        let (dir, id) = (v.dir.clone(), rec.id.clone());
+        let _ = tokio::task::spawn_blocking(move || volumes::unshare_container(&dir, &id)).await;
         if prec.state != PodState::Ready {
             return;
         }
-        let v = vm_of(&prec);
         let _ = control(&v, ControlRequest::DropLog { id: rec.id.clone() }, None).await;
-        if let Ok(mut c) = pod.client().await {
-            let _ = c
-                .remove_files(ap::RemoveFilesRequest {
-                    paths: vec![format!("{GUEST_FILES}/ctr/{}", rec.id)],
-                })
-                .await;
-        }
     }
 
     async fn reopen_log(&self, pod: &Pod, rec: &ContainerRecord) -> Result<()> {
@@ -340,7 +337,7 @@ impl SandboxBackend for VmBackend {
             if !dirs.contains(&e.path()) && !super::held(kept, &e.file_name().to_string_lossy()) {
                 tracing::info!(dir = %e.path().display(), "removing VM files without a pod");
                 process::kill_by_arg("--spec", &VmPaths::new(&e.path()).spec);
-                let _ = vessel_images::fsutil::remove_any(&e.path());
+                volumes::remove_vm_dir(&e.path());
             }
         }
     }

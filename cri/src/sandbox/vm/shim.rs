@@ -51,6 +51,8 @@ pub struct LaunchSpec<'a> {
     pub log_level: &'a str,
     /// The pod's network namespace with its CNI interface, if it has one.
     pub pod_net: Option<vessel_shim::podnet::PodNet>,
+    /// The pod's share of volumes (virtio-fs), if it has one.
+    pub shared_dir: Option<PathBuf>,
 }
 
 /// Paths of a VM pod's files in its directory.
@@ -83,7 +85,7 @@ pub struct Launched {
 
 /// The shim spec for a pod (docs/vm-pods.md), as the shim's own types.
 pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
-    use vessel_vmm::vm::{Console, DiskConfig, VmConfig, VsockConfig};
+    use vessel_vmm::vm::{Console, DiskConfig, SharedDirConfig, VmConfig, VsockConfig};
     let p = VmPaths::new(spec.dir);
     let (initrd, disks, cmdline) = match spec.root {
         crate::config::GuestRoot::Initrd(i) => (Some(i.clone()), vec![], ""),
@@ -120,6 +122,14 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
                 guest_cid: 3,
                 uds_path: p.vsock.clone(),
             }),
+            shared_dirs: spec
+                .shared_dir
+                .iter()
+                .map(|d| SharedDirConfig {
+                    tag: super::volumes::SHARED_TAG.into(),
+                    path: d.clone(),
+                })
+                .collect(),
         },
         shim: vessel_shim::ShimConfig {
             control_socket: Some(p.control.clone()),
@@ -352,6 +362,7 @@ mod tests {
                 peer: "eth0".into(),
                 tap: "vessel-tap0".into(),
             }),
+            shared_dir: Some(d.path().join("shared")),
         })
         .to_value()
         .unwrap();
@@ -359,6 +370,7 @@ mod tests {
         let back = vessel_shim::Spec::from_value(s.clone()).unwrap();
         assert_eq!(back.shim.pod_net.unwrap().peer, "eth0");
         assert_eq!(s["spare_disks"], 4);
+        assert_eq!(s["shared_dirs"][0]["tag"], "vessel");
         assert_eq!(s["log_port"], LOG_PORT);
         assert_eq!(s["console"], "off");
         assert_eq!(s["disks"][0]["serial"], "vessel-root");

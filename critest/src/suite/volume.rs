@@ -1,0 +1,188 @@
+//! Volumes: host directories as a pod's containers see them. For VM pods these are shared
+//! into the guest (virtio-fs), so each spec checks that data crosses both ways, at once, and
+//! outlives the pod.
+
+use super::{spec, Ctx, Spec, SpecResult, Stop};
+use crate::{check, fail};
+use k8s_cri::v1 as cri;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+pub(super) fn specs() -> Vec<Spec> {
+    vec![
+        spec!("volume", "a 50 MB write with fsync is on the host while the container runs and after the pod is gone", big_write),
+        spec!("volume", "two containers of a pod share a host directory", shared_between_containers),
+        spec!("volume", "a ConfigMap-style symlink swap on the host is seen by the container", configmap_swap),
+        spec!("volume", "a socket as a host path: bound into a flat pod, InvalidArgument for a VM pod", socket_source),
+    ]
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> Stop + '_ {
+    move |e| Stop::Fail(format!("{what}: {e}"))
+}
+
+fn vol(path: &Path, at: &str) -> cri::Mount {
+    cri::Mount {
+        container_path: at.into(),
+        host_path: path.display().to_string(),
+        ..Default::default()
+    }
+}
+
+/// The sha256 of a host file, as `sha256sum` prints it.
+fn sha256_of(path: &Path) -> Result<String, Stop> {
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .map_err(io("sha256sum"))?;
+    let s = String::from_utf8_lossy(&out.stdout);
+    Ok(s.split_whitespace().next().unwrap_or_default().to_string())
+}
+
+async fn big_write(c: Ctx) -> SpecResult {
+    let d = c.dir("big")?;
+    let (pod, pcfg) = c.run_pod("big").await?;
+    let mut cfg = c.ctr_config("writer", "sleep 100000");
+    cfg.mounts = vec![vol(&d, "/mnt/v")];
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    // 50 MiB of a counting pattern (no two 1 MiB blocks alike), fsynced, summed in the
+    // container; the host must read the same bytes while the container still runs.
+    let script = "i=0; while [ $i -lt 50 ]; do head -c 1048568 /dev/zero | tr '\\0' x; printf '%08d' $i; i=$((i+1)); done | dd of=/mnt/v/big bs=1M conv=fsync 2>/dev/null && sha256sum /mnt/v/big";
+    let r = c
+        .exec(&id, &["sh", "-c", script], 300)
+        .await
+        .map_err(|e| Stop::Fail(format!("ExecSync: {:?}: {}", e.code(), e.message())))?;
+    let out = String::from_utf8_lossy(&r.stdout);
+    check!(
+        r.exit_code == 0,
+        "writing 50 MiB exited {}: {:?} {:?}",
+        r.exit_code,
+        out.trim(),
+        String::from_utf8_lossy(&r.stderr).trim()
+    );
+    let in_ctr = out
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let len = std::fs::metadata(d.join("big"))
+        .map_err(io("host file"))?
+        .len();
+    check!(
+        len == 50 << 20,
+        "the host sees {len} bytes, want {}",
+        50u64 << 20
+    );
+    let on_host = sha256_of(&d.join("big"))?;
+    check!(
+        on_host == in_ctr,
+        "sha256 on the host {on_host}, in the container {in_ctr}"
+    );
+    c.c.stop_and_remove_pod(&pod).await?;
+    let after = sha256_of(&d.join("big"))?;
+    check!(
+        after == in_ctr,
+        "after the pod is removed the host file's sha256 is {after:?}"
+    );
+    Ok(())
+}
+
+async fn shared_between_containers(c: Ctx) -> SpecResult {
+    let d = c.dir("empty")?;
+    let (pod, pcfg) = c.run_pod("share").await?;
+    let mut ids = Vec::new();
+    for name in ["one", "two"] {
+        let mut cfg = c.ctr_config(name, "sleep 100000");
+        cfg.mounts = vec![vol(&d, "/cache")];
+        ids.push(c.run_cfg(&pod, &pcfg, cfg).await?);
+    }
+    c.sh_ok(&ids[0], "echo from-one > /cache/note").await?;
+    let got = c.sh_ok(&ids[1], "cat /cache/note").await?;
+    check!(got == "from-one", "the second container reads {got:?}");
+    c.sh_ok(&ids[1], "rm /cache/note && mkdir /cache/sub")
+        .await?;
+    let got = c.sh_ok(&ids[0], "ls -A /cache").await?;
+    check!(
+        got == "sub",
+        "the first container lists {got:?} after the second's changes"
+    );
+    check!(
+        d.join("sub").is_dir() && !d.join("note").exists(),
+        "the host directory does not show the containers' changes"
+    );
+    Ok(())
+}
+
+/// kubelet's atomic writer: the data lives in a timestamped directory, `..data` links to it,
+/// each key links through `..data`, and an update renames a new `..data` link over the old.
+fn configmap_version(d: &Path, version: &str, value: &str) -> Result<(), Stop> {
+    let dir = d.join(format!("..{version}"));
+    std::fs::create_dir_all(&dir).map_err(io("mkdir"))?;
+    std::fs::write(dir.join("key"), value).map_err(io("write"))?;
+    let tmp = d.join("..data_tmp");
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(format!("..{version}"), &tmp).map_err(io("symlink"))?;
+    std::fs::rename(&tmp, d.join("..data")).map_err(io("rename"))?;
+    if std::fs::symlink_metadata(d.join("key")).is_err() {
+        std::os::unix::fs::symlink("..data/key", d.join("key")).map_err(io("symlink"))?;
+    }
+    Ok(())
+}
+
+async fn configmap_swap(c: Ctx) -> SpecResult {
+    let d = c.dir("cm")?;
+    configmap_version(&d, "v1", "one")?;
+    let id = c
+        .sleeper_with("cm", |cfg| {
+            let mut m = vol(&d, "/etc/config");
+            m.readonly = true;
+            cfg.mounts = vec![m];
+        })
+        .await?;
+    let got = c.sh_ok(&id, "cat /etc/config/key").await?;
+    check!(
+        got == "one",
+        "the container reads {got:?} before the update"
+    );
+    configmap_version(&d, "v2", "two")?;
+    let start = Instant::now();
+    let mut got = String::new();
+    while start.elapsed() < Duration::from_secs(5) {
+        got = c.sh_ok(&id, "cat /etc/config/key").await?;
+        if got == "two" {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fail!("5 s after the host's swap the container still reads {got:?}")
+}
+
+async fn socket_source(c: Ctx) -> SpecResult {
+    let d = c.dir("sock")?;
+    let path = d.join("s.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&path).map_err(io("bind"))?;
+    let (pod, pcfg) = c.run_pod("sock").await?;
+    let mut cfg = c.ctr_config("sock", "sleep 100000");
+    cfg.mounts = vec![vol(&path, "/run/s.sock")];
+    let created = c.c.create_container(&pod, &pcfg, cfg).await;
+    match (c.env.vm_pods, created) {
+        (false, Ok(id)) => {
+            c.start(&id).await?;
+            c.sh_ok(&id, "test -S /run/s.sock").await?;
+            Ok(())
+        }
+        (true, Err(e)) if e.code() == Code::InvalidArgument => {
+            check!(
+                e.message().contains("socket"),
+                "the error does not say why: {}",
+                e.message()
+            );
+            Ok(())
+        }
+        (vm, r) => fail!(
+            "CreateContainer with a socket mount (VM pod: {vm}): {:?}",
+            r.map_err(|e| (e.code(), e.message().to_string()))
+        ),
+    }
+}
