@@ -78,40 +78,153 @@ impl Fs {
             dir: dir.display().to_string(),
             source,
         };
-        let root = dir.to_str().ok_or_else(|| {
-            shared(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "not UTF-8",
-            ))
-        })?;
-        let cfg = Config {
-            root_dir: root.into(),
-            entry_timeout: CACHE_TIMEOUT,
-            attr_timeout: CACHE_TIMEOUT,
-            cache_policy: CachePolicy::Auto,
-            // The guest is not trusted with the host's file handles.
-            inode_file_handles: false,
-            do_import: true,
-            xattr: true,
-            ..Default::default()
-        };
-        let fs = Fs017::new(cfg).map_err(shared)?;
-        fs.import().map_err(shared)?;
-        let server = Server::new(Arc::new(fs));
+        if dir.to_str().is_none() {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not UTF-8");
+            return Err(shared(e));
+        }
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(shared(std::io::Error::from_raw_os_error(libc::ENOTDIR))),
+            Err(e) => return Err(shared(e)),
+        }
         let active: Arc<Mutex<Option<Active>>> = Arc::new(Mutex::new(None));
+        // The server is built on its own thread, which it then never leaves: that thread's
+        // confinement (mount namespace, root) is what the server's lookups see.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let worker = {
-            let active = active.clone();
+            let (active, dir) = (active.clone(), dir.to_path_buf());
             Worker::spawn("virtio-fs", move |wake, stop| {
+                let server = match passthrough_server(&dir) {
+                    Ok(s) => {
+                        let _ = ready_tx.send(Ok(()));
+                        s
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 serve(&server, &active, wake, stop)
             })
             .map_err(shared)?
         };
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(shared(e)),
+            Err(_) => return Err(shared(std::io::Error::other("the server thread ended"))),
+        }
         Ok(Fs {
             tag: tag.into(),
             active,
             worker,
         })
     }
+}
+
+fn passthrough_config(root: &str) -> Config {
+    Config {
+        root_dir: root.into(),
+        entry_timeout: CACHE_TIMEOUT,
+        attr_timeout: CACHE_TIMEOUT,
+        cache_policy: CachePolicy::Auto,
+        // The guest is not trusted with the host's file handles.
+        inode_file_handles: false,
+        do_import: true,
+        xattr: true,
+        ..Default::default()
+    }
+}
+
+/// The passthrough filesystem serving `dir`, built on (and for) the calling thread, which it
+/// confines to `dir` first as virtiofsd confines itself: its own mount namespace (a slave
+/// copy of the host's, so that volumes mounted under `dir` on the host later still arrive)
+/// whose root is `dir`, with the rest of the host's tree detached. The filesystem opens
+/// `/proc/self/fd` (which it needs to reopen files) before the old root goes, and its root,
+/// `/`, after. Where the thread cannot be confined (no privilege), it serves `dir` by path,
+/// with a warning.
+fn passthrough_server(dir: &Path) -> std::io::Result<Server<Arc<Fs017>>> {
+    let fs = match enter_namespace(dir) {
+        Ok(()) => {
+            let fs = Fs017::new(passthrough_config("/"))?;
+            pivot_into(dir)?;
+            tracing::debug!(dir = %dir.display(), "virtio-fs server confined to its share");
+            fs
+        }
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), "virtio-fs server not confined to its share: {e}");
+            Fs017::new(passthrough_config(dir.to_str().unwrap_or_default()))?
+        }
+    };
+    fs.import()?;
+    Ok(Server::new(Arc::new(fs)))
+}
+
+fn check_os(r: libc::c_int, what: &str) -> std::io::Result<()> {
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        Err(std::io::Error::new(e.kind(), format!("{what}: {e}")))
+    } else {
+        Ok(())
+    }
+}
+
+/// Gives the calling thread its own mount namespace, a slave copy of the host's, with `dir`
+/// bound onto itself (a mount point to pivot into).
+fn enter_namespace(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let d = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: unshare affects only the calling thread's filesystem context (CLONE_FS) and its
+    // mount namespace; nothing else in the process depends on either.
+    let r = unsafe { libc::unshare(libc::CLONE_FS | libc::CLONE_NEWNS) };
+    check_os(r, "unshare")?;
+    check_os(
+        // SAFETY: "/" is a NUL-terminated string, the other pointers may be null for a
+        // propagation change; it changes only this thread's new namespace.
+        unsafe {
+            libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_SLAVE,
+                std::ptr::null(),
+            )
+        },
+        "making / a slave",
+    )?;
+    check_os(
+        // SAFETY: `d` is a NUL-terminated string alive for the call; a bind in this thread's
+        // own namespace.
+        unsafe {
+            libc::mount(
+                d.as_ptr(),
+                d.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND | libc::MS_REC,
+                std::ptr::null(),
+            )
+        },
+        "binding the share onto itself",
+    )
+}
+
+/// Makes `dir` (a mount point in the thread's own namespace) the thread's root and detaches
+/// the old one.
+fn pivot_into(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let d = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let dot = c".";
+    // SAFETY: `d` is a NUL-terminated string alive for the call; CLONE_FS was unshared, so
+    // the working directory is this thread's own.
+    check_os(unsafe { libc::chdir(d.as_ptr()) }, "chdir")?;
+    // SAFETY: "." is a NUL-terminated string; pivot_root(".", ".") stacks the old root on
+    // the new one, in this thread's own namespace.
+    let r = unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) };
+    check_os(if r < 0 { -1 } else { 0 }, "pivot_root")?;
+    // SAFETY: "." is a NUL-terminated string; this detaches the old root stacked on it.
+    let r = unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) };
+    check_os(r, "detaching the old root")?;
+    // SAFETY: "/" is a NUL-terminated string.
+    check_os(unsafe { libc::chdir(c"/".as_ptr()) }, "chdir /")
 }
 
 /// A 0.17 view of the VMM's guest memory: the same host mappings, not owned.
@@ -383,6 +496,49 @@ mod tests {
             std::fs::read(d.path().join("hello")).unwrap(),
             b"from the host, and back"
         );
+    }
+
+    #[test]
+    fn the_server_cannot_reach_beyond_its_share() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("SKIP the_server_cannot_reach_beyond_its_share: confining needs root");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("outside"), b"host secret").unwrap();
+        let share = d.path().join("share");
+        std::fs::create_dir(&share).unwrap();
+        let mut drv = Driver::new(Box::new(Fs::new("vessel", &share).unwrap()), 0);
+        drv.init(&[0, 1]);
+        let mut init = Vec::new();
+        for v in [7u32, 31, 1 << 20, 0] {
+            init.extend(v.to_le_bytes());
+        }
+        assert_eq!(call(&mut drv, 1, 26, 0, &init).0, 0);
+        // The server's thread: the one whose root holds this share's marker.
+        std::fs::write(share.join("marker"), b"").unwrap();
+        let me = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+        let ours: Vec<_> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .map(|t| t.path())
+            .filter(|t| {
+                std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "virtio-fs")
+                    && t.join("root/marker").exists()
+            })
+            .collect();
+        assert_eq!(ours.len(), 1, "the server thread is found by its root");
+        let t = &ours[0];
+        assert!(
+            !t.join("root/outside").exists(),
+            "the server sees beside its share"
+        );
+        assert!(!t.join("root/share").exists());
+        assert_ne!(std::fs::read_link(t.join("ns/mnt")).unwrap(), me);
+        // And it serves on from there.
+        let (e, _) = call(&mut drv, 2, 1, 1, b"marker\0");
+        assert_eq!(e, 0);
     }
 
     #[test]

@@ -55,8 +55,10 @@ pub fn create_share(vm_dir: &Path) -> io::Result<PathBuf> {
         let flags = MountFlags::NOSUID | MountFlags::NODEV;
         rustix::mount::mount("vessel-share", &dir, "tmpfs", flags, Some(opts.as_c_str()))
             .map_err(at)?;
-        // The volumes mounted on it propagate nowhere else on the host.
+        // A peer group of its own: the volumes mounted on it propagate to the shim's file
+        // server (a slave copy in its own mount namespace) and nowhere else on the host.
         rustix::mount::mount_change(&dir, MountPropagationFlags::PRIVATE).map_err(at)?;
+        rustix::mount::mount_change(&dir, MountPropagationFlags::SHARED).map_err(at)?;
     }
     Ok(dir)
 }
@@ -119,25 +121,18 @@ struct MountAttr {
 const MOUNT_ATTR_RDONLY: u64 = 1;
 const AT_RECURSIVE: libc::c_uint = 0x8000;
 
-/// Makes the mount at `target` and every mount below it read-only.
-fn read_only_recursive(target: &Path) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(target.as_os_str().as_bytes())?;
-    let attr = MountAttr {
-        attr_set: MOUNT_ATTR_RDONLY,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    // SAFETY: `path` is a NUL-terminated string and `attr` a mount_attr of the size passed,
-    // both alive for the call; the kernel only reads them.
+/// Sets `attr` on the (detached) mount tree `tree` and every mount in it.
+fn set_tree_attr(tree: &std::os::fd::OwnedFd, attr: &MountAttr) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the path is an empty NUL-terminated string and `attr` a mount_attr of the size
+    // passed, both alive for the call (the kernel only reads them); `tree` is an open fd.
     let r = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
-            libc::AT_FDCWD,
-            path.as_ptr(),
-            AT_RECURSIVE,
-            &attr as *const MountAttr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint | AT_RECURSIVE,
+            attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )
     };
@@ -147,26 +142,48 @@ fn read_only_recursive(target: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Bind-mounts one source at `target` (created as a directory or an empty file).
+/// Bind-mounts one source at `target` (created as a directory or an empty file). The source
+/// is cloned detached (open_tree), given its propagation and read-only flag there, and only
+/// then attached: the copy of it that the shim's sandboxed file server gets by propagation
+/// is made from the finished mount, so a private volume never receives host mounts and a
+/// read-only one is read-only there too.
 fn bind(m: &cri::Mount, dir: bool, target: &Path) -> io::Result<()> {
-    use rustix::mount::MountPropagationFlags as P;
+    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
     if dir {
         std::fs::create_dir(target)?;
     } else {
         std::fs::File::create(target)?;
     }
-    rustix::mount::mount_bind_recursive(m.host_path.as_str(), target)?;
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        m.host_path.as_str(),
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | OpenTreeFlags::AT_RECURSIVE,
+    )?;
     // Host -> guest propagation where asked (a guest's mounts cannot reach the host, so
     // Bidirectional gets this direction only); otherwise later host mounts stay out.
-    let prop = if m.propagation == cri::MountPropagation::PropagationPrivate as i32 {
-        P::PRIVATE
+    let propagation = if m.propagation == cri::MountPropagation::PropagationPrivate as i32 {
+        libc::MS_PRIVATE
     } else {
-        P::DOWNSTREAM
+        libc::MS_SLAVE
     };
-    rustix::mount::mount_change(target, prop | P::REC)?;
-    if m.readonly {
-        read_only_recursive(target)?;
-    }
+    set_tree_attr(
+        &tree,
+        &MountAttr {
+            attr_set: if m.readonly { MOUNT_ATTR_RDONLY } else { 0 },
+            attr_clr: 0,
+            propagation,
+            userns_fd: 0,
+        },
+    )?;
+    rustix::mount::move_mount(
+        &tree,
+        "",
+        rustix::fs::CWD,
+        target,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )?;
     Ok(())
 }
 
