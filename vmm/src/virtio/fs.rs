@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use fuse_backend_rs::abi::fuse_abi::FsOptions;
 use fuse_backend_rs::api::server::Server;
+use fuse_backend_rs::api::{Vfs, VfsOptions};
 use fuse_backend_rs::passthrough::{CachePolicy, Config, PassthroughFs};
 use fuse_backend_rs::transport::{FsCacheReqHandler, Reader, VirtioFsWriter};
 use fuse_virtio_queue::QueueT as _;
@@ -47,6 +49,7 @@ pub enum FsError {
 }
 
 type Fs017 = PassthroughFs<()>;
+type FsServer = Server<Arc<Vfs>>;
 type Mem017 = fuse_vm_memory::GuestMemoryMmap<()>;
 
 struct Active {
@@ -87,6 +90,7 @@ impl Fs {
             Ok(_) => return Err(shared(std::io::Error::from_raw_os_error(libc::ENOTDIR))),
             Err(e) => return Err(shared(e)),
         }
+        raise_nofile_limit();
         let active: Arc<Mutex<Option<Active>>> = Arc::new(Mutex::new(None));
         // The server is built on its own thread, which it then never leaves: that thread's
         // confinement (mount namespace, root) is what the server's lookups see.
@@ -121,6 +125,31 @@ impl Fs {
     }
 }
 
+/// The server keeps an `O_PATH` fd for each inode the guest holds (until it forgets it), so
+/// a volume with many files needs many fds: the process's soft limit goes up to its hard one.
+fn raise_nofile_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the rlimit we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 && lim.rlim_cur < lim.rlim_max
+    {
+        let want = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit reads the rlimit we pass.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } != 0 {
+            tracing::warn!(
+                "virtio-fs: raising RLIMIT_NOFILE to {}: {}",
+                lim.rlim_max,
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 fn passthrough_config(root: &str) -> Config {
     Config {
         root_dir: root.into(),
@@ -129,7 +158,8 @@ fn passthrough_config(root: &str) -> Config {
         cache_policy: CachePolicy::Auto,
         // The guest is not trusted with the host's file handles.
         inode_file_handles: false,
-        do_import: true,
+        // Under the VFS, which negotiates the options (imported once, before mounting).
+        do_import: false,
         xattr: true,
         ..Default::default()
     }
@@ -142,11 +172,12 @@ fn passthrough_config(root: &str) -> Config {
 /// `/proc/self/fd` (which it needs to reopen files) before the old root goes, and its root,
 /// `/`, after. Where the thread cannot be confined (no privilege), it serves `dir` by path,
 /// with a warning.
-fn passthrough_server(dir: &Path) -> std::io::Result<Server<Arc<Fs017>>> {
+fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
     let fs = match enter_namespace(dir) {
         Ok(()) => {
             let fs = Fs017::new(passthrough_config("/"))?;
             pivot_into(dir)?;
+            keep_only_file_capabilities()?;
             tracing::debug!(dir = %dir.display(), "virtio-fs server confined to its share");
             fs
         }
@@ -155,8 +186,30 @@ fn passthrough_server(dir: &Path) -> std::io::Result<Server<Arc<Fs017>>> {
             Fs017::new(passthrough_config(dir.to_str().unwrap_or_default()))?
         }
     };
+    // Under fuse-backend-rs's VFS (the passthrough filesystem alone offers the guest 4 KiB
+    // writes): 1 MiB requests (BIG_WRITES, MAX_PAGES), parallel lookups and async reads, the
+    // data cache dropped when the host changes a file (AUTO_INVAL_DATA); no writeback cache
+    // (the host changes files too) and no DAX.
+    let vfs = Vfs::new(VfsOptions {
+        no_open: false,
+        no_opendir: false,
+        no_writeback: true,
+        killpriv_v2: false,
+        out_opts: FsOptions::ASYNC_READ
+            | FsOptions::PARALLEL_DIROPS
+            | FsOptions::BIG_WRITES
+            | FsOptions::ASYNC_DIO
+            | FsOptions::AUTO_INVAL_DATA
+            | FsOptions::MAX_PAGES
+            | FsOptions::ATOMIC_O_TRUNC
+            | FsOptions::DO_READDIRPLUS
+            | FsOptions::READDIRPLUS_AUTO,
+        ..Default::default()
+    });
     fs.import()?;
-    Ok(Server::new(Arc::new(fs)))
+    vfs.mount(Box::new(fs), "/")
+        .map_err(|e| std::io::Error::other(format!("mounting the share in the VFS: {e:?}")))?;
+    Ok(Server::new(Arc::new(vfs)))
 }
 
 fn check_os(r: libc::c_int, what: &str) -> std::io::Result<()> {
@@ -205,6 +258,58 @@ fn enter_namespace(dir: &Path) -> std::io::Result<()> {
         },
         "binding the share onto itself",
     )
+}
+
+/// The capabilities a passthrough file server needs (virtiofsd keeps the same): to act for
+/// any guest user on files (chown, DAC override, owner checks, setgid bits, mknod, file
+/// capabilities) and to switch to the guest's uid/gid per request. Bits of `CAP_*`.
+pub const FILE_SERVER_CAPS: u32 = (1 << 0) // CAP_CHOWN
+    | (1 << 1) // CAP_DAC_OVERRIDE
+    | (1 << 3) // CAP_FOWNER
+    | (1 << 4) // CAP_FSETID
+    | (1 << 6) // CAP_SETGID
+    | (1 << 7) // CAP_SETUID
+    | (1 << 27) // CAP_MKNOD
+    | (1 << 31); // CAP_SETFCAP
+
+/// Drops every capability of the calling thread but [`FILE_SERVER_CAPS`] (effective,
+/// permitted; inheritable none). Capabilities are per thread: the rest of the VMM keeps its
+/// own.
+fn keep_only_file_capabilities() -> std::io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let keep = Data {
+        effective: FILE_SERVER_CAPS,
+        permitted: FILE_SERVER_CAPS,
+        inheritable: 0,
+    };
+    let data = [
+        keep,
+        Data {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        },
+    ];
+    // SAFETY: capset reads a v3 header and two data structs that live across the call; pid 0
+    // is the calling thread.
+    let r = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
+    check_os(if r < 0 { -1 } else { 0 }, "capset")
 }
 
 /// Makes `dir` (a mount point in the thread's own namespace) the thread's root and detaches
@@ -330,12 +435,7 @@ impl VirtioDevice for Fs {
 }
 
 /// The device thread: answers every request the guest has queued whenever it is woken.
-fn serve(
-    server: &Server<Arc<Fs017>>,
-    active: &Mutex<Option<Active>>,
-    wake: &EventFd,
-    stop: &AtomicBool,
-) {
+fn serve(server: &FsServer, active: &Mutex<Option<Active>>, wake: &EventFd, stop: &AtomicBool) {
     while !stop.load(Ordering::SeqCst) {
         let mut fds = [libc::pollfd {
             fd: wake.as_raw_fd(),
@@ -358,7 +458,7 @@ fn serve(
 }
 
 /// Handles every available chain of queue `q`, then tells the driver if it wants to know.
-fn drain(server: &Server<Arc<Fs017>>, a: &mut Active, q: usize) {
+fn drain(server: &FsServer, a: &mut Active, q: usize) {
     let mut used = false;
     loop {
         let Some(chain) = a.queues[q].pop_descriptor_chain(&a.view) else {
@@ -388,7 +488,7 @@ fn drain(server: &Server<Arc<Fs017>>, a: &mut Active, q: usize) {
 }
 
 fn handle(
-    server: &Server<Arc<Fs017>>,
+    server: &FsServer,
     mem: &Mem017,
     chain: fuse_virtio_queue::DescriptorChain<&Mem017>,
 ) -> Result<usize, String> {
@@ -453,14 +553,20 @@ mod tests {
         assert_eq!(drv.read_reg(0x08), VIRTIO_ID_FS);
         drv.init(&[0, 1]);
 
-        // INIT: major 7, minor 31, max_readahead, flags.
+        // INIT: major 7, minor 31, max_readahead, flags (BIG_WRITES, MAX_PAGES): the guest
+        // may write 1 MiB per request.
         let mut init = Vec::new();
-        for v in [7u32, 31, 1 << 20, 0] {
+        for v in [7u32, 31, 1 << 20, (1 << 5) | (1 << 22)] {
             init.extend(v.to_le_bytes());
         }
         let (e, out) = call(&mut drv, 1, 26, 0, &init);
         assert_eq!(e, 0);
         assert_eq!(u32::from_le_bytes(out[0..4].try_into().unwrap()), 7);
+        assert_eq!(
+            u32::from_le_bytes(out[20..24].try_into().unwrap()),
+            1 << 20,
+            "max_write"
+        );
 
         // LOOKUP "hello" in the root (nodeid 1): fuse_entry_out.nodeid, attr.size.
         let (e, out) = call(&mut drv, 2, 1, 1, b"hello\0");
@@ -536,6 +642,13 @@ mod tests {
         );
         assert!(!t.join("root/share").exists());
         assert_ne!(std::fs::read_link(t.join("ns/mnt")).unwrap(), me);
+        let status = std::fs::read_to_string(t.join("status")).unwrap();
+        let cap = |k: &str| {
+            let v = status.lines().find_map(|l| l.strip_prefix(k)).unwrap();
+            u64::from_str_radix(v.trim(), 16).unwrap()
+        };
+        assert_eq!(cap("CapEff:"), u64::from(FILE_SERVER_CAPS));
+        assert_eq!(cap("CapPrm:"), u64::from(FILE_SERVER_CAPS));
         // And it serves on from there.
         let (e, _) = call(&mut drv, 2, 1, 1, b"marker\0");
         assert_eq!(e, 0);
