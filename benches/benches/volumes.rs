@@ -15,10 +15,16 @@
 //! - **seq read**: `dd if=/v/r<n> of=/dev/null bs=1M` of a 64 MiB file the host wrote just
 //!   before (a new file each sample, so the guest's page cache is cold; the host's is warm
 //!   for both handlers).
+//! - **local write**: the same write to the container's own `/tmp` (its rootfs: overlayfs on
+//!   the host's disk for a flat pod, on the guest's tmpfs for a VM pod), no fsync: what the
+//!   pod's own kernel does with the bytes, without the volume path. Where the VM's local
+//!   write is as slow as its volume write, the guest (not the file server) is the limit.
 //! - **create**: 500 files with the shell's `echo x >` (no fork per file); files/s.
 //! - **stat**: `ls -l` of those 500 files; stats/s.
-//! - **memory** (VM pods): the shim's PSS before any volume I/O and after the samples; the
-//!   difference is what serving the volume added to the pod.
+//! - **memory**: the pod's host process before any volume I/O and after the samples: for a
+//!   VM pod the shim's own PSS without guest RAM (what serving the volume added to the VMM)
+//!   and the guest RAM touched (the guest's page cache grows with file I/O); for a flat pod
+//!   the agent's PSS.
 //!
 //! Random I/O is not measured: busybox has no tool that does it without a fork per op.
 //! Results go to stdout, `benches/results/volumes-<host>-<date>.json` and a `RESULT-JSON:`
@@ -31,7 +37,7 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
-use vessel_benches::{machine_info, pss_kib, release_vesseld, write_result, Stats};
+use vessel_benches::{machine_info, pss_kib, release_vesseld, vm_memory_kib, write_result, Stats};
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::Vesseld;
 use vessel_critest::registry::{Registry, RegistryOptions};
@@ -69,8 +75,9 @@ impl Pod {
         Ok((s - self.exec_s).max(1e-6))
     }
 
-    /// The pod's host process (the VM shim, or the flat agent) from verbose status.
-    async fn host_pid(&mut self) -> Result<u32> {
+    /// The pod's host process (the VM shim, or the flat agent) and the VM's memory (MiB; 0
+    /// for a flat pod) from verbose status.
+    async fn host_pid(&mut self) -> Result<(u32, u64)> {
         let info = self
             .c
             .runtime
@@ -84,8 +91,19 @@ impl Pod {
         let v: serde_json::Value =
             serde_json::from_str(info.get("info").context("no verbose info")?)?;
         let pid = v["pid"].as_u64().context("no pid")?;
-        u32::try_from(pid).with_context(|| format!("pid {pid} out of range"))
+        let pid = u32::try_from(pid).with_context(|| format!("pid {pid} out of range"))?;
+        Ok((pid, v["vm"]["memoryMiB"].as_u64().unwrap_or(0)))
     }
+}
+
+/// (own PSS of the pod's host process without guest RAM, guest RAM touched), KiB.
+fn memory_kib(pid: u32, guest_mib: u64) -> (u64, u64) {
+    if guest_mib == 0 {
+        return (pss_kib(pid).unwrap_or(0), 0);
+    }
+    vm_memory_kib(pid, guest_mib)
+        .map(|(guest, own)| (own, guest))
+        .unwrap_or_default()
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -145,6 +163,7 @@ async fn start_pod(
 async fn measure(p: &mut Pod, dir: &Path, runs: usize) -> Result<serde_json::Value> {
     let mib = FILE_MIB as f64 * 1.048_576;
     let (mut w, mut r, mut create, mut stat) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut local = Vec::new();
     let chunk = vec![0x5au8; 1 << 20];
     for i in 0..runs {
         let s = p
@@ -153,6 +172,12 @@ async fn measure(p: &mut Pod, dir: &Path, runs: usize) -> Result<serde_json::Val
             ))
             .await?;
         w.push(mib / s);
+        let s = p
+            .timed(&format!(
+                "dd if=/dev/zero of=/tmp/w bs=1M count={FILE_MIB} 2>/dev/null; rm -f /tmp/w"
+            ))
+            .await?;
+        local.push(mib / s);
         {
             use std::io::Write;
             let mut f = std::fs::File::create(dir.join(format!("r{i}")))?;
@@ -177,6 +202,7 @@ async fn measure(p: &mut Pod, dir: &Path, runs: usize) -> Result<serde_json::Val
     Ok(json!({
         "exec_ms": round2(p.exec_s * 1e3),
         "seq_write_mbps": summary(&w),
+        "local_write_mbps": summary(&local),
         "seq_read_mbps": summary(&r),
         "create_per_s": summary(&create),
         "stat_per_s": summary(&stat),
@@ -236,17 +262,22 @@ fn main() -> Result<()> {
                 let mut p = start_pod(&c, &image, h, &dir, work.path())
                     .await
                     .with_context(|| format!("{h}: pod"))?;
-                let pid = p.host_pid().await?;
-                let pss_before = pss_kib(pid).unwrap_or(0);
+                let (pid, guest_mib) = p.host_pid().await?;
+                let (pss_before, guest_before) = memory_kib(pid, guest_mib);
                 let mut m = measure(&mut p, &dir, runs)
                     .await
                     .with_context(|| format!("{h}: volume I/O"))?;
-                let pss_after = pss_kib(pid).unwrap_or(0);
+                let (pss_after, guest_after) = memory_kib(pid, guest_mib);
+                let added = |a: u64, b: u64| i64::try_from(a).unwrap_or(0) - i64::try_from(b).unwrap_or(0);
                 m["host_process_pss_kib"] = json!({"before_io": pss_before, "after_io": pss_after,
-                    "added": i64::try_from(pss_after).unwrap_or(0) - i64::try_from(pss_before).unwrap_or(0)});
+                    "added": added(pss_after, pss_before)});
+                if guest_mib > 0 {
+                    m["guest_ram_touched_kib"] = json!({"before_io": guest_before, "after_io": guest_after,
+                        "added": added(guest_after, guest_before)});
+                }
                 println!(
-                    "{h:>4}: seq write {} MB/s, seq read {} MB/s, create {} files/s, stat {} /s; pod process PSS {} -> {} KiB",
-                    m["seq_write_mbps"]["median"], m["seq_read_mbps"]["median"],
+                    "{h:>4}: seq write {} MB/s (local {}), seq read {} MB/s, create {} files/s, stat {} /s; pod process PSS {} -> {} KiB",
+                    m["seq_write_mbps"]["median"], m["local_write_mbps"]["median"], m["seq_read_mbps"]["median"],
                     m["create_per_s"]["median"], m["stat_per_s"]["median"], pss_before, pss_after
                 );
                 c.stop_and_remove_pod(&p.pod).await?;
@@ -272,6 +303,7 @@ fn main() -> Result<()> {
                 };
                 result["vm_over_flat"] = json!({
                     "seq_write": ratio("seq_write_mbps"),
+                    "local_write": ratio("local_write_mbps"),
                     "seq_read": ratio("seq_read_mbps"),
                     "create": ratio("create_per_s"),
                     "stat": ratio("stat_per_s"),
