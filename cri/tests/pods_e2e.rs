@@ -1018,7 +1018,27 @@ impl H {
 async fn agent_killed_marks_pod_not_ready() {
     let mut h = harness().await;
     let (pod, pcfg) = h.run_pod("victim").await;
-    let id = h.run(&pod, &pcfg, "sleeper", "sleep 1000").await;
+    // With a volume the container has written to: after a kill -9 of the pod's host process
+    // (the VM shim, whose file server holds the volume) the data stays on the host and no
+    // mount of it is left behind.
+    let vol = tempfile::tempdir().unwrap();
+    let mut cfg = h.ctr_config(
+        "sleeper",
+        "echo kept > /data/written && sync && exec sleep 1000",
+    );
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/data".into(),
+        host_path: vol.path().display().to_string(),
+        ..Default::default()
+    }];
+    let id = h.create(&pod, &pcfg, cfg).await.expect("CreateContainer");
+    h.start(&id).await;
+    wait_for(
+        "the container's write on the host",
+        Duration::from_secs(20),
+        || std::fs::read_to_string(vol.path().join("written")).is_ok_and(|s| s == "kept\n"),
+    )
+    .await;
     let info = h.verbose_status(&pod).await.info;
     let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
     let pid = i32::try_from(v["pid"].as_u64().unwrap()).unwrap();
@@ -1039,6 +1059,10 @@ async fn agent_killed_marks_pod_not_ready() {
     }
     h.remove_pod(&pod).await;
     h.assert_clean();
+    assert_eq!(
+        std::fs::read_to_string(vol.path().join("written")).unwrap(),
+        "kept\n"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -198,7 +198,7 @@ pub fn share_mounts(vm_dir: &Path, id: &str, mounts: &[cri::Mount]) -> Result<Ve
             let guest_path = match classify(m).map_err(RuntimeError::InvalidArgument)? {
                 Source::GuestDevice(p) => p,
                 kind => {
-                    if shared.is_empty() {
+                    if !base.exists() {
                         std::fs::create_dir(&base).map_err(crate::errors::internal(format!(
                             "creating {}",
                             base.display()
@@ -366,19 +366,19 @@ mod tests {
         assert!(vessel_images::snapshot::is_mountpoint(&share));
 
         let mounts = [
+            mount(Path::new("/dev/null"), "/dev/x", false),
             mount(&vol, "/data", false),
             mount(&file, "/etc/hosts", true),
-            mount(Path::new("/dev/null"), "/dev/x", false),
         ];
         let shared = share_mounts(&vm, "c1", &mounts).unwrap();
-        assert_eq!(shared[0].guest_path, format!("{GUEST_SHARED}/c1/0"));
+        assert_eq!(shared[0].guest_path, "/dev/null");
         assert_eq!(shared[1].guest_path, format!("{GUEST_SHARED}/c1/1"));
-        assert_eq!(shared[2].guest_path, "/dev/null");
+        assert_eq!(shared[2].guest_path, format!("{GUEST_SHARED}/c1/2"));
         // Writes through the share are the host's; the read-only file refuses them.
-        std::fs::write(share.join("c1/0/sub/b"), "from the guest").unwrap();
+        std::fs::write(share.join("c1/1/sub/b"), "from the guest").unwrap();
         assert_eq!(std::fs::read(vol.join("sub/b")).unwrap(), b"from the guest");
-        assert_eq!(std::fs::read(share.join("c1/1")).unwrap(), b"127.0.0.1 x\n");
-        let e = std::fs::write(share.join("c1/1"), "x").unwrap_err();
+        assert_eq!(std::fs::read(share.join("c1/2")).unwrap(), b"127.0.0.1 x\n");
+        let e = std::fs::write(share.join("c1/2"), "x").unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
 
         // The OCI spec's bind mounts now come from the guest's share.
@@ -387,7 +387,7 @@ mod tests {
             {"destination": "/proc", "source": "proc"},
         ]});
         rewrite_mount_sources(&mut spec, &shared);
-        assert_eq!(spec["mounts"][0]["source"], format!("{GUEST_SHARED}/c1/0"));
+        assert_eq!(spec["mounts"][0]["source"], format!("{GUEST_SHARED}/c1/1"));
         assert_eq!(spec["mounts"][0]["options"][1], "rprivate");
         assert_eq!(spec["mounts"][1]["source"], "proc");
 
