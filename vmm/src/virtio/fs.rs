@@ -30,6 +30,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
 
 pub const VIRTIO_ID_FS: u32 = 26;
+const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
 const QUEUE_SIZE: u16 = 1024;
 /// The high-priority queue and one request queue.
 const QUEUE_SIZES: [u16; 2] = [QUEUE_SIZE, QUEUE_SIZE];
@@ -387,8 +388,10 @@ impl VirtioDevice for Fs {
         &QUEUE_SIZES
     }
 
+    /// VIRTIO_RING_F_EVENT_IDX: the guest does not kick while the device is still draining
+    /// a queue, and the device interrupts only when the guest waits for it (each a VM exit).
     fn features(&self) -> u64 {
-        0
+        VIRTIO_RING_F_EVENT_IDX
     }
 
     /// `virtio_fs_config`: tag[36], num_request_queues (le32).
