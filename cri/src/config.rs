@@ -102,6 +102,7 @@ pull_progress_timeout_secs = 300
 # (a gzip bomb, a sparse file whose holes unpack as zeros); a pull that goes past one fails
 # naming the key, and what it wrote is removed. 0 turns a bound off.
 max_layer_bytes = 34359738368      # file content bytes (sparse files count in full)
+max_image_bytes = 68719476736      # the same, all the layers one pull unpacks
 max_layer_entries = 1000000        # tar entries
 max_unpack_ratio = 100             # bytes written per compressed byte, past the first GiB
 
@@ -262,6 +263,7 @@ pub struct ImagesConfig {
     pub connect_timeout_secs: u64,
     pub pull_progress_timeout_secs: u64,
     pub max_layer_bytes: u64,
+    pub max_image_bytes: u64,
     pub max_layer_entries: u64,
     pub max_unpack_ratio: u64,
     pub registries: BTreeMap<String, RegistryConfig>,
@@ -290,6 +292,7 @@ impl Default for ImagesConfig {
             connect_timeout_secs: 10,
             pull_progress_timeout_secs: 300,
             max_layer_bytes: vessel_images::unpack::UnpackLimits::default().max_bytes,
+            max_image_bytes: vessel_images::unpack::UnpackLimits::default().max_image_bytes,
             max_layer_entries: vessel_images::unpack::UnpackLimits::default().max_entries,
             max_unpack_ratio: vessel_images::unpack::UnpackLimits::default().max_ratio,
             registries: BTreeMap::new(),
@@ -612,6 +615,7 @@ impl Config {
     pub fn unpack_limits(&self) -> vessel_images::unpack::UnpackLimits {
         vessel_images::unpack::UnpackLimits {
             max_bytes: self.images.max_layer_bytes,
+            max_image_bytes: self.images.max_image_bytes,
             max_entries: self.images.max_layer_entries,
             max_ratio: self.images.max_unpack_ratio,
             ..Default::default()

@@ -677,6 +677,46 @@ async fn path_escapes_are_rejected_and_nothing_left() {
     assert!(!Path::new("/tmp/escaped").exists());
 }
 
+/// The layers of one pull share a byte bound (`images.max_image_bytes`) beside each layer's
+/// own: two 6 MiB layers under an 8 MiB per-layer bound fail a 10 MiB image bound, naming it,
+/// and leave nothing; one such layer alone pulls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_past_its_byte_bound_fails_and_leaves_nothing() {
+    let reg = registry(RegistryOptions::default());
+    let layer = |name: &str| {
+        let mut l = testimages::LayerBuilder::new();
+        l.file(name, 0o644, &vec![0x5a; 6 << 20]);
+        (l.finish(), Compression::Gzip)
+    };
+    let run = vessel_images::oci::RunConfig::default();
+    let amd64 = testimages::linux("amd64", None);
+    let two = testimages::image(vec![layer("a"), layer("b")], run.clone(), amd64.clone());
+    let one = testimages::image(vec![layer("c")], run, amd64);
+    push_image(&target(&reg, "big"), &two, Some("two"))
+        .await
+        .unwrap();
+    push_image(&target(&reg, "big"), &one, Some("one"))
+        .await
+        .unwrap();
+    let v = vesseld("[images]\nmax_layer_bytes = 8388608\nmax_image_bytes = 10485760\n");
+    let mut c = v.client().await;
+    let e = pull(&mut c, &format!("{}/big:two", reg.host()), None)
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains("images.max_image_bytes"),
+        "{:?}: {}",
+        e.code(),
+        e.message()
+    );
+    assert!(list(&mut c).await.is_empty());
+    assert!(dir_entries(&v.root_dir().join("images/tmp")).is_empty());
+    assert!(dir_entries(&v.root_dir().join("images/records")).is_empty());
+    pull(&mut c, &format!("{}/big:one", reg.host()), None)
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_pulls_share_one_download() {
     let reg = registry(RegistryOptions::default());

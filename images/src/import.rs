@@ -363,6 +363,7 @@ fn finish(
             ),
         ));
     }
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     for (i, (l, diff)) in manifest
         .layers
         .iter()
@@ -375,7 +376,7 @@ fn finish(
                 .rev()
                 .map(|d| store.layer_path(d))
                 .collect();
-            store.unpack_layer_blob(&l.digest, diff, lowers)?;
+            store.unpack_layer_blob(&l.digest, diff, lowers, Some(written.clone()))?;
         }
     }
     let rec = ImageRecord::new(

@@ -893,7 +893,9 @@ impl Puller {
         let total: u64 = manifest.layers.iter().map(|l| l.size).sum();
         tracing::info!(image = %r, layers = manifest.layers.len(), bytes = total, "pull: fetching layers");
 
-        // Layers: download (shared per blob) and unpack (shared per diff ID), concurrently.
+        // Layers: download (shared per blob) and unpack (shared per diff ID), concurrently;
+        // what they write together is bounded (`images.max_image_bytes`).
+        let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut jobs = Vec::new();
         for (i, (desc, diff_id)) in manifest
             .layers
@@ -911,7 +913,7 @@ impl Puller {
                 r,
                 desc,
                 diff_id,
-                lowers,
+                (lowers, written.clone()),
                 creds,
                 i,
                 manifest.layers.len(),
@@ -980,7 +982,7 @@ impl Puller {
         r: &Reference,
         desc: &Descriptor,
         diff_id: &Digest,
-        lowers: Vec<PathBuf>,
+        (lowers, written): (Vec<PathBuf>, Arc<std::sync::atomic::AtomicU64>),
         creds: &Credentials,
         i: usize,
         n: usize,
@@ -995,11 +997,11 @@ impl Puller {
         let blob = desc.digest.clone();
         let d = diff_id.clone();
         let t = Instant::now();
-        let res = tokio::task::spawn_blocking(move || store.unpack_layer_blob(&blob, &d, lowers))
-            .await
-            .map_err(|e| {
-                ImageError::io("unpack layer", PathBuf::new())(std::io::Error::other(e))
-            })?;
+        let res = tokio::task::spawn_blocking(move || {
+            store.unpack_layer_blob(&blob, &d, lowers, Some(written))
+        })
+        .await
+        .map_err(|e| ImageError::io("unpack layer", PathBuf::new())(std::io::Error::other(e)))?;
         if let Err(e) = res {
             // A blob that does not unpack (bad diff ID, path escape) is not worth keeping.
             let p = self.store.blob_path(&desc.digest);

@@ -530,6 +530,7 @@ impl ImageStore {
         reader: R,
         diff_id: &Digest,
         lowers: Vec<PathBuf>,
+        image_written: Option<Arc<std::sync::atomic::AtomicU64>>,
     ) -> Result<()> {
         let dest = self.layer_path(diff_id);
         if dest.is_dir() {
@@ -553,6 +554,7 @@ impl ImageStore {
                 skip_sync: true,
                 limits: self.limits,
                 compressed_read: Some(compressed_read),
+                image_written,
             };
             let stats = crate::unpack::unpack_layer(r, &tmp, &opts).map_err(|source| {
                 ImageError::Unpack {
@@ -590,10 +592,11 @@ impl ImageStore {
         blob: &Digest,
         diff_id: &Digest,
         lowers: Vec<PathBuf>,
+        image_written: Option<Arc<std::sync::atomic::AtomicU64>>,
     ) -> Result<()> {
         let p = self.blob_path(blob);
         let f = File::open(&p).map_err(ImageError::io("open blob", &p))?;
-        self.unpack_layer_from(f, diff_id, lowers)
+        self.unpack_layer_from(f, diff_id, lowers, image_written)
     }
 
     /// The unpacked layer directories of an image, bottom-most first.

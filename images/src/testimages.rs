@@ -649,7 +649,8 @@ fn busybox_run_config() -> RunConfig {
     }
 }
 
-fn linux(arch: &str, variant: Option<&str>) -> Platform {
+/// A Linux platform of `arch` (and `variant`).
+pub fn linux(arch: &str, variant: Option<&str>) -> Platform {
     Platform {
         architecture: arch.to_string(),
         os: "linux".to_string(),

@@ -41,6 +41,9 @@ pub struct UnpackOptions {
     /// Compressed bytes read so far (counted by the caller below the decompressor), for
     /// [`UnpackLimits::max_ratio`]; `None`: the ratio is not checked.
     pub compressed_read: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+    /// Bytes written by every layer of the image being pulled, shared by its layers'
+    /// unpacks, for [`UnpackLimits::max_image_bytes`]; `None`: not checked.
+    pub image_written: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// What one layer may write: a small layer must not fill the disk (a gzip bomb, or a GNU
@@ -50,6 +53,9 @@ pub struct UnpackOptions {
 pub struct UnpackLimits {
     /// Bytes of file content written (`images.max_layer_bytes`).
     pub max_bytes: u64,
+    /// Bytes of file content written by all the layers one pull unpacks
+    /// (`images.max_image_bytes`; layers already on the node cost nothing).
+    pub max_image_bytes: u64,
     /// Tar entries (`images.max_layer_entries`).
     pub max_entries: u64,
     /// Bytes written per compressed byte read (`images.max_unpack_ratio`), checked once
@@ -62,6 +68,7 @@ impl Default for UnpackLimits {
     fn default() -> Self {
         UnpackLimits {
             max_bytes: 32 << 30,
+            max_image_bytes: 64 << 30,
             max_entries: 1_000_000,
             max_ratio: 100,
             ratio_floor: 1 << 30,
@@ -808,6 +815,19 @@ impl Unpacker<'_> {
                 limit: l.max_bytes,
                 what: format!("{} bytes written by {:?}", self.written, lossy(raw)),
             });
+        }
+        if let Some(w) = &self.opts.image_written {
+            let total = w.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+            if l.max_image_bytes > 0 && total > l.max_image_bytes {
+                return Err(UnpackError::Limit {
+                    key: "images.max_image_bytes",
+                    limit: l.max_image_bytes,
+                    what: format!(
+                        "{total} bytes written by the image's layers (at {:?})",
+                        lossy(raw)
+                    ),
+                });
+            }
         }
         if let (Some(c), true) = (&self.opts.compressed_read, l.max_ratio > 0) {
             let read = c.load(std::sync::atomic::Ordering::Relaxed).max(1);
@@ -1787,6 +1807,44 @@ mod tests {
         h.set_cksum();
         b.append(&h, &[7u8; 512][..]).unwrap();
         b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn layers_of_one_image_share_its_byte_bound() {
+        // Two layers of 6 MiB each: each under the per-layer bound of 8 MiB, together over
+        // the image's 10 MiB.
+        let layer = |name: &str| {
+            let mut b = builder();
+            raw(
+                &mut b,
+                name,
+                tar::EntryType::Regular,
+                "",
+                &vec![1u8; 6 << 20],
+            );
+            b.into_inner().unwrap()
+        };
+        let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut opts = limited(8 << 20, 0);
+        opts.limits.max_image_bytes = 10 << 20;
+        opts.image_written = Some(written.clone());
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        unpack_layer(&layer("a")[..], a.path(), &opts).unwrap();
+        let e = unpack_layer(&layer("b")[..], b.path(), &opts).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                UnpackError::Limit {
+                    key: "images.max_image_bytes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Another pull has a budget of its own.
+        opts.image_written = Some(std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        let c = tempfile::tempdir().unwrap();
+        unpack_layer(&layer("b")[..], c.path(), &opts).unwrap();
     }
 
     #[test]

@@ -51,7 +51,7 @@ fn store_with_layer(root: &Path) -> (Arc<ImageStore>, Digest) {
     let diff_id = Digest::of(&tar);
     let store = ImageStore::open(root).unwrap();
     store
-        .unpack_layer_from(&tar[..], &diff_id, Vec::new())
+        .unpack_layer_from(&tar[..], &diff_id, Vec::new(), None)
         .unwrap();
     (Arc::new(store), diff_id)
 }
@@ -363,10 +363,10 @@ async fn overlayfs_honours_whiteouts_and_opaque_dirs_in_images() {
         .finish();
     let (lo, up) = (Digest::of(&lower), Digest::of(&upper));
     store
-        .unpack_layer_from(&lower[..], &lo, Vec::new())
+        .unpack_layer_from(&lower[..], &lo, Vec::new(), None)
         .unwrap();
     store
-        .unpack_layer_from(&upper[..], &up, vec![store.layer_path(&lo)])
+        .unpack_layer_from(&upper[..], &up, vec![store.layer_path(&lo)], None)
         .unwrap();
     let (lo_img, up_img) = (
         store.erofs_layer(&lo).await.unwrap(),

@@ -39,7 +39,7 @@ fn a_gzip_bomb_stops_at_the_ratio_bound() {
     let gz = gz.finish().unwrap();
     assert!(gz.len() < 1 << 20, "{} compressed bytes", gz.len());
     let e = store
-        .unpack_layer_from(&gz[..], &Digest::of(&tar), Vec::new())
+        .unpack_layer_from(&gz[..], &Digest::of(&tar), Vec::new(), None)
         .unwrap_err();
     match &e {
         ImageError::Unpack {
@@ -53,7 +53,7 @@ fn a_gzip_bomb_stops_at_the_ratio_bound() {
     // Within the bounds the same layer unpacks.
     store.set_unpack_limits(UnpackLimits::default());
     store
-        .unpack_layer_from(&gz[..], &Digest::of(&tar), Vec::new())
+        .unpack_layer_from(&gz[..], &Digest::of(&tar), Vec::new(), None)
         .unwrap();
 }
 
