@@ -1066,3 +1066,137 @@ async fn a_stalled_pull_fails_after_the_progress_timeout() {
     assert!(list(&mut c).await.is_empty());
     assert_store_empty(&v);
 }
+
+/// Detaches a mount when dropped (before the daemon's temp directory goes).
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+    }
+}
+
+/// Writes 1 MiB chunks to `path` until the filesystem is full.
+fn fill(path: &Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    let chunk = vec![0xa5u8; 1 << 20];
+    while f.write_all(&chunk).is_ok() {}
+    let _ = f.sync_all();
+    // The last pages: small writes until even those fail.
+    while f.write_all(&chunk[..4096]).is_ok() {}
+}
+
+/// A full disk under root_dir (a 48 MiB tmpfs): a pull fails cleanly (no partial layer,
+/// blob or record) and a pod or container that cannot be written fails without leaving
+/// anything; the image pulled before is intact, and once space is back the same pull and a
+/// container from the old image work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_fails_pulls_and_creates_cleanly() {
+    if !rustix::process::geteuid().is_root() {
+        println!("SKIP a_full_disk_fails_pulls_and_creates_cleanly: needs root (tmpfs)");
+        return;
+    }
+    use vessel_critest::client::{pod_metadata, sh_container};
+    let reg = registry(RegistryOptions::default());
+    let busybox = testimages::busybox_image(Compression::Gzip);
+    push_image(&target(&reg, "library/busybox"), &busybox, Some("latest"))
+        .await
+        .unwrap();
+    let mut l = testimages::LayerBuilder::new();
+    l.file("big", 0o644, &vec![0x5a; 8 << 20]);
+    let big = testimages::image(
+        vec![(l.finish(), Compression::Gzip)],
+        vessel_images::oci::RunConfig::default(),
+        testimages::linux("amd64", None),
+    );
+    push_image(&target(&reg, "big"), &big, Some("v1"))
+        .await
+        .unwrap();
+
+    let mut v = vesseld("");
+    v.stop();
+    let root = v.root_dir();
+    std::fs::create_dir_all(&root).unwrap();
+    rustix::mount::mount(
+        "vessel-test",
+        &root,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        Some(c"size=48m"),
+    )
+    .unwrap();
+    let _unmount = Unmount(root.clone());
+    v.restart().unwrap();
+    let mut c = v.client().await;
+    let bb = format!("{}/library/busybox:latest", reg.host());
+    pull(&mut c, &bb, None).await.unwrap();
+
+    // A pod made before the disk fills up.
+    let logs = tempfile::tempdir().unwrap();
+    let pcfg = |name: &str| cri::PodSandboxConfig {
+        metadata: pod_metadata(name, "e2e"),
+        log_directory: logs.path().join(name).display().to_string(),
+        ..Default::default()
+    };
+    let (before, before_cfg) = (
+        c.run_pod(&pcfg("before"), "").await.unwrap(),
+        pcfg("before"),
+    );
+    let pod_dirs = dir_entries(&root.join("pods"));
+
+    let filler = root.join("filler");
+    fill(&filler);
+    let e = pull(&mut c, &format!("{}/big:v1", reg.host()), None)
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains("No space left") || e.message().contains("os error 28"),
+        "{:?}: {}",
+        e.code(),
+        e.message()
+    );
+    assert!(dir_entries(&root.join("images/tmp")).is_empty());
+    assert_eq!(list(&mut c).await.len(), 1, "only busybox is listed");
+
+    // A new pod cannot be written: it fails whole. A container in the old pod: if it
+    // cannot be written, it fails whole too.
+    let e = c.run_pod(&pcfg("full"), "").await.unwrap_err();
+    assert!(e.message().contains("No space left"), "{}", e.message());
+    assert_eq!(dir_entries(&root.join("pods")), pod_dirs);
+    let created = c
+        .create_container(&before, &before_cfg, sh_container("c", &bb, "sleep 1000"))
+        .await;
+    println!(
+        "CreateContainer on a full disk: {:?}",
+        created.as_ref().map_err(|e| e.message().to_string())
+    );
+    if created.is_err() {
+        assert!(dir_entries(&root.join("containers")).is_empty());
+        assert!(dir_entries(&root.join("images/snapshots")).is_empty());
+    }
+    c.stop_and_remove_pod(&before).await.unwrap();
+    assert!(dir_entries(&root.join("pods")).is_empty());
+    assert!(dir_entries(&root.join("containers")).is_empty());
+    assert!(dir_entries(&root.join("images/snapshots")).is_empty());
+
+    // Space back: the same pull works, and the old image runs.
+    std::fs::remove_file(&filler).unwrap();
+    pull(&mut c, &format!("{}/big:v1", reg.host()), None)
+        .await
+        .unwrap();
+    let after = pcfg("after");
+    let pod = c.run_pod(&after, "").await.unwrap();
+    let ctr = c
+        .create_container(&pod, &after, sh_container("c", &bb, "sleep 1000"))
+        .await
+        .unwrap();
+    c.start_container(&ctr).await.unwrap();
+    let r = c
+        .exec_sync(&ctr, &["sh", "-c", "echo ok"], 10)
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, b"ok\n");
+    c.stop_and_remove_pod(&pod).await.unwrap();
+    v.stop();
+}

@@ -105,8 +105,12 @@ impl Runtime {
             reason: String::new(),
             ips: Vec::new(),
         };
-        // The record comes first: a crash from here on leaves something recovery cleans.
-        sandbox::save(&self.dirs, &rec)?;
+        // The record comes first: a crash from here on leaves something recovery cleans. If
+        // it cannot be written (a full disk), nothing of the pod is left either.
+        if let Err(e) = sandbox::save(&self.dirs, &rec) {
+            let _ = self.dirs.delete_pod(id);
+            return Err(e);
+        }
         let pod = self.pod_object(rec);
         let setup = match backend.start(&pod, &config).await {
             Ok(()) => sandbox::save(&self.dirs, &pod.record()),
@@ -180,7 +184,12 @@ impl Runtime {
         for ctr in self.ctrs_of(&rec.id) {
             self.mark_lost(&ctr, "pod sandbox stopped");
         }
-        sandbox::save(&self.dirs, &rec)?;
+        // The pod is stopped whether or not its record says so: one that cannot be written (a
+        // full disk) still says Ready, and a restart finds its host process gone and marks it
+        // NotReady. Failing here would only make kubelet retry a stop that is done.
+        if let Err(e) = sandbox::save(&self.dirs, &rec) {
+            tracing::warn!(pod = %rec.id, error = %e, "pod stopped, but its record was not updated");
+        }
         if was_ready {
             self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);
         }
