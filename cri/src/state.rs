@@ -54,6 +54,17 @@ pub struct PodRecord {
     /// The pod's IPs from CNI, IPv4 first (empty without CNI).
     #[serde(default)]
     pub ips: Vec<String>,
+    /// A StopPodSandbox began and has not finished: the pod is reported not ready, and a
+    /// vesseld that starts and finds this finishes the stop.
+    #[serde(default)]
+    pub stopping: bool,
+}
+
+impl PodRecord {
+    /// Whether CRI sees the pod ready: Ready, and no stop under way.
+    pub fn is_ready(&self) -> bool {
+        self.state == PodState::Ready && !self.stopping
+    }
 }
 
 /// Which sandbox backend a pod has.
@@ -431,6 +442,7 @@ mod tests {
             cgroup_parent: "/vessel/p1".into(),
             reason: String::new(),
             ips: vec![],
+            stopping: false,
         }
     }
 

@@ -1000,6 +1000,54 @@ async fn restart_recovery_after_kill9() {
     h.assert_clean();
 }
 
+/// A StopPodSandbox that a crash of vesseld interrupted (its record says `stopping`) is
+/// finished by the next vesseld: the pod reads not ready at once, its container ends up
+/// exited, its host process gone, and RemovePodSandbox leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_stop_is_finished_after_a_restart() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("halfstop").await;
+    let ctr = h.run(&pod, &pcfg, "sleeper", "exec sleep 1000").await;
+    let info = h.verbose_status(&pod).await.info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let pid = v["pid"].as_u64().unwrap();
+    h.v.kill9();
+    // What the record holds once a stop has begun, as a crash right then leaves it.
+    let rec_path = h.v.root_dir().join("pods").join(&pod).join("pod.json");
+    let mut rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&rec_path).unwrap()).unwrap();
+    assert_eq!(rec["state"], "Ready");
+    rec["stopping"] = serde_json::json!(true);
+    std::fs::write(&rec_path, serde_json::to_vec(&rec).unwrap()).unwrap();
+    h.v.restart().unwrap();
+    h.c = h.v.client().await;
+    assert_eq!(
+        h.pod_state(&pod).await,
+        cri::PodSandboxState::SandboxNotready as i32,
+        "a pod being stopped is not ready"
+    );
+    let s = h.wait_exit(&ctr, Duration::from_secs(30)).await;
+    assert_eq!(s.state, cri::ContainerState::ContainerExited as i32);
+    wait_for(
+        "the pod's host process to go",
+        Duration::from_secs(30),
+        || !Path::new(&format!("/proc/{pid}")).exists(),
+    )
+    .await;
+    let start = Instant::now();
+    loop {
+        let rec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&rec_path).unwrap()).unwrap();
+        if rec["state"] == "NotReady" && rec["stopping"] == false {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "record: {rec}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
 impl H {
     async fn run_pod_dup(&mut self, name: &str) -> tonic::Status {
         let cfg = self.pod_config(name);

@@ -104,6 +104,7 @@ impl Runtime {
             cgroup_parent,
             reason: String::new(),
             ips: Vec::new(),
+            stopping: false,
         };
         // The record comes first: a crash from here on leaves something recovery cleans. If
         // it cannot be written (a full disk), nothing of the pod is left either.
@@ -152,8 +153,13 @@ impl Runtime {
             Err(e) => return Err(e),
         };
         let _op = pod.op.lock().await;
-        let rec = pod.record();
+        let mut rec = pod.record();
         if rec.state == PodState::Ready {
+            // Said on disk first: a restart in the middle finishes the stop (recovery).
+            rec = pod.update(|r| r.stopping = true);
+            if let Err(e) = sandbox::save(&self.dirs, &rec) {
+                tracing::warn!(pod = %rec.id, error = %e, "stopping a pod whose record cannot be updated");
+            }
             if let Ok(mut c) = pod.client().await {
                 for ctr in self.ctrs_of(&rec.id) {
                     let _cop = ctr.op.lock().await;
@@ -177,6 +183,7 @@ impl Runtime {
         // NotReady first: the containers' stopped events carry the pod's state as it is.
         let rec = pod.update(|r| {
             r.state = PodState::NotReady;
+            r.stopping = false;
             if r.reason.is_empty() {
                 r.reason = "stopped".into();
             }
@@ -246,7 +253,7 @@ impl Runtime {
         let status = cri::PodSandboxStatus {
             id: rec.id.clone(),
             metadata: rec.config.metadata.clone(),
-            state: pod_state(rec.state),
+            state: pod_state(&rec),
             created_at: rec.created_at,
             network: Some(cri::PodSandboxNetworkStatus {
                 ip: rec.ips.first().cloned().unwrap_or_default(),
@@ -303,14 +310,14 @@ impl Runtime {
             .filter(|r| {
                 f.state.as_ref().is_none_or(|s| {
                     let ready = s.state == cri::PodSandboxState::SandboxReady as i32;
-                    ready == (r.state == PodState::Ready)
+                    ready == r.is_ready()
                 })
             })
             .filter(|r| matches_labels(&r.config.labels, &f.label_selector))
             .map(|r| cri::PodSandbox {
                 id: r.id.clone(),
                 metadata: r.config.metadata.clone(),
-                state: pod_state(r.state),
+                state: pod_state(&r),
                 created_at: r.created_at,
                 labels: r.config.labels.clone(),
                 annotations: r.config.annotations.clone(),

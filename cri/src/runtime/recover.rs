@@ -67,6 +67,7 @@ impl Runtime {
                     );
                     let r = pod.update(|r| {
                         r.state = PodState::NotReady;
+                        r.stopping = false;
                         r.reason = why;
                     });
                     let _ = self.dirs.save_pod(&r);
@@ -213,6 +214,26 @@ impl Runtime {
                     let _ = netns::unpin(&e.path());
                 }
             }
+        }
+        // Stops a restart interrupted: finished in the background (the daemon serves
+        // meanwhile; the pods read as not ready, and a StopPodSandbox waits for this one).
+        let stopping: Vec<String> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|p| p.record())
+            .filter(|r| r.stopping && r.state == PodState::Ready)
+            .map(|r| r.id)
+            .collect();
+        for id in stopping {
+            tracing::info!(pod = %id, "finishing a StopPodSandbox a restart interrupted");
+            let rt = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = rt.stop_pod_sandbox(&id).await {
+                    tracing::warn!(pod = %id, error = %e, "finishing an interrupted stop failed");
+                }
+            });
         }
         let (np, nc) = (
             self.pods.lock().unwrap_or_else(|p| p.into_inner()).len(),

@@ -130,9 +130,10 @@ pub(super) fn cri_state(s: ContainerState) -> cri::ContainerState {
     }
 }
 
-/// A pod's CRI state: ready, or not (a pod being created is not listed at all).
-pub(super) fn pod_state(s: crate::state::PodState) -> i32 {
-    if s == crate::state::PodState::Ready {
+/// A pod's CRI state: ready, or not (a pod being created is not listed at all; one being
+/// stopped is not ready).
+pub(super) fn pod_state(r: &crate::state::PodRecord) -> i32 {
+    if r.is_ready() {
         cri::PodSandboxState::SandboxReady as i32
     } else {
         cri::PodSandboxState::SandboxNotready as i32
