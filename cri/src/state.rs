@@ -381,6 +381,10 @@ impl StateDirs {
 
 /// The extension an unreadable record gets when it is moved aside.
 pub const QUARANTINE_EXT: &str = "quarantined";
+/// The name key of a stand-in for a pod whose record could not be read (then its id).
+pub const UNREADABLE_POD_KEY: &str = "unreadable/";
+/// The label such a stand-in carries.
+pub const UNREADABLE_LABEL: &str = "vessel.dev/unreadable-record";
 
 /// The pod or container id a quarantined record (from [`StateDirs::quarantined`]) was for.
 pub fn quarantined_id(p: &Path) -> Option<String> {

@@ -1506,6 +1506,9 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
     let a1 = h.run(&a, &acfg, "a1", "sleep 1000").await;
     let (b, bcfg) = h.run_pod("qb").await;
     let b1 = h.run(&b, &bcfg, "b1", "sleep 1000").await;
+    let info = h.verbose_status(&b).await.info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let sock = v["agentSocket"].as_str().unwrap().to_string();
     h.v.kill9();
     let root = h.v.root_dir();
     let a1_rec = root.join(format!("containers/{a1}.json"));
@@ -1566,4 +1569,57 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
         listed.iter().all(|c| c.id != a1 && c.id != b1),
         "{listed:?}"
     );
+    // The pod whose record is unreadable is listed, not ready, under a stand-in name, with
+    // its agent still running; RemovePodSandbox stops it and removes it with its containers.
+    let pods =
+        h.c.runtime
+            .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+    let sb = pods
+        .iter()
+        .find(|p| p.id == b)
+        .expect("the unreadable pod is listed");
+    assert_eq!(sb.state, cri::PodSandboxState::SandboxNotready as i32);
+    assert!(sb
+        .metadata
+        .as_ref()
+        .unwrap()
+        .name
+        .starts_with("unreadable-"));
+    assert_eq!(
+        sb.labels
+            .get("vessel.dev/unreadable-record")
+            .map(String::as_str),
+        Some("true")
+    );
+    let b_agent = |sock: &str| {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(sock))
+        })
+    };
+    assert!(b_agent(&sock), "pod b's agent was stopped at recovery");
+    h.remove_pod(&b).await;
+    assert!(!b_agent(&sock), "pod b's agent is still running");
+    assert!(!root.join(format!("pods/{b}")).exists());
+    assert!(!root.join(format!("containers/{b1}.json")).exists());
+    assert!(!root.join(format!("images/snapshots/{b1}")).exists());
+    let st =
+        h.c.runtime
+            .status(cri::StatusRequest { verbose: false })
+            .await
+            .unwrap()
+            .into_inner();
+    let cond = st
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.r#type == "StateRecordsReadable")
+        .unwrap();
+    assert!(cond.message.starts_with("1 record(s)"), "{cond:?}");
+    h.remove_pod(&a).await;
 }

@@ -220,9 +220,23 @@ impl Runtime {
         }
         self.teardown_pod_resources(&rec).await;
         self.opts.cni.forget(&rec.id);
+        let unreadable = rec.name_key.starts_with(crate::state::UNREADABLE_POD_KEY);
+        if unreadable {
+            // Its containers were kept, unmanaged: they go with it (their processes went with
+            // the pod's host process).
+            for c in self.dirs.load_containers() {
+                if c.pod_id == rec.id {
+                    let _ = self.store.remove_snapshot(&c.snapshot);
+                    let _ = self.dirs.delete_container(&c.id);
+                }
+            }
+        }
         self.dirs
             .delete_pod(&rec.id)
             .map_err(internal("removing pod state"))?;
+        if unreadable {
+            *self.quarantined.lock().unwrap_or_else(|p| p.into_inner()) = self.dirs.quarantined();
+        }
         // Built while the pod is still known (its last status goes with the event).
         let deleted = self.pod_event(&rec.id, cri::ContainerEventType::ContainerDeletedEvent);
         self.pods

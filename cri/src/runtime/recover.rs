@@ -5,8 +5,10 @@
 use super::{Ctr, Runtime};
 use crate::errors::agent_err;
 use crate::sandbox::{held, netns, process};
-use crate::state::{self, ContainerState, PodState};
+use crate::state::{self, BackendState, ContainerState, PodRecord, PodState, VmPodState};
+use k8s_cri::v1 as cri;
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use vessel_agent::proto as ap;
@@ -78,6 +80,31 @@ impl Runtime {
                 // Not ready: make sure nothing of it runs or stays mounted.
                 self.teardown_pod_resources(&rec).await;
             }
+        }
+        // Pods whose record could not be read: listed NotReady (placeholders, written back only
+        // if they change), so that kubelet's or an operator's RemovePodSandbox can clean up
+        // what is left of them. Nothing of theirs is torn down before that.
+        for p in self.dirs.quarantined() {
+            let is_pod = p
+                .file_name()
+                .is_some_and(|n| *n == *format!("pod.json.{}", state::QUARANTINE_EXT));
+            let Some(id) = state::quarantined_id(&p).filter(|_| is_pod) else {
+                continue;
+            };
+            if self.pod(&id).is_ok() {
+                continue;
+            }
+            let rec = self.unreadable_pod(&id, &p);
+            tracing::warn!(pod = %id, record = %p.display(), "pod with an unreadable record listed as not ready; RemovePodSandbox cleans it up");
+            self.names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name_key.clone(), rec.id.clone());
+            let pod = self.pod_object(rec);
+            self.pods
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, pod);
         }
         let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
             HashMap::new();
@@ -240,5 +267,57 @@ impl Runtime {
             self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).len(),
         );
         tracing::info!(pods = np, containers = nc, "state recovered");
+    }
+
+    /// A stand-in record for pod `id`, whose record at `path` could not be read: what vesseld
+    /// derives from the pod's id and directories (backend, agent socket, netns pin, default
+    /// cgroup), not ready, named `unreadable-<id>`, so that RemovePodSandbox can stop what is
+    /// left of it and remove it.
+    fn unreadable_pod(&self, id: &str, path: &Path) -> PodRecord {
+        let vm_dir = self.dirs.vm_dir(id);
+        let (backend, agent_socket) = if vm_dir.is_dir() {
+            let p = crate::sandbox::vm::VmPaths::new(&vm_dir);
+            let vm = VmPodState {
+                dir: vm_dir.clone(),
+                vsock: p.vsock.clone(),
+                control: p.control,
+                ..VmPodState::default()
+            };
+            (BackendState::Vm { vm }, p.vsock)
+        } else {
+            (BackendState::Flat {}, self.dirs.agent_socket(id))
+        };
+        let short = id.get(..12).unwrap_or(id);
+        PodRecord {
+            id: id.to_string(),
+            name_key: format!("{}{id}", state::UNREADABLE_POD_KEY),
+            config: cri::PodSandboxConfig {
+                metadata: Some(cri::PodSandboxMetadata {
+                    name: format!("unreadable-{short}"),
+                    uid: id.to_string(),
+                    namespace: "vessel-unreadable".into(),
+                    attempt: 0,
+                }),
+                labels: HashMap::from([(state::UNREADABLE_LABEL.to_string(), "true".to_string())]),
+                ..Default::default()
+            },
+            runtime_handler: String::new(),
+            backend,
+            state: PodState::NotReady,
+            created_at: 0,
+            agent_pid: 0,
+            agent_start_time: 0,
+            agent_socket,
+            agent_state_dir: self.dirs.pod_run_dir(id).join("agent"),
+            netns_path: self.dirs.netns_dir().join(id),
+            hostname: String::new(),
+            cgroup_parent: format!("/vessel/{id}"),
+            reason: format!(
+                "its record could not be read (kept at {}); RemovePodSandbox stops what is left of it and removes it",
+                path.display()
+            ),
+            ips: Vec::new(),
+            stopping: false,
+        }
     }
 }
