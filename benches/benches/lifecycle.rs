@@ -44,7 +44,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use vessel_benches::{
-    cmd_out, machine_info, pss_kib, release_vesseld, rss_kib, write_result, Stats,
+    bench_runs, cmd_out, machine_info, pss_kib, release_vesseld, rss_kib, write_result, Stats,
 };
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::Vesseld;
@@ -205,18 +205,7 @@ impl Bench {
     /// The pod's process from verbose PodSandboxStatus (`info.pid`): vessel's pod agent (or
     /// VM shim), containerd's pause process.
     async fn sandbox_pid(&mut self, pod: &str) -> Result<u32> {
-        let info = self
-            .c
-            .runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: pod.into(),
-                verbose: true,
-            })
-            .await?
-            .into_inner()
-            .info;
-        let v: serde_json::Value =
-            serde_json::from_str(info.get("info").context("no verbose info")?)?;
+        let v = self.c.pod_info(pod).await?;
         let pid = v["pid"].as_u64().context("no pid")?;
         u32::try_from(pid).with_context(|| format!("pid {pid} out of range"))
     }
@@ -597,11 +586,7 @@ async fn containerd_memory(b: &mut Bench, daemon_pid: Option<u32>) -> Result<Mem
 }
 
 fn main() -> Result<()> {
-    let measure = std::env::args().any(|a| a == "--bench");
-    let runs_env = std::env::var("VESSEL_BENCH_RUNS")
-        .ok()
-        .and_then(|r| r.parse().ok());
-    let runs = if measure { runs_env.unwrap_or(RUNS) } else { 1 };
+    let (measure, runs) = bench_runs(RUNS);
     let vm = handler() == "vm";
     let backend = if vm { "vm" } else { "flat" };
     let extra = std::env::var("VESSEL_BENCH_CONFIG").unwrap_or_default();

@@ -28,7 +28,9 @@ use k8s_cri::v1 as cri;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-use vessel_benches::{machine_info, release_vesseld, write_result, Stats};
+use vessel_benches::{
+    bench_handlers, bench_runs, machine_info, release_vesseld, write_result, Stats,
+};
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::{TestCni, Vesseld};
 use vessel_critest::registry::{Registry, RegistryOptions};
@@ -198,19 +200,8 @@ fn main() -> Result<()> {
             return Ok(());
         }
     };
-    let measure = std::env::args().any(|a| a == "--bench");
-    let runs = if measure {
-        std::env::var("VESSEL_BENCH_RUNS")
-            .ok()
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(RUNS)
-    } else {
-        1
-    };
-    let mut handlers = vec!["flat".to_string()];
-    if std::env::var("VESSEL_BENCH_HANDLER").as_deref() == Ok("vm") {
-        handlers.push("vm".into());
-    }
+    let (measure, runs) = bench_runs(RUNS);
+    let handlers = bench_handlers();
     let extra = std::env::var("VESSEL_BENCH_CONFIG").unwrap_or_default();
     let vesseld = release_vesseld(&["vessel-cri", "vessel-agent", "vessel-shim"])?;
     std::env::set_var("VESSEL_TEST_RUST_LOG", "info");

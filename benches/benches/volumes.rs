@@ -37,7 +37,10 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
-use vessel_benches::{machine_info, pss_kib, release_vesseld, vm_memory_kib, write_result, Stats};
+use vessel_benches::{
+    bench_handlers, bench_runs, machine_info, pss_kib, release_vesseld, vm_memory_kib,
+    write_result, Stats,
+};
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::Vesseld;
 use vessel_critest::registry::{Registry, RegistryOptions};
@@ -78,18 +81,7 @@ impl Pod {
     /// The pod's host process (the VM shim, or the flat agent) and the VM's memory (MiB; 0
     /// for a flat pod) from verbose status.
     async fn host_pid(&mut self) -> Result<(u32, u64)> {
-        let info = self
-            .c
-            .runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: self.pod.clone(),
-                verbose: true,
-            })
-            .await?
-            .into_inner()
-            .info;
-        let v: serde_json::Value =
-            serde_json::from_str(info.get("info").context("no verbose info")?)?;
+        let v = self.c.pod_info(&self.pod).await?;
         let pid = v["pid"].as_u64().context("no pid")?;
         let pid = u32::try_from(pid).with_context(|| format!("pid {pid} out of range"))?;
         Ok((pid, v["vm"]["memoryMiB"].as_u64().unwrap_or(0)))
@@ -214,19 +206,8 @@ fn main() -> Result<()> {
         println!("SKIP volumes: needs root (pods, mounts)");
         return Ok(());
     }
-    let measure_mode = std::env::args().any(|a| a == "--bench");
-    let runs = if measure_mode {
-        std::env::var("VESSEL_BENCH_RUNS")
-            .ok()
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(RUNS)
-    } else {
-        1
-    };
-    let mut handlers = vec!["flat".to_string()];
-    if std::env::var("VESSEL_BENCH_HANDLER").as_deref() == Ok("vm") {
-        handlers.push("vm".into());
-    }
+    let (measure_mode, runs) = bench_runs(RUNS);
+    let handlers = bench_handlers();
     let extra = std::env::var("VESSEL_BENCH_CONFIG").unwrap_or_default();
     let vesseld = release_vesseld(&["vessel-cri", "vessel-agent", "vessel-shim"])?;
     std::env::set_var("VESSEL_TEST_RUST_LOG", "info");
@@ -243,17 +224,7 @@ fn main() -> Result<()> {
             let image = format!("{}/library/busybox:latest", reg.host());
             let daemon = Vesseld::start_with(&vesseld, "log_level = \"info\"", &extra)?;
             let c = daemon.client().await;
-            c.images
-                .clone()
-                .pull_image(cri::PullImageRequest {
-                    image: Some(cri::ImageSpec {
-                        image: image.clone(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                })
-                .await
-                .context("PullImage")?;
+            c.pull(&image).await.context("PullImage")?;
             let work = tempfile::tempdir()?;
             let mut out = BTreeMap::new();
             for h in &handlers {

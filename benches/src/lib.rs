@@ -214,3 +214,24 @@ pub fn vm_memory_kib(pid: u32, guest_mib: u64) -> Option<(u64, u64)> {
     }
     Some((guest, other))
 }
+
+/// `--bench` on the command line (cargo bench passes it; `--no-run` builds and a plain run
+/// checks the bench once) and the number of runs: `VESSEL_BENCH_RUNS`, else `default`; 1
+/// without `--bench`.
+pub fn bench_runs(default: usize) -> (bool, usize) {
+    let measure = std::env::args().any(|a| a == "--bench");
+    let runs = std::env::var("VESSEL_BENCH_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(default);
+    (measure, if measure { runs } else { 1 })
+}
+
+/// The handlers a side-by-side bench measures: flat, and vm with `VESSEL_BENCH_HANDLER=vm`.
+pub fn bench_handlers() -> Vec<String> {
+    let mut handlers = vec!["flat".to_string()];
+    if std::env::var("VESSEL_BENCH_HANDLER").as_deref() == Ok("vm") {
+        handlers.push("vm".into());
+    }
+    handlers
+}

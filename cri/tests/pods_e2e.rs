@@ -1008,9 +1008,7 @@ async fn an_interrupted_stop_is_finished_after_a_restart() {
     let mut h = harness().await;
     let (pod, pcfg) = h.run_pod("halfstop").await;
     let ctr = h.run(&pod, &pcfg, "sleeper", "exec sleep 1000").await;
-    let info = h.verbose_status(&pod).await.info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let pid = v["pid"].as_u64().unwrap();
+    let pid = h.c.pod_info(&pod).await.unwrap()["pid"].as_u64().unwrap();
     h.v.kill9();
     // What the record holds once a stop has begun, as a crash right then leaves it.
     let rec_path = h.v.root_dir().join("pods").join(&pod).join("pod.json");
@@ -1049,6 +1047,23 @@ async fn an_interrupted_stop_is_finished_after_a_restart() {
 }
 
 impl H {
+    /// Status's StateRecordsReadable condition.
+    async fn records_condition(&mut self) -> cri::RuntimeCondition {
+        let st = self
+            .c
+            .runtime
+            .status(cri::StatusRequest { verbose: false })
+            .await
+            .unwrap()
+            .into_inner();
+        st.status
+            .unwrap()
+            .conditions
+            .into_iter()
+            .find(|c| c.r#type == "StateRecordsReadable")
+            .expect("StateRecordsReadable condition")
+    }
+
     async fn run_pod_dup(&mut self, name: &str) -> tonic::Status {
         let cfg = self.pod_config(name);
         self.c
@@ -1306,16 +1321,7 @@ async fn vm_layer_disks_whiteouts_and_slot_reuse() {
     t.insecure_tls = true;
     push_image(&t, &wimg, Some("latest")).await.unwrap();
     let wname = format!("{}/library/whiteout:latest", h._reg.host());
-    h.c.images
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: wname.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .expect("pull whiteout image");
+    h.c.pull(&wname).await.expect("pull whiteout image");
     let (pod, pcfg) = h.run_pod("slots").await;
     let mut cfg = h.ctr_config("w", "sleep 1000");
     cfg.image = Some(cri::ImageSpec {
@@ -1506,9 +1512,10 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
     let a1 = h.run(&a, &acfg, "a1", "sleep 1000").await;
     let (b, bcfg) = h.run_pod("qb").await;
     let b1 = h.run(&b, &bcfg, "b1", "sleep 1000").await;
-    let info = h.verbose_status(&b).await.info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let sock = v["agentSocket"].as_str().unwrap().to_string();
+    let sock = h.c.pod_info(&b).await.unwrap()["agentSocket"]
+        .as_str()
+        .unwrap()
+        .to_string();
     h.v.kill9();
     let root = h.v.root_dir();
     let a1_rec = root.join(format!("containers/{a1}.json"));
@@ -1519,19 +1526,7 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
     h.c = h.v.client().await;
 
     // The first call is answered once recovery is done (the socket is bound before).
-    let st =
-        h.c.runtime
-            .status(cri::StatusRequest { verbose: false })
-            .await
-            .unwrap()
-            .into_inner();
-    let cond = st
-        .status
-        .unwrap()
-        .conditions
-        .into_iter()
-        .find(|c| c.r#type == "StateRecordsReadable")
-        .expect("StateRecordsReadable condition");
+    let cond = h.records_condition().await;
     assert!(!cond.status, "{cond:?}");
     assert!(cond.message.starts_with("2 record(s)"), "{cond:?}");
     assert!(
@@ -1607,19 +1602,7 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
     assert!(!root.join(format!("pods/{b}")).exists());
     assert!(!root.join(format!("containers/{b1}.json")).exists());
     assert!(!root.join(format!("images/snapshots/{b1}")).exists());
-    let st =
-        h.c.runtime
-            .status(cri::StatusRequest { verbose: false })
-            .await
-            .unwrap()
-            .into_inner();
-    let cond = st
-        .status
-        .unwrap()
-        .conditions
-        .into_iter()
-        .find(|c| c.r#type == "StateRecordsReadable")
-        .unwrap();
+    let cond = h.records_condition().await;
     assert!(cond.message.starts_with("1 record(s)"), "{cond:?}");
     h.remove_pod(&a).await;
 }

@@ -154,6 +154,41 @@ impl CriClient {
             .collect())
     }
 
+    /// PullImage of `image` with no credentials; the image ref pulled.
+    pub async fn pull(&self, image: &str) -> CriResult<String> {
+        let r = self
+            .images
+            .clone()
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: image.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await?;
+        Ok(r.into_inner().image_ref)
+    }
+
+    /// The `info` object of a pod's verbose PodSandboxStatus (vessel's: backend, pid,
+    /// agentSocket, vm, ...).
+    pub async fn pod_info(&self, id: &str) -> CriResult<serde_json::Value> {
+        let info = self
+            .runtime
+            .clone()
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: id.into(),
+                verbose: true,
+            })
+            .await?
+            .into_inner()
+            .info;
+        let text = info
+            .get("info")
+            .ok_or_else(|| tonic::Status::internal("no verbose info"))?;
+        serde_json::from_str(text).map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+
     /// StopPodSandbox then RemovePodSandbox, as kubelet does.
     pub async fn stop_and_remove_pod(&self, id: &str) -> CriResult<()> {
         let mut rt = self.runtime.clone();

@@ -404,7 +404,6 @@ pub async fn vesseld_with_busybox(
     binary: &Path,
     extra_config: &str,
 ) -> (crate::registry::Registry, Vesseld, CriClient, String) {
-    use k8s_cri::v1 as cri;
     use vessel_images::push::{push_image, PushTarget};
     use vessel_images::testimages::{self, Compression};
     let reg = crate::registry::Registry::start(crate::registry::RegistryOptions::default())
@@ -416,18 +415,9 @@ pub async fn vesseld_with_busybox(
         .await
         .expect("push busybox");
     let v = Vesseld::start(binary, extra_config).expect("vesseld");
-    let mut c = v.client().await;
+    let c = v.client().await;
     let image = format!("{}/library/busybox:latest", reg.host());
-    c.images
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: image.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .expect("pull busybox");
+    c.pull(&image).await.expect("pull busybox");
     (reg, v, c, image)
 }
 
