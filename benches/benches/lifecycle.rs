@@ -47,10 +47,7 @@ use vessel_benches::{
     bench_runs, cmd_out, machine_info, pss_kib, release_vesseld, rss_kib, write_result, Stats,
 };
 use vessel_critest::client::CriClient;
-use vessel_critest::daemon::Vesseld;
-use vessel_critest::registry::{Registry, RegistryOptions};
-use vessel_images::push::{push_image, PushTarget};
-use vessel_images::testimages::{self, Compression};
+use vessel_critest::daemon::{busybox_registry, Vesseld};
 
 const RUNS: usize = 20;
 const WARMUP: usize = 2;
@@ -596,16 +593,13 @@ fn main() -> Result<()> {
     std::env::set_var("VESSEL_TEST_RUST_LOG", "info");
     let machine_start = machine_info();
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(async {
-        let reg = Registry::start(RegistryOptions::default())?;
-        let img = testimages::busybox_image(Compression::Gzip);
-        push_image(&PushTarget::new(&reg.url(), "library/busybox"), &img, Some("latest")).await?;
+        let (reg, image) = busybox_registry().await?;
         let v = Vesseld::start_with(&vesseld, "log_level = \"info\"", &extra)?;
         let guest_mib: u64 = extra
             .lines()
             .find_map(|l| l.trim().strip_prefix("memory_mib"))
             .and_then(|v| v.trim().trim_start_matches('=').trim().parse().ok())
             .unwrap_or(256);
-        let image = format!("{}/library/busybox:latest", reg.host());
         let mut vb = Bench { c: v.client().await, image: image.clone(), logs: tempfile::tempdir()?, n: 0, handler: handler() };
         let version = vb.version().await.unwrap_or_default();
         let mut sides = vec![Side { name: "vessel", kind: Kind::Vessel, b: vb, daemon_pid: v.pid(), version, samples: BTreeMap::new(), rates: BTreeMap::new(), memory: None }];

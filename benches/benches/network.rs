@@ -32,10 +32,7 @@ use vessel_benches::{
     bench_handlers, bench_runs, machine_info, release_vesseld, write_result, Stats,
 };
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
-use vessel_critest::daemon::{TestCni, Vesseld};
-use vessel_critest::registry::{Registry, RegistryOptions};
-use vessel_images::push::{push_image, PushTarget};
-use vessel_images::testimages::{self, Compression};
+use vessel_critest::daemon::{busybox_registry, TestCni, Vesseld};
 
 const RUNS: usize = 8;
 const PAYLOAD_MIB: u64 = 32;
@@ -212,10 +209,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?
         .block_on(async {
-            let reg = Registry::start(RegistryOptions::default())?;
-            let img = testimages::busybox_image(Compression::Gzip);
-            push_image(&PushTarget::new(&reg.url(), "library/busybox"), &img, Some("latest")).await?;
-            let image = format!("{}/library/busybox:latest", reg.host());
+            let (_reg, image) = busybox_registry().await?;
             let daemon = |cni_toml: String| {
                 let config = format!("{}\n{cni_toml}", extra);
                 Vesseld::start_with(&vesseld, "log_level = \"info\"", &config)
@@ -227,14 +221,8 @@ fn main() -> Result<()> {
             ))?;
             let mut bw = Bench { c: with.client().await, image: image.clone(), logs: tempfile::tempdir()?, n: 0 };
             let mut bo = Bench { c: without.client().await, image: image.clone(), logs: tempfile::tempdir()?, n: 0 };
-            for b in [&mut bw, &mut bo] {
-                b.c.images
-                    .pull_image(cri::PullImageRequest {
-                        image: Some(cri::ImageSpec { image: image.clone(), ..Default::default() }),
-                        ..Default::default()
-                    })
-                    .await
-                    .context("PullImage")?;
+            for b in [&bw, &bo] {
+                b.c.pull(&image).await.context("PullImage")?;
             }
             let mut out = BTreeMap::new();
             for h in &handlers {

@@ -42,10 +42,7 @@ use vessel_benches::{
     write_result, Stats,
 };
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
-use vessel_critest::daemon::Vesseld;
-use vessel_critest::registry::{Registry, RegistryOptions};
-use vessel_images::push::{push_image, PushTarget};
-use vessel_images::testimages::{self, Compression};
+use vessel_critest::daemon::{busybox_registry, Vesseld};
 
 const RUNS: usize = 5;
 const FILE_MIB: u64 = 64;
@@ -217,11 +214,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?
         .block_on(async {
-            let reg = Registry::start(RegistryOptions::default())?;
-            let img = testimages::busybox_image(Compression::Gzip);
-            push_image(&PushTarget::new(&reg.url(), "library/busybox"), &img, Some("latest"))
-                .await?;
-            let image = format!("{}/library/busybox:latest", reg.host());
+            let (_reg, image) = busybox_registry().await?;
             let daemon = Vesseld::start_with(&vesseld, "log_level = \"info\"", &extra)?;
             let c = daemon.client().await;
             c.pull(&image).await.context("PullImage")?;

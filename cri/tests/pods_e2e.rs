@@ -17,6 +17,7 @@ use vessel_critest::client::{pod_metadata, sh_container};
 use vessel_critest::daemon::{mounts_under, Vesseld};
 use vessel_images::push::{push_image, PushTarget};
 use vessel_images::testimages;
+use vessel_images::testrng::{env_u64, Rng};
 
 vessel_critest::e2e_harness!(H);
 
@@ -1607,27 +1608,10 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
     h.remove_pod(&a).await;
 }
 
-/// A small deterministic generator for the soak (seeded; the seed is printed).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % n.max(1) as u64).unwrap_or(0)
-    }
-    fn pick<'a>(&mut self, v: &'a [String]) -> Option<&'a String> {
-        (!v.is_empty()).then(|| &v[self.below(v.len())])
-    }
-}
-
 type SoakOp =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), tonic::Status>> + Send>>;
+/// How a soak operation is made again (a stop or removal, as kubelet retries it).
+type SoakRetry = fn(vessel_critest::client::CriClient, String) -> SoakOp;
 
 fn soak_remove_container(c: vessel_critest::client::CriClient, id: String) -> SoakOp {
     let mut rt = c.runtime.clone();
@@ -1641,6 +1625,10 @@ fn soak_remove_container(c: vessel_critest::client::CriClient, id: String) -> So
             .await
             .map(|_| ())
     })
+}
+
+fn soak_remove_pod(c: vessel_critest::client::CriClient, id: String) -> SoakOp {
+    Box::pin(async move { c.stop_and_remove_pod(&id).await })
 }
 
 fn soak_stop_pod(c: vessel_critest::client::CriClient, id: String) -> SoakOp {
@@ -1666,6 +1654,13 @@ impl Model {
             .filter(|(_, p)| p.0)
             .map(|(k, _)| k.clone())
             .collect()
+    }
+    /// Drops what an operation removed.
+    fn forget(&mut self, ids: &[String]) {
+        for id in ids {
+            self.pods.remove(id);
+            self.ctrs.remove(id);
+        }
     }
     fn running(&self) -> Vec<String> {
         self.ctrs
@@ -1731,21 +1726,16 @@ async fn crash_soak_with_kill9_of_vesseld() {
     ) {
         return;
     }
-    let ops: usize = std::env::var("VESSEL_SOAK_OPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
-    let seed = std::env::var("VESSEL_SOAK_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap();
-            (t.as_secs() << 20) ^ u64::from(t.subsec_nanos()) | 1
-        });
+    let ops = usize::try_from(env_u64("VESSEL_SOAK_OPS", 300)).unwrap_or(300);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let seed = env_u64(
+        "VESSEL_SOAK_SEED",
+        (now.as_secs() << 20) ^ u64::from(now.subsec_nanos()),
+    );
     println!("crash soak: {ops} operations, VESSEL_SOAK_SEED={seed}");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut h = harness().await;
     let mut m = Model::default();
     let (mut kills, mut lost, mut n, mut done) = (0, Vec::new(), 0usize, 0usize);
@@ -1754,9 +1744,10 @@ async fn crash_soak_with_kill9_of_vesseld() {
         n += 1;
         let c = h.c.clone();
         let kind = rng.below(8);
-        // What the operation may make disappear, and whether it is retried after a crash
-        // (stops and removals are, as kubelet retries them).
+        // What the operation may make disappear, and how it is retried after a crash (stops
+        // and removals are, as kubelet retries them).
         let mut gone: Vec<String> = Vec::new();
+        let mut again: Option<(SoakRetry, String)> = None;
         let fut: SoakOp = match kind {
             0 | 1 if m.pods.len() < 4 => {
                 let cfg = h.pod_config(&format!("soak-{n}"));
@@ -1787,12 +1778,16 @@ async fn crash_soak_with_kill9_of_vesseld() {
             5 => match rng.pick(&m.ctrs.keys().cloned().collect::<Vec<_>>()) {
                 Some(id) => {
                     gone.push(id.clone());
+                    again = Some((soak_remove_container, id.clone()));
                     soak_remove_container(c, id.clone())
                 }
                 None => continue,
             },
             6 => match rng.pick(&m.ready_pods()) {
-                Some(id) => soak_stop_pod(c, id.clone()),
+                Some(id) => {
+                    again = Some((soak_stop_pod, id.clone()));
+                    soak_stop_pod(c, id.clone())
+                }
                 None => continue,
             },
             _ => match rng.pick(&m.pods.keys().cloned().collect::<Vec<_>>()) {
@@ -1804,8 +1799,8 @@ async fn crash_soak_with_kill9_of_vesseld() {
                             .filter(|(_, (p, _))| p == id)
                             .map(|(c, _)| c.clone()),
                     );
-                    let id = id.clone();
-                    Box::pin(async move { c.stop_and_remove_pod(&id).await })
+                    again = Some((soak_remove_pod, id.clone()));
+                    soak_remove_pod(c, id.clone())
                 }
                 None => continue,
             },
@@ -1825,39 +1820,23 @@ async fn crash_soak_with_kill9_of_vesseld() {
             fut.await
                 .unwrap_or_else(|e| panic!("operation {op} (kind {kind}): {e}\n{}", h.v.log()));
         }
-        for g in &gone {
-            m.pods.remove(g);
-            m.ctrs.remove(g);
-        }
+        m.forget(&gone);
         reconcile(&mut h, &mut m, &mut lost).await;
         assert!(
             lost.is_empty(),
             "lost after operation {op} (kind {kind}, crashed {crashed}): {lost:?}"
         );
-        if crashed && matches!(kind, 5..=7) {
+        if let Some((retry, id)) = again.filter(|_| crashed) {
             // kubelet retries a stop or removal that failed; it must now succeed.
-            let c = h.c.clone();
-            let retry: Option<SoakOp> = match kind {
-                5 => gone.first().map(|id| soak_remove_container(c, id.clone())),
-                6 => None,
-                _ => gone.first().map(|id| {
-                    let id = id.clone();
-                    Box::pin(async move { c.stop_and_remove_pod(&id).await }) as SoakOp
-                }),
-            };
-            if let Some(r) = retry {
-                r.await
-                    .unwrap_or_else(|e| panic!("retry of operation {op}: {e}\n{}", h.v.log()));
-                for g in &gone {
-                    m.pods.remove(g);
-                    m.ctrs.remove(g);
-                }
-                reconcile(&mut h, &mut m, &mut lost).await;
-                assert!(
-                    lost.is_empty(),
-                    "lost after retrying operation {op}: {lost:?}"
-                );
-            }
+            retry(h.c.clone(), id)
+                .await
+                .unwrap_or_else(|e| panic!("retry of operation {op}: {e}\n{}", h.v.log()));
+            m.forget(&gone);
+            reconcile(&mut h, &mut m, &mut lost).await;
+            assert!(
+                lost.is_empty(),
+                "lost after retrying operation {op}: {lost:?}"
+            );
         }
     }
     println!(

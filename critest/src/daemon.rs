@@ -404,21 +404,25 @@ pub async fn vesseld_with_busybox(
     binary: &Path,
     extra_config: &str,
 ) -> (crate::registry::Registry, Vesseld, CriClient, String) {
+    let (reg, image) = busybox_registry().await.expect("registry with busybox");
+    let v = Vesseld::start(binary, extra_config).expect("vesseld");
+    let c = v.client().await;
+    c.pull(&image).await.expect("pull busybox");
+    (reg, v, c, image)
+}
+
+/// A registry on 127.0.0.1 serving the busybox test image as `library/busybox:latest`, and
+/// that image's name.
+pub async fn busybox_registry() -> anyhow::Result<(crate::registry::Registry, String)> {
     use vessel_images::push::{push_image, PushTarget};
     use vessel_images::testimages::{self, Compression};
-    let reg = crate::registry::Registry::start(crate::registry::RegistryOptions::default())
-        .expect("registry");
+    let reg = crate::registry::Registry::start(crate::registry::RegistryOptions::default())?;
     let img = testimages::busybox_image(Compression::Gzip);
     let mut t = PushTarget::new(&reg.url(), "library/busybox");
     t.insecure_tls = true;
-    push_image(&t, &img, Some("latest"))
-        .await
-        .expect("push busybox");
-    let v = Vesseld::start(binary, extra_config).expect("vesseld");
-    let c = v.client().await;
+    push_image(&t, &img, Some("latest")).await?;
     let image = format!("{}/library/busybox:latest", reg.host());
-    c.pull(&image).await.expect("pull busybox");
-    (reg, v, c, image)
+    Ok((reg, image))
 }
 
 /// Defines the end-to-end tests' harness type `$name` in the calling test crate: a registry

@@ -7,7 +7,8 @@
 //! - [`erofs`]: read-only EROFS images of unpacked layers, the rootfs disks of VM pods.
 //! - [`snapshot`]: container root filesystems as overlayfs mounts over shared layers.
 //! - [`import`]: offline import of OCI layouts and docker-archive tarballs.
-//! - [`push`] and [`testimages`]: building and pushing the deterministic test images.
+//! - [`push`] and [`testimages`]: building and pushing the deterministic test images;
+//!   [`testrng`]: the seeded generator of the tests that draw random inputs.
 
 pub mod challenge;
 pub mod digest;
@@ -24,6 +25,8 @@ pub mod snapshot;
 pub mod store;
 #[cfg(feature = "test-support")]
 pub mod testimages;
+#[cfg(feature = "test-support")]
+pub mod testrng;
 pub mod unpack;
 
 pub use digest::Digest;
