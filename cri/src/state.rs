@@ -301,15 +301,6 @@ impl StateDirs {
         out
     }
 
-    /// The ids of pods and containers whose records are quarantined: everything named by
-    /// them (snapshots, pins, VM files, pod dirs) is kept.
-    pub fn quarantined_ids(&self) -> std::collections::HashSet<String> {
-        self.quarantined()
-            .iter()
-            .filter_map(|p| quarantined_id(p))
-            .collect()
-    }
-
     pub fn save_pod(&self, p: &PodRecord) -> Result<(), StateError> {
         let dir = self.pod_dir(&p.id);
         fs::create_dir_all(&dir).map_err(io("create", &dir))?;
@@ -388,13 +379,21 @@ pub const UNREADABLE_LABEL: &str = "vessel.dev/unreadable-record";
 
 /// The pod or container id a quarantined record (from [`StateDirs::quarantined`]) was for.
 pub fn quarantined_id(p: &Path) -> Option<String> {
-    if p.file_name()? == format!("pod.json.{QUARANTINE_EXT}").as_str() {
-        p.parent()?.file_name()?.to_str().map(str::to_string)
-    } else {
+    quarantined_pod_id(p).or_else(|| {
         p.file_name()?
             .to_str()?
             .strip_suffix(&format!(".json.{QUARANTINE_EXT}"))
             .map(str::to_string)
+    })
+}
+
+/// The pod id of a quarantined pod record (`pods/<id>/pod.json.quarantined`); None for a
+/// container's.
+pub fn quarantined_pod_id(p: &Path) -> Option<String> {
+    if p.file_name()? == format!("pod.json.{QUARANTINE_EXT}").as_str() {
+        p.parent()?.file_name()?.to_str().map(str::to_string)
+    } else {
+        None
     }
 }
 

@@ -126,20 +126,22 @@ pub fn is_mountpoint(p: &Path) -> bool {
     let Ok(canon) = fs::canonicalize(p) else {
         return false;
     };
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = canon.to_string_lossy();
-    info.lines().any(|l| {
-        l.split(' ')
-            .nth(4)
-            .map(|m| unescape_mount_path(m) == want)
-            .unwrap_or(false)
-    })
+    mount_points().contains(&canon)
 }
 
-/// A mount point as `/proc/self/mountinfo` writes it (`\\ooo` escapes), unescaped.
-pub fn unescape_mount_path(s: &str) -> String {
+/// Every mount point `/proc/self/mountinfo` lists, unescaped, in its order (empty if it
+/// cannot be read).
+pub fn mount_points() -> Vec<PathBuf> {
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(unescape_mount_path(m)))
+        .collect()
+}
+
+fn unescape_mount_path(s: &str) -> String {
     // mountinfo escapes space, tab, newline and backslash as \ooo
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());

@@ -7,7 +7,7 @@ use crate::errors::agent_err;
 use crate::sandbox::{held, netns, process};
 use crate::state::{self, BackendState, ContainerState, PodRecord, PodState, VmPodState};
 use k8s_cri::v1 as cri;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +23,11 @@ impl Runtime {
         }
         let records = self.dirs.load_pods();
         // What belongs to a record that could not be read is kept (its pod may still run).
-        let mut kept = self.dirs.quarantined_ids();
+        let unreadable = self.dirs.quarantined();
+        let mut kept: HashSet<String> = unreadable
+            .iter()
+            .filter_map(|p| state::quarantined_id(p))
+            .collect();
         if !kept.is_empty() {
             tracing::error!(ids = ?kept, "records quarantined; their data is kept and their pods are not managed (see Status)");
         }
@@ -84,17 +88,14 @@ impl Runtime {
         // Pods whose record could not be read: listed NotReady (placeholders, written back only
         // if they change), so that kubelet's or an operator's RemovePodSandbox can clean up
         // what is left of them. Nothing of theirs is torn down before that.
-        for p in self.dirs.quarantined() {
-            let is_pod = p
-                .file_name()
-                .is_some_and(|n| *n == *format!("pod.json.{}", state::QUARANTINE_EXT));
-            let Some(id) = state::quarantined_id(&p).filter(|_| is_pod) else {
+        for p in &unreadable {
+            let Some(id) = state::quarantined_pod_id(p) else {
                 continue;
             };
             if self.pod(&id).is_ok() {
                 continue;
             }
-            let rec = self.unreadable_pod(&id, &p);
+            let rec = self.unreadable_pod(&id, p);
             tracing::warn!(pod = %id, record = %p.display(), "pod with an unreadable record listed as not ready; RemovePodSandbox cleans it up");
             self.names
                 .lock()

@@ -238,13 +238,8 @@ pub fn share_mounts(vm_dir: &Path, id: &str, mounts: &[cri::Mount]) -> Result<Ve
 
 /// Mount points at or below `prefix`, deepest first.
 fn mounts_under(prefix: &Path) -> Vec<PathBuf> {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut points: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|m| PathBuf::from(vessel_images::snapshot::unescape_mount_path(m)))
+    let mut points: Vec<PathBuf> = vessel_images::snapshot::mount_points()
+        .into_iter()
         .filter(|p| p.starts_with(prefix))
         .collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
