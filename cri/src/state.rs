@@ -307,15 +307,17 @@ impl StateDirs {
         Self::write(&dir.join("pod.json"), p)
     }
 
+    /// Removes a pod's files, its record last: a crash part way leaves the record, and the
+    /// pod with it, for the next RemovePodSandbox to finish.
     pub fn delete_pod(&self, id: &str) -> Result<(), StateError> {
-        let dir = self.pod_dir(id);
-        fsutil::remove_any(&dir).map_err(io("remove", &dir))?;
         let run = self.pod_run_dir(id);
         fsutil::remove_any(&run).map_err(io("remove", &run))?;
         let vm = self.vm_dir(id);
         fsutil::remove_any(&vm).map_err(io("remove", &vm))?;
         let sock = self.agent_socket(id);
-        fsutil::remove_any(&sock).map_err(io("remove", &sock))
+        fsutil::remove_any(&sock).map_err(io("remove", &sock))?;
+        let dir = self.pod_dir(id);
+        fsutil::remove_any(&dir).map_err(io("remove", &dir))
     }
 
     pub fn load_pods(&self) -> Vec<PodRecord> {
@@ -330,21 +332,34 @@ impl StateDirs {
         Self::read_all(files)
     }
 
-    /// Pod directories that have no record: debris of a crash before the first write. A dir
-    /// whose record was quarantined is not one.
+    /// Pod directories that have no record (debris of a crash before the first write; a dir
+    /// whose record was quarantined is not one), and runtime directories of pods that have no
+    /// directory.
     pub fn orphan_pod_dirs(&self) -> Vec<PathBuf> {
-        fs::read_dir(self.pods_dir())
-            .map(|rd| {
-                rd.flatten()
-                    .map(|e| e.path())
-                    .filter(|p| {
-                        p.is_dir()
-                            && !p.join("pod.json").exists()
-                            && !p.join(format!("pod.json.{QUARANTINE_EXT}")).exists()
-                    })
-                    .collect()
+        let dirs = |d: PathBuf| -> Vec<PathBuf> {
+            fs::read_dir(d)
+                .map(|rd| {
+                    rd.flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.is_dir())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut out: Vec<PathBuf> = dirs(self.pods_dir())
+            .into_iter()
+            .filter(|p| {
+                !p.join("pod.json").exists()
+                    && !p.join(format!("pod.json.{QUARANTINE_EXT}")).exists()
             })
-            .unwrap_or_default()
+            .collect();
+        // Runtime files of a pod with no directory of its own left (a removal that an older
+        // version left half done).
+        out.extend(dirs(self.run.join("pods")).into_iter().filter(|p| {
+            p.file_name()
+                .is_none_or(|id| !self.pods_dir().join(id).exists())
+        }));
+        out
     }
 
     pub fn save_container(&self, c: &ContainerRecord) -> Result<(), StateError> {
@@ -447,6 +462,23 @@ mod tests {
             ips: vec![],
             stopping: false,
         }
+    }
+
+    #[test]
+    fn a_removal_cut_short_leaves_the_record_or_nothing_of_the_pod() {
+        let t = tempfile::tempdir().unwrap();
+        let dirs = StateDirs::new(&t.path().join("root"), &t.path().join("run")).unwrap();
+        let rec = record(BackendState::Flat {});
+        dirs.save_pod(&rec).unwrap();
+        fs::create_dir_all(dirs.pod_run_dir(&rec.id).join("agent")).unwrap();
+        assert!(dirs.orphan_pod_dirs().is_empty());
+        // The record goes last.
+        dirs.delete_pod(&rec.id).unwrap();
+        assert!(!dirs.pod_run_dir(&rec.id).exists() && !dirs.pod_dir(&rec.id).exists());
+        // Runtime files whose pod directory is gone (an older version removed the record
+        // first) are debris for the next start.
+        fs::create_dir_all(dirs.pod_run_dir("p2").join("agent")).unwrap();
+        assert_eq!(dirs.orphan_pod_dirs(), vec![dirs.pod_run_dir("p2")]);
     }
 
     #[test]
