@@ -1,6 +1,7 @@
 //! The agent's record of one container: its state, exit, stdio and log.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,11 +44,14 @@ pub struct Container {
     pub upperdir: Option<PathBuf>,
     pub cgroup: Cgroup,
     pub log: Arc<LogFile>,
-    pub pid: i32,
+    /// The init's pid once the container was launched (at its start); 0 before.
+    pid: AtomicI32,
     pub created_at: i64,
     /// Keeps the container's stdin open (`stdin: true`): the write end of its pipe, or the
     /// pty master.
     pub stdin: Mutex<Option<std::os::fd::OwnedFd>>,
+    /// The container asked for a stdin (CRI `stdin`).
+    pub want_stdin: bool,
     /// Created with a terminal (`stdin` is then the pty master).
     pub tty: bool,
     /// Close stdin when the first attached client is done with it.
@@ -66,8 +70,7 @@ impl Container {
         upperdir: Option<PathBuf>,
         cgroup: Cgroup,
         log: Arc<LogFile>,
-        pid: i32,
-        stdin: Option<std::os::fd::OwnedFd>,
+        want_stdin: bool,
         tty: bool,
         stdin_once: bool,
     ) -> Arc<Container> {
@@ -80,9 +83,10 @@ impl Container {
             upperdir,
             cgroup,
             log,
-            pid,
+            pid: AtomicI32::new(0),
             created_at: crate::now_nanos(),
-            stdin: Mutex::new(stdin),
+            stdin: Mutex::new(None),
+            want_stdin,
             tty,
             stdin_once,
             state: Mutex::new(Mutable {
@@ -92,6 +96,22 @@ impl Container {
             }),
             exit_tx,
         })
+    }
+
+    /// The init's pid; 0 until the container was launched.
+    pub fn pid(&self) -> i32 {
+        self.pid.load(Ordering::Acquire)
+    }
+
+    /// Whether libcontainer created the container's processes (its start does that).
+    pub fn launched(&self) -> bool {
+        self.pid() != 0
+    }
+
+    /// Records the launched init and the write end of its stdin.
+    pub fn set_launched(&self, pid: i32, stdin: Option<std::os::fd::OwnedFd>) {
+        *self.stdin.lock().unwrap_or_else(|e| e.into_inner()) = stdin;
+        self.pid.store(pid, Ordering::Release);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Mutable> {
@@ -124,7 +144,9 @@ impl Container {
         Ok(())
     }
 
-    /// Ends a start; `ok` moves a still-created container to running.
+    /// Ends a start; `ok` moves a still-created container to running. A failed launch leaves
+    /// nothing to start again: the container is then exited (code 128, as a runtime reports
+    /// a start error).
     pub fn end_start(&self, ok: bool) {
         let mut s = self.lock();
         s.starting = false;
@@ -133,6 +155,16 @@ impl Container {
             if s.phase == Phase::Created {
                 s.phase = Phase::Running;
             }
+        } else if !self.launched() && s.phase == Phase::Created {
+            let info = ExitInfo {
+                exit_code: 128,
+                signal: 0,
+                oom_killed: false,
+                finished_at: crate::now_nanos(),
+            };
+            s.phase = Phase::Exited(info);
+            drop(s);
+            self.exit_tx.send_replace(Some(info));
         }
     }
 
@@ -146,7 +178,7 @@ impl Container {
         ContainerInfo {
             id: self.id.clone(),
             state: state as i32,
-            pid: self.pid as u32,
+            pid: self.pid() as u32,
             created_at: self.created_at,
             started_at: s.started_at,
             exit,

@@ -226,23 +226,23 @@ async fn run(a: DebugArgs) -> Result<i32, Error> {
             let mut log_path = a.hybrid_vsock.clone().into_os_string();
             log_path.push(format!("_{log_port}"));
             let logs = log_listener(Path::new(&log_path)).await?;
-            let created = c
-                .create_container(proto::CreateContainerRequest {
-                    id: id.clone(),
-                    oci_spec: spec(&args, &binds, &id)?,
-                    rootfs: Some(proto::Rootfs {
-                        kind: Some(proto::rootfs::Kind::Disks(proto::DiskLayersRootfs {
-                            serials: disks,
-                        })),
-                    }),
-                    log_vsock_port: log_port,
-                    ..Default::default()
-                })
+            c.create_container(proto::CreateContainerRequest {
+                id: id.clone(),
+                oci_spec: spec(&args, &binds, &id)?,
+                rootfs: Some(proto::Rootfs {
+                    kind: Some(proto::rootfs::Kind::Disks(proto::DiskLayersRootfs {
+                        serials: disks,
+                    })),
+                }),
+                log_vsock_port: log_port,
+                ..Default::default()
+            })
+            .await?;
+            let started = c
+                .start_container(proto::StartContainerRequest { id: id.clone() })
                 .await?
                 .into_inner();
-            println!("created pid={}", created.pid);
-            c.start_container(proto::StartContainerRequest { id: id.clone() })
-                .await?;
+            println!("started pid={}", started.pid);
             let exit = c
                 .wait_container(proto::WaitContainerRequest { id: id.clone() })
                 .await?

@@ -8,9 +8,13 @@
 //! agent a lock held by another thread at that moment (malloc arenas, the tracing
 //! subscriber, stdio) would be copied locked into the child and could deadlock it. Running
 //! libcontainer on one dedicated thread does not help: the *other* threads still exist at
-//! clone time. So every libcontainer call (create, start, exec, delete) runs in a fresh
-//! `vessel-agent libct ...` process: single-threaded, no tokio, started with
-//! `std::process::Command` (fork+exec, which is safe from a threaded parent).
+//! clone time. So every libcontainer call that makes processes (create, exec), and start
+//! (which `chdir`s, a process-wide change), runs in a fresh `vessel-agent libct ...` process:
+//! single-threaded, no tokio, started with `std::process::Command` (fork+exec, which is safe
+//! from a threaded parent). A container is created and started by one helper (`create
+//! --start`) when CRI starts it. Delete forks nothing and changes no process-wide state
+//! (it reads state, signals, removes cgroups and files), so the agent runs it in-process
+//! ([`delete`]), on a blocking thread.
 //!
 //! Process ancestry: the helper is a child of the agent. For `create`, libcontainer's
 //! intermediate process (the helper's child) forks the container init and exits, so the
@@ -68,16 +72,9 @@ pub enum HelperOp {
         /// Container stdin/stdout/stderr are fds 3/4/5.
         #[arg(long)]
         stdio: bool,
-    },
-    /// Starts a created container.
-    Start {
+        /// Start the container once created (after `PID <n>`); a failed start deletes it.
         #[arg(long)]
-        id: String,
-    },
-    /// Deletes a container (killing what is left), its cgroup and its state.
-    Delete {
-        #[arg(long)]
-        id: String,
+        start: bool,
     },
     /// Runs a process in a running container; prints `PID <n>` then `EXIT <code> <signal>`.
     Exec {
@@ -151,6 +148,19 @@ fn load(root: &Path, id: &str) -> Result<Container, LibcontainerError> {
         return Err(LibcontainerError::NoDirectory);
     }
     Container::load(dir)
+}
+
+/// Deletes a container's libcontainer state and cgroups (killing what is left of it), in the
+/// calling process: nothing here forks or changes process-wide state. Blocking (cgroup
+/// removal retries with sleeps): call it from a blocking thread. A container libcontainer
+/// never created is not an error.
+pub fn delete(root: &Path, id: &str) -> Result<(), AgentError> {
+    match load(root, id) {
+        Ok(mut c) => c.delete(true),
+        Err(LibcontainerError::NoDirectory) => Ok(()),
+        Err(e) => Err(e),
+    }
+    .map_err(|e| map_err(error_kind(&e), format!("libcontainer: {}", error_chain(&e))))
 }
 
 /// The environment variable naming the fd of the host's mount namespace, which a flat
@@ -300,6 +310,7 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             bundle,
             console_socket,
             stdio,
+            start,
         } => {
             if let Some(host_ns) = take_host_mount_ns() {
                 stage_binds(&host_ns, &bundle)?;
@@ -316,19 +327,31 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
                 .with_systemd(false)
                 .with_detach(true)
                 .build()?;
-            let pid = c
+            let mut c = c;
+            let launched = c
                 .pid()
-                .ok_or_else(|| LibcontainerError::Other("created container has no pid".into()))?;
-            apply_bind_propagation(pid.as_raw(), &bundle)?;
-            say(&format!("PID {pid}"));
-            Ok(())
+                .ok_or_else(|| LibcontainerError::Other("created container has no pid".into()))
+                .and_then(|pid| {
+                    apply_bind_propagation(pid.as_raw(), &bundle)?;
+                    if start {
+                        c.start()?;
+                    }
+                    Ok(pid)
+                });
+            match launched {
+                Ok(pid) => {
+                    say(&format!("PID {pid}"));
+                    Ok(())
+                }
+                Err(e) => {
+                    // Nothing half-made stays: the waiting init, its cgroup, the state.
+                    if let Err(d) = c.delete(true) {
+                        tracing::warn!(error = %error_chain(&d), "deleting a container that did not start");
+                    }
+                    Err(e)
+                }
+            }
         }
-        HelperOp::Start { id } => load(root, &id)?.start(),
-        HelperOp::Delete { id } => match load(root, &id) {
-            Ok(mut c) => c.delete(true),
-            Err(LibcontainerError::NoDirectory) => Ok(()),
-            Err(e) => Err(e),
-        },
         HelperOp::Exec {
             id,
             cwd,
@@ -346,7 +369,7 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
 /// them, so a bind mount would keep its source's propagation (the agent's rslave: host mounts
 /// made later would show through a "private" mount). Like runc, we change propagation with a
 /// separate mount(2) per mount point. Safe here: this helper is single-threaded (setns into a
-/// mount namespace requires that) and exits right after.
+/// mount namespace requires that) and goes back to its own namespace afterwards.
 fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerError> {
     use nix::mount::MsFlags;
     let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
@@ -388,9 +411,27 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt")).map_err(|e| {
         LibcontainerError::Other(format!("opening the container's mount namespace: {e}"))
     })?;
+    let own = std::fs::File::open("/proc/self/ns/mnt").map_err(|e| {
+        LibcontainerError::Other(format!("opening the helper's mount namespace: {e}"))
+    })?;
     nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| {
         LibcontainerError::Other(format!("joining the container's mount namespace: {e}"))
     })?;
+    let applied = set_propagation(wanted, ro_cgroup.then_some(mountinfo.as_str()));
+    // Back home whatever happened: starting the container reads this helper's /proc.
+    nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| {
+        LibcontainerError::Other(format!("returning to the helper's mount namespace: {e}"))
+    })?;
+    applied
+}
+
+/// In the container's mount namespace: the propagation of its bind mounts, and its cgroup
+/// mounts read-only when `ro_cgroup_mountinfo` (the init's mountinfo) is given.
+fn set_propagation(
+    wanted: Vec<(PathBuf, nix::mount::MsFlags)>,
+    ro_cgroup_mountinfo: Option<&str>,
+) -> Result<(), LibcontainerError> {
+    use nix::mount::MsFlags;
     for (dest, flags) in wanted {
         nix::mount::mount(None::<&str>, &dest, None::<&str>, flags, None::<&str>).map_err(|e| {
             LibcontainerError::Other(format!(
@@ -399,7 +440,7 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
             ))
         })?;
     }
-    if ro_cgroup {
+    if let Some(mountinfo) = ro_cgroup_mountinfo {
         let mut points: Vec<&str> = mountinfo
             .lines()
             .filter_map(|l| l.split(' ').nth(4))

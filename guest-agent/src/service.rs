@@ -241,13 +241,13 @@ impl AgentState {
             .map_err(io_internal(format!("creating {}", dir.display())))?;
         match self.create_in(&req, &dir).await {
             Ok(c) => {
-                let pid = c.pid as u32;
                 self.table().insert(req.id.clone(), c);
-                Ok(pid)
+                Ok(0)
             }
             Err(e) => {
                 tracing::warn!(id = %req.id, error = %e, "create failed; cleaning up");
-                self.cleanup_dir(&req.id, &dir, true).await;
+                // Nothing of libcontainer's exists yet: it runs at start.
+                self.cleanup_dir(&req.id, &dir, false).await;
                 self.release_layers(&req.id).await;
                 Err(e)
             }
@@ -328,19 +328,45 @@ impl AgentState {
                 .map_err(io_internal(format!("opening log {}", req.log_path)))?
         };
 
+        let c = Container::new(
+            id.to_string(),
+            dir.to_path_buf(),
+            rootfs,
+            mounted,
+            upperdir,
+            cgroup,
+            log,
+            req.stdin,
+            req.tty,
+            req.stdin_once,
+        );
+        tracing::info!(id, "container created");
+        Ok(c)
+    }
+
+    /// Launches a created container: libcontainer creates its processes and starts it, in one
+    /// helper (`libct create --start`). Done at StartContainer, as containerd does, so that
+    /// CreateContainer stays cheap; the price of making the processes (the helper, the
+    /// container's cgroups and mounts) is paid once, here.
+    async fn launch(&self, c: &Arc<Container>) -> Result<i32, AgentError> {
+        let id = c.id.as_str();
+        let dir = c.dir.as_path();
         let mut args: Vec<OsString> = vec![
             "create".into(),
             "--id".into(),
             id.into(),
             "--bundle".into(),
-            bundle.into_os_string(),
+            dir.join("bundle").into_os_string(),
+            "--start".into(),
         ];
+        let log = c.log.clone();
         let mut pumps: Vec<JoinHandle<()>> = Vec::new();
         let mut keep_stdin: Option<OwnedFd> = None;
         let stdio;
         let mut console = None;
-        if req.tty {
+        if c.tty {
             let path = dir.join("console.sock");
+            let _ = std::fs::remove_file(&path);
             let sock =
                 ConsoleSocket::bind(&path).map_err(io_internal("binding the console socket"))?;
             args.push("--console-socket".into());
@@ -350,7 +376,7 @@ impl AgentState {
             }));
             stdio = None;
         } else {
-            let (stdin_r, stdin_w) = if req.stdin {
+            let (stdin_r, stdin_w) = if c.want_stdin {
                 let (r, w) = pipe().map_err(io_internal("pipe"))?;
                 (r, Some(w))
             } else {
@@ -373,18 +399,27 @@ impl AgentState {
             stdio = Some([stdin_r, out_w, err_w]);
         }
 
-        let oom_before = cgroup.oom_kill_count().unwrap_or(0);
+        let oom_before = c.cgroup.oom_kill_count().unwrap_or(0);
         let created = self.libct.run(&args, stdio, HELPER_TIMEOUT).await;
         let pid = match created {
             Ok(Some(pid)) => pid,
-            Ok(None) => return Err(AgentError::Internal("create reported no pid".into())),
+            Ok(None) => {
+                for p in &pumps {
+                    p.abort();
+                }
+                return Err(AgentError::Internal("create reported no pid".into()));
+            }
             Err(e) => {
-                if let Some(c) = console {
-                    c.abort();
+                if let Some(console) = console {
+                    console.abort();
+                }
+                for p in &pumps {
+                    p.abort();
                 }
                 return Err(e);
             }
         };
+        // The reaper keeps an exit that came first: a container that exits at once is seen.
         let exit_rx = self.libct.reaper.watch(pid);
 
         if let Some(console) = console {
@@ -393,26 +428,13 @@ impl AgentState {
                 .map_err(|e| AgentError::internal("console socket task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
             let _ = std::fs::remove_file(dir.join("console.sock"));
-            if req.stdin {
+            if c.want_stdin {
                 keep_stdin = Some(master.try_clone().map_err(io_internal("dup"))?);
             }
             let reader = AsyncFdIo::new(master).map_err(io_internal("pty master"))?;
             pumps.push(tokio::spawn(pump(reader, Stream::Stdout, log.clone())));
         }
-
-        let c = Container::new(
-            id.to_string(),
-            dir.to_path_buf(),
-            rootfs,
-            mounted,
-            upperdir,
-            cgroup,
-            log,
-            pid,
-            keep_stdin,
-            req.tty,
-            req.stdin_once,
-        );
+        c.set_launched(pid, keep_stdin);
         let c2 = c.clone();
         tokio::spawn(async move {
             let status = exit_rx.await.unwrap_or(crate::reaper::ExitStatus {
@@ -421,16 +443,15 @@ impl AgentState {
             });
             c2.exited(status, oom_before, pumps).await;
         });
-        tracing::info!(id, pid, "container created");
-        Ok(c)
+        tracing::info!(id, pid, "container launched");
+        Ok(pid)
     }
 
     /// Removes what a (possibly half-made) container left: libcontainer state and cgroup,
     /// the rootfs mount and the directory.
     async fn cleanup_dir(&self, id: &str, dir: &Path, libct: bool) {
         if libct {
-            let args: Vec<OsString> = vec!["delete".into(), "--id".into(), id.into()];
-            if let Err(e) = self.libct.run(&args, None, HELPER_TIMEOUT).await {
+            if let Err(e) = self.libct_delete(id).await {
                 tracing::warn!(id, error = %e, "libcontainer delete during cleanup");
             }
         }
@@ -446,23 +467,29 @@ impl AgentState {
         }
     }
 
-    pub async fn start(&self, id: &str) -> Result<(), AgentError> {
+    /// Starts a created container; returns its init's pid.
+    pub async fn start(&self, id: &str) -> Result<i32, AgentError> {
         let c = self.get(id)?;
+        // Launches exclude create, delete and shutdown of the pod's containers.
+        let _guard = self.lifecycle.lock().await;
         c.begin_start().map_err(|phase| {
             AgentError::FailedPrecondition(format!(
                 "container {id:?} cannot be started: it is {}",
                 phase_name(&phase)
             ))
         })?;
-        let args: Vec<OsString> = vec!["start".into(), "--id".into(), id.into()];
-        let r = self.libct.run(&args, None, HELPER_TIMEOUT).await;
+        let r = self.launch(&c).await;
+        if let Err(e) = &r {
+            tracing::warn!(id, error = %e, "start failed");
+        }
         c.end_start(r.is_ok());
-        r.map(|_| ())
+        r
     }
 
     /// Sends `sig` to the init (or every process) of `c`.
     fn signal(c: &Arc<Container>, sig: Signal, all: bool) -> Result<(), AgentError> {
-        if c.is_exited() {
+        // Not launched: no process to signal (and pid 0 would mean the agent's own group).
+        if c.is_exited() || !c.launched() {
             return Ok(());
         }
         if all {
@@ -471,13 +498,13 @@ impl AgentState {
             }
         }
         let sent = if all {
-            kill(Pid::from_raw(c.pid), sig)
+            kill(Pid::from_raw(c.pid()), sig)
         } else {
             crate::signals::send_to_init(c, sig)
         };
         match sent {
             Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
-            Err(e) => Err(AgentError::internal(format!("kill {}", c.pid), e)),
+            Err(e) => Err(AgentError::internal(format!("kill {}", c.pid()), e)),
         }
     }
 
@@ -490,8 +517,16 @@ impl AgentState {
         self.delete_locked(&c).await
     }
 
+    /// libcontainer's delete of `id` (state, cgroups), on a blocking thread.
+    async fn libct_delete(&self, id: &str) -> Result<(), AgentError> {
+        let (root, id) = (self.libct.root.clone(), id.to_string());
+        tokio::task::spawn_blocking(move || crate::libct::delete(&root, &id))
+            .await
+            .map_err(|e| AgentError::internal("libcontainer delete task", e))?
+    }
+
     async fn delete_locked(&self, c: &Arc<Container>) -> Result<(), AgentError> {
-        if !c.is_exited() {
+        if c.launched() && !c.is_exited() {
             Self::signal(c, Signal::SIGKILL, true)?;
             if tokio::time::timeout(KILL_WAIT, c.wait()).await.is_err() {
                 return Err(AgentError::DeadlineExceeded(format!(
@@ -500,8 +535,8 @@ impl AgentState {
                 )));
             }
         }
-        let args: Vec<OsString> = vec!["delete".into(), "--id".into(), c.id.clone().into()];
-        self.libct.run(&args, None, HELPER_TIMEOUT).await?;
+        // Also for a container never launched: a failed launch may have left state.
+        self.libct_delete(&c.id).await?;
         if c.mounted {
             crate::rootfs::unmount_all(&c.rootfs);
         }
@@ -591,7 +626,8 @@ impl AgentState {
                 let _ = Self::signal(c, Signal::SIGKILL, true);
             }
         }
-        let waits = futures::future::join_all(all.iter().map(|c| c.wait()));
+        let waits =
+            futures::future::join_all(all.iter().filter(|c| c.launched()).map(|c| c.wait()));
         if tokio::time::timeout(STOP_GRACE, waits).await.is_err() {
             for c in &all {
                 let _ = Self::signal(c, Signal::SIGKILL, true);
@@ -1064,8 +1100,10 @@ impl Agent for AgentService {
         &self,
         req: Request<proto::StartContainerRequest>,
     ) -> Result<Response<proto::StartContainerResponse>, Status> {
-        self.state.start(&req.into_inner().id).await?;
-        Ok(Response::new(proto::StartContainerResponse {}))
+        let pid = self.state.start(&req.into_inner().id).await?;
+        Ok(Response::new(proto::StartContainerResponse {
+            pid: pid as u32,
+        }))
     }
 
     async fn signal_container(

@@ -77,7 +77,7 @@ fn catchable(sig: Signal) -> bool {
 /// Sends `sig` to the container's init; if the kernel would have dropped it (no handler yet),
 /// a background task sends it again once the init installs one. Errors as `kill(2)`'s.
 pub fn send_to_init(c: &Arc<Container>, sig: Signal) -> nix::Result<()> {
-    let pid = c.pid;
+    let pid = c.pid();
     let before = catchable(sig)
         .then(|| Disposition::read(Path::new("/proc"), pid, sig))
         .flatten();
@@ -98,12 +98,12 @@ async fn resend_when_caught(c: Arc<Container>, sig: Signal) {
             _ = c.wait() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        let Some(now) = Disposition::read(Path::new("/proc"), c.pid, sig) else {
+        let Some(now) = Disposition::read(Path::new("/proc"), c.pid(), sig) else {
             return;
         };
         if now.caught {
-            tracing::debug!(container = %c.id, pid = c.pid, ?sig, "init installed a handler; sending again");
-            let _ = kill(Pid::from_raw(c.pid), sig);
+            tracing::debug!(container = %c.id, pid = c.pid(), ?sig, "init installed a handler; sending again");
+            let _ = kill(Pid::from_raw(c.pid()), sig);
             return;
         }
         if now.ignored {

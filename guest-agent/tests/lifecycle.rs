@@ -126,13 +126,14 @@ async fn delete_created_and_running_containers() {
     }
     let agent = TestAgent::start();
     let mut c = agent.client().await;
+    // A created container has no processes yet: the agent makes them when it starts.
     let pid = c
         .create_container(agent.create_request("created", &SpecBuilder::sh("echo never")))
         .await
         .unwrap()
         .into_inner()
         .pid;
-    assert!(pid > 1);
+    assert_eq!(pid, 0);
     let info = c
         .container_status(proto::ContainerStatusRequest {
             id: "created".into(),
@@ -143,7 +144,16 @@ async fn delete_created_and_running_containers() {
         .info
         .unwrap();
     assert_eq!(info.state, proto::ContainerState::Created as i32);
-    assert_eq!(info.pid, pid);
+    assert_eq!(info.pid, 0);
+    assert!(agent.container_cgroups().is_empty());
+    // Signals to it reach nobody (not the agent's process group) and succeed.
+    c.signal_container(proto::SignalContainerRequest {
+        id: "created".into(),
+        signal: 9,
+        all: true,
+    })
+    .await
+    .unwrap();
     // A second create with the same id fails.
     let e = c
         .create_container(agent.create_request("created", &SpecBuilder::sh("true")))
@@ -161,10 +171,8 @@ async fn delete_created_and_running_containers() {
             tokio::spawn(async move { wait_exit(&mut c, "running").await })
         })
         .collect();
-    assert_eq!(
-        agent.container_cgroups().len(),
-        2 * agent.cgroup_dirs().len()
-    );
+    // Only the started container has cgroups.
+    assert_eq!(agent.container_cgroups().len(), agent.cgroup_dirs().len());
     for id in ["created", "running"] {
         c.delete_container(proto::DeleteContainerRequest { id: id.into() })
             .await

@@ -265,23 +265,31 @@ impl Runtime {
         let mut c = pod.client().await?;
         // Stamped before the call: a process that exits at once must not finish before it started.
         let started_at = state::now_nanos();
-        if let Err(s) = c
+        // The agent makes the container's processes here (earlier agents did at create and
+        // answer no pid).
+        let started = c
             .start_container(ap::StartContainerRequest { id: rec.id.clone() })
-            .await
-        {
-            let e = agent_err(&format!("StartContainer {}", rec.id), s);
-            let rec = ctr.update(|r| {
-                r.state = ContainerState::Exited;
-                r.finished_at = state::now_nanos();
-                r.exit_code = 128;
-                r.reason = "StartError".into();
-                r.message = e.to_string();
-            });
-            let _ = self.dirs.save_container(&rec);
-            self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
-            return Err(e);
-        }
+            .await;
+        let pid = match started {
+            Ok(r) => r.into_inner().pid,
+            Err(s) => {
+                let e = agent_err(&format!("StartContainer {}", rec.id), s);
+                let rec = ctr.update(|r| {
+                    r.state = ContainerState::Exited;
+                    r.finished_at = state::now_nanos();
+                    r.exit_code = 128;
+                    r.reason = "StartError".into();
+                    r.message = e.to_string();
+                });
+                let _ = self.dirs.save_container(&rec);
+                self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
+                return Err(e);
+            }
+        };
         let rec = ctr.update(|r| {
+            if pid != 0 {
+                r.pid = pid;
+            }
             if r.state == ContainerState::Created {
                 r.state = ContainerState::Running;
             }

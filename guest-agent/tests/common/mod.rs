@@ -164,17 +164,16 @@ impl TestAgent {
     }
 
     /// Creates and starts a container running `args`.
+    /// Creates and starts a container; returns its init's pid (StartContainer answers it).
     pub async fn run(&self, c: &mut Client, id: &str, spec: &SpecBuilder) -> u32 {
-        let pid = c
-            .create_container(self.create_request(id, spec))
+        c.create_container(self.create_request(id, spec))
+            .await
+            .unwrap();
+        c.start_container(proto::StartContainerRequest { id: id.into() })
             .await
             .unwrap()
             .into_inner()
-            .pid;
-        c.start_container(proto::StartContainerRequest { id: id.into() })
-            .await
-            .unwrap();
-        pid
+            .pid
     }
 
     pub fn agent_log(&self) -> String {
