@@ -7,14 +7,16 @@
 #   sudo scripts/containerd-bench.sh stop     # stop pods, containerd and shims; remove all state
 #   sudo scripts/containerd-bench.sh status
 #   scripts/containerd-bench.sh endpoint      # prints unix:///run/vessel-bench-containerd/containerd.sock
+#   sudo scripts/containerd-bench.sh mirror registry.k8s.io http://127.0.0.1:5000
 #
 # Everything is private to this script and never touches a system containerd:
 #   state, socket, CNI conf: /run/vessel-bench-containerd
 #   root (content, snapshots): /var/lib/vessel-bench-containerd
-#   CNI: a `bridge` (vbench0, no gateway, no masquerade) + host-local IPAM (10.217.0.0/24) and
-#        `loopback` from Debian's /usr/lib/cni; containerd's CRI cannot run a pod without a
-#        CNI result for eth0. vessel's flat pods have loopback only, so containerd's pod
-#        start/stop includes a veth + bridge set-up that vessel's does not.
+#   CNI: Debian's /usr/lib/cni plugins, the chain vessel's critest bench runs: `bridge`
+#        (vbench0, gateway, no masquerade, hairpin) + host-local IPAM (10.217.0.0/24) and
+#        `portmap`; containerd's CRI adds `loopback` itself. (The lifecycle bench's vessel
+#        runs pods without CNI, so there containerd's pod start/stop includes a veth + bridge
+#        set-up that vessel's does not; the critest bench gives both the same chain.)
 #   cgroups: cgroupfs (SystemdCgroup = false); restrict_oom_score_adj = true, since root here
 #        may lack CAP_SYS_RESOURCE.
 #   sandbox (pause) image: no registry is reachable, so `start` builds one locally and imports
@@ -109,6 +111,8 @@ state = "$STATE"
     [plugins."io.containerd.grpc.v1.cri".registry]
       config_path = "$HOSTS_DIR"
 EOF
+  # The chain vessel's test and bench networks run (critest daemon::TestCni), less loopback,
+  # which containerd's CRI sets up itself.
   cat >"$CNI_CONF/10-vessel-bench.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
@@ -117,18 +121,34 @@ EOF
     {
       "type": "bridge",
       "bridge": "$BRIDGE",
-      "isGateway": false,
+      "isGateway": true,
       "ipMasq": false,
-      "hairpinMode": false,
+      "hairpinMode": true,
       "ipam": {
         "type": "host-local",
         "dataDir": "$CNI_DATA",
-        "ranges": [[{ "subnet": "10.217.0.0/24" }]]
+        "ranges": [[{ "subnet": "10.217.0.0/24" }]],
+        "routes": [{ "dst": "0.0.0.0/0" }]
       }
     },
-    { "type": "loopback" }
+    { "type": "portmap", "capabilities": { "portMappings": true } }
   ]
 }
+EOF
+}
+
+# Registry host $1 pulled from $2 (http://127.0.0.1:PORT) instead: a hosts.toml in our
+# config_path, which containerd reads at each pull.
+mirror() {
+  need_root mirror
+  [ -n "${1:-}" ] && [ -n "${2:-}" ] || die "usage: $0 mirror HOST URL"
+  mkdir -p "$HOSTS_DIR/$1"
+  cat >"$HOSTS_DIR/$1/hosts.toml" <<EOF
+server = "$2"
+
+[host."$2"]
+  capabilities = ["pull", "resolve"]
+  skip_verify = true
 EOF
 }
 
@@ -246,5 +266,6 @@ case "${1:-}" in
   stop) stop ;;
   status) status ;;
   endpoint) echo "unix://$SOCK" ;;
-  *) echo "usage: $0 start|stop|status|endpoint" >&2; exit 2 ;;
+  mirror) shift; mirror "$@" ;;
+  *) echo "usage: $0 start|stop|status|endpoint|mirror HOST URL" >&2; exit 2 ;;
 esac

@@ -44,16 +44,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use vessel_benches::{
-    bench_runs, cmd_out, machine_info, pss_kib, release_vesseld, rss_kib, write_result, Stats,
+    bench_runs, cmd_out, containerd_socket, machine_info, order, pss_kib, release_vesseld, rss_kib,
+    write_result, Stats,
 };
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::{busybox_registry, Vesseld};
 
 const RUNS: usize = 20;
 const WARMUP: usize = 2;
-/// Where `scripts/containerd-bench.sh` serves its containerd.
-const DEFAULT_CONTAINERD: &str = "/run/vessel-bench-containerd/containerd.sock";
-
 /// The operations reported, in order.
 const OPS: &[&str] = &[
     "RunPodSandbox",
@@ -394,19 +392,6 @@ fn comm(pid: u32) -> String {
         .to_string()
 }
 
-/// containerd's socket path from `VESSEL_BENCH_CONTAINERD` (`unix://` optional), else the
-/// default of `scripts/containerd-bench.sh` when it exists. `Err` says why there is none.
-fn containerd_socket() -> Result<PathBuf, String> {
-    match std::env::var("VESSEL_BENCH_CONTAINERD") {
-        Ok(v) if v == "off" || v == "0" => Err("VESSEL_BENCH_CONTAINERD=off".into()),
-        Ok(v) if !v.is_empty() => Ok(PathBuf::from(v.trim_start_matches("unix://"))),
-        _ if Path::new(DEFAULT_CONTAINERD).exists() => Ok(PathBuf::from(DEFAULT_CONTAINERD)),
-        _ => Err(format!(
-            "no VESSEL_BENCH_CONTAINERD and no {DEFAULT_CONTAINERD}; run `sudo scripts/containerd-bench.sh start` first, or scripts/bench-side-by-side.sh"
-        )),
-    }
-}
-
 /// The containerd serving `socket`: the pid file `scripts/containerd-bench.sh` writes beside
 /// it, else a process named containerd whose command line names the socket's directory.
 fn containerd_pid(socket: &Path) -> Option<u32> {
@@ -464,15 +449,6 @@ impl Side {
     fn stats(&self, op: &str) -> Option<Stats> {
         self.samples.get(op).and_then(|v| Stats::of(v))
     }
-}
-
-/// Iteration `i`'s order over the sides: alternately vessel first and containerd first.
-fn order(i: usize, n: usize) -> Vec<usize> {
-    let mut o: Vec<usize> = (0..n).collect();
-    if i % 2 == 1 {
-        o.reverse();
-    }
-    o
 }
 
 async fn vessel_memory(b: &mut Bench, daemon_pid: u32, vm: bool, guest_mib: u64) -> Result<Memory> {

@@ -91,6 +91,7 @@ pub fn release_vesseld(packages: &[&str]) -> Result<PathBuf> {
 pub struct Stats {
     pub n: usize,
     pub median: f64,
+    pub p90: f64,
     pub p95: f64,
     pub min: f64,
     pub max: f64,
@@ -110,13 +111,14 @@ impl Stats {
         } else {
             (v[n / 2 - 1] + v[n / 2]) / 2.0
         };
-        // Nearest-rank p95. ceil(0.95 n) is at most n, a usize (and clamped anyway).
+        // Nearest rank: ceil(q n) is at most n, a usize (and clamped anyway).
         #[allow(clippy::cast_possible_truncation)]
-        let rank = ((0.95 * n as f64).ceil() as usize).clamp(1, n);
+        let rank = |q: f64| ((q * n as f64).ceil() as usize).clamp(1, n);
         Some(Stats {
             n,
             median,
-            p95: v[rank - 1],
+            p90: v[rank(0.90) - 1],
+            p95: v[rank(0.95) - 1],
             min: v[0],
             max: v[n - 1],
             mean: v.iter().sum::<f64>() / n as f64,
@@ -126,7 +128,7 @@ impl Stats {
     pub fn json(&self) -> serde_json::Value {
         let r = |x: f64| (x * 100.0).round() / 100.0;
         serde_json::json!({
-            "n": self.n, "median_ms": r(self.median), "p95_ms": r(self.p95),
+            "n": self.n, "median_ms": r(self.median), "p90_ms": r(self.p90), "p95_ms": r(self.p95),
             "min_ms": r(self.min), "max_ms": r(self.max), "mean_ms": r(self.mean),
         })
     }
@@ -234,4 +236,32 @@ pub fn bench_handlers() -> Vec<String> {
         handlers.push("vm".into());
     }
     handlers
+}
+
+/// The default socket of `scripts/containerd-bench.sh`'s private containerd.
+pub const DEFAULT_CONTAINERD: &str = "/run/vessel-bench-containerd/containerd.sock";
+
+/// containerd's socket path from `VESSEL_BENCH_CONTAINERD` (`unix://` optional), else the
+/// default of `scripts/containerd-bench.sh` when it exists. `Err` says why there is none.
+pub fn containerd_socket() -> Result<PathBuf, String> {
+    match std::env::var("VESSEL_BENCH_CONTAINERD") {
+        Ok(v) if v == "off" || v == "0" => Err("VESSEL_BENCH_CONTAINERD=off".into()),
+        Ok(v) if !v.is_empty() => Ok(PathBuf::from(v.trim_start_matches("unix://"))),
+        _ if std::path::Path::new(DEFAULT_CONTAINERD).exists() => {
+            Ok(PathBuf::from(DEFAULT_CONTAINERD))
+        }
+        _ => Err(format!(
+            "no VESSEL_BENCH_CONTAINERD and no {DEFAULT_CONTAINERD}; run `sudo scripts/containerd-bench.sh start` first, or scripts/bench-side-by-side.sh"
+        )),
+    }
+}
+
+/// Iteration `i`'s order over `n` sides: alternately first to last and last to first, so
+/// that load drift hits every side alike.
+pub fn order(i: usize, n: usize) -> Vec<usize> {
+    let mut o: Vec<usize> = (0..n).collect();
+    if i % 2 == 1 {
+        o.reverse();
+    }
+    o
 }

@@ -175,6 +175,14 @@ pub enum StandIns {
 }
 
 impl StandIns {
+    /// The registry's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        match self {
+            StandIns::Py(r) => r.port,
+            StandIns::Pushed(r) => r.port(),
+        }
+    }
+
     pub fn mirrors_toml(&self) -> String {
         match self {
             StandIns::Py(r) => r.mirrors_toml(),
