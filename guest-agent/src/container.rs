@@ -58,6 +58,9 @@ pub struct Container {
     pub stdin_once: bool,
     state: Mutex<Mutable>,
     exit_tx: watch::Sender<Option<ExitInfo>>,
+    /// Whether libcontainer's state and cgroups of this container are gone; held while they
+    /// are being deleted (at exit, in the background, or by DeleteContainer).
+    pub libct_deleted: tokio::sync::Mutex<bool>,
 }
 
 impl Container {
@@ -95,6 +98,7 @@ impl Container {
                 starting: false,
             }),
             exit_tx,
+            libct_deleted: tokio::sync::Mutex::new(false),
         })
     }
 
@@ -196,14 +200,15 @@ impl Container {
         }
     }
 
-    /// Records the exit of the init process: reads the OOM counter first (before anyone can
-    /// delete the cgroup), lets the output drain into the log, then publishes.
-    pub async fn exited(
-        self: Arc<Self>,
+    /// The exit of the init process: reads the OOM counter first (before anyone can delete
+    /// the cgroup) and lets the output drain into the log. [`Container::publish_exit`] then
+    /// makes it known.
+    pub async fn exit_info(
+        &self,
         status: ExitStatus,
         oom_before: u64,
         pumps: Vec<JoinHandle<()>>,
-    ) {
+    ) -> ExitInfo {
         let oom_after = self.cgroup.oom_kill_count().unwrap_or(0);
         let oom_killed = status.signal == libc::SIGKILL as u32 && oom_after > oom_before;
         let info = ExitInfo {
@@ -214,6 +219,11 @@ impl Container {
         };
         tracing::info!(id = %self.id, ?status, oom_killed, "container exited");
         let _ = tokio::time::timeout(OUTPUT_DRAIN, futures::future::join_all(pumps)).await;
+        info
+    }
+
+    /// Makes the exit known: state, waiters, stdin closed.
+    pub fn publish_exit(&self, info: ExitInfo) {
         {
             let mut s = self.lock();
             s.phase = Phase::Exited(info);

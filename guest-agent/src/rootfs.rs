@@ -66,14 +66,29 @@ pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError
     }
     std::fs::create_dir_all(target)
         .map_err(|e| AgentError::internal(format!("creating {}", target.display()), e))?;
-    mount(
-        Some("overlay"),
-        target,
-        Some("overlay"),
-        MsFlags::empty(),
-        Some(opts.as_str()),
-    )
-    .map_err(|e| {
+    let mount_with = |opts: &str| {
+        mount(
+            Some("overlay"),
+            target,
+            Some("overlay"),
+            MsFlags::empty(),
+            Some(opts),
+        )
+    };
+    // `volatile` (Linux 5.10+): the writable layer is never synced to its filesystem, which
+    // spares every unmount a sync of the host's filesystem (~1 ms here, far more on a busy
+    // disk) and the container's fsyncs on its rootfs a disk flush. Safe for CRI containers:
+    // a writable layer is never mounted again, and one a host crash interrupted is thrown
+    // away with its pod (its volumes, which do sync, are not overlays). Older kernels refuse
+    // the option: then without it.
+    let mut r = Err(nix::errno::Errno::EINVAL);
+    if !ov.upperdir.is_empty() {
+        r = mount_with(&format!("{opts},volatile"));
+    }
+    if r == Err(nix::errno::Errno::EINVAL) {
+        r = mount_with(&opts);
+    }
+    r.map_err(|e| {
         let msg = format!("mounting overlay at {} ({opts})", target.display());
         if e == nix::errno::Errno::ENOENT || e == nix::errno::Errno::ENOTDIR {
             AgentError::InvalidArgument(format!("{msg}: {e}"))

@@ -436,12 +436,22 @@ impl AgentState {
         }
         c.set_launched(pid, keep_stdin);
         let c2 = c.clone();
+        let root = self.libct.root.clone();
         tokio::spawn(async move {
             let status = exit_rx.await.unwrap_or(crate::reaper::ExitStatus {
                 code: -1,
                 signal: 0,
             });
-            c2.exited(status, oom_before, pumps).await;
+            let info = c2.exit_info(status, oom_before, pumps).await;
+            // Nothing needs libcontainer's state, the cgroups or the rootfs mount of an exited
+            // container (its OOM count is read, its output drained): they go before the exit
+            // is known, as containerd deletes its task when a container stops, so that
+            // RemoveContainer has only files left to remove. Not while processes are left
+            // (the pod's pid namespace is shared): the removal kills those first.
+            if c2.cgroup.procs().is_empty() {
+                release_exited(&root, &c2).await;
+            }
+            c2.publish_exit(info);
         });
         tracing::info!(id, pid, "container launched");
         Ok(pid)
@@ -519,10 +529,7 @@ impl AgentState {
 
     /// libcontainer's delete of `id` (state, cgroups), on a blocking thread.
     async fn libct_delete(&self, id: &str) -> Result<(), AgentError> {
-        let (root, id) = (self.libct.root.clone(), id.to_string());
-        tokio::task::spawn_blocking(move || crate::libct::delete(&root, &id))
-            .await
-            .map_err(|e| AgentError::internal("libcontainer delete task", e))?
+        libct_delete_blocking(self.libct.root.clone(), id.to_string()).await
     }
 
     async fn delete_locked(&self, c: &Arc<Container>) -> Result<(), AgentError> {
@@ -536,7 +543,7 @@ impl AgentState {
             }
         }
         // Also for a container never launched: a failed launch may have left state.
-        self.libct_delete(&c.id).await?;
+        libct_delete_once(&self.libct.root, c).await?;
         if c.mounted {
             crate::rootfs::unmount_all(&c.rootfs);
         }
@@ -872,6 +879,37 @@ fn rand_suffix() -> String {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// libcontainer's delete of `id` (state, cgroups) under `root`, on a blocking thread.
+async fn libct_delete_blocking(root: PathBuf, id: String) -> Result<(), AgentError> {
+    tokio::task::spawn_blocking(move || crate::libct::delete(&root, &id))
+        .await
+        .map_err(|e| AgentError::internal("libcontainer delete task", e))?
+}
+
+/// What an exited container holds beyond its files: libcontainer's state and cgroups, the
+/// rootfs mount and the staged bind sources. Failures are left for its removal to retry.
+async fn release_exited(root: &Path, c: &Container) {
+    if let Err(e) = libct_delete_once(root, c).await {
+        tracing::debug!(id = %c.id, error = %e, "libcontainer delete at exit; retried at removal");
+        return;
+    }
+    if c.mounted {
+        crate::rootfs::unmount_all(&c.rootfs);
+    }
+    crate::rootfs::unstage_binds(&c.dir);
+}
+
+/// libcontainer's delete of `c`, once: at its exit or at its removal, whichever comes first
+/// (the other waits for it, then has nothing to do).
+async fn libct_delete_once(root: &Path, c: &Container) -> Result<(), AgentError> {
+    let mut deleted = c.libct_deleted.lock().await;
+    if !*deleted {
+        libct_delete_blocking(root.to_path_buf(), c.id.clone()).await?;
+        *deleted = true;
+    }
+    Ok(())
 }
 
 fn phase_name(p: &Phase) -> &'static str {
