@@ -293,10 +293,13 @@ impl ImageStore {
             return Ok(());
         }
         unmount_all(&dir.join("rootfs"))?;
-        // Move aside first so a crash mid-delete never leaves a half snapshot under its id.
+        // Move aside first so a crash mid-delete never leaves a half snapshot under its id;
+        // what was moved aside is then deleted in the background (a crash leaves it in tmp/,
+        // which the next open removes).
         let tmp = fsutil::temp_path(&self.tmp_dir(), "rmsnap");
         fs::rename(&dir, &tmp).map_err(ImageError::io("remove snapshot", &dir))?;
-        fsutil::remove_any(&tmp).map_err(ImageError::io("remove", &tmp))
+        self.discard(tmp);
+        Ok(())
     }
 
     /// Image IDs that snapshots use, with the snapshot ids, for "image in use" checks.

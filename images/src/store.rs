@@ -27,6 +27,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 /// One layer of an image: the diff ID names the unpacked directory, the blob the bytes it
 /// came from (absent for layers imported from an uncompressed archive and then dropped).
@@ -162,7 +163,15 @@ pub struct ImageStore {
     pub stats: StoreStats,
     /// What one layer may write when unpacked.
     limits: crate::unpack::UnpackLimits,
+    /// The records as last read, with the mtime of `records/` then (see [`ImageStore::list`]).
+    records_cache: Mutex<Option<(std::time::SystemTime, Vec<ImageRecord>)>>,
+    /// Removes what was moved aside into `tmp/` (removed snapshots) off the caller's path.
+    trash: Mutex<Option<std::sync::mpsc::Sender<PathBuf>>>,
 }
+
+/// How old `records/`'s mtime must be for a listing to be cached: older than the coarsest
+/// timestamp granularity, so that any later change gives the directory a different mtime.
+const RECORDS_SETTLED: Duration = Duration::from_millis(50);
 
 /// Counts the bytes read through it (the compressed size of a layer, for the unpack ratio).
 struct Counting<R> {
@@ -312,6 +321,8 @@ impl ImageStore {
             erofs_locks: KeyedLocks::default(),
             stats: StoreStats::default(),
             limits: crate::unpack::UnpackLimits::default(),
+            records_cache: Mutex::new(None),
+            trash: Mutex::new(None),
         };
         let lock = store.root.join("lock");
         OpenOptions::new()
@@ -614,11 +625,65 @@ impl ImageStore {
     }
 
     /// Every image record, sorted by ID.
+    /// Every image record. Served from memory while `records/` is unchanged: every change of
+    /// a record (here or by `vesseld image import`, another process) creates, renames or
+    /// removes a file in it, which changes its mtime; a listing is only kept once that mtime
+    /// has settled ([`RECORDS_SETTLED`]), so no change can share its timestamp.
     pub fn list(&self) -> Result<Vec<ImageRecord>> {
         let dir = self.root.join("records");
+        let mtime = fs::metadata(&dir)
+            .and_then(|m| m.modified())
+            .map_err(ImageError::io("stat", &dir))?;
+        let mut cache = self.records_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((m, recs)) = cache.as_ref() {
+            if *m == mtime {
+                return Ok(recs.clone());
+            }
+        }
+        let recs = self.read_records(&dir)?;
+        let settled = std::time::SystemTime::now()
+            .duration_since(mtime)
+            .is_ok_and(|age| age > RECORDS_SETTLED);
+        *cache = settled.then(|| (mtime, recs.clone()));
+        Ok(recs)
+    }
+
+    /// Deletes `path` (moved aside under `tmp/` by the caller) on a background thread, one
+    /// for the store, so that removals do not wait for the filesystem (a freed extent can
+    /// cost a synchronous discard). Without that thread, at once.
+    pub(crate) fn discard(&self, path: PathBuf) {
+        let mut trash = self.trash.lock().unwrap_or_else(|p| p.into_inner());
+        if trash.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
+            let spawned = std::thread::Builder::new()
+                .name("vessel-trash".into())
+                .spawn(move || {
+                    for p in rx {
+                        if let Err(e) = fsutil::remove_any(&p) {
+                            tracing::warn!(path = %p.display(), error = %e, "image store: removing");
+                        }
+                    }
+                });
+            if spawned.is_ok() {
+                *trash = Some(tx);
+            }
+        }
+        let path = match trash.as_ref() {
+            Some(tx) => match tx.send(path) {
+                Ok(()) => return,
+                Err(std::sync::mpsc::SendError(p)) => p,
+            },
+            None => path,
+        };
+        if let Err(e) = fsutil::remove_any(&path) {
+            tracing::warn!(path = %path.display(), error = %e, "image store: removing");
+        }
+    }
+
+    fn read_records(&self, dir: &Path) -> Result<Vec<ImageRecord>> {
         let mut out = Vec::new();
-        for e in fs::read_dir(&dir).map_err(ImageError::io("list", &dir))? {
-            let e = e.map_err(ImageError::io("list", &dir))?;
+        for e in fs::read_dir(dir).map_err(ImageError::io("list", dir))? {
+            let e = e.map_err(ImageError::io("list", dir))?;
             let name = e.file_name();
             let Some(name) = name.to_str() else { continue };
             if !name.ends_with(".json") {
