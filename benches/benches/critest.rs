@@ -11,15 +11,18 @@
 //! time): the container group times CreateContainer (with critest's ImageStatus before it),
 //! StartContainer, ContainerStatus, StopContainer, RemoveContainer of a busybox `top`; the pod
 //! group RunPodSandbox, PodSandboxStatus, StopPodSandbox, RemovePodSandbox; the image group
-//! PullImage, ImageStatus, RemoveImage and ListImages. Runs alternate between the runtimes
+//! PullImage, ImageStatus, RemoveImage and ListImages (ginkgo's group order, which decides
+//! e.g. whether a pull finds a layer already there, is the same for both runtimes in a run:
+//! `-ginkgo.seed` is the run's number). Runs alternate between the runtimes
 //! ([`RUNS`] each, the order swapped every run) so that load drift hits both alike; the
 //! samples of all runs are pooled. Reported per operation: median and p90 of each, the ratio
 //! vessel/containerd of medians (below 1: vessel is faster), and the whole lifecycle (run,
 //! create, start, stop, remove a pod with one container: the sum of those medians).
 //!
 //! Both runtimes get the same images and network: critest's stand-in images (from
-//! `shared/cri-tools/images`) served by `registry.py` on 127.0.0.1, every image host critest
-//! names mirrored there (vesseld's `[images.registries]`, containerd's hosts.toml through
+//! `shared/cri-tools/images`) pushed into a `docker-registry` on 127.0.0.1 (see
+//! [`stage_stand_ins`] for why not `registry.py`), every image host critest names mirrored
+//! there (vesseld's `[images.registries]`, containerd's hosts.toml through
 //! `scripts/containerd-bench.sh mirror`), and the same CNI chain (bridge + host-local +
 //! portmap + loopback, Debian's plugins). vesseld is this tree's release build, run flat
 //! (`VESSEL_BENCH_HANDLER=vm` passes critest `-runtime-handler vm` instead).
@@ -109,6 +112,7 @@ fn main() -> Result<()> {
     let vesseld = release_vesseld(&["vessel-cri", "vessel-agent", "vessel-shim"])?;
     // Info-level logging, as a production daemon runs.
     std::env::set_var("VESSEL_TEST_RUST_LOG", "info");
+    stage_stand_ins()?;
     let Some(fx) = Fixture::start("critest bench", &vesseld) else {
         return Ok(());
     };
@@ -168,7 +172,9 @@ fn main() -> Result<()> {
                 .arg("-benchmark")
                 .arg(format!("-benchmarking-params-file={}", params.display()))
                 .arg(format!("-benchmarking-output-dir={}", out.display()))
-                .arg("-ginkgo.no-color");
+                .arg("-ginkgo.no-color")
+                // ginkgo shuffles the groups; the same order for both runtimes in a run.
+                .arg(format!("-ginkgo.seed={}", run + 1));
             if let Some(h) = &side.handler {
                 cmd.arg(format!("-runtime-handler={h}"));
             }
@@ -209,6 +215,26 @@ fn main() -> Result<()> {
         let p = write_result(name, &result)?;
         println!("\nresults: {}", p.display());
     }
+    Ok(())
+}
+
+/// Serves the stand-in images from Debian's `docker-registry` (Go's HTTP server, like every
+/// real registry) rather than `registry.py`: Python's http.server sends a blob's headers and
+/// body in two segments without TCP_NODELAY, so each blob waits out the client's delayed ACK
+/// (~40 ms), which would be most of a PullImage for either runtime. Done by naming the tools
+/// and the stand-ins' OCI layout, which `Fixture` then pushes into a docker-registry.
+fn stage_stand_ins() -> Result<()> {
+    use vessel_critest::upstream::{images_dir, shared_dir, tools_bin};
+    if std::env::var_os("VESSEL_CRI_TOOLS_OCI").is_some() {
+        return Ok(());
+    }
+    let Some(shared) = shared_dir() else {
+        return Ok(()); // Fixture says SKIP
+    };
+    let bin = tools_bin(&shared).map_err(anyhow::Error::msg)?;
+    let oci = images_dir(&shared).map_err(anyhow::Error::msg)?.join("oci");
+    std::env::set_var("VESSEL_CRI_TOOLS_BIN", bin);
+    std::env::set_var("VESSEL_CRI_TOOLS_OCI", oci);
     Ok(())
 }
 
@@ -395,7 +421,7 @@ fn report(
             "parallel": 1,
             "alternating": true,
             "network": "CNI bridge + host-local + portmap + loopback (Debian's plugins) on both",
-            "images": "critest's stand-ins from shared/cri-tools/images, registry.py on 127.0.0.1",
+            "images": "critest's stand-ins from shared/cri-tools/images, pushed to docker-registry on 127.0.0.1",
             "critest": critest.display().to_string(),
         },
         "software": {
