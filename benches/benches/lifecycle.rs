@@ -14,7 +14,7 @@
 //! CreateContainer + StartContainer back to back. Before those, PullImage of the busybox test
 //! image (~1.1 MB gzip) from a loopback `docker-registry`, the image removed (untimed) after
 //! each pull. Throughput: whole pod lifecycles (run, create, start, stop, remove) per second
-//! with one and with four clients at once. Memory: per pod, and the daemon's RSS with 0 and
+//! with 1, 4 and 16 clients at once. Memory: per pod, and the daemon's RSS with 0 and
 //! with 10 pods (each with one sleeping container). Results go to stdout and
 //! `benches/results/lifecycle-<host>-<date>.json` (`lifecycle-side-by-side-...` with
 //! containerd). `VESSELD=/path` measures a given binary (with its `vessel-agent` sibling).
@@ -48,7 +48,7 @@ use vessel_benches::{
     write_result, Stats,
 };
 use vessel_critest::client::CriClient;
-use vessel_critest::daemon::{busybox_registry, Vesseld};
+use vessel_critest::daemon::{busybox_registry, TestCni, Vesseld};
 
 const RUNS: usize = 20;
 const WARMUP: usize = 2;
@@ -570,6 +570,20 @@ fn main() -> Result<()> {
     let machine_start = machine_info();
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(async {
         let (reg, image) = busybox_registry().await?;
+        // Pods on a CNI bridge, as containerd's are (scripts/containerd-bench.sh runs the same
+        // chain): without it vessel's pod start and stop would skip the veth and IPAM work
+        // containerd's do. VESSEL_BENCH_CNI=0 measures loopback-only pods.
+        let cni = match std::env::var("VESSEL_BENCH_CNI").as_deref() {
+            Ok("0") | Ok("off") => None,
+            _ => match TestCni::new() {
+                Ok(c) => Some(c),
+                Err(why) => {
+                    println!("CNI: SKIP ({why}); vessel's pods get loopback only");
+                    None
+                }
+            },
+        };
+        let extra = format!("{extra}\n{}", cni.as_ref().map(TestCni::config_toml).unwrap_or_default());
         let v = Vesseld::start_with(&vesseld, "log_level = \"info\"", &extra)?;
         let guest_mib: u64 = extra
             .lines()
@@ -632,9 +646,9 @@ fn main() -> Result<()> {
         }
 
         // Throughput: whole pod lifecycles (run, create, start, stop, remove) per second, with
-        // one and with four clients at once.
+        // 1, 4 and 16 clients at once.
         let per_worker = if measure { 10 } else { 1 };
-        for (i, workers) in [1usize, 4].into_iter().enumerate() {
+        for (i, workers) in [1usize, 4, 16].into_iter().enumerate() {
             for s in order(i, n) {
                 let r = sides[s].b.pods_per_second(workers, per_worker).await.with_context(|| format!("{}: throughput", sides[s].name))?;
                 sides[s].rates.insert(workers, r);
@@ -894,7 +908,7 @@ fn report_side_by_side(
         Kind::Vessel => String::new(),
     };
     let mut method = method(runs, warmup, backend);
-    method["alternation"] = json!("per iteration, vessel first on even iterations and containerd first on odd ones; throughput: concurrency 1 vessel first, 4 containerd first; memory: one runtime after the other");
+    method["alternation"] = json!("per iteration, vessel first on even iterations and containerd first on odd ones; throughput: concurrency 1 vessel first, 4 containerd first, 16 vessel first; memory: one runtime after the other");
     method["containerd"] = json!({
         "endpoint": format!("unix://{socket}"),
         "setup": "scripts/containerd-bench.sh: cgroupfs, restrict_oom_score_adj, overlayfs snapshotter, CNI bridge (no gateway) + host-local + loopback, pause image = static busybox sleeping",
