@@ -12,6 +12,7 @@ use crate::cgroups::Cgroup;
 use crate::logs::LogFile;
 use crate::proto::{ContainerInfo, ContainerState, ExitInfo};
 use crate::reaper::ExitStatus;
+use crate::rootfs::PreparedOverlay;
 
 /// How long an exit waits for the container's output to drain into the log.
 pub const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
@@ -38,8 +39,9 @@ pub struct Container {
     pub dir: PathBuf,
     /// The rootfs directory libcontainer uses.
     pub rootfs: PathBuf,
-    /// Whether the agent mounted `rootfs` (overlay) and must unmount it.
-    pub mounted: bool,
+    /// The overlay the agent mounts at `rootfs` when the container starts (and unmounts);
+    /// `None` for a rootfs path given as is.
+    pub overlay: Option<PreparedOverlay>,
     /// The overlay's upper directory, for writable-layer stats.
     pub upperdir: Option<PathBuf>,
     pub cgroup: Cgroup,
@@ -69,7 +71,7 @@ impl Container {
         id: String,
         dir: PathBuf,
         rootfs: PathBuf,
-        mounted: bool,
+        overlay: Option<PreparedOverlay>,
         upperdir: Option<PathBuf>,
         cgroup: Cgroup,
         log: Arc<LogFile>,
@@ -82,7 +84,7 @@ impl Container {
             id,
             dir,
             rootfs,
-            mounted,
+            overlay,
             upperdir,
             cgroup,
             log,

@@ -55,8 +55,16 @@ pub fn overlay_options(ov: &OverlayRootfs) -> Result<String, AgentError> {
     Ok(opts)
 }
 
-/// Mounts `ov` at `target` (created if missing).
-pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError> {
+/// An overlay rootfs ready to mount: its options checked, its directories made.
+#[derive(Debug, Clone)]
+pub struct PreparedOverlay {
+    opts: String,
+    writable: bool,
+}
+
+/// Checks `ov`'s options and makes its upper, work and `target` directories; the mount
+/// itself is [`mount_prepared`] (a container's, when it starts).
+pub fn prepare_overlay(target: &Path, ov: &OverlayRootfs) -> Result<PreparedOverlay, AgentError> {
     let opts = overlay_options(ov)?;
     for d in [&ov.upperdir, &ov.workdir] {
         if !d.is_empty() {
@@ -66,6 +74,14 @@ pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError
     }
     std::fs::create_dir_all(target)
         .map_err(|e| AgentError::internal(format!("creating {}", target.display()), e))?;
+    Ok(PreparedOverlay {
+        opts,
+        writable: !ov.upperdir.is_empty(),
+    })
+}
+
+/// Mounts a prepared overlay at `target`.
+pub fn mount_prepared(target: &Path, p: &PreparedOverlay) -> Result<(), AgentError> {
     let mount_with = |opts: &str| {
         mount(
             Some("overlay"),
@@ -82,20 +98,25 @@ pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError
     // away with its pod (its volumes, which do sync, are not overlays). Older kernels refuse
     // the option: then without it.
     let mut r = Err(nix::errno::Errno::EINVAL);
-    if !ov.upperdir.is_empty() {
-        r = mount_with(&format!("{opts},volatile"));
+    if p.writable {
+        r = mount_with(&format!("{},volatile", p.opts));
     }
     if r == Err(nix::errno::Errno::EINVAL) {
-        r = mount_with(&opts);
+        r = mount_with(&p.opts);
     }
     r.map_err(|e| {
-        let msg = format!("mounting overlay at {} ({opts})", target.display());
+        let msg = format!("mounting overlay at {} ({})", target.display(), p.opts);
         if e == nix::errno::Errno::ENOENT || e == nix::errno::Errno::ENOTDIR {
             AgentError::InvalidArgument(format!("{msg}: {e}"))
         } else {
             AgentError::internal(msg, e)
         }
     })
+}
+
+/// Mounts `ov` at `target` (created if missing).
+pub fn mount_overlay(target: &Path, ov: &OverlayRootfs) -> Result<(), AgentError> {
+    mount_prepared(target, &prepare_overlay(target, ov)?)
 }
 
 /// Where a flat container's bind sources are attached (see `libct::stage_binds`), inside the

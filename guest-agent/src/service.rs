@@ -260,7 +260,9 @@ impl AgentState {
         dir: &Path,
     ) -> Result<Arc<Container>, AgentError> {
         let id = req.id.as_str();
-        let (rootfs, mounted, upperdir) = match req.rootfs.as_ref().and_then(|r| r.kind.as_ref()) {
+        // An overlay rootfs is checked and its directories made here; it is mounted when the
+        // container starts (`launch`), as containerd mounts a snapshot at task creation.
+        let (rootfs, overlay, upperdir) = match req.rootfs.as_ref().and_then(|r| r.kind.as_ref()) {
             Some(rootfs::Kind::Path(p)) => {
                 let p = PathBuf::from(p);
                 if !p.is_dir() {
@@ -269,13 +271,13 @@ impl AgentState {
                         p.display()
                     )));
                 }
-                (p, false, None)
+                (p, None, None)
             }
             Some(rootfs::Kind::Overlay(ov)) => {
                 let target = dir.join("rootfs");
-                crate::rootfs::mount_overlay(&target, ov)?;
+                let prepared = crate::rootfs::prepare_overlay(&target, ov)?;
                 let upper = (!ov.upperdir.is_empty()).then(|| PathBuf::from(&ov.upperdir));
-                (target, true, upper)
+                (target, Some(prepared), upper)
             }
             Some(rootfs::Kind::Disks(d)) => {
                 let Some(vm) = &self.vm else {
@@ -299,8 +301,8 @@ impl AgentState {
                     workdir: path_str(dir.join("work"))?,
                 };
                 let target = dir.join("rootfs");
-                crate::rootfs::mount_overlay(&target, &ov)?;
-                (target, true, Some(dir.join("upper")))
+                let prepared = crate::rootfs::prepare_overlay(&target, &ov)?;
+                (target, Some(prepared), Some(dir.join("upper")))
             }
             None => return Err(AgentError::InvalidArgument("rootfs is required".into())),
         };
@@ -332,7 +334,7 @@ impl AgentState {
             id.to_string(),
             dir.to_path_buf(),
             rootfs,
-            mounted,
+            overlay,
             upperdir,
             cgroup,
             log,
@@ -399,6 +401,9 @@ impl AgentState {
             stdio = Some([stdin_r, out_w, err_w]);
         }
 
+        if let Some(overlay) = &c.overlay {
+            crate::rootfs::mount_prepared(&c.rootfs, overlay)?;
+        }
         let oom_before = c.cgroup.oom_kill_count().unwrap_or(0);
         let created = self.libct.run(&args, stdio, HELPER_TIMEOUT).await;
         let pid = match created {
@@ -544,7 +549,7 @@ impl AgentState {
         }
         // Also for a container never launched: a failed launch may have left state.
         libct_delete_once(&self.libct.root, c).await?;
-        if c.mounted {
+        if c.overlay.is_some() {
             crate::rootfs::unmount_all(&c.rootfs);
         }
         self.release_layers(&c.id).await;
@@ -895,7 +900,7 @@ async fn release_exited(root: &Path, c: &Container) {
         tracing::debug!(id = %c.id, error = %e, "libcontainer delete at exit; retried at removal");
         return;
     }
-    if c.mounted {
+    if c.overlay.is_some() {
         crate::rootfs::unmount_all(&c.rootfs);
     }
     crate::rootfs::unstage_binds(&c.dir);

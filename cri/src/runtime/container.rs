@@ -167,15 +167,26 @@ impl Runtime {
             snapshot: id.to_string(),
             layers: image.layers.iter().map(|l| l.diff_id.to_string()).collect(),
         };
-        self.dirs
-            .save_container(&rec)
-            .map_err(internal("saving container record"))?;
-        let snap = match self.store.prepare_snapshot(id, &image) {
-            Ok(s) => s,
-            Err(e) => {
+        // The record (state Creating) and the writable layer are independent, each durable
+        // on its own (a crash between them leaves what recovery cleans: a Creating record,
+        // a snapshot without a container): written at once, their fsyncs overlap.
+        let (store, snap_id, snap_image) = (self.store.clone(), id.to_string(), image.clone());
+        let snapshot =
+            tokio::task::spawn_blocking(move || store.prepare_snapshot(&snap_id, &snap_image));
+        let saved = self.dirs.save_container(&rec);
+        let snapshot = snapshot.await;
+        let snap = match (saved, snapshot) {
+            (Ok(()), Ok(Ok(s))) => s,
+            (saved, snapshot) => {
                 let _ = self.store.remove_snapshot(id);
                 let _ = self.dirs.delete_container(id);
-                return Err(internal("preparing rootfs")(e));
+                return Err(match (saved, snapshot) {
+                    (Err(e), _) => internal("saving container record")(e),
+                    (_, Err(e)) => internal("preparing rootfs")(e),
+                    (_, Ok(Err(e))) => internal("preparing rootfs")(e),
+                    // Matched above: both went well.
+                    (Ok(()), Ok(Ok(_))) => RuntimeError::Internal("preparing rootfs".into()),
+                });
             }
         };
         let in_use = self
