@@ -117,13 +117,30 @@ pub fn kill(pid: u32, start_time: u64) {
     );
 }
 
+/// [`kill`] without blocking the caller's thread: waits for the exit on a pidfd.
+pub async fn kill_async(pid: u32, start_time: u64) {
+    if !signal(pid, start_time, Signal::KILL) {
+        return;
+    }
+    if tokio::time::timeout(Duration::from_secs(1), wait_exit(pid, start_time))
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            pid,
+            "pod process (agent or VM shim) did not die within 1 s of SIGKILL"
+        );
+    }
+    reap(pid);
+}
+
 /// Stops a process gently: SIGTERM, then SIGKILL after `grace`. Idempotent.
 pub async fn terminate(pid: u32, start_time: u64, grace: Duration) {
     if !signal(pid, start_time, Signal::TERM) {
         return;
     }
     let _ = tokio::time::timeout(grace, wait_exit(pid, start_time)).await;
-    kill(pid, start_time);
+    kill_async(pid, start_time).await;
 }
 
 /// Kills any process whose command line has `flag value` (a pod agent's `--socket`, a VM

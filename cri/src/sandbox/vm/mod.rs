@@ -207,8 +207,12 @@ impl SandboxBackend for VmBackend {
 
     async fn teardown(&self, rec: &PodRecord) {
         let v = vm_of(rec);
-        process::kill(rec.agent_pid, rec.agent_start_time);
-        process::kill_by_arg("--spec", &VmPaths::new(&v.dir).spec);
+        if rec.agent_pid != 0 {
+            process::kill_async(rec.agent_pid, rec.agent_start_time).await;
+        } else {
+            // The pid was never recorded: find the shim by its spec (a scan of /proc).
+            process::kill_by_arg("--spec", &VmPaths::new(&v.dir).spec);
+        }
         // The tap went with the shim; CNI DEL removes the interface and its tc filters.
         network::release(&self.cni, rec).await;
         let dir = v.dir.clone();
