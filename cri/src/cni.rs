@@ -432,6 +432,13 @@ impl Cni {
     /// Attaches a pod to the node's network. On failure, whatever the chain did is undone
     /// (DEL through every plugin) and the cache entry removed.
     pub async fn add(&self, pod: PodNetwork) -> Result<Attachment, CniError> {
+        let t = std::time::Instant::now();
+        let r = self.add_chain(pod).await;
+        crate::metrics::get().record_cni("ADD", r.is_ok(), t.elapsed());
+        r
+    }
+
+    async fn add_chain(&self, pod: PodNetwork) -> Result<Attachment, CniError> {
         let network = self.ready()?;
         let mut a = Attachment {
             network,
@@ -465,6 +472,13 @@ impl Cni {
     /// Detaches a pod: DEL through the chain in reverse. Every plugin is asked even when one
     /// fails; the first error is returned.
     pub async fn del(&self, a: &Attachment) -> Result<(), CniError> {
+        let t = std::time::Instant::now();
+        let r = self.del_chain(a).await;
+        crate::metrics::get().record_cni("DEL", r.is_ok(), t.elapsed());
+        r
+    }
+
+    async fn del_chain(&self, a: &Attachment) -> Result<(), CniError> {
         let prev = (!a.result.is_null() && del_has_prev_result(&a.network.cni_version))
             .then_some(&a.result);
         let mut first = None;

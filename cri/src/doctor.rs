@@ -166,8 +166,7 @@ fn cgroup_migrations(mountinfo: &str) -> Check {
         let fstype = r.next().unwrap_or_default();
         let _source = r.next();
         let opts = r.next().unwrap_or_default();
-        (fstype == "cgroup" || fstype == "cgroup2")
-            && opts.split(',').any(|o| o == "favordynmods")
+        (fstype == "cgroup" || fstype == "cgroup2") && opts.split(',').any(|o| o == "favordynmods")
     });
     if set {
         check(
@@ -326,7 +325,8 @@ mod tests {
         let plain = "35 24 0:30 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n\
                      36 24 0:31 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n";
         assert_eq!(cgroup_migrations(plain).level, Level::Hint);
-        let set = "35 24 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n";
+        let set =
+            "35 24 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n";
         assert_eq!(cgroup_migrations(set).level, Level::Ok);
         // Another filesystem's option of that name does not count.
         let other = "40 24 0:40 / /mnt rw - tmpfs tmpfs rw,favordynmods\n";

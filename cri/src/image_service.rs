@@ -1,7 +1,6 @@
 //! CRI ImageService over vessel's image store.
 
 use crate::errors::image_status;
-use crate::metrics::Metrics;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,12 +11,11 @@ use vessel_images::{Credentials, ImageStore, Puller};
 
 pub struct ImageService {
     puller: Arc<Puller>,
-    metrics: Arc<Metrics>,
 }
 
 impl ImageService {
-    pub fn new(puller: Arc<Puller>, metrics: Arc<Metrics>) -> Self {
-        ImageService { puller, metrics }
+    pub fn new(puller: Arc<Puller>) -> Self {
+        ImageService { puller }
     }
 
     fn store(&self) -> Arc<ImageStore> {
@@ -155,10 +153,10 @@ impl cri::image_service_server::ImageService for ImageService {
             .unwrap_or_default();
         let t = Instant::now();
         let res = self.puller.pull(&name, &creds).await;
-        self.metrics.record_pull(res.is_ok(), t.elapsed());
+        crate::metrics::get().record_pull(res.is_ok(), t.elapsed());
         match res {
             Ok(rep) => {
-                self.metrics.add_pulled_bytes(rep.bytes_downloaded);
+                crate::metrics::get().add_pulled_bytes(rep.bytes_downloaded);
                 Ok(Response::new(cri::PullImageResponse {
                     image_ref: rep.image.id.to_string(),
                 }))

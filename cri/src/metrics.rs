@@ -1,99 +1,399 @@
-//! A small Prometheus endpoint: `GET /metrics` on `daemon.metrics_address`.
+//! Prometheus metrics with the `prometheus-client` crate: `GET /metrics` on
+//! `daemon.metrics_address`, in the OpenMetrics text format (which Prometheus scrapes).
+//!
+//! One process-wide set ([`get`]), as a client library's default registry: the CRI layer
+//! (every RPC, through [`GrpcMetrics`]), image pulls, CNI, VM boots and container exits record
+//! into it where they happen. Pod and container counts, images and image store totals are
+//! read at each scrape from a source the daemon sets once it runs ([`Metrics::set_source`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use vessel_images::ImageStore;
 
-#[derive(Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RpcLabels {
+    method: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MethodLabels {
+    method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CniLabels {
+    op: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvmLabels {
+    verdict: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: String,
+    backend: String,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn rpc_histogram() -> Histogram {
+    // 100 us .. ~2.4 s
+    Histogram::new(exponential_buckets(0.0001, 2.5, 12))
+}
+
+fn cni_histogram() -> Histogram {
+    // 1 ms .. ~8 s
+    Histogram::new(exponential_buckets(0.001, 2.0, 14))
+}
+
+/// (state, backend, count) rows.
+pub type StateCounts = Vec<(String, String, i64)>;
+
+/// What a scrape reads from the running daemon.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Pods and containers by state and backend.
+    pub pods: StateCounts,
+    pub containers: StateCounts,
+    pub images: i64,
+    pub blobs_committed: u64,
+    pub layers_unpacked: u64,
+}
+
+type Source = Box<dyn Fn() -> Snapshot + Send + Sync>;
+
+/// vessel's metrics.
 pub struct Metrics {
-    pulls_ok: AtomicU64,
-    pulls_failed: AtomicU64,
-    pull_micros_total: AtomicU64,
-    pulled_bytes: AtomicU64,
-    started_unix: AtomicU64,
+    registry: Registry,
+    rpcs: Family<RpcLabels, Counter>,
+    rpc_seconds: Histograms<MethodLabels>,
+    pulls: Family<ResultLabels, Counter>,
+    pull_seconds: Histogram,
+    pulled_bytes: Counter,
+    vm_boot_seconds: Histogram,
+    kvm: Family<KvmLabels, Gauge>,
+    cni_seconds: Histograms<CniLabels>,
+    oom_kills: Counter,
+    source: Arc<OnceLock<Source>>,
+}
+
+static METRICS: OnceLock<Metrics> = OnceLock::new();
+
+/// The process's metrics.
+pub fn get() -> &'static Metrics {
+    METRICS.get_or_init(Metrics::new)
 }
 
 impl Metrics {
-    pub fn new() -> Arc<Metrics> {
-        let m = Metrics::default();
-        m.started_unix.store(
-            chrono::Utc::now().timestamp().max(0) as u64,
-            Ordering::Relaxed,
+    fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let info = Family::<Vec<(String, String)>, Gauge>::default();
+        info.get_or_create(&vec![("version".into(), env!("CARGO_PKG_VERSION").into())])
+            .set(1);
+        registry.register("vessel_build_info", "vesseld's version", info);
+        let started = Gauge::<i64>::default();
+        started.set(chrono::Utc::now().timestamp());
+        registry.register(
+            "vessel_start_time_seconds",
+            "Unix time vesseld started",
+            started,
         );
-        Arc::new(m)
+        let m = Metrics {
+            rpcs: Family::default(),
+            rpc_seconds: Family::new_with_constructor(rpc_histogram),
+            pulls: Family::default(),
+            // 10 ms .. ~80 s
+            pull_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            pulled_bytes: Counter::default(),
+            // 50 ms .. ~25 s
+            vm_boot_seconds: Histogram::new(exponential_buckets(0.05, 2.0, 10)),
+            kvm: Family::default(),
+            cni_seconds: Family::new_with_constructor(cni_histogram),
+            oom_kills: Counter::default(),
+            source: Arc::new(OnceLock::new()),
+            registry,
+        };
+        let mut m = m;
+        let r = &mut m.registry;
+        r.register(
+            "vessel_cri_requests",
+            "CRI calls by method and gRPC status code",
+            m.rpcs.clone(),
+        );
+        r.register(
+            "vessel_cri_request_duration_seconds",
+            "CRI call latency by method (to the response headers: the whole call for unary ones)",
+            m.rpc_seconds.clone(),
+        );
+        r.register(
+            "vessel_image_pulls",
+            "PullImage calls by result",
+            m.pulls.clone(),
+        );
+        r.register(
+            "vessel_image_pull_duration_seconds",
+            "PullImage duration",
+            m.pull_seconds.clone(),
+        );
+        r.register(
+            "vessel_image_pulled_bytes",
+            "Bytes downloaded from registries",
+            m.pulled_bytes.clone(),
+        );
+        r.register(
+            "vessel_vm_boot_duration_seconds",
+            "From starting a VM pod's shim until its guest agent answers",
+            m.vm_boot_seconds.clone(),
+        );
+        r.register(
+            "vessel_kvm_usable",
+            "The KVM probe's verdict at start: 1 for the verdict found",
+            m.kvm.clone(),
+        );
+        r.register(
+            "vessel_cni_duration_seconds",
+            "CNI ADD and DEL of a pod (its whole plugin chain) by result",
+            m.cni_seconds.clone(),
+        );
+        r.register(
+            "vessel_container_oom_kills",
+            "Containers whose init the kernel's OOM killer ended",
+            m.oom_kills.clone(),
+        );
+        r.register_collector(Box::new(ScrapeCollector {
+            source: m.source.clone(),
+        }));
+        m
+    }
+
+    /// Where scrapes read pod and container counts and image store totals (set once).
+    pub fn set_source(&self, f: impl Fn() -> Snapshot + Send + Sync + 'static) {
+        let _ = self.source.set(Box::new(f));
+    }
+
+    pub fn record_rpc(&self, method: &str, code: tonic::Code, took: Duration) {
+        self.rpcs
+            .get_or_create(&RpcLabels {
+                method: method.to_string(),
+                code: code_name(code),
+            })
+            .inc();
+        self.rpc_seconds
+            .get_or_create(&MethodLabels {
+                method: method.to_string(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     pub fn record_pull(&self, ok: bool, took: Duration) {
-        if ok {
-            self.pulls_ok.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.pulls_failed.fetch_add(1, Ordering::Relaxed);
-        }
-        self.pull_micros_total.fetch_add(
-            u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        let result = if ok { "ok" } else { "error" };
+        self.pulls
+            .get_or_create(&ResultLabels {
+                result: result.into(),
+            })
+            .inc();
+        self.pull_seconds.observe(took.as_secs_f64());
     }
 
     pub fn add_pulled_bytes(&self, n: u64) {
-        self.pulled_bytes.fetch_add(n, Ordering::Relaxed);
+        self.pulled_bytes.inc_by(n);
     }
 
-    /// The exposition text.
-    pub fn render(&self, store: &ImageStore) -> String {
-        let images = store.list().map(|l| l.len()).unwrap_or(0);
-        let ok = self.pulls_ok.load(Ordering::Relaxed);
-        let failed = self.pulls_failed.load(Ordering::Relaxed);
-        let secs = self.pull_micros_total.load(Ordering::Relaxed) as f64 / 1e6;
-        format!(
-            "# HELP vessel_build_info vesseld version.\n\
-             # TYPE vessel_build_info gauge\n\
-             vessel_build_info{{version=\"{}\"}} 1\n\
-             # HELP vessel_start_time_seconds Unix time vesseld started.\n\
-             # TYPE vessel_start_time_seconds gauge\n\
-             vessel_start_time_seconds {}\n\
-             # HELP vessel_image_pulls_total PullImage calls by result.\n\
-             # TYPE vessel_image_pulls_total counter\n\
-             vessel_image_pulls_total{{result=\"ok\"}} {ok}\n\
-             vessel_image_pulls_total{{result=\"error\"}} {failed}\n\
-             # HELP vessel_image_pull_seconds_total Time spent in PullImage.\n\
-             # TYPE vessel_image_pull_seconds_total counter\n\
-             vessel_image_pull_seconds_total {secs:.6}\n\
-             # HELP vessel_image_pulled_bytes_total Bytes downloaded from registries.\n\
-             # TYPE vessel_image_pulled_bytes_total counter\n\
-             vessel_image_pulled_bytes_total {}\n\
-             # HELP vessel_image_blobs_committed_total Blobs verified and stored.\n\
-             # TYPE vessel_image_blobs_committed_total counter\n\
-             vessel_image_blobs_committed_total {}\n\
-             # HELP vessel_image_layers_unpacked_total Layers unpacked.\n\
-             # TYPE vessel_image_layers_unpacked_total counter\n\
-             vessel_image_layers_unpacked_total {}\n\
-             # HELP vessel_images Images in the store.\n\
-             # TYPE vessel_images gauge\n\
-             vessel_images {images}\n",
-            env!("CARGO_PKG_VERSION"),
-            self.started_unix.load(Ordering::Relaxed),
-            self.pulled_bytes.load(Ordering::Relaxed),
-            store.stats.blobs_committed.load(Ordering::Relaxed),
-            store.stats.layers_unpacked.load(Ordering::Relaxed),
-        )
+    pub fn record_vm_boot(&self, took: Duration) {
+        self.vm_boot_seconds.observe(took.as_secs_f64());
+    }
+
+    /// The KVM probe's verdict (`usable`, `unusable`, `absent`).
+    pub fn set_kvm_verdict(&self, verdict: &str) {
+        self.kvm.clear();
+        self.kvm
+            .get_or_create(&KvmLabels {
+                verdict: verdict.to_string(),
+            })
+            .set(1);
+    }
+
+    /// One CNI ADD or DEL of a pod's chain.
+    pub fn record_cni(&self, op: &str, ok: bool, took: Duration) {
+        self.cni_seconds
+            .get_or_create(&CniLabels {
+                op: op.to_ascii_lowercase(),
+                result: if ok { "ok" } else { "error" }.into(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn record_oom_kill(&self) {
+        self.oom_kills.inc();
+    }
+
+    /// The exposition text (OpenMetrics).
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut s, &self.registry) {
+            tracing::warn!(error = %e, "encoding metrics");
+        }
+        s
     }
 }
 
-/// Serves `GET /metrics` (HTTP/1.0-style, one request per connection) until the task is dropped.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    metrics: Arc<Metrics>,
-    store: Arc<ImageStore>,
-) {
+/// gRPC's canonical name of a status code (`OK`, `NotFound`, ...).
+fn code_name(c: tonic::Code) -> String {
+    match c {
+        tonic::Code::Ok => "OK".into(),
+        c => format!("{c:?}"),
+    }
+}
+
+/// Pod and container counts and image store totals, read at each scrape.
+struct ScrapeCollector {
+    source: Arc<OnceLock<Source>>,
+}
+
+impl std::fmt::Debug for ScrapeCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ScrapeCollector")
+    }
+}
+
+impl Collector for ScrapeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(source) = self.source.get() else {
+            return Ok(());
+        };
+        let snap = source();
+        for (name, help, rows) in [
+            (
+                "vessel_pods",
+                "Pod sandboxes by state and backend",
+                &snap.pods,
+            ),
+            (
+                "vessel_containers",
+                "Containers by state and their pod's backend",
+                &snap.containers,
+            ),
+        ] {
+            let g = ConstGauge::new(0i64);
+            let mut family = encoder.encode_descriptor(name, help, None, g.metric_type())?;
+            for (state, backend, n) in rows {
+                let labels = StateLabels {
+                    state: state.clone(),
+                    backend: backend.clone(),
+                };
+                ConstGauge::new(*n).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let images = ConstGauge::new(snap.images);
+        images.encode(encoder.encode_descriptor(
+            "vessel_images",
+            "Images in the store",
+            None,
+            images.metric_type(),
+        )?)?;
+        for (name, help, v) in [
+            (
+                "vessel_image_blobs_committed",
+                "Blobs verified and stored",
+                snap.blobs_committed,
+            ),
+            (
+                "vessel_image_layers_unpacked",
+                "Layers unpacked",
+                snap.layers_unpacked,
+            ),
+        ] {
+            let c = ConstCounter::new(v);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// A tower layer over the CRI routes: counts every call by method and status code and times
+/// it. The status is the `grpc-status` of the response headers (where a failed unary call
+/// puts it), else OK (a successful call's status is in its trailers).
+#[derive(Clone)]
+pub struct GrpcMetrics<S> {
+    inner: S,
+}
+
+impl<S> GrpcMetrics<S> {
+    pub fn new(inner: S) -> Self {
+        GrpcMetrics { inner }
+    }
+}
+
+impl<S, B, R> tower::Service<tonic::codegen::http::Request<B>> for GrpcMetrics<S>
+where
+    S: tower::Service<
+        tonic::codegen::http::Request<B>,
+        Response = tonic::codegen::http::Response<R>,
+    >,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        let method = req
+            .uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let t = Instant::now();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let res = fut.await;
+            let code = match &res {
+                Ok(r) => r
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .map(tonic::Code::from_i32)
+                    .unwrap_or(tonic::Code::Ok),
+                Err(_) => tonic::Code::Unknown,
+            };
+            get().record_rpc(&method, code, t.elapsed());
+            res
+        })
+    }
+}
+
+/// Serves `GET /metrics` (one request per connection) until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener) {
     loop {
         let Ok((mut sock, _)) = listener.accept().await else {
             continue;
         };
-        let metrics = metrics.clone();
-        let store = store.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
             let n = match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await {
@@ -102,20 +402,75 @@ pub async fn serve(
             };
             let req = String::from_utf8_lossy(&buf[..n]);
             let path = req.split_whitespace().nth(1).unwrap_or("");
-            let (status, body) = if req.starts_with("GET ") && (path == "/metrics" || path == "/") {
-                let s = store.clone();
-                let body = tokio::task::spawn_blocking(move || metrics.render(&s))
-                    .await
-                    .unwrap_or_default();
-                ("200 OK", body)
-            } else {
-                ("404 Not Found", "not found\n".to_string())
-            };
+            let (status, ctype, body) =
+                if req.starts_with("GET ") && (path == "/metrics" || path == "/") {
+                    // The scrape source reads the image store: off the runtime's threads.
+                    let body = tokio::task::spawn_blocking(|| get().render())
+                        .await
+                        .unwrap_or_default();
+                    (
+                        "200 OK",
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        body,
+                    )
+                } else {
+                    ("404 Not Found", "text/plain", "not found\n".to_string())
+                };
             let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             );
             let _ = sock.write_all(resp.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_every_family() {
+        let m = Metrics::new();
+        m.record_rpc("RunPodSandbox", tonic::Code::Ok, Duration::from_millis(3));
+        m.record_rpc(
+            "RunPodSandbox",
+            tonic::Code::NotFound,
+            Duration::from_millis(1),
+        );
+        m.record_pull(true, Duration::from_millis(40));
+        m.add_pulled_bytes(1234);
+        m.record_vm_boot(Duration::from_millis(900));
+        m.set_kvm_verdict("unusable");
+        m.record_cni("ADD", true, Duration::from_millis(12));
+        m.record_oom_kill();
+        m.set_source(|| Snapshot {
+            pods: vec![("ready".into(), "flat".into(), 2)],
+            containers: vec![("running".into(), "flat".into(), 3)],
+            images: 4,
+            blobs_committed: 5,
+            layers_unpacked: 6,
+        });
+        let text = m.render();
+        for want in [
+            "vessel_cri_requests_total{method=\"RunPodSandbox\",code=\"OK\"} 1",
+            "vessel_cri_requests_total{method=\"RunPodSandbox\",code=\"NotFound\"} 1",
+            "vessel_cri_request_duration_seconds_count{method=\"RunPodSandbox\"} 2",
+            "vessel_image_pulls_total{result=\"ok\"} 1",
+            "vessel_image_pulled_bytes_total 1234",
+            "vessel_vm_boot_duration_seconds_count 1",
+            "vessel_kvm_usable{verdict=\"unusable\"} 1",
+            "vessel_cni_duration_seconds_count{op=\"add\",result=\"ok\"} 1",
+            "vessel_container_oom_kills_total 1",
+            "vessel_pods{state=\"ready\",backend=\"flat\"} 2",
+            "vessel_containers{state=\"running\",backend=\"flat\"} 3",
+            "vessel_images 4",
+            "vessel_image_blobs_committed_total 5",
+            "vessel_image_layers_unpacked_total 6",
+            "vessel_build_info{version=",
+            "# EOF",
+        ] {
+            assert!(text.contains(want), "{want:?} missing from:\n{text}");
+        }
     }
 }

@@ -2,7 +2,6 @@
 
 use crate::config::Config;
 use crate::image_service::ImageService;
-use crate::metrics::Metrics;
 use crate::runtime_service::RuntimeService;
 use k8s_cri::v1::image_service_server::ImageServiceServer;
 use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
@@ -41,7 +40,6 @@ pub struct Daemon {
     pub config: Config,
     pub store: Arc<ImageStore>,
     pub puller: Arc<Puller>,
-    pub metrics: Arc<Metrics>,
     _lock: File,
 }
 
@@ -76,7 +74,6 @@ impl Daemon {
             config,
             store,
             puller,
-            metrics: Metrics::new(),
             _lock: lock,
         })
     }
@@ -118,17 +115,14 @@ impl Daemon {
                 .await
                 .map_err(io("bind metrics address", Path::new(addr)))?;
             tracing::info!(address = %addr, "metrics: serving GET /metrics");
-            Some(tokio::spawn(crate::metrics::serve(
-                l,
-                self.metrics.clone(),
-                self.store.clone(),
-            )))
+            Some(tokio::spawn(crate::metrics::serve(l)))
         };
         crate::sandbox::process::become_subreaper();
         let probe = tokio::task::spawn_blocking(vessel_vmm::probe::probe)
             .await
             .map_err(|e| ServeError::Runtime(format!("KVM probe: {e}")))?;
         let kvm_usable = probe.verdict == vessel_vmm::probe::Verdict::Usable;
+        crate::metrics::get().set_kvm_verdict(&probe.verdict.to_string());
         let kvm_reason = format!("KVM {}: {}", probe.verdict, probe.reason);
         // The VM backend also needs its guest kernel, initrd and shim.
         let shim = self.config.shim_binary();
@@ -208,10 +202,30 @@ impl Daemon {
         )
         .await?;
         let streaming_task = tokio::spawn(streaming.clone().serve(streaming_listener));
+        let (counts_rt, counts_store) = (rt.clone(), self.store.clone());
+        crate::metrics::get().set_source(move || {
+            let (pods, containers) = counts_rt.counts();
+            crate::metrics::Snapshot {
+                pods,
+                containers,
+                images: counts_store
+                    .list()
+                    .map(|l| i64::try_from(l.len()).unwrap_or(i64::MAX))
+                    .unwrap_or(0),
+                blobs_committed: counts_store
+                    .stats
+                    .blobs_committed
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                layers_unpacked: counts_store
+                    .stats
+                    .layers_unpacked
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            }
+        });
         let events_rt = rt.clone();
         let runtime = RuntimeService::new(rt, self.config.daemon.root_dir.display().to_string())
             .with_streaming(streaming);
-        let images = ImageService::new(self.puller.clone(), self.metrics.clone());
+        let images = ImageService::new(self.puller.clone());
         tracing::info!(
             socket = %socket.display(),
             root = %self.config.daemon.root_dir.display(),
@@ -280,7 +294,9 @@ async fn serve_grpc(
                 }
             },
         };
-        let svc = hyper_util::service::TowerToHyperService::new(routes.clone());
+        let svc = hyper_util::service::TowerToHyperService::new(crate::metrics::GrpcMetrics::new(
+            routes.clone(),
+        ));
         let mut stop = stop_rx.clone();
         conns.spawn(async move {
             let builder =

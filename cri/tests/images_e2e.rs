@@ -962,17 +962,88 @@ async fn config_cli_and_metrics() {
     pull(&mut c, &format!("{}/m:v1", reg.host()), None)
         .await
         .unwrap();
-    let body = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+    // A call that fails, counted under its code; a pod, counted by state and backend.
+    let e = c
+        .runtime
+        .container_status(cri::ContainerStatusRequest {
+            container_id: "no-such-container".into(),
+            verbose: false,
+        })
         .await
-        .unwrap()
-        .text()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let pod_cfg = cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: "metrics".into(),
+            uid: "metrics-uid".into(),
+            namespace: "default".into(),
+            attempt: 0,
+        }),
+        ..Default::default()
+    };
+    let pod = c.run_pod(&pod_cfg, "flat").await.unwrap();
+    let resp = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
         .await
         .unwrap();
     assert!(
-        body.contains("vessel_image_pulls_total{result=\"ok\"} 1"),
-        "{body}"
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text"),
+        "{:?}",
+        resp.headers()
     );
-    assert!(body.contains("vessel_images 1"), "{body}");
+    let body = resp.text().await.unwrap();
+    // Read as Prometheus reads it: a text-format parser, not string matching.
+    let scrape =
+        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("parses");
+    let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+            .map(|s| match &s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => *v,
+                prometheus_parse::Value::Histogram(b) => b.last().map_or(0.0, |b| b.count),
+                prometheus_parse::Value::Summary(_) => f64::NAN,
+            })
+    };
+    let want = |name: &str, labels: &[(&str, &str)]| {
+        value(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} not in:\n{body}"))
+    };
+    assert_eq!(want("vessel_image_pulls_total", &[("result", "ok")]), 1.0);
+    assert_eq!(want("vessel_images", &[]), 1.0);
+    assert!(want("vessel_image_pulled_bytes_total", &[]) > 0.0);
+    assert_eq!(
+        want(
+            "vessel_cri_requests_total",
+            &[("method", "PullImage"), ("code", "OK")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        want(
+            "vessel_cri_requests_total",
+            &[("method", "ContainerStatus"), ("code", "NotFound")]
+        ),
+        1.0
+    );
+    assert!(
+        want(
+            "vessel_cri_request_duration_seconds_count",
+            &[("method", "PullImage")]
+        ) >= 1.0
+    );
+    assert_eq!(
+        want("vessel_pods", &[("state", "ready"), ("backend", "flat")]),
+        1.0
+    );
+    assert_eq!(want("vessel_kvm_usable", &[]), 1.0);
+    assert!(want("vessel_image_layers_unpacked_total", &[]) >= 1.0);
+    assert_eq!(want("vessel_container_oom_kills_total", &[]), 0.0);
+    c.stop_and_remove_pod(&pod).await.unwrap();
     let missing = reqwest::get(format!("http://127.0.0.1:{port}/nope"))
         .await
         .unwrap();

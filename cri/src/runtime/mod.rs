@@ -213,6 +213,35 @@ impl Runtime {
         &self.opts.agent_binary
     }
 
+    /// Pods and containers by (state, backend), for the metrics endpoint.
+    pub fn counts(&self) -> (crate::metrics::StateCounts, crate::metrics::StateCounts) {
+        use std::collections::BTreeMap;
+        let backend_of = |b: &crate::state::BackendState| match b {
+            crate::state::BackendState::Flat {} => "flat",
+            crate::state::BackendState::Vm { .. } => "vm",
+        };
+        let mut pods: BTreeMap<(String, String), i64> = BTreeMap::new();
+        let mut backends: HashMap<String, &'static str> = HashMap::new();
+        for p in self.pods.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            let r = p.record();
+            let backend = backend_of(&r.backend);
+            backends.insert(r.id.clone(), backend);
+            let state = format!("{:?}", r.state).to_ascii_lowercase();
+            *pods.entry((state, backend.into())).or_default() += 1;
+        }
+        let mut ctrs: BTreeMap<(String, String), i64> = BTreeMap::new();
+        for c in self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            let r = c.record();
+            let backend = backends.get(&r.pod_id).copied().unwrap_or("unknown");
+            let state = format!("{:?}", r.state).to_ascii_lowercase();
+            *ctrs.entry((state, backend.into())).or_default() += 1;
+        }
+        let flat = |m: BTreeMap<(String, String), i64>| {
+            m.into_iter().map(|((s, b), n)| (s, b, n)).collect()
+        };
+        (flat(pods), flat(ctrs))
+    }
+
     pub fn cni(&self) -> &crate::cni::Cni {
         &self.opts.cni
     }

@@ -33,6 +33,9 @@ impl Runtime {
             tracing::error!(container = %rec.id, error = %e, "cannot save exit");
         }
         if changed {
+            if exit.oom_killed {
+                crate::metrics::get().record_oom_kill();
+            }
             self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
         }
         rec

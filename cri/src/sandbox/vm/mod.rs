@@ -145,6 +145,7 @@ impl SandboxBackend for VmBackend {
             pod_net,
             shared_dir: Some(shared_dir),
         };
+        let boot_started = std::time::Instant::now();
         let launched = shim::spawn(&launch).map_err(fail)?;
         // Saved at once: a crash from here on finds the shim through the Creating record.
         let rec = pod.update(|r| {
@@ -160,6 +161,7 @@ impl SandboxBackend for VmBackend {
                 }
                 e => fail(e),
             })?;
+        crate::metrics::get().record_vm_boot(boot_started.elapsed());
         let (interfaces, routes) = attachment
             .map(|a| crate::cni::guest_network(&a.result, crate::cni::IFNAME))
             .unwrap_or_default();
