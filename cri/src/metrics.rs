@@ -116,7 +116,7 @@ impl Metrics {
             "Unix time vesseld started",
             started,
         );
-        let m = Metrics {
+        let mut m = Metrics {
             rpcs: Family::default(),
             rpc_seconds: Family::new_with_constructor(rpc_histogram),
             pulls: Family::default(),
@@ -131,7 +131,6 @@ impl Metrics {
             source: Arc::new(OnceLock::new()),
             registry,
         };
-        let mut m = m;
         let r = &mut m.registry;
         r.register(
             "vessel_cri_requests",
