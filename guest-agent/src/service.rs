@@ -353,6 +353,9 @@ impl AgentState {
     async fn launch(&self, c: &Arc<Container>) -> Result<i32, AgentError> {
         let id = c.id.as_str();
         let dir = c.dir.as_path();
+        if let Some(overlay) = &c.overlay {
+            crate::rootfs::mount_prepared(&c.rootfs, overlay)?;
+        }
         let mut args: Vec<OsString> = vec![
             "create".into(),
             "--id".into(),
@@ -401,9 +404,6 @@ impl AgentState {
             stdio = Some([stdin_r, out_w, err_w]);
         }
 
-        if let Some(overlay) = &c.overlay {
-            crate::rootfs::mount_prepared(&c.rootfs, overlay)?;
-        }
         let oom_before = c.cgroup.oom_kill_count().unwrap_or(0);
         let created = self.libct.run(&args, stdio, HELPER_TIMEOUT).await;
         let pid = match created {
