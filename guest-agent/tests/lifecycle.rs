@@ -299,3 +299,79 @@ async fn oom_score_adj_is_applied_or_clamped() {
     let got = read_log(&agent.log_path("down"))[0].content.clone();
     assert!(got == "-500" || got == "0", "{got}");
 }
+
+/// The agent makes a container's processes when it starts it: a start that fails (here the
+/// rootfs overlay cannot be mounted: its lower layer is gone) answers an error, leaves the
+/// container exited with nothing mounted and no cgroup, and the container is still deletable.
+/// A container that exits has its cgroups and rootfs mount released before its exit is
+/// reported, so nothing but files is left for its removal.
+#[tokio::test]
+async fn failed_start_and_exit_release_everything() {
+    if skip_unless_root() {
+        return;
+    }
+    let agent = TestAgent::start();
+    let mut c = agent.client().await;
+
+    let mut req = agent.create_request("nolower", &SpecBuilder::sh("true"));
+    if let Some(proto::rootfs::Kind::Overlay(ov)) =
+        req.rootfs.as_mut().and_then(|r| r.kind.as_mut())
+    {
+        ov.lowerdirs = vec![agent
+            .state_dir
+            .join("no-such-layer")
+            .to_string_lossy()
+            .into()];
+    }
+    c.create_container(req).await.unwrap();
+    let e = c
+        .start_container(proto::StartContainerRequest {
+            id: "nolower".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let info = c
+        .container_status(proto::ContainerStatusRequest {
+            id: "nolower".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info
+        .unwrap();
+    assert_eq!(info.state, proto::ContainerState::Exited as i32);
+    assert_eq!(info.exit.unwrap().exit_code, 128);
+    agent.assert_clean();
+    c.delete_container(proto::DeleteContainerRequest {
+        id: "nolower".into(),
+    })
+    .await
+    .unwrap();
+
+    // The agent's own mount namespace holds the rootfs mounts.
+    let rootfs_mounted = |id: &str| {
+        std::fs::read_to_string(format!("/proc/{}/mountinfo", agent.pid))
+            .unwrap()
+            .contains(&format!("/containers/{id}/rootfs "))
+    };
+    c.create_container(agent.create_request("quick", &SpecBuilder::sh("sleep 0.3; exit 3")))
+        .await
+        .unwrap();
+    assert!(!rootfs_mounted("quick"), "mounted at create");
+    c.start_container(proto::StartContainerRequest { id: "quick".into() })
+        .await
+        .unwrap();
+    assert!(rootfs_mounted("quick"), "not mounted while it runs");
+    assert_eq!(wait_exit(&mut c, "quick").await.exit_code, 3);
+    // Released before the exit was published: no cgroup, no rootfs mount, before delete.
+    assert!(!rootfs_mounted("quick"), "still mounted after the exit");
+    agent.assert_clean();
+    c.delete_container(proto::DeleteContainerRequest { id: "quick".into() })
+        .await
+        .unwrap();
+    let left: Vec<_> = std::fs::read_dir(agent.state_dir.join("containers"))
+        .unwrap()
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
