@@ -64,13 +64,7 @@ async fn echo_logs_and_exit_codes() {
     assert_eq!(recs[2].content, "tail");
 
     // Status and listing.
-    let info = c
-        .container_status(proto::ContainerStatusRequest { id: "three".into() })
-        .await
-        .unwrap()
-        .into_inner()
-        .info
-        .unwrap();
+    let info = container_info(&mut c, "three").await;
     assert_eq!(info.state, proto::ContainerState::Exited as i32);
     assert!(info.created_at > 0 && info.started_at >= info.created_at);
     assert_eq!(info.exit.unwrap().exit_code, 3);
@@ -134,15 +128,7 @@ async fn delete_created_and_running_containers() {
         .into_inner()
         .pid;
     assert_eq!(pid, 0);
-    let info = c
-        .container_status(proto::ContainerStatusRequest {
-            id: "created".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .info
-        .unwrap();
+    let info = container_info(&mut c, "created").await;
     assert_eq!(info.state, proto::ContainerState::Created as i32);
     assert_eq!(info.pid, 0);
     assert!(agent.container_cgroups().is_empty());
@@ -331,15 +317,7 @@ async fn failed_start_and_exit_release_everything() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    let info = c
-        .container_status(proto::ContainerStatusRequest {
-            id: "nolower".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .info
-        .unwrap();
+    let info = container_info(&mut c, "nolower").await;
     assert_eq!(info.state, proto::ContainerState::Exited as i32);
     assert_eq!(info.exit.unwrap().exit_code, 128);
     agent.assert_clean();

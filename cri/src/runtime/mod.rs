@@ -216,15 +216,11 @@ impl Runtime {
     /// Pods and containers by (state, backend), for the metrics endpoint.
     pub fn counts(&self) -> (crate::metrics::StateCounts, crate::metrics::StateCounts) {
         use std::collections::BTreeMap;
-        let backend_of = |b: &crate::state::BackendState| match b {
-            crate::state::BackendState::Flat {} => "flat",
-            crate::state::BackendState::Vm { .. } => "vm",
-        };
         let mut pods: BTreeMap<(String, String), i64> = BTreeMap::new();
         let mut backends: HashMap<String, &'static str> = HashMap::new();
         for p in self.pods.lock().unwrap_or_else(|p| p.into_inner()).values() {
             let r = p.record();
-            let backend = backend_of(&r.backend);
+            let backend = r.backend.kind().as_str();
             backends.insert(r.id.clone(), backend);
             let state = format!("{:?}", r.state).to_ascii_lowercase();
             *pods.entry((state, backend.into())).or_default() += 1;

@@ -136,13 +136,13 @@ impl SandboxBackend for FlatBackend {
     async fn after_shutdown(&self, _rec: &PodRecord) {}
 
     async fn teardown(&self, rec: &PodRecord) {
-        if rec.agent_pid != 0 {
-            process::kill_async(rec.agent_pid, rec.agent_start_time).await;
-        } else {
-            // The pid was never recorded: find the agent by its socket (a scan of /proc,
-            // every process's command line; not for every pod stop).
-            process::kill_by_arg("--socket", &rec.agent_socket);
-        }
+        process::kill_pod_process(
+            rec.agent_pid,
+            rec.agent_start_time,
+            "--socket",
+            &rec.agent_socket,
+        )
+        .await;
         network::release(&self.cni, rec).await;
         if rec.cgroup_parent == format!("/vessel/{}", rec.id) {
             cgroup::remove_cgroup(&rec.cgroup_parent);

@@ -134,6 +134,17 @@ pub async fn kill_async(pid: u32, start_time: u64) {
     reap(pid);
 }
 
+/// Kills a pod's host process (agent or VM shim): by its recorded pid and start time, or,
+/// when the pid was never recorded, by the `flag value` on its command line (a scan of /proc,
+/// reading every process's command line: not for every pod stop).
+pub async fn kill_pod_process(pid: u32, start_time: u64, flag: &str, value: &Path) {
+    if pid != 0 {
+        kill_async(pid, start_time).await;
+    } else {
+        kill_by_arg(flag, value);
+    }
+}
+
 /// Stops a process gently: SIGTERM, then SIGKILL after `grace`. Idempotent.
 pub async fn terminate(pid: u32, start_time: u64, grace: Duration) {
     if !signal(pid, start_time, Signal::TERM) {

@@ -503,6 +503,16 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     f()
 }
 
+/// The agent's ContainerStatus of `id`.
+pub async fn container_info(c: &mut Client, id: &str) -> proto::ContainerInfo {
+    c.container_status(proto::ContainerStatusRequest { id: id.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .info
+        .unwrap()
+}
+
 pub async fn wait_exit(c: &mut Client, id: &str) -> proto::ExitInfo {
     tokio::time::timeout(
         Duration::from_secs(60),

@@ -209,12 +209,8 @@ impl SandboxBackend for VmBackend {
 
     async fn teardown(&self, rec: &PodRecord) {
         let v = vm_of(rec);
-        if rec.agent_pid != 0 {
-            process::kill_async(rec.agent_pid, rec.agent_start_time).await;
-        } else {
-            // The pid was never recorded: find the shim by its spec (a scan of /proc).
-            process::kill_by_arg("--spec", &VmPaths::new(&v.dir).spec);
-        }
+        let spec = VmPaths::new(&v.dir).spec;
+        process::kill_pod_process(rec.agent_pid, rec.agent_start_time, "--spec", &spec).await;
         // The tap went with the shim; CNI DEL removes the interface and its tc filters.
         network::release(&self.cni, rec).await;
         let dir = v.dir.clone();
