@@ -106,14 +106,33 @@ max_image_bytes = 68719476736      # the same, all the layers one pull unpacks
 max_layer_entries = 1000000        # tar entries
 max_unpack_ratio = 100             # bytes written per compressed byte, past the first GiB
 
+# The node's registry credentials, a docker `config.json` ({"auths": {"host": {"auth": ...}}}),
+# read at each pull for registries that kubelet sends no credentials for (like CRI-O's
+# global_auth_file). Empty: none.
+auth_file = ""
+
 # Per-registry settings, keyed by registry host as it appears in image names
-# ("docker.io", "quay.io", "registry.local:5000"), like containerd's hosts.toml:
+# ("docker.io", "quay.io", "registry.local:5000"), like containerd's hosts.toml; the section
+# "_default" applies to hosts that have none (docs/operator-guide.md maps every key):
 #
 # [images.registries."docker.io"]
 # mirrors = ["https://mirror.example.com"]  # tried in order before the registry itself
 # mirrors_only = false                      # true: never fall back to the registry itself
-# insecure = false                          # plain HTTP and unverified TLS allowed
+# skip_verify = false                       # accept TLS certificates that do not verify
+# plain_http = false                        # try plain HTTP when HTTPS fails
+# insecure = false                          # both of the above
 # ca_file = "/etc/vessel/certs/registry.pem"  # extra CA to trust
+# client_cert = "/etc/vessel/certs/client.pem"  # mutual TLS (with client_key)
+# client_key = "/etc/vessel/certs/client.key"
+# headers = { "X-Example" = "value" }       # sent with every request
+#
+# A mirror may be a table, with its own settings (unset ones come from its host section):
+#
+# [[images.registries."quay.io".mirrors]]
+# url = "https://pull-through.example.com/quay"
+# capabilities = ["pull"]       # "pull" (blobs, manifests by digest), "resolve" (tags)
+# override_path = false         # true: the URL is the API root; no /v2 is added
+# ca_file = "/etc/vessel/certs/mirror-ca.pem"
 #
 # Registries on loopback (localhost, 127.0.0.0/8) that have no section here are treated as
 # insecure, as Docker does; a section for them applies as written.
@@ -266,6 +285,7 @@ pub struct ImagesConfig {
     pub max_image_bytes: u64,
     pub max_layer_entries: u64,
     pub max_unpack_ratio: u64,
+    pub auth_file: PathBuf,
     pub registries: BTreeMap<String, RegistryConfig>,
 }
 
@@ -295,6 +315,7 @@ impl Default for ImagesConfig {
             max_image_bytes: vessel_images::unpack::UnpackLimits::default().max_image_bytes,
             max_layer_entries: vessel_images::unpack::UnpackLimits::default().max_entries,
             max_unpack_ratio: vessel_images::unpack::UnpackLimits::default().max_ratio,
+            auth_file: PathBuf::new(),
             registries: BTreeMap::new(),
         }
     }
@@ -551,11 +572,13 @@ impl Config {
             )));
         }
         for (host, r) in &self.images.registries {
-            for m in &r.mirrors {
-                if m.trim().is_empty() {
-                    return Err(invalid(format!("images.registries.{host:?}: empty mirror")));
-                }
-            }
+            r.validate(host).map_err(invalid)?;
+        }
+        if !self.images.auth_file.as_os_str().is_empty() && !self.images.auth_file.is_absolute() {
+            return Err(invalid(format!(
+                "images.auth_file must be empty or an absolute path, not {:?}",
+                self.images.auth_file
+            )));
         }
         Ok(())
     }
@@ -634,6 +657,8 @@ impl Config {
             platform: vessel_images::oci::Platform::parse(&self.images.platform)
                 .unwrap_or_else(|| vessel_images::PullConfig::default().platform),
             registries: self.images.registries.clone(),
+            auth_file: (!self.images.auth_file.as_os_str().is_empty())
+                .then(|| self.images.auth_file.clone()),
             max_concurrent_downloads: self.images.max_concurrent_downloads,
             connect_timeout: std::time::Duration::from_secs(self.images.connect_timeout_secs),
             progress_timeout: (self.images.pull_progress_timeout_secs > 0)
@@ -736,6 +761,9 @@ ca_file = "/etc/ca.pem"
             "[daemon]\nlog_level = \"loud\"",
             "[images]\nmax_concurrent_downloads = 0",
             "[images.registries.\"x\"]\nmirror = [\"a\"]",
+            "[images.registries.\"x\"]\nmirrors = [{ url = \"a\", capabilities = [] }]",
+            "[images.registries.\"x\"]\nclient_key = \"/k\"",
+            "[images]\nauth_file = \"auth.json\"",
             "[runtime]\ndefault_handler = \"kata\"",
             "[vm]\nspare_disks = 0",
             "[vm]\nvcpus = 0",

@@ -73,7 +73,7 @@ pub fn run(c: &Config, kvm_probe: bool) -> Vec<Check> {
             "VM pods need it: scripts/install.sh builds it (or set the [vm] path); flat pods run without",
         ));
     }
-    out.extend(mirrors(c));
+    out.extend(registries(c));
     out
 }
 
@@ -237,16 +237,53 @@ fn kvm() -> Check {
     }
 }
 
-/// Every configured mirror answers a TCP connection (its registry is checked at pull time).
-fn mirrors(c: &Config) -> Vec<Check> {
+/// Registry settings: the TLS files and auth file they name can be read, and every mirror
+/// answers a TCP connection (the registries themselves are checked at pull time).
+fn registries(c: &Config) -> Vec<Check> {
     let mut out = Vec::new();
+    let pem =
+        |host: &str, what: &str, p: &Path, out: &mut Vec<Check>| match std::fs::read_to_string(p) {
+            Ok(t) if t.contains("-----BEGIN ") => {}
+            Ok(_) => out.push(check(
+                "registry TLS",
+                Level::Fail,
+                format!("{host}: {what} {} holds no PEM block", p.display()),
+                "give a PEM file",
+            )),
+            Err(e) => out.push(check(
+                "registry TLS",
+                Level::Fail,
+                format!("{host}: {what} {}: {e}", p.display()),
+                "pulls from this registry fail until the file is there",
+            )),
+        };
     for (host, r) in &c.images.registries {
+        let files = [
+            ("ca_file", &r.ca_file),
+            ("client_cert", &r.client_cert),
+            ("client_key", &r.client_key),
+        ];
+        for (what, p) in files {
+            if let Some(p) = p {
+                pem(host, what, p, &mut out);
+            }
+        }
         for m in &r.mirrors {
-            let Some(addr) = mirror_addr(m) else {
+            let files = [
+                ("ca_file", &m.ca_file),
+                ("client_cert", &m.client_cert),
+                ("client_key", &m.client_key),
+            ];
+            for (what, p) in files {
+                if let Some(p) = p {
+                    pem(host, &format!("mirror {} {what}", m.url), p, &mut out);
+                }
+            }
+            let Some(addr) = vessel_images::hosts::mirror_addr(&m.url) else {
                 out.push(check(
                     "registry mirror",
                     Level::Fail,
-                    format!("{host}: mirror {m:?} is not a host[:port] URL"),
+                    format!("{host}: mirror {:?} is not a host[:port] URL", m.url),
                     "write mirrors as https://host[:port][/prefix]",
                 ));
                 continue;
@@ -255,6 +292,7 @@ fn mirrors(c: &Config) -> Vec<Check> {
                 .ok()
                 .and_then(|mut a| a.next())
                 .map(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(3)));
+            let m = &m.url;
             match reach {
                 Some(Ok(_)) => out.push(check(
                     "registry mirror",
@@ -277,25 +315,43 @@ fn mirrors(c: &Config) -> Vec<Check> {
             }
         }
     }
-    out
-}
-
-/// `host:port` of a mirror URL (`https://host[:port][/prefix]`), the port from the scheme
-/// when absent.
-fn mirror_addr(m: &str) -> Option<String> {
-    let (scheme, rest) = match m.split_once("://") {
-        Some((s, r)) => (s, r),
-        None => ("https", m),
-    };
-    let host = rest.split('/').next().filter(|h| !h.is_empty())?;
-    if host
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-    {
-        return Some(host.to_string());
+    let auth = &c.images.auth_file;
+    if !auth.as_os_str().is_empty() {
+        let parsed = std::fs::read(auth).map(|b| serde_json::from_slice::<serde_json::Value>(&b));
+        match parsed {
+            Ok(Ok(v)) if v.get("auths").is_some_and(|a| a.is_object()) => out.push(check(
+                "registry auth",
+                Level::Ok,
+                format!("{} has credentials for {} registries", auth.display(), v["auths"].as_object().map_or(0, |a| a.len())),
+                "",
+            )),
+            Ok(Ok(_)) => out.push(check(
+                "registry auth",
+                Level::Warn,
+                format!("{} has no \"auths\" object", auth.display()),
+                "write it as docker's config.json: {\"auths\": {\"host\": {\"auth\": \"base64(user:password)\"}}}",
+            )),
+            Ok(Err(e)) => out.push(check(
+                "registry auth",
+                Level::Fail,
+                format!("{}: {e}", auth.display()),
+                "pulls ignore the file until it is valid JSON",
+            )),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => out.push(check(
+                "registry auth",
+                Level::Warn,
+                format!("{} does not exist", auth.display()),
+                "pulls use kubelet's credentials only; create the file or set images.auth_file = \"\"",
+            )),
+            Err(e) => out.push(check(
+                "registry auth",
+                Level::Fail,
+                format!("{}: {e}", auth.display()),
+                "make the file readable by root",
+            )),
+        }
     }
-    let port = if scheme == "http" { 80 } else { 443 };
-    Some(format!("{host}:{port}"))
+    out
 }
 
 /// The report as printed, and whether vessel can run pods as configured (no `FAIL`).
@@ -334,23 +390,6 @@ mod tests {
     }
 
     #[test]
-    fn mirror_addresses() {
-        assert_eq!(
-            mirror_addr("https://m.local").as_deref(),
-            Some("m.local:443")
-        );
-        assert_eq!(
-            mirror_addr("http://m.local/v2").as_deref(),
-            Some("m.local:80")
-        );
-        assert_eq!(
-            mirror_addr("m.local:5000/prefix").as_deref(),
-            Some("m.local:5000")
-        );
-        assert_eq!(mirror_addr("https://").as_deref(), None);
-    }
-
-    #[test]
     fn a_node_without_its_files_is_told_what_to_fix() {
         let d = tempfile::tempdir().unwrap();
         let mut c = Config::default();
@@ -370,5 +409,37 @@ mod tests {
         assert_eq!(kernel.level, Level::Warn);
         let cni = checks.iter().find(|c| c.name == "CNI").unwrap();
         assert_eq!(cni.level, Level::Warn, "{text}");
+    }
+
+    #[test]
+    fn registry_files_are_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = Config::default();
+        let junk = d.path().join("junk.pem");
+        std::fs::write(&junk, "not a certificate").unwrap();
+        let auth = d.path().join("auth.json");
+        std::fs::write(&auth, r#"{"auths": {"r:5000": {"auth": "dTpw"}}}"#).unwrap();
+        c.images.auth_file = auth.clone();
+        let mut r = vessel_images::RegistryConfig {
+            ca_file: Some(junk),
+            ..Default::default()
+        };
+        r.mirrors
+            .push(vessel_images::Mirror(vessel_images::MirrorConfig {
+                client_cert: Some(d.path().join("gone.pem")),
+                ..vessel_images::MirrorConfig::from("http://127.0.0.1:9")
+            }));
+        c.images.registries.insert("r:5000".into(), r);
+        let checks = registries(&c);
+        let (text, _) = report(&checks);
+        assert!(text.contains("junk.pem holds no PEM block"), "{text}");
+        assert!(
+            text.contains("mirror http://127.0.0.1:9 client_cert"),
+            "{text}"
+        );
+        assert!(text.contains("credentials for 1 registries"), "{text}");
+        std::fs::write(&auth, "{").unwrap();
+        let (text, _) = report(&registries(&c));
+        assert!(text.contains("FAIL  registry auth"), "{text}");
     }
 }

@@ -142,13 +142,15 @@ impl cri::image_service_server::ImageService for ImageService {
         let creds = req
             .auth
             .map(|a| {
-                Credentials::from_cri(
+                let mut c = Credentials::from_cri(
                     &a.username,
                     &a.password,
                     &a.auth,
                     &a.identity_token,
                     &a.registry_token,
-                )
+                );
+                c.server_address = a.server_address;
+                c
             })
             .unwrap_or_default();
         let t = Instant::now();

@@ -208,14 +208,22 @@ async fn reload_on_sighup(
                 ),
             }
         }
-        let registries = new.pull_config().registries;
-        if registries != applied.pull_config().registries {
-            puller.set_registries(registries);
+        let (pull, was) = (new.pull_config(), applied.pull_config());
+        if pull.registries != was.registries {
+            puller.set_registries(pull.registries);
             tracing::info!("SIGHUP: registry settings applied to new pulls");
+        }
+        if pull.auth_file != was.auth_file {
+            puller.set_auth_file(pull.auth_file);
+            tracing::info!("SIGHUP: the auth file applies to new pulls");
         }
         let restart: Vec<String> = changed_keys(&started, &new)
             .into_iter()
-            .filter(|k| k != "daemon.log_level" && !k.starts_with("images.registries"))
+            .filter(|k| {
+                k != "daemon.log_level"
+                    && k != "images.auth_file"
+                    && !k.starts_with("images.registries")
+            })
             .collect();
         if !restart.is_empty() {
             tracing::warn!(keys = ?restart, "SIGHUP: these changes take effect at the next restart of vesseld");

@@ -579,6 +579,285 @@ async fn tls_registry_verified_with_ca_file() {
     );
 }
 
+/// A mirror that answers every request with 500 and keeps each request's head (request line
+/// and headers, lower-cased) for the test to read.
+async fn failing_mirror() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let heads = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let heads = heads.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 << 10];
+                let mut n = 0;
+                // One request per connection (Connection: close); read to the blank line.
+                while !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => n += k,
+                    }
+                }
+                heads
+                    .lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase());
+                let body = br#"{"errors":[{"code":"UNKNOWN","message":"mirror is broken"}]}"#;
+                let hdr = format!(
+                    "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = s.write_all(hdr.as_bytes()).await;
+                let _ = s.write_all(body).await;
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// Mirrors as containerd's hosts.toml has them: one answering 500 (with its own header),
+/// one lacking the image (404), and a pull-only one that may serve blobs but not resolve a
+/// tag. The tag is resolved by the registry itself, every blob comes from the pull-only
+/// mirror, and each failing mirror is fallen through. An image nobody has is NotFound (the
+/// registry's answer), not the broken mirror's 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mirrors_fall_through_by_capability_with_headers() {
+    let img = testimages::busybox_image(Compression::Gzip);
+    let upstream = registry(RegistryOptions::default());
+    push_image(&target(&upstream, "mirrored/app"), &img, Some("v1"))
+        .await
+        .unwrap();
+    let empty = registry(RegistryOptions::default());
+    let pull_only = registry(RegistryOptions::default());
+    push_image(&target(&pull_only, "mirrored/app"), &img, Some("v1"))
+        .await
+        .unwrap();
+    let (broken, heads) = failing_mirror().await;
+    let up = upstream.host();
+    let v = vesseld(&format!(
+        r#"
+[images.registries."{up}"]
+plain_http = true
+headers = {{ "X-Vessel-Test" = "host" }}
+[[images.registries."{up}".mirrors]]
+url = "http://127.0.0.1:{broken}"
+headers = {{ "X-Vessel-Test" = "broken-mirror" }}
+[[images.registries."{up}".mirrors]]
+url = "{empty}"
+[[images.registries."{up}".mirrors]]
+url = "{pull_only}"
+capabilities = ["pull"]
+"#,
+        empty = empty.url(),
+        pull_only = pull_only.url(),
+    ));
+    let mut c = v.client().await;
+    let name = format!("{up}/mirrored/app:v1");
+    assert_eq!(
+        pull(&mut c, &name, None).await.unwrap(),
+        img.id().to_string()
+    );
+
+    let heads = heads.lock().unwrap().clone();
+    let tag_get = format!("get /v2/mirrored/app/manifests/v1?ns={up} ");
+    assert!(
+        heads
+            .iter()
+            .any(|h| h.starts_with(&tag_get) && h.contains("\r\nx-vessel-test: broken-mirror\r\n")),
+        "the broken mirror was asked for the tag, with its header: {heads:#?}"
+    );
+    assert!(
+        heads.iter().any(|h| h.contains("/blobs/")),
+        "blobs were asked of the broken mirror first: {heads:#?}"
+    );
+    assert!(
+        empty
+            .log_tail()
+            .contains("\"GET /v2/mirrored/app/manifests/v1"),
+        "the empty mirror was asked for the tag: {}",
+        empty.log_tail()
+    );
+    assert!(
+        !pull_only
+            .log_tail()
+            .contains("\"GET /v2/mirrored/app/manifests/v1"),
+        "a pull-only mirror resolved a tag: {}",
+        pull_only.log_tail()
+    );
+    assert!(
+        upstream
+            .log_tail()
+            .contains("/v2/mirrored/app/manifests/v1"),
+        "{}",
+        upstream.log_tail()
+    );
+    for layer in &img.layers {
+        let d = layer.digest();
+        assert_eq!(
+            pull_only.blob_get_count(&d),
+            1,
+            "layer {d} from the pull-only mirror"
+        );
+        assert_eq!(
+            upstream.blob_get_count(&d),
+            0,
+            "layer {d} not from the registry"
+        );
+    }
+
+    let e = pull(&mut c, &format!("{up}/mirrored/none:v1"), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+}
+
+/// A registry that wants a client certificate (mutual TLS): refused without one; pulled with
+/// the host section's certificate and key, and with those of the `_default` section for a
+/// host without a section. `skip_verify` is HTTPS without verification and `plain_http` is
+/// plain HTTP: neither stands in for the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_registry_client_certificates_default_section_and_skip_verify() {
+    let reg = registry(RegistryOptions {
+        tls: true,
+        mtls: true,
+        ..Default::default()
+    });
+    let (cert, key) = (
+        reg.client_cert_pem().unwrap(),
+        reg.client_key_pem().unwrap(),
+    );
+    let mut t = target(&reg, "mtls/app");
+    t.client_identity_pem = Some(format!("{cert}{key}"));
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&t, &img, Some("v1")).await.unwrap();
+    let name = format!("{}/mtls/app:v1", reg.host());
+    let files = reg.dir().join("node-certs");
+    std::fs::create_dir(&files).unwrap();
+    let (ca_f, cert_f, key_f) = (
+        files.join("ca.pem"),
+        files.join("client.pem"),
+        files.join("client.key"),
+    );
+    std::fs::write(&ca_f, reg.ca_pem().unwrap()).unwrap();
+    std::fs::write(&cert_f, &cert).unwrap();
+    std::fs::write(&key_f, &key).unwrap();
+    let client = format!(
+        "client_cert = \"{}\"\nclient_key = \"{}\"\n",
+        cert_f.display(),
+        key_f.display()
+    );
+    let section = |name: &str, body: &str| format!("[images.registries.\"{name}\"]\n{body}");
+    let cases = [
+        (
+            "CA only",
+            section(&reg.host(), &format!("ca_file = \"{}\"\n", ca_f.display())),
+            false,
+        ),
+        (
+            "CA and client certificate",
+            section(
+                &reg.host(),
+                &format!("ca_file = \"{}\"\n{client}", ca_f.display()),
+            ),
+            true,
+        ),
+        (
+            "_default section",
+            section(
+                "_default",
+                &format!("ca_file = \"{}\"\n{client}", ca_f.display()),
+            ),
+            true,
+        ),
+        (
+            "skip_verify",
+            section(&reg.host(), &format!("skip_verify = true\n{client}")),
+            true,
+        ),
+        (
+            "plain_http",
+            section(&reg.host(), &format!("plain_http = true\n{client}")),
+            false,
+        ),
+    ];
+    for (what, config, ok) in cases {
+        let v = vesseld(&config);
+        let mut c = v.client().await;
+        let res = pull(&mut c, &name, None).await;
+        match (ok, res) {
+            (true, Ok(id)) => assert_eq!(id, img.id().to_string(), "{what}"),
+            (false, Err(e)) => {
+                assert_eq!(e.code(), Code::Unavailable, "{what}: {e}");
+                assert_store_empty(&v);
+            }
+            (_, res) => panic!("{what}: {res:?}\n{config}"),
+        }
+    }
+}
+
+/// The node's auth file (docker `config.json`) is used when kubelet sends no credentials,
+/// or sends them for another registry; it is read at each pull, so writing it needs no
+/// restart. Kubelet's credentials for this registry win over the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_auth_file_when_kubelet_sends_no_credentials() {
+    use base64::Engine as _;
+    let reg = registry(RegistryOptions {
+        htpasswd: Some(("alice".into(), "s3cret".into())),
+        ..Default::default()
+    });
+    let mut t = target(&reg, "private/app");
+    t.basic_auth = Some(("alice".into(), "s3cret".into()));
+    let img = testimages::busybox_image(Compression::Gzip);
+    push_image(&t, &img, Some("v1")).await.unwrap();
+    let name = format!("{}/private/app:v1", reg.host());
+    let d = tempfile::tempdir().unwrap();
+    let auth_file = d.path().join("config.json");
+    let v = vesseld(&format!(
+        "[images]\nauth_file = \"{}\"\n",
+        auth_file.display()
+    ));
+    let mut c = v.client().await;
+
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "no file yet: {e}");
+    std::fs::write(
+        &auth_file,
+        format!(
+            r#"{{"auths": {{"{}": {{"auth": "{}"}}}}}}"#,
+            reg.host(),
+            base64::engine::general_purpose::STANDARD.encode("alice:s3cret")
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        pull(&mut c, &name, None).await.unwrap(),
+        img.id().to_string()
+    );
+    remove(&mut c, &name).await;
+
+    let wrong = |server: &str| cri::AuthConfig {
+        username: "alice".into(),
+        password: "wrong".into(),
+        server_address: server.into(),
+        ..Default::default()
+    };
+    let e = pull(&mut c, &name, Some(wrong(""))).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "kubelet's win: {e}");
+    let e = pull(&mut c, &name, Some(wrong(&reg.host())))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "kubelet's win: {e}");
+    assert_eq!(
+        pull(&mut c, &name, Some(wrong("other.example:5000")))
+            .await
+            .unwrap(),
+        img.id().to_string(),
+        "credentials for another registry do not apply; the file's do"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_and_invalid_images() {
     let reg = registry(RegistryOptions::default());

@@ -9,7 +9,8 @@
 //! - `htpasswd`: Basic auth with a bcrypt htpasswd file (distribution 2.8 serves it over plain
 //!   HTTP too);
 //! - `tls`: HTTPS with a leaf certificate for `127.0.0.1`, `::1` and `localhost`, issued by a
-//!   throw-away CA ([`Registry::ca_pem`]);
+//!   throw-away CA ([`Registry::ca_pem`]); with `mtls`, the registry also wants a client
+//!   certificate from that CA (`http.tls.clientcas`), and issues one for the test;
 //! - `token_auth`: the registry's own `auth: token` with a small token server run in-process
 //!   on 127.0.0.1 (JWTs signed ES256, the signing certificate in the `x5c` header and in the
 //!   registry's `rootcertbundle`). With `htpasswd` too, the token server wants those
@@ -46,6 +47,9 @@ pub struct RegistryOptions {
     pub htpasswd: Option<(String, String)>,
     /// Serve HTTPS.
     pub tls: bool,
+    /// With `tls`: want a client certificate issued by the registry's CA (mutual TLS);
+    /// [`Registry::client_cert_pem`] and [`Registry::client_key_pem`] are one.
+    pub mtls: bool,
     /// Bearer-token auth through an in-process token server.
     pub token_auth: bool,
 }
@@ -56,6 +60,8 @@ pub struct Registry {
     port: u16,
     tls: bool,
     ca_pem: Option<String>,
+    /// A client certificate and key the registry accepts (mTLS mode).
+    client: Option<(String, String)>,
     root: PathBuf,
     log_path: PathBuf,
     token_server: Option<TokenServer>,
@@ -122,6 +128,10 @@ impl Registry {
 
         let mut tls_yaml = String::new();
         let mut ca_pem = None;
+        let mut client = None;
+        if opts.mtls && !opts.tls {
+            return Err(invalid_input("mtls needs tls"));
+        }
         if opts.tls {
             let certs =
                 tls_certs().map_err(|e| other(format!("generating TLS certificates: {e}")))?;
@@ -135,6 +145,16 @@ impl Registry {
                 yaml_str(cert_path.display()),
                 yaml_str(key_path.display())
             );
+            if opts.mtls {
+                let ca_path = dir.path().join("client-ca.pem");
+                std::fs::write(&ca_path, &certs.ca_pem)?;
+                let _ = writeln!(
+                    tls_yaml,
+                    "    clientcas:\n      - {}",
+                    yaml_str(ca_path.display())
+                );
+                client = Some((certs.client_pem, certs.client_key_pem));
+            }
             ca_pem = Some(certs.ca_pem);
         }
 
@@ -179,10 +199,12 @@ impl Registry {
                 )
             })?;
             let scheme = if opts.tls { "https" } else { "http" };
+            let identity = client.as_ref().map(|(c, k)| format!("{c}{k}"));
             match wait_ready(
                 &mut child,
                 &format!("{scheme}://127.0.0.1:{port}/v2/"),
                 opts.tls,
+                identity.as_deref(),
             ) {
                 Ok(()) => {
                     return Ok(Registry {
@@ -190,6 +212,7 @@ impl Registry {
                         port,
                         tls: opts.tls,
                         ca_pem,
+                        client,
                         root,
                         log_path,
                         token_server,
@@ -233,6 +256,16 @@ impl Registry {
     /// The PEM of the CA that issued the registry's certificate (TLS mode).
     pub fn ca_pem(&self) -> Option<String> {
         self.ca_pem.clone()
+    }
+
+    /// A client certificate (PEM) the registry accepts (mTLS mode).
+    pub fn client_cert_pem(&self) -> Option<String> {
+        self.client.as_ref().map(|c| c.0.clone())
+    }
+
+    /// The key (PEM) of [`Registry::client_cert_pem`].
+    pub fn client_key_pem(&self) -> Option<String> {
+        self.client.as_ref().map(|c| c.1.clone())
     }
 
     /// The token server's realm URL (token mode).
@@ -321,13 +354,18 @@ fn yaml_str(v: impl std::fmt::Display) -> String {
 }
 
 /// Polls `GET /v2/` until it answers 200 or 401, the process exits, or 10 s pass.
-fn wait_ready(child: &mut Child, url: &str, tls: bool) -> Result<(), String> {
+fn wait_ready(
+    child: &mut Child,
+    url: &str,
+    tls: bool,
+    identity: Option<&str>,
+) -> Result<(), String> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             return Err(format!("registry exited with {status}"));
         }
-        let res = probe(url, tls);
+        let res = probe(url, tls, identity);
         if let Ok(200 | 401) = res {
             return Ok(());
         }
@@ -355,19 +393,24 @@ fn tail(path: &Path, lines: usize) -> String {
 
 /// One `GET /v2/` with a short timeout, in a thread of its own so that it works from inside
 /// or outside a tokio runtime. Returns the status code.
-fn probe(url: &str, tls: bool) -> Result<u16, String> {
+fn probe(url: &str, tls: bool, identity: Option<&str>) -> Result<u16, String> {
     let url = url.to_string();
+    let identity = identity.map(str::to_string);
     let handle = std::thread::spawn(move || -> Result<u16, String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
         rt.block_on(async {
-            let client = reqwest::Client::builder()
+            let mut b = reqwest::Client::builder()
                 .danger_accept_invalid_certs(tls)
-                .timeout(Duration::from_secs(2))
-                .build()
-                .map_err(|e| e.to_string())?;
+                .timeout(Duration::from_secs(2));
+            if let Some(pem) = &identity {
+                b = b.identity(
+                    reqwest::Identity::from_pem(pem.as_bytes()).map_err(|e| e.to_string())?,
+                );
+            }
+            let client = b.build().map_err(|e| e.to_string())?;
             let resp = client
                 .get(&url)
                 .send()
@@ -420,6 +463,8 @@ struct TlsCerts {
     ca_pem: String,
     leaf_pem: String,
     leaf_key_pem: String,
+    client_pem: String,
+    client_key_pem: String,
 }
 
 fn tls_certs() -> Result<TlsCerts, rcgen::Error> {
@@ -457,10 +502,22 @@ fn tls_certs() -> Result<TlsCerts, rcgen::Error> {
     ];
     leaf_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key)?;
+
+    let client_key = KeyPair::generate()?;
+    let mut client_params = CertificateParams::new(Vec::<String>::new())?;
+    client_params.distinguished_name = DistinguishedName::new();
+    client_params
+        .distinguished_name
+        .push(DnType::CommonName, "vessel test node");
+    client_params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    client_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client = client_params.signed_by(&client_key, &ca, &ca_key)?;
     Ok(TlsCerts {
         ca_pem: ca.pem(),
         leaf_pem: leaf.pem(),
         leaf_key_pem: leaf_key.serialize_pem(),
+        client_pem: client.pem(),
+        client_key_pem: client_key.serialize_pem(),
     })
 }
 
@@ -740,6 +797,7 @@ mod tests {
             repository: "library/busybox".to_string(),
             basic_auth: None,
             insecure_tls: false,
+            client_identity_pem: None,
         }
     }
 
@@ -1000,6 +1058,7 @@ mod tests {
             token_auth: true,
             htpasswd: creds(),
             tls: true,
+            ..Default::default()
         })
         .unwrap();
         let art = Artifact::Image(busybox_image(Compression::Gzip));

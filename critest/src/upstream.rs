@@ -171,7 +171,7 @@ pub fn oci_layout_images(
 /// which the stand-ins' OCI layout (`VESSEL_CRI_TOOLS_OCI`) was pushed.
 pub enum StandIns {
     Py(StandInRegistry),
-    Pushed(crate::registry::Registry),
+    Pushed(Box<crate::registry::Registry>),
 }
 
 impl StandIns {
@@ -211,7 +211,7 @@ impl StandIns {
             ))
             .map_err(|e| format!("pushing {name}: {e}"))?;
         }
-        Ok(StandIns::Pushed(reg))
+        Ok(StandIns::Pushed(Box::new(reg)))
     }
 }
 

@@ -27,6 +27,8 @@ pub struct PushTarget {
     pub basic_auth: Option<(String, String)>,
     /// Accept any server certificate (self-signed test registries).
     pub insecure_tls: bool,
+    /// A client certificate and its key, in one PEM, for registries that want mutual TLS.
+    pub client_identity_pem: Option<String>,
 }
 
 impl PushTarget {
@@ -37,6 +39,7 @@ impl PushTarget {
             repository: repository.to_string(),
             basic_auth: None,
             insecure_tls: false,
+            client_identity_pem: None,
         }
     }
 }
@@ -139,11 +142,13 @@ struct Session<'a> {
 
 impl<'a> Session<'a> {
     fn new(t: &'a PushTarget) -> Result<Session<'a>, PushError> {
-        let client = reqwest::Client::builder()
+        let mut b = reqwest::Client::builder()
             .danger_accept_invalid_certs(t.insecure_tls)
-            .user_agent(concat!("vessel-testpush/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(PushError::Client)?;
+            .user_agent(concat!("vessel-testpush/", env!("CARGO_PKG_VERSION")));
+        if let Some(pem) = &t.client_identity_pem {
+            b = b.identity(reqwest::Identity::from_pem(pem.as_bytes()).map_err(PushError::Client)?);
+        }
+        let client = b.build().map_err(PushError::Client)?;
         let trimmed = t.base_url.trim_end_matches('/');
         let base = Url::parse(&format!("{trimmed}/")).map_err(|e| PushError::Url {
             url: t.base_url.clone(),

@@ -1,8 +1,10 @@
 //! Pulls over the OCI distribution API.
 //!
 //! Endpoints for a registry host are its configured mirrors, in order, then the host itself
-//! (`registry-1.docker.io` for `docker.io`). A host marked `insecure` (and loopback hosts, as
-//! Docker does) is tried over HTTPS without certificate checks first and then over plain HTTP.
+//! (`registry-1.docker.io` for `docker.io`); see [`crate::hosts`]. A tag is resolved by the
+//! first endpoint with the `resolve` capability that knows it; the manifests and blobs it
+//! names are fetched, each on its own, from the first endpoint with `pull` that has them, so a
+//! mirror that lacks an image or fails falls through to the next.
 //! Authentication follows the registry's `WWW-Authenticate` challenge: Basic, or Bearer tokens
 //! from the realm it names (anonymous, with username/password, with an identity token, or a
 //! registry token given directly). Every blob is verified against its digest and size before
@@ -11,12 +13,13 @@
 use crate::challenge::{parse_challenges, Challenge};
 use crate::digest::Digest;
 use crate::error::{ImageError, Result};
+use crate::hosts::{self, Endpoint, RegistryConfig, Tls};
 use crate::oci::{self, Descriptor, ImageConfig, Index, Manifest, Platform};
 use crate::reference::Reference;
 use crate::store::{ImageRecord, ImageStore};
 use base64::Engine as _;
 use futures::StreamExt as _;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -28,37 +31,14 @@ const MAX_MANIFEST: usize = 4 << 20;
 /// Largest image config we accept.
 const MAX_CONFIG: usize = 16 << 20;
 
-/// Settings for one registry host, like containerd's hosts.toml, in vessel's TOML:
-///
-/// ```toml
-/// [images.registries."docker.io"]
-/// mirrors = ["https://mirror.example.com"]
-/// [images.registries."registry.local:5000"]
-/// insecure = true
-/// ```
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct RegistryConfig {
-    /// Endpoints tried before the registry itself, in order: `https://host[:port][/prefix]`
-    /// or `http://...`.
-    #[serde(default)]
-    pub mirrors: Vec<String>,
-    /// Accept plain HTTP and TLS certificates that do not verify, for this host and its mirrors.
-    #[serde(default)]
-    pub insecure: bool,
-    /// Extra CA certificate (PEM) to trust for this host and its mirrors.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ca_file: Option<PathBuf>,
-    /// Do not fall back to the registry itself when every mirror failed.
-    #[serde(default)]
-    pub mirrors_only: bool,
-}
-
 /// Pull settings.
 #[derive(Debug, Clone)]
 pub struct PullConfig {
     pub platform: Platform,
     pub registries: BTreeMap<String, RegistryConfig>,
+    /// The node's docker `config.json`, read at each pull for endpoints that kubelet sent no
+    /// credentials for.
+    pub auth_file: Option<PathBuf>,
     pub max_concurrent_downloads: usize,
     pub connect_timeout: Duration,
     /// How long a registry may send nothing (no response, no body bytes) before the pull
@@ -71,6 +51,7 @@ impl Default for PullConfig {
         PullConfig {
             platform: Platform::parse("linux/amd64").expect("static platform"),
             registries: BTreeMap::new(),
+            auth_file: None,
             max_concurrent_downloads: 3,
             connect_timeout: Duration::from_secs(10),
             progress_timeout: Some(Duration::from_secs(300)),
@@ -87,6 +68,8 @@ pub struct Credentials {
     pub identity_token: String,
     /// A bearer token to send as is.
     pub registry_token: String,
+    /// The registry these are for (CRI's `server_address`); empty: every endpoint.
+    pub server_address: String,
 }
 
 impl Credentials {
@@ -103,6 +86,7 @@ impl Credentials {
             password: password.to_string(),
             identity_token: identity_token.to_string(),
             registry_token: registry_token.to_string(),
+            server_address: String::new(),
         };
         if c.username.is_empty() && !auth.is_empty() {
             if let Ok(raw) = base64::engine::general_purpose::STANDARD.decode(auth.trim()) {
@@ -120,16 +104,10 @@ impl Credentials {
     fn has_basic(&self) -> bool {
         !self.username.is_empty()
     }
-}
 
-#[derive(Debug, Clone)]
-struct Endpoint {
-    /// `https://host:port` (no trailing slash) plus an optional path prefix.
-    base: String,
-    insecure: bool,
-    ca_file: Option<PathBuf>,
-    /// For messages: the host as the user knows it.
-    name: String,
+    fn is_empty(&self) -> bool {
+        self.username.is_empty() && self.identity_token.is_empty() && self.registry_token.is_empty()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -174,20 +152,6 @@ fn registry_error_message(body: &[u8]) -> String {
     }
 }
 
-fn is_loopback_host(host: &str) -> bool {
-    let h = host
-        .rsplit_once(':')
-        .map(|(h, p)| {
-            if p.bytes().all(|c| c.is_ascii_digit()) {
-                h
-            } else {
-                host
-            }
-        })
-        .unwrap_or(host);
-    h == "localhost" || h.starts_with("127.") || h == "[::1]" || h == "::1"
-}
-
 /// What one pull did, for logs and tests.
 #[derive(Debug, Clone)]
 pub struct PullReport {
@@ -197,6 +161,9 @@ pub struct PullReport {
     pub elapsed: Duration,
 }
 
+/// When each file of a TLS setting was last changed (`None`: unreadable).
+type FileStamps = Vec<Option<std::time::SystemTime>>;
+
 /// The pull engine: endpoints, auth, HTTP clients and the store.
 pub struct Puller {
     store: Arc<ImageStore>,
@@ -204,7 +171,10 @@ pub struct Puller {
     /// Per-registry settings: `config.registries` at start, replaced by
     /// [`Puller::set_registries`] (vesseld's SIGHUP).
     registries: std::sync::RwLock<BTreeMap<String, RegistryConfig>>,
-    clients: Mutex<HashMap<(bool, Option<PathBuf>), reqwest::Client>>,
+    /// The node's auth file, replaced by [`Puller::set_auth_file`].
+    auth_file: std::sync::RwLock<Option<PathBuf>>,
+    /// One client per TLS setting, rebuilt when one of its files changes (rotation).
+    clients: Mutex<HashMap<Tls, (FileStamps, reqwest::Client)>>,
     tokens: Mutex<HashMap<(String, String), (String, Instant)>>,
     /// Endpoints that answered over HTTP when HTTPS failed, so later pulls go straight there.
     plain_http: Mutex<HashMap<String, bool>>,
@@ -218,6 +188,7 @@ impl Puller {
         Puller {
             store,
             registries: std::sync::RwLock::new(config.registries.clone()),
+            auth_file: std::sync::RwLock::new(config.auth_file.clone()),
             config,
             clients: Mutex::new(HashMap::new()),
             tokens: Mutex::new(HashMap::new()),
@@ -265,105 +236,94 @@ impl Puller {
             .clone()
     }
 
-    fn client(&self, insecure: bool, ca: &Option<PathBuf>) -> Result<reqwest::Client> {
-        let key = (insecure, ca.clone());
+    /// Replaces the node's auth file for pulls from now on (vesseld's SIGHUP).
+    pub fn set_auth_file(&self, path: Option<PathBuf>) {
+        *self.auth_file.write().unwrap_or_else(|p| p.into_inner()) = path;
+    }
+
+    fn client(&self, tls: &Tls) -> Result<reqwest::Client> {
+        let stamps: FileStamps = tls
+            .files()
+            .map(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+            .collect();
         let mut m = self.clients.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = m.get(&key) {
-            return Ok(c.clone());
+        if let Some((s, c)) = m.get(tls) {
+            if *s == stamps {
+                return Ok(c.clone());
+            }
         }
+        let file_err = |op: &'static str, path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |e: reqwest::Error| ImageError::Io {
+                op,
+                path,
+                source: std::io::Error::other(error_chain(&e)),
+            }
+        };
         let mut b = reqwest::Client::builder()
             .connect_timeout(self.config.connect_timeout)
             .user_agent(concat!("vessel/", env!("CARGO_PKG_VERSION")))
             .pool_idle_timeout(Duration::from_secs(30))
-            .danger_accept_invalid_certs(insecure);
+            .danger_accept_invalid_certs(tls.skip_verify);
         // Every read (headers or body, of manifests, tokens and blobs alike) gives up after
         // the progress timeout; blob downloads hit their own (`progress`, a second earlier),
         // which names the config key.
         if let Some(t) = self.config.progress_timeout {
             b = b.read_timeout(t + Duration::from_secs(1));
         }
-        if let Some(ca) = ca {
+        if let Some(ca) = &tls.ca_file {
             let pem = std::fs::read(ca).map_err(ImageError::io("read CA file", ca))?;
-            let cert = reqwest::Certificate::from_pem(&pem).map_err(|e| ImageError::Io {
-                op: "parse CA file",
-                path: ca.clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
-            b = b.add_root_certificate(cert);
+            for cert in reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(file_err("parse CA file", ca))?
+            {
+                b = b.add_root_certificate(cert);
+            }
         }
-        let c = b.build().map_err(|e| ImageError::Io {
-            op: "build HTTP client",
-            path: PathBuf::new(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        m.insert(key, c.clone());
+        if let Some(cert) = &tls.client_cert {
+            let mut pem =
+                std::fs::read(cert).map_err(ImageError::io("read client certificate", cert))?;
+            if let Some(key) = &tls.client_key {
+                pem.push(b'\n');
+                pem.extend(std::fs::read(key).map_err(ImageError::io("read client key", key))?);
+            }
+            let id = reqwest::Identity::from_pem(&pem)
+                .map_err(file_err("parse client certificate and key", cert))?;
+            b = b.identity(id);
+        }
+        let c = b
+            .build()
+            .map_err(file_err("build HTTP client", &PathBuf::new()))?;
+        m.insert(tls.clone(), (stamps, c.clone()));
         Ok(c)
     }
 
     fn endpoints(&self, r: &Reference) -> Vec<Endpoint> {
-        let explicit = self
-            .registries
+        let registries = self.registries.read().unwrap_or_else(|p| p.into_inner());
+        let plain = self.plain_http.lock().unwrap_or_else(|p| p.into_inner());
+        hosts::endpoints(&registries, r, |h| plain.get(h).copied().unwrap_or(false))
+    }
+
+    /// The credentials `ep` gets: kubelet's where they apply to it, else the node's auth
+    /// file's entry for its host, else none.
+    fn creds_for(&self, ep: &Endpoint, cri: &Credentials) -> Credentials {
+        if !cri.is_empty() && hosts::cri_creds_apply(cri, ep) {
+            return cri.clone();
+        }
+        let file = self
+            .auth_file
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&r.domain)
-            .cloned();
-        // Loopback registries are insecure by default, as in Docker, unless configured.
-        let insecure = match &explicit {
-            Some(c) => c.insecure,
-            None => is_loopback_host(&r.domain),
+            .clone();
+        let Some(file) = file else {
+            return Credentials::default();
         };
-        let cfg = explicit.unwrap_or_default();
-        let mut v = Vec::new();
-        for m in &cfg.mirrors {
-            let m = m.trim().trim_end_matches('/');
-            let m = m.strip_suffix("/v2").unwrap_or(m);
-            let base = if m.starts_with("http://") || m.starts_with("https://") {
-                m.to_string()
-            } else {
-                format!("https://{m}")
-            };
-            v.push(Endpoint {
-                name: base.clone(),
-                base,
-                insecure: cfg.insecure,
-                ca_file: cfg.ca_file.clone(),
-            });
-        }
-        if !cfg.mirrors_only || cfg.mirrors.is_empty() {
-            let host = if r.domain == "docker.io" {
-                "registry-1.docker.io".to_string()
-            } else {
-                r.domain.clone()
-            };
-            let https = Endpoint {
-                base: format!("https://{host}"),
-                insecure,
-                ca_file: cfg.ca_file.clone(),
-                name: r.domain.clone(),
-            };
-            let http = Endpoint {
-                base: format!("http://{host}"),
-                insecure,
-                ca_file: None,
-                name: r.domain.clone(),
-            };
-            let known_plain = self
-                .plain_http
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&host)
-                .copied()
-                .unwrap_or(false);
-            if insecure && known_plain {
-                v.push(http);
-            } else {
-                v.push(https);
-                if insecure {
-                    v.push(http);
-                }
+        match hosts::auth_file_lookup(&file, &ep.host) {
+            Ok(c) => c.unwrap_or_default(),
+            Err(e) => {
+                tracing::warn!(file = %file.display(), error = %e, "auth file unreadable; pulling without its credentials");
+                Credentials::default()
             }
         }
-        v
     }
 
     fn auth_for(&self, ep: &Endpoint, scope: &str, creds: &Credentials) -> Auth {
@@ -371,7 +331,7 @@ impl Puller {
             return Auth::Bearer(creds.registry_token.clone());
         }
         let t = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((tok, exp)) = t.get(&(ep.base.clone(), scope.to_string())) {
+        if let Some((tok, exp)) = t.get(&(ep.api.clone(), scope.to_string())) {
             if Instant::now() < *exp {
                 return Auth::Bearer(tok.clone());
             }
@@ -489,7 +449,7 @@ impl Puller {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(
-                (ep.base.clone(), scope.to_string()),
+                (ep.api.clone(), scope.to_string()),
                 (tok.clone(), Instant::now() + life - Duration::from_secs(5)),
             );
         Ok(tok)
@@ -504,12 +464,16 @@ impl Puller {
         r: &Reference,
         creds: &Credentials,
     ) -> Result<reqwest::Response> {
-        let client = self.client(ep.insecure, &ep.ca_file)?;
+        let client = self.client(&ep.tls)?;
+        let creds = &self.creds_for(ep, creds);
         let scope = format!("repository:{}:pull", r.path);
-        let url = format!("{}{}", ep.base, path);
+        let url = ep.url(path);
         let mut auth = self.auth_for(ep, &scope, creds);
         for attempt in 0..2 {
             let mut rb = client.get(&url);
+            for (k, v) in &ep.headers {
+                rb = rb.header(k, v);
+            }
             if let Some(a) = accept {
                 rb = rb.header("accept", a);
             }
@@ -554,10 +518,7 @@ impl Puller {
                             registry_error_message(&body)
                         )));
                     }
-                    Auth::Basic(
-                        base64::engine::general_purpose::STANDARD
-                            .encode(format!("{}:{}", creds.username, creds.password)),
-                    )
+                    Auth::Basic(hosts::basic(&creds.username, &creds.password))
                 }
                 Some(c) => Auth::Bearer(self.fetch_token(&client, ep, &c, &scope, creds, r).await?),
                 None => return Err(denied(registry_error_message(&body))),
@@ -577,7 +538,7 @@ impl Puller {
         let resp = self
             .get(
                 ep,
-                &format!("/v2/{}/manifests/{}", r.path, what),
+                &format!("/{}/manifests/{}", r.path, what),
                 Some(oci::MANIFEST_ACCEPT),
                 r,
                 creds,
@@ -653,7 +614,7 @@ impl Puller {
         let resp = self
             .progress(self.get(
                 ep,
-                &format!("/v2/{}/blobs/{}", r.path, desc.digest),
+                &format!("/{}/blobs/{}", r.path, desc.digest),
                 None,
                 r,
                 creds,
@@ -730,56 +691,86 @@ impl Puller {
         creds: &Credentials,
         start: Instant,
     ) -> Result<PullReport> {
-        let r = r.clone();
-        let mut last_err = None;
-        for ep in self.endpoints(&r) {
-            match self.pull_from(&ep, &r, creds, start).await {
-                Ok(rep) => {
-                    if ep.base.starts_with("http://") {
-                        if let Some(host) = ep.base.strip_prefix("http://") {
-                            self.plain_http
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .insert(host.to_string(), true);
-                        }
+        let eps = self.endpoints(r);
+        // A tag needs an endpoint that may resolve it; a digest only one that may pull.
+        let by_digest = r.digest.is_some();
+        let resolvers: Vec<Endpoint> = eps
+            .iter()
+            .filter(|e| e.pull && (by_digest || e.resolve))
+            .cloned()
+            .collect();
+        let pullers: Vec<Endpoint> = eps.into_iter().filter(|e| e.pull).collect();
+        let what = r.manifest_ref();
+        let top = self
+            .first_ok(&resolvers, r, "manifest", |ep| {
+                self.fetch_manifest(ep, r, &what, creds)
+            })
+            .await?;
+        self.pull_from(&pullers, r, creds, start, top).await
+    }
+
+    /// `f` on each endpoint in turn until one succeeds. A failure another endpoint may not
+    /// have (no connection, an error answer, access denied) moves on to the next; of the
+    /// failures, the most telling is returned: an answer beats a connection that failed.
+    async fn first_ok<'a, T, Fut>(
+        &self,
+        eps: &'a [Endpoint],
+        r: &Reference,
+        what: &str,
+        f: impl Fn(&'a Endpoint) -> Fut,
+    ) -> Result<T>
+    where
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut last_err: Option<ImageError> = None;
+        for ep in eps {
+            match f(ep).await {
+                Ok(v) => {
+                    if ep.plain_fallback {
+                        self.plain_http
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(ep.host.clone(), true);
                     }
-                    return Ok(rep);
+                    return Ok(v);
                 }
                 Err(e) => {
-                    let next = matches!(
+                    let answered = matches!(
                         e,
-                        ImageError::Transport { .. } | ImageError::Registry { .. }
+                        ImageError::Registry { .. } | ImageError::Unauthorized { .. }
                     );
-                    tracing::warn!(image = %r, endpoint = %ep.base, error = %e, "pull: endpoint failed");
-                    if !next {
+                    if !answered && !matches!(e, ImageError::Transport { .. }) {
                         return Err(e);
                     }
-                    // Keep the most telling error: a registry's answer beats a refused connection
-                    // of a fallback endpoint.
-                    last_err = match (&last_err, &e) {
-                        (Some(ImageError::Registry { .. }), ImageError::Transport { .. }) => {
-                            last_err
-                        }
-                        _ => Some(e),
-                    };
+                    tracing::warn!(image = %r, endpoint = %ep.name, what, error = %e, "pull: endpoint failed");
+                    let keep_last = !answered
+                        && matches!(
+                            last_err,
+                            Some(ImageError::Registry { .. } | ImageError::Unauthorized { .. })
+                        );
+                    if !keep_last {
+                        last_err = Some(e);
+                    }
                 }
             }
         }
         Err(last_err.unwrap_or_else(|| ImageError::Transport {
             reference: r.to_string(),
             registry: r.domain.clone(),
-            message: "no endpoint configured".into(),
+            message: format!(
+                "no endpoint may serve the {what}: check the mirrors' capabilities and mirrors_only"
+            ),
         }))
     }
 
     async fn pull_from(
         &self,
-        ep: &Endpoint,
+        eps: &[Endpoint],
         r: &Reference,
         creds: &Credentials,
         start: Instant,
+        (body, mt, top_digest): (Vec<u8>, String, Digest),
     ) -> Result<PullReport> {
-        let (body, mt, top_digest) = self.fetch_manifest(ep, r, &r.manifest_ref(), creds).await?;
         let mut docs: Vec<(Vec<u8>, Digest)> = Vec::new();
         let (manifest_body, manifest_desc) = if oci::is_index(&mt) {
             let index: Index = serde_json::from_slice(&body).map_err(|e| ImageError::BadImage {
@@ -807,7 +798,9 @@ impl Puller {
                 })?;
             docs.push((body, top_digest.clone()));
             let (mbody, mmt, mdigest) = self
-                .fetch_manifest(ep, r, chosen.digest.as_str(), creds)
+                .first_ok(eps, r, "manifest", |ep| {
+                    self.fetch_manifest(ep, r, chosen.digest.as_str(), creds)
+                })
                 .await?;
             if !oci::is_manifest(&mmt) {
                 return Err(ImageError::UnsupportedMediaType {
@@ -863,7 +856,9 @@ impl Puller {
         let _pins = self.store.pin(keys);
         // Config first: it holds the diff IDs that say whether layers are already unpacked.
         let mut downloaded = self
-            .fetch_blob(ep, r, &manifest.config, creds, "config")
+            .first_ok(eps, r, "config", |ep| {
+                self.fetch_blob(ep, r, &manifest.config, creds, "config")
+            })
             .await?;
         let store = self.store.clone();
         let cfg_digest = manifest.config.digest.clone();
@@ -909,7 +904,7 @@ impl Puller {
                 .map(|d| self.store.layer_path(d))
                 .collect();
             jobs.push(self.fetch_layer(
-                ep,
+                eps,
                 r,
                 desc,
                 diff_id,
@@ -978,7 +973,7 @@ impl Puller {
     #[allow(clippy::too_many_arguments)]
     async fn fetch_layer(
         &self,
-        ep: &Endpoint,
+        eps: &[Endpoint],
         r: &Reference,
         desc: &Descriptor,
         diff_id: &Digest,
@@ -992,7 +987,11 @@ impl Puller {
             tracing::debug!(image = %r, layer = %diff_id.short(), "pull: layer already unpacked");
             return Ok(0);
         }
-        let bytes = self.fetch_blob(ep, r, desc, creds, "layer").await?;
+        let bytes = self
+            .first_ok(eps, r, "layer", |ep| {
+                self.fetch_blob(ep, r, desc, creds, "layer")
+            })
+            .await?;
         let store = self.store.clone();
         let blob = desc.digest.clone();
         let d = diff_id.clone();
@@ -1091,34 +1090,5 @@ mod tests {
         let c = Credentials::from_cri("", "", &auth, "", "");
         assert_eq!(c.username, "bob");
         assert_eq!(c.password, "s3:cret");
-    }
-
-    #[test]
-    fn endpoints_order_and_loopback() {
-        let store = Arc::new(ImageStore::open(tempfile::tempdir().unwrap().keep()).unwrap());
-        let mut cfg = PullConfig::default();
-        cfg.registries.insert(
-            "docker.io".into(),
-            RegistryConfig {
-                mirrors: vec!["mirror.local:5000/".into(), "http://m2/v2".into()],
-                ..Default::default()
-            },
-        );
-        let p = Puller::new(store.clone(), cfg);
-        let eps = p.endpoints(&Reference::parse("busybox").unwrap());
-        let bases: Vec<_> = eps.iter().map(|e| e.base.as_str()).collect();
-        assert_eq!(
-            bases,
-            [
-                "https://mirror.local:5000",
-                "http://m2",
-                "https://registry-1.docker.io"
-            ]
-        );
-        let eps = p.endpoints(&Reference::parse("127.0.0.1:5000/x").unwrap());
-        let bases: Vec<_> = eps.iter().map(|e| e.base.as_str()).collect();
-        assert_eq!(bases, ["https://127.0.0.1:5000", "http://127.0.0.1:5000"]);
-        assert!(eps[0].insecure);
-        let _ = std::fs::remove_dir_all(store.root());
     }
 }
