@@ -302,6 +302,9 @@ pub(crate) struct Endpoint {
     pub ns: Option<String>,
     /// The registry itself over plain HTTP, tried after HTTPS failed.
     pub plain_fallback: bool,
+    /// The registry itself over HTTPS, with a plain-HTTP twin after it: skipped once the host
+    /// is known to answer plain HTTP (within a pull too, object by object).
+    pub plain_alt: bool,
 }
 
 impl Endpoint {
@@ -398,6 +401,7 @@ pub(crate) fn endpoints(
             pull: m.capabilities.contains(&Capability::Pull),
             ns: Some(r.domain.clone()),
             plain_fallback: false,
+            plain_alt: false,
         });
     }
     if !cfg.mirrors_only || cfg.mirrors.is_empty() {
@@ -416,10 +420,12 @@ pub(crate) fn endpoints(
             pull: true,
             ns: None,
             plain_fallback: false,
+            plain_alt: plain_http,
         };
         let http = Endpoint {
             api: format!("http://{host}/v2"),
             plain_fallback: true,
+            plain_alt: false,
             ..https.clone()
         };
         if plain_http && plain_known(&host) {
@@ -604,12 +610,13 @@ skip_verify = true
             ["https://r.local:5000/v2", "http://r.local:5000/v2"]
         );
         assert!(!eps[0].tls.skip_verify && eps[1].plain_fallback);
+        assert!(eps[0].plain_alt && !eps[1].plain_alt);
         let eps = endpoints(&h, &Reference::parse("r.local:5000/x").unwrap(), |_| true);
         assert_eq!(bases(&eps), ["http://r.local:5000/v2"]);
         // skip_verify: HTTPS only, unverified.
         let eps = endpoints(&h, &Reference::parse("s.local/x").unwrap(), |_| false);
         assert_eq!(bases(&eps), ["https://s.local/v2"]);
-        assert!(eps[0].tls.skip_verify);
+        assert!(eps[0].tls.skip_verify && !eps[0].plain_alt);
     }
 
     #[test]

@@ -299,8 +299,17 @@ impl Puller {
 
     fn endpoints(&self, r: &Reference) -> Vec<Endpoint> {
         let registries = self.registries.read().unwrap_or_else(|p| p.into_inner());
-        let plain = self.plain_http.lock().unwrap_or_else(|p| p.into_inner());
-        hosts::endpoints(&registries, r, |h| plain.get(h).copied().unwrap_or(false))
+        hosts::endpoints(&registries, r, |h| self.known_plain(h))
+    }
+
+    /// Whether registry `host` answered over plain HTTP before.
+    fn known_plain(&self, host: &str) -> bool {
+        self.plain_http
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(host)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// The credentials `ep` gets: kubelet's where they apply to it, else the node's auth
@@ -724,6 +733,9 @@ impl Puller {
     {
         let mut last_err: Option<ImageError> = None;
         for ep in eps {
+            if ep.plain_alt && self.known_plain(&ep.host) {
+                continue;
+            }
             match f(ep).await {
                 Ok(v) => {
                     if ep.plain_fallback {
@@ -742,7 +754,12 @@ impl Puller {
                     if !answered && !matches!(e, ImageError::Transport { .. }) {
                         return Err(e);
                     }
-                    tracing::warn!(image = %r, endpoint = %ep.name, what, error = %e, "pull: endpoint failed");
+                    if ep.plain_alt && !answered {
+                        // Routine for a registry that serves plain HTTP.
+                        tracing::debug!(image = %r, endpoint = %ep.api, what, error = %e, "pull: HTTPS failed; trying plain HTTP");
+                    } else {
+                        tracing::warn!(image = %r, endpoint = %ep.name, what, error = %e, "pull: endpoint failed");
+                    }
                     let keep_last = !answered
                         && matches!(
                             last_err,
