@@ -39,6 +39,12 @@ vm_fallback = "fallback"
 # The backend of pods whose runtime handler is empty: "vm" (a microVM when this node can run
 # them, flat otherwise, without a warning) or "flat".
 default_handler = "vm"
+# How pod cgroups are made; it must match kubelet's cgroupDriver. "cgroupfs": directories
+# under kubelet's cgroup parent (or /vessel/<pod>). "systemd": a transient scope unit per pod,
+# vessel-pod-<id>.scope, in the slice kubelet gives (vessel.slice without one), made over
+# systemd's D-Bus API; the pod's containers get cgroups beneath it. "systemd" needs systemd as
+# the init system: vesseld does not start without it.
+cgroup_driver = "cgroupfs"
 
 [vm]
 # The guest kernel (an ELF vmlinux boots faster than a bzImage) and the initrd whose /init is
@@ -173,6 +179,7 @@ pub struct RuntimeConfig {
     pub agent_binary: String,
     pub vm_fallback: VmFallback,
     pub default_handler: String,
+    pub cgroup_driver: CgroupDriver,
 }
 
 impl Default for RuntimeConfig {
@@ -181,6 +188,7 @@ impl Default for RuntimeConfig {
             agent_binary: String::new(),
             vm_fallback: VmFallback::Fallback,
             default_handler: "vm".into(),
+            cgroup_driver: CgroupDriver::Cgroupfs,
         }
     }
 }
@@ -244,6 +252,25 @@ pub enum HostNamespacesPolicy {
     #[default]
     Flat,
     Refuse,
+}
+
+/// `runtime.cgroup_driver`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupDriver {
+    #[default]
+    Cgroupfs,
+    Systemd,
+}
+
+impl CgroupDriver {
+    /// The driver itself.
+    pub fn driver(self) -> crate::sandbox::cgroup::Driver {
+        match self {
+            CgroupDriver::Cgroupfs => crate::sandbox::cgroup::Driver::Cgroupfs,
+            CgroupDriver::Systemd => crate::sandbox::cgroup::Driver::Systemd(Default::default()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -765,6 +792,7 @@ ca_file = "/etc/ca.pem"
             "[images.registries.\"x\"]\nclient_key = \"/k\"",
             "[images]\nauth_file = \"auth.json\"",
             "[runtime]\ndefault_handler = \"kata\"",
+            "[runtime]\ncgroup_driver = \"systemd-cgroup\"",
             "[vm]\nspare_disks = 0",
             "[vm]\nvcpus = 0",
             "[vm]\nkernel = \"vmlinux\"",

@@ -46,7 +46,7 @@ fn check(name: &'static str, level: Level, found: String, fix: &str) -> Check {
 
 /// Runs every check. `kvm_probe` runs the KVM calibration guest (a second or so).
 pub fn run(c: &Config, kvm_probe: bool) -> Vec<Check> {
-    let mut out = vec![root(), overlayfs(), cgroups()];
+    let mut out = vec![root(), overlayfs(), cgroups(), cgroup_driver(c)];
     out.push(cgroup_migrations(
         &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
     ));
@@ -149,6 +149,45 @@ fn cgroups() -> Check {
             format!("{mode}; missing controllers: {}", missing.join(", ")),
             "enable them (kernel command line cgroup_enable=..., or the controllers of the root cgroup)",
         )
+    }
+}
+
+/// The configured cgroup driver can work: `systemd` needs systemd as init and its D-Bus
+/// socket (vesseld does not start otherwise).
+fn cgroup_driver(c: &Config) -> Check {
+    use crate::config::CgroupDriver;
+    match c.runtime.cgroup_driver {
+        CgroupDriver::Cgroupfs => check(
+            "cgroup driver",
+            Level::Ok,
+            "cgroupfs (kubelet's cgroupDriver must be cgroupfs too)".into(),
+            "",
+        ),
+        CgroupDriver::Systemd if !crate::sandbox::systemd::booted() => check(
+            "cgroup driver",
+            Level::Fail,
+            "systemd, but systemd is not the init system here".into(),
+            "set runtime.cgroup_driver = \"cgroupfs\" (and kubelet's cgroupDriver: cgroupfs)",
+        ),
+        CgroupDriver::Systemd => {
+            let sock = ["/run/systemd/private", "/run/dbus/system_bus_socket"]
+                .into_iter()
+                .find(|p| Path::new(p).exists());
+            match sock {
+                Some(s) => check(
+                    "cgroup driver",
+                    Level::Ok,
+                    format!("systemd, over {s} (kubelet's cgroupDriver must be systemd too)"),
+                    "",
+                ),
+                None => check(
+                    "cgroup driver",
+                    Level::Fail,
+                    "systemd, but neither /run/systemd/private nor the system bus is there".into(),
+                    "check that systemd runs as PID 1 and that vesseld runs as root",
+                ),
+            }
+        }
     }
 }
 

@@ -27,6 +27,8 @@ pub enum ServeError {
     NoSuchGroup(String),
     #[error("recovering pods and containers: {0}")]
     Runtime(String),
+    #[error("runtime.cgroup_driver = \"systemd\": {0}")]
+    CgroupDriver(#[from] crate::sandbox::systemd::SystemdError),
     #[error(transparent)]
     Streaming(#[from] crate::streaming::StreamingError),
 }
@@ -105,6 +107,10 @@ impl Daemon {
         self,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), ServeError> {
+        // Before the socket: a client that connects finds a daemon that can run pods.
+        let cgroups = self.config.runtime.cgroup_driver.driver();
+        cgroups.check().await?;
+        tracing::info!(driver = cgroups.name(), "cgroup driver");
         let listener = self.bind_socket()?;
         let socket = self.config.daemon.socket.clone();
         let metrics_task = if self.config.daemon.metrics_address.is_empty() {
@@ -191,6 +197,7 @@ impl Daemon {
                 root_dir: self.config.daemon.root_dir.clone(),
                 state_dir: self.config.daemon.state_dir.clone(),
                 cni: self.config.cni(),
+                cgroups,
             },
             self.store.clone(),
         )

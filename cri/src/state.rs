@@ -46,8 +46,13 @@ pub struct PodRecord {
     /// The pinned netns (empty for host-network pods).
     pub netns_path: PathBuf,
     pub hostname: String,
-    /// cgroupfs parent of the pod's containers, e.g. /kubepods/pod<uid> or /vessel/<id>.
+    /// cgroupfs parent of the pod's containers, e.g. /kubepods/pod<uid> or /vessel/<id>; with
+    /// the systemd driver, the pod scope's path
+    /// (`/kubepods.slice/.../kubepods-pod<uid>.slice/vessel-pod-<id>.scope`).
     pub cgroup_parent: String,
+    /// The pod's systemd scope unit (systemd cgroup driver; empty with cgroupfs).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub cgroup_unit: String,
     /// Why the pod is not ready, when it is not.
     #[serde(default)]
     pub reason: String,
@@ -458,6 +463,7 @@ mod tests {
             netns_path: PathBuf::new(),
             hostname: "h".into(),
             cgroup_parent: "/vessel/p1".into(),
+            cgroup_unit: String::new(),
             reason: String::new(),
             ips: vec![],
             stopping: false,

@@ -1849,3 +1849,216 @@ async fn crash_soak_with_kill9_of_vesseld() {
     }
     h.assert_clean();
 }
+
+/// The systemd cgroup driver against a real systemd. CI's init is not systemd, so vesseld
+/// first refuses to start with the driver, naming why; then it runs inside the namespaces of
+/// a systemd booted as their PID 1 ([`SystemdInstance`]). A pod with kubelet's slice as its
+/// cgroup parent gets a delegated scope unit in that slice holding its agent (moved on into a
+/// leaf); its container's cgroup is beneath the scope with its memory limit; RuntimeConfig
+/// says systemd; a cgroupfs parent is refused; the pod survives a restart of vesseld; a scope
+/// without a record is stopped at start; stopping the pod removes its unit and cgroups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_cgroup_driver_against_a_real_systemd() {
+    const TEST: &str = "systemd_cgroup_driver_against_a_real_systemd";
+    if skip_unless(
+        false,
+        TEST,
+        "the driver is the host's; VM guests have no systemd",
+    ) {
+        return;
+    }
+    let systemd = "[runtime]\ncgroup_driver = \"systemd\"\ndefault_handler = \"flat\"\n";
+    if !vessel_cri::sandbox::systemd::booted() {
+        let e = Vesseld::start(&vesseld_binary(), systemd)
+            .err()
+            .expect("vesseld must not start with the systemd driver without systemd");
+        assert!(
+            e.to_string().contains("systemd is not the init system"),
+            "{e}"
+        );
+    }
+    if let Some(why) = vessel_critest::systemd::unavailable() {
+        println!("SKIP {TEST}: {why}");
+        return;
+    }
+    let sd = vessel_critest::systemd::SystemdInstance::start().expect("systemd in namespaces");
+    let (_reg, image) = vessel_critest::daemon::busybox_registry().await.unwrap();
+    let mut v = Vesseld::start_wrapped(&vesseld_binary(), sd.wrapper(), "", systemd)
+        .unwrap_or_else(|e| panic!("vesseld under systemd: {e}\n{}", sd.log()));
+    let c = v.client().await;
+    c.pull(&image).await.unwrap();
+    let rc = c
+        .runtime
+        .clone()
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        rc.linux.unwrap().cgroup_driver,
+        cri::CgroupDriver::Systemd as i32
+    );
+
+    let slice = "kubepods-besteffort-pode2e1.slice";
+    let pod_cfg = |name: &str, parent: &str| cri::PodSandboxConfig {
+        metadata: pod_metadata(name, "systemd"),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            cgroup_parent: parent.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let e = c
+        .run_pod(&pod_cfg("cgroupfs", "/kubepods/besteffort/pod1"), "")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("systemd"), "{e}");
+
+    let cfg = pod_cfg("scoped", slice);
+    let pod = c
+        .run_pod(&cfg, "")
+        .await
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", v.log()));
+    let unit = format!("vessel-pod-{pod}.scope");
+    let scope_cg = format!("/kubepods.slice/kubepods-besteffort.slice/{slice}/{unit}");
+    let show = |sd: &vessel_critest::systemd::SystemdInstance| {
+        sd.systemctl(&[
+            "show",
+            "-p",
+            "LoadState,ActiveState,Slice,Delegate,ControlGroup",
+            &unit,
+        ])
+        .1
+    };
+    let s = show(&sd);
+    for want in [
+        "ActiveState=active".to_string(),
+        format!("Slice={slice}"),
+        "Delegate=yes".to_string(),
+        format!("ControlGroup={scope_cg}"),
+    ] {
+        assert!(s.contains(&want), "{want} not in:\n{s}");
+    }
+
+    let mut ccfg = sh_container("limited", &image, "sleep 1000");
+    ccfg.linux = Some(cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources {
+            memory_limit_in_bytes: 64 << 20,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let ctr = c.create_container(&pod, &cfg, ccfg).await.unwrap();
+    if let Err(e) = c.start_container(&ctr).await {
+        let agent_logs: String = walk_files(v.dir.path())
+            .into_iter()
+            .filter(|p| {
+                p.to_string_lossy().contains("agent") && p.extension().is_some_and(|x| x == "log")
+            })
+            .map(|p| {
+                format!(
+                    "--- {}\n{}",
+                    p.display(),
+                    std::fs::read_to_string(&p).unwrap_or_default()
+                )
+            })
+            .collect();
+        panic!("StartContainer: {e}\n{agent_logs}");
+    }
+    let v1_memory = Path::new("/sys/fs/cgroup/memory");
+    let (limit_file, unified) = if v1_memory.join("memory.limit_in_bytes").exists() {
+        (
+            sd.host_cgroup(
+                v1_memory,
+                &format!("{scope_cg}/{ctr}/memory.limit_in_bytes"),
+            ),
+            PathBuf::from("/sys/fs/cgroup/unified"),
+        )
+    } else {
+        (
+            sd.host_cgroup(
+                Path::new("/sys/fs/cgroup"),
+                &format!("{scope_cg}/{ctr}/memory.max"),
+            ),
+            PathBuf::from("/sys/fs/cgroup"),
+        )
+    };
+    assert_eq!(
+        std::fs::read_to_string(&limit_file)
+            .unwrap_or_else(|e| panic!("{}: {e}\n{}", limit_file.display(), v.log()))
+            .trim(),
+        (64u64 << 20).to_string()
+    );
+    let agent_leaf = sd.host_cgroup(&unified, &format!("{scope_cg}/vessel-agent/cgroup.procs"));
+    let agent = std::fs::read_to_string(&agent_leaf).unwrap();
+    assert!(!agent.trim().is_empty(), "the agent is in its leaf");
+    let scope_procs = sd.host_cgroup(&unified, &format!("{scope_cg}/cgroup.procs"));
+    assert_eq!(std::fs::read_to_string(&scope_procs).unwrap(), "");
+
+    // A restart finds the pod as it was; a scope with no record (a pod whose record is gone)
+    // is stopped.
+    let w = sd.wrapper();
+    let mut orphan = std::process::Command::new(&w[0])
+        .args(&w[1..])
+        .args([
+            "systemd-run",
+            "--quiet",
+            "--scope",
+            "--unit=vessel-pod-0rphan.scope",
+            "--slice=vessel.slice",
+            "sleep",
+            "1000",
+        ])
+        .spawn()
+        .unwrap();
+    let orphan_up = || sd.systemctl(&["is-active", "vessel-pod-0rphan.scope"]).1;
+    let t = Instant::now();
+    while orphan_up().trim() != "active" {
+        assert!(t.elapsed() < Duration::from_secs(10), "{}", orphan_up());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    v.restart().unwrap();
+    let c = v.client().await;
+    assert_eq!(
+        c.pod_status(&pod).await.unwrap().state,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    assert!(show(&sd).contains("ActiveState=active"));
+    let t = Instant::now();
+    while orphan_up().trim() == "active" {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "orphan scope kept: {}",
+            v.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = orphan.wait();
+
+    c.stop_and_remove_pod(&pod).await.unwrap();
+    let s = show(&sd);
+    assert!(s.contains("LoadState=not-found"), "unit left:\n{s}");
+    for h in [v1_memory.to_path_buf(), unified] {
+        let d = sd.host_cgroup(&h, &scope_cg);
+        assert!(!d.exists(), "{} left", d.display());
+    }
+    drop(c);
+    drop(v);
+    drop(sd);
+}
+
+fn walk_files(d: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![d.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => out.push(e.path()),
+                _ => {}
+            }
+        }
+    }
+    out
+}

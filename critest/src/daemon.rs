@@ -14,6 +14,8 @@ pub struct Vesseld {
     pub config_path: PathBuf,
     pub socket: PathBuf,
     child: Option<Child>,
+    /// A command prefix vesseld runs under (e.g. `nsenter ... --`); empty: none.
+    wrapper: Vec<String>,
 }
 
 impl Vesseld {
@@ -26,6 +28,17 @@ impl Vesseld {
     /// are off unless `daemon_keys` sets `metrics_address`).
     pub fn start_with(
         binary: &Path,
+        daemon_keys: &str,
+        extra_config: &str,
+    ) -> std::io::Result<Vesseld> {
+        Self::start_wrapped(binary, Vec::new(), daemon_keys, extra_config)
+    }
+
+    /// Like [`Vesseld::start_with`], running vesseld under the command prefix `wrapper`
+    /// (e.g. [`crate::systemd::SystemdInstance::wrapper`]).
+    pub fn start_wrapped(
+        binary: &Path,
+        wrapper: Vec<String>,
         daemon_keys: &str,
         extra_config: &str,
     ) -> std::io::Result<Vesseld> {
@@ -55,6 +68,7 @@ impl Vesseld {
             config_path,
             socket,
             child: None,
+            wrapper,
         };
         v.spawn()?;
         Ok(v)
@@ -86,7 +100,15 @@ impl Vesseld {
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let child = Command::new(&self.binary)
+        let mut cmd = match self.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&self.binary);
+                c
+            }
+            None => Command::new(&self.binary),
+        };
+        let child = cmd
             .arg("--config")
             .arg(&self.config_path)
             .arg("serve")
@@ -139,14 +161,45 @@ impl Vesseld {
     /// SIGKILL, as a crash would.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
+            if self.signal_wrapped(&c, libc::SIGKILL) {
+                // The wrapper reaps vesseld and exits.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
             let _ = c.kill();
             let _ = c.wait();
         }
     }
 
+    /// Under a wrapper (`nsenter` forks vesseld into the namespaces), signals vesseld itself:
+    /// the wrapper passes no signal on. Whether there was a wrapper.
+    fn signal_wrapped(&self, c: &Child, sig: libc::c_int) -> bool {
+        if self.wrapper.is_empty() {
+            return false;
+        }
+        let mut kids = Vec::new();
+        if let Ok(rd) = fs::read_dir(format!("/proc/{}/task", c.id())) {
+            for t in rd.flatten() {
+                if let Ok(k) = fs::read_to_string(t.path().join("children")) {
+                    kids.extend(k.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+                }
+            }
+        }
+        for k in kids {
+            // SAFETY: kill(2) of the wrapper's child, the vesseld this fixture started.
+            unsafe {
+                libc::kill(k, sig);
+            }
+        }
+        true
+    }
+
     /// SIGTERM and wait for a clean exit; returns the exit status.
     pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
         let mut c = self.child.take()?;
+        self.signal_wrapped(&c, libc::SIGTERM);
         // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped) and a valid signal.
         unsafe {
             libc::kill(c.id() as libc::pid_t, libc::SIGTERM);

@@ -13,6 +13,7 @@ pub mod daemon;
 pub mod registry;
 pub mod stream_client;
 pub mod suite;
+pub mod systemd;
 pub mod upstream;
 
 /// For the [`e2e_harness`] macro.

@@ -132,6 +132,7 @@ fn options(root: &Path, default_handler: &str, vm_ready: bool) -> RuntimeOptions
             bin_dirs: vec![root.join("cni/bin")],
             cache_dir: root.join("cni/cache"),
         },
+        cgroups: crate::sandbox::cgroup::Driver::Cgroupfs,
     }
 }
 

@@ -55,6 +55,8 @@ pub struct RuntimeOptions {
     pub state_dir: PathBuf,
     /// The node's CNI plugins, for pods with their own network namespace.
     pub cni: crate::cni::Cni,
+    /// How pod cgroups are made (`runtime.cgroup_driver`).
+    pub cgroups: crate::sandbox::cgroup::Driver,
 }
 
 /// A container in memory: its record and the lock that orders its operations.
@@ -240,6 +242,11 @@ impl Runtime {
 
     pub fn cni(&self) -> &crate::cni::Cni {
         &self.opts.cni
+    }
+
+    /// The cgroup driver in use (`RuntimeConfig`).
+    pub fn cgroup_driver(&self) -> &crate::sandbox::cgroup::Driver {
+        &self.opts.cgroups
     }
 
     pub fn vm_support(&self) -> &VmSupport {

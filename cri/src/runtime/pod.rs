@@ -76,16 +76,8 @@ impl Runtime {
                 meta.name
             )));
         }
-        let cgroup_parent = if linux.cgroup_parent.is_empty() {
-            format!("/vessel/{id}")
-        } else if linux.cgroup_parent.contains(".slice") {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "cgroup parent {:?} is a systemd slice, but vessel's cgroup driver is cgroupfs",
-                linux.cgroup_parent
-            )));
-        } else {
-            linux.cgroup_parent.clone()
-        };
+        let (cgroup_parent, cgroup_unit) =
+            self.opts.cgroups.pod_cgroup(id, &linux.cgroup_parent)?;
         let layout = backend.layout(id, &config, share);
         let rec = PodRecord {
             id: id.to_string(),
@@ -102,6 +94,7 @@ impl Runtime {
             netns_path: layout.netns_path,
             hostname: hostname.clone(),
             cgroup_parent,
+            cgroup_unit,
             reason: String::new(),
             ips: Vec::new(),
             stopping: false,
@@ -113,8 +106,18 @@ impl Runtime {
             return Err(e);
         }
         let pod = self.pod_object(rec);
+        // The host process goes into the pod's cgroup unit (systemd driver) before any
+        // container can start beneath it; a flat pod's agent moves on into a leaf.
         let setup = match backend.start(&pod, &config).await {
-            Ok(()) => sandbox::save(&self.dirs, &pod.record()),
+            Ok(()) => match self
+                .opts
+                .cgroups
+                .adopt(&pod.record(), kind == BackendKind::Flat)
+                .await
+            {
+                Ok(()) => sandbox::save(&self.dirs, &pod.record()),
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         };
         match setup {
@@ -143,6 +146,7 @@ impl Runtime {
     /// files). Idempotent.
     pub(super) async fn teardown_pod_resources(&self, rec: &PodRecord) {
         self.backend(rec).teardown(rec).await;
+        self.opts.cgroups.release(rec).await;
     }
 
     pub async fn stop_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {

@@ -34,6 +34,7 @@ impl Runtime {
         for b in [&self.backends.flat, &self.backends.vm] {
             b.sweep_orphans(&records, &kept).await;
         }
+        self.opts.cgroups.sweep(&records, &kept).await;
         for rec in records {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
@@ -313,6 +314,13 @@ impl Runtime {
             netns_path: self.dirs.netns_dir().join(id),
             hostname: String::new(),
             cgroup_parent: format!("/vessel/{id}"),
+            // Its unit, if the driver makes them, is named after it: stopped with it.
+            cgroup_unit: match self.opts.cgroups {
+                crate::sandbox::cgroup::Driver::Systemd(_) => {
+                    crate::sandbox::systemd::pod_unit(id)
+                }
+                crate::sandbox::cgroup::Driver::Cgroupfs => String::new(),
+            },
             reason: format!(
                 "its record could not be read (kept at {}); RemovePodSandbox stops what is left of it and removes it",
                 path.display()

@@ -1,10 +1,189 @@
-//! cgroupfs helpers for the pod and container cgroups vesseld owns (v1 hierarchies and v2).
+//! Pod cgroups: the cgroup driver (cgroupfs, or systemd units), and cgroupfs helpers for the
+//! pod and container cgroups vesseld owns (v1 hierarchies and v2).
 
-use std::path::{Path, PathBuf};
+use super::systemd::{self, Systemd};
+use crate::errors::{Result, RuntimeError};
+use crate::state::PodRecord;
+use std::collections::HashSet;
+use std::path::PathBuf;
 
-/// cgroupfs directories named `rel` under every mounted hierarchy (v1 controllers and v2).
-pub fn cgroup_dirs(rel: &str) -> Vec<PathBuf> {
-    let rel = rel.trim_start_matches('/');
+/// The leaf a flat pod's agent moves to under a systemd pod scope, so that the scope holds no
+/// process of its own and its containers' cgroups may have controllers (cgroup v2 allows
+/// processes only in leaves of a subtree with controllers enabled), and so that the agent's
+/// cgroup is no prefix of its containers'.
+const AGENT_LEAF: &str = "vessel-agent";
+
+/// How pod cgroups are made: directly in cgroupfs (`/vessel/<pod>`, or kubelet's cgroupfs
+/// parent), or as systemd units in kubelet's slices ([`super::systemd`]).
+#[derive(Debug)]
+pub enum Driver {
+    Cgroupfs,
+    Systemd(Systemd),
+}
+
+impl Driver {
+    /// The name in config and in `RuntimeConfig`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Driver::Cgroupfs => "cgroupfs",
+            Driver::Systemd(_) => "systemd",
+        }
+    }
+
+    /// Checks that the driver can work on this node (the daemon's start).
+    pub async fn check(&self) -> std::result::Result<(), systemd::SystemdError> {
+        match self {
+            Driver::Cgroupfs => Ok(()),
+            Driver::Systemd(s) => s.check().await,
+        }
+    }
+
+    /// The cgroupfs path beneath which pod `id`'s containers get their cgroups, and its
+    /// systemd unit (empty for cgroupfs), from the cgroup parent in the pod's config.
+    pub fn pod_cgroup(&self, id: &str, parent: &str) -> Result<(String, String)> {
+        match self {
+            Driver::Cgroupfs if parent.is_empty() => Ok((format!("/vessel/{id}"), String::new())),
+            Driver::Cgroupfs if parent.ends_with(".slice") => Err(RuntimeError::InvalidArgument(
+                format!(
+                    "cgroup parent {parent:?} is a systemd slice, but vessel's cgroup driver is cgroupfs (runtime.cgroup_driver; kubelet's cgroupDriver must match)"
+                ),
+            )),
+            Driver::Cgroupfs => Ok((parent.to_string(), String::new())),
+            Driver::Systemd(_) => {
+                let slice = if parent.is_empty() {
+                    systemd::DEFAULT_SLICE
+                } else {
+                    parent
+                };
+                let base = systemd::expand_slice(slice).map_err(|e| {
+                    RuntimeError::InvalidArgument(format!(
+                        "cgroup parent: {e}; vessel's cgroup driver is systemd (runtime.cgroup_driver; kubelet's cgroupDriver must match)"
+                    ))
+                })?;
+                let unit = systemd::pod_unit(id);
+                Ok((format!("{}/{unit}", base.trim_end_matches('/')), unit))
+            }
+        }
+    }
+
+    /// Puts the pod's host process into the pod's unit (systemd driver); with `leaf`, on
+    /// into a leaf beneath it, as the pod's containers get cgroups beneath it too.
+    pub async fn adopt(&self, rec: &PodRecord, leaf: bool) -> Result<()> {
+        let Driver::Systemd(sd) = self else {
+            return Ok(());
+        };
+        if rec.cgroup_unit.is_empty() {
+            return Ok(());
+        }
+        let parent = rec
+            .config
+            .linux
+            .as_ref()
+            .map(|l| l.cgroup_parent.as_str())
+            .filter(|p| !p.is_empty())
+            .unwrap_or(systemd::DEFAULT_SLICE);
+        let name = rec
+            .config
+            .metadata
+            .as_ref()
+            .map(|m| format!("{}/{}", m.namespace, m.name))
+            .unwrap_or_default();
+        sd.start_scope(
+            &rec.cgroup_unit,
+            parent,
+            rec.agent_pid,
+            &format!("vessel pod {name} ({})", rec.id),
+        )
+        .await
+        .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+        if leaf {
+            // In every hierarchy where systemd made the scope. Not only for cgroup v2: a
+            // container's parent process must not sit in a cgroup that is a prefix of the
+            // container's, or libcontainer's emulated /sys/fs/cgroup (cgroup v1) strips it.
+            for scope in cgroup_dirs(&rec.cgroup_parent) {
+                if scope.is_dir() {
+                    join_leaf(&scope, rec.agent_pid).map_err(|e| {
+                        RuntimeError::Internal(format!(
+                            "pod {}: moving its agent into {}/{AGENT_LEAF}: {e}",
+                            rec.id,
+                            scope.display()
+                        ))
+                    })?;
+                }
+            }
+        }
+        tracing::debug!(pod = %rec.id, unit = %rec.cgroup_unit, "pod scope started");
+        Ok(())
+    }
+
+    /// Stops the pod's unit (which kills what is left in it) and removes its cgroups.
+    /// Idempotent; failures are logged.
+    pub async fn release(&self, rec: &PodRecord) {
+        let Driver::Systemd(sd) = self else {
+            return;
+        };
+        if rec.cgroup_unit.is_empty() {
+            return;
+        }
+        if let Err(e) = sd.stop_unit(&rec.cgroup_unit).await {
+            tracing::warn!(pod = %rec.id, unit = %rec.cgroup_unit, error = %e, "cannot stop the pod's scope");
+        }
+        remove_cgroup(&rec.cgroup_parent);
+    }
+
+    /// Stops pod scopes that no record owns (pods whose record is gone), except `kept`
+    /// (quarantined records' pods).
+    pub async fn sweep(&self, recorded: &[PodRecord], kept: &HashSet<String>) {
+        let Driver::Systemd(sd) = self else {
+            return;
+        };
+        let units = match sd
+            .units(&format!("{}*.scope", systemd::POD_UNIT_PREFIX))
+            .await
+        {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list pod scopes; orphans are not swept");
+                return;
+            }
+        };
+        let owned: HashSet<&str> = recorded.iter().map(|r| r.cgroup_unit.as_str()).collect();
+        for unit in units {
+            let id = unit
+                .strip_prefix(systemd::POD_UNIT_PREFIX)
+                .and_then(|u| u.strip_suffix(".scope"))
+                .unwrap_or_default();
+            if owned.contains(unit.as_str()) || kept.contains(id) {
+                continue;
+            }
+            tracing::info!(unit = %unit, "stopping pod scope without record");
+            if let Err(e) = sd.stop_unit(&unit).await {
+                tracing::warn!(unit = %unit, error = %e, "cannot stop orphan pod scope");
+            }
+        }
+    }
+}
+
+/// Moves process `pid` into the leaf [`AGENT_LEAF`] under the cgroup directory `dir`.
+fn join_leaf(dir: &std::path::Path, pid: u32) -> std::io::Result<()> {
+    let leaf = dir.join(AGENT_LEAF);
+    match std::fs::create_dir(&leaf) {
+        Ok(()) => {
+            // A v1 cpuset cgroup takes no process before it has CPUs and memory nodes.
+            for f in ["cpuset.cpus", "cpuset.mems"] {
+                if let Ok(v) = std::fs::read_to_string(dir.join(f)) {
+                    std::fs::write(leaf.join(f), v.trim())?;
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::write(leaf.join("cgroup.procs"), pid.to_string())
+}
+
+/// Mount points of the cgroup hierarchies, each with whether it is cgroup v2.
+fn mounted_hierarchies() -> Vec<(PathBuf, bool)> {
     let mut out = Vec::new();
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return out;
@@ -17,11 +196,22 @@ pub fn cgroup_dirs(rel: &str) -> Vec<PathBuf> {
         let fstype = parts.get(sep + 1).copied().unwrap_or("");
         if fstype == "cgroup" || fstype == "cgroup2" {
             if let Some(mp) = parts.get(4) {
-                out.push(Path::new(mp).join(rel));
+                out.push((PathBuf::from(mp), fstype == "cgroup2"));
             }
         }
     }
     out.sort();
+    out.dedup();
+    out
+}
+
+/// cgroupfs directories named `rel` under every mounted hierarchy (v1 controllers and v2).
+pub fn cgroup_dirs(rel: &str) -> Vec<PathBuf> {
+    let rel = rel.trim_start_matches('/');
+    let mut out: Vec<PathBuf> = mounted_hierarchies()
+        .into_iter()
+        .map(|(mp, _)| mp.join(rel))
+        .collect();
     out.dedup();
     out
 }

@@ -19,10 +19,12 @@
 //! support and the policy for pods a VM cannot honour.
 
 pub mod cgroup;
+pub mod dbus;
 pub mod flat;
 pub mod netns;
 pub mod network;
 pub mod process;
+pub mod systemd;
 pub mod vm;
 
 use crate::errors::{internal, Result, RuntimeError};
