@@ -2,6 +2,7 @@
 # Installs vessel on a Debian machine and starts vesseld with its default configuration.
 #   - Debian packages (scripts/deps.sh), a release build,
 #     /usr/local/bin/{vesseld,vessel-agent,vessel-shim}
+#   - the kernel modules vessel needs (overlay; tun for VM pods), now and at boot
 #   - the microVM guest kernel and initrd (built, cached by content hash) in
 #     /usr/local/share/vessel/guest/ (VESSEL_NO_VM=1 skips them: flat pods only)
 #   - /etc/vessel/config.toml from `vesseld config default` (an existing one is kept)
@@ -17,6 +18,18 @@ cargo build --release --locked -p vessel-cri -p vessel-agent -p vessel-shim
 install -D -m 0755 target/release/vesseld /usr/local/bin/vesseld
 install -D -m 0755 target/release/vessel-agent /usr/local/bin/vessel-agent
 install -D -m 0755 target/release/vessel-shim /usr/local/bin/vessel-shim
+# Kernel modules: overlay (containers' root filesystems) and, for VM pods, tun (their taps on
+# the pod network). Loaded now and at every boot; one that is built in needs nothing, and one
+# that cannot load is reported (vesseld doctor says what the node lacks).
+MODULES="overlay"
+[ "${VESSEL_NO_VM:-0}" != 1 ] && MODULES="$MODULES tun"
+mkdir -p /etc/modules-load.d
+printf '%s\n' $MODULES > /etc/modules-load.d/vessel.conf
+for m in $MODULES; do
+  if [ ! -e "/sys/module/$m" ] && ! modprobe "$m" 2>/dev/null; then
+    echo "install: kernel module $m did not load (built in, or not available)" >&2
+  fi
+done
 if [ "${VESSEL_NO_VM:-0}" != 1 ]; then
   # A failure here leaves flat pods working; vesseld's Status says what VM pods lack.
   if KDIR=$(bash scripts/build-guest-kernel.sh | tail -1) &&
