@@ -1859,10 +1859,21 @@ async fn crash_soak_with_kill9_of_vesseld() {
 /// without a record is stopped at start; stopping the pod removes its unit and cgroups.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemd_cgroup_driver_against_a_real_systemd() {
-    const TEST: &str = "systemd_cgroup_driver_against_a_real_systemd";
+    systemd_driver("systemd_cgroup_driver_against_a_real_systemd", false).await;
+}
+
+/// The same with the systemd booted on the cgroup v2 hierarchy alone, as on a pure cgroup v2
+/// host (here it has no controllers, which stay with v1, so the memory limit is checked only
+/// where the v2 hierarchy has the memory controller).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_cgroup_driver_on_unified_cgroups() {
+    systemd_driver("systemd_cgroup_driver_on_unified_cgroups", true).await;
+}
+
+async fn systemd_driver(test: &str, unified: bool) {
     if skip_unless(
         false,
-        TEST,
+        test,
         "the driver is the host's; VM guests have no systemd",
     ) {
         return;
@@ -1878,10 +1889,11 @@ async fn systemd_cgroup_driver_against_a_real_systemd() {
         );
     }
     if let Some(why) = vessel_critest::systemd::unavailable() {
-        println!("SKIP {TEST}: {why}");
+        println!("SKIP {test}: {why}");
         return;
     }
-    let sd = vessel_critest::systemd::SystemdInstance::start().expect("systemd in namespaces");
+    let sd = vessel_critest::systemd::SystemdInstance::start_with(unified)
+        .expect("systemd in namespaces");
     let (_reg, image) = vessel_critest::daemon::busybox_registry().await.unwrap();
     let mut v = Vesseld::start_wrapped(&vesseld_binary(), sd.wrapper(), "", systemd)
         .unwrap_or_else(|e| panic!("vesseld under systemd: {e}\n{}", sd.log()));
@@ -1941,14 +1953,31 @@ async fn systemd_cgroup_driver_against_a_real_systemd() {
         assert!(s.contains(&want), "{want} not in:\n{s}");
     }
 
+    // The memory limit shows in the v1 memory hierarchy, or in the v2 one if it has the
+    // memory controller.
+    let v1_memory = Path::new("/sys/fs/cgroup/memory");
+    let unified_host = sd.host_unified().expect("a cgroup v2 hierarchy");
+    let limit_file = if !unified && v1_memory.join("memory.limit_in_bytes").exists() {
+        Some("memory.limit_in_bytes")
+    } else if std::fs::read_to_string(sd.host_cgroup(&unified_host, "cgroup.controllers"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .any(|c| c == "memory")
+    {
+        Some("memory.max")
+    } else {
+        None
+    };
     let mut ccfg = sh_container("limited", &image, "sleep 1000");
-    ccfg.linux = Some(cri::LinuxContainerConfig {
-        resources: Some(cri::LinuxContainerResources {
-            memory_limit_in_bytes: 64 << 20,
+    if limit_file.is_some() {
+        ccfg.linux = Some(cri::LinuxContainerConfig {
+            resources: Some(cri::LinuxContainerResources {
+                memory_limit_in_bytes: 64 << 20,
+                ..Default::default()
+            }),
             ..Default::default()
-        }),
-        ..Default::default()
-    });
+        });
+    }
     let ctr = c.create_container(&pod, &cfg, ccfg).await.unwrap();
     if let Err(e) = c.start_container(&ctr).await {
         let agent_logs: String = walk_files(v.dir.path())
@@ -1966,30 +1995,29 @@ async fn systemd_cgroup_driver_against_a_real_systemd() {
             .collect();
         panic!("StartContainer: {e}\n{agent_logs}");
     }
-    let v1_memory = Path::new("/sys/fs/cgroup/memory");
-    let (limit_file, unified) = if v1_memory.join("memory.limit_in_bytes").exists() {
-        (
-            sd.host_cgroup(
-                v1_memory,
-                &format!("{scope_cg}/{ctr}/memory.limit_in_bytes"),
-            ),
-            PathBuf::from("/sys/fs/cgroup/unified"),
-        )
-    } else {
-        (
-            sd.host_cgroup(
-                Path::new("/sys/fs/cgroup"),
-                &format!("{scope_cg}/{ctr}/memory.max"),
-            ),
-            PathBuf::from("/sys/fs/cgroup"),
-        )
-    };
-    assert_eq!(
-        std::fs::read_to_string(&limit_file)
-            .unwrap_or_else(|e| panic!("{}: {e}\n{}", limit_file.display(), v.log()))
-            .trim(),
-        (64u64 << 20).to_string()
-    );
+    match limit_file {
+        Some(f) => {
+            let h = if f == "memory.max" {
+                unified_host.clone()
+            } else {
+                v1_memory.to_path_buf()
+            };
+            let p = sd.host_cgroup(&h, &format!("{scope_cg}/{ctr}/{f}"));
+            assert_eq!(
+                std::fs::read_to_string(&p)
+                    .unwrap_or_else(|e| panic!("{}: {e}\n{}", p.display(), v.log()))
+                    .trim(),
+                (64u64 << 20).to_string()
+            );
+        }
+        None => {
+            let p = sd.host_cgroup(&unified_host, &format!("{scope_cg}/{ctr}/cgroup.procs"));
+            let procs = std::fs::read_to_string(&p)
+                .unwrap_or_else(|e| panic!("{}: {e}\n{}", p.display(), v.log()));
+            assert!(!procs.trim().is_empty(), "the container runs in its cgroup");
+        }
+    }
+    let unified = unified_host;
     let agent_leaf = sd.host_cgroup(&unified, &format!("{scope_cg}/vessel-agent/cgroup.procs"));
     let agent = std::fs::read_to_string(&agent_leaf).unwrap();
     assert!(!agent.trim().is_empty(), "the agent is in its leaf");

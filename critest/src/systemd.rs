@@ -89,8 +89,16 @@ fn hierarchies() -> Vec<(PathBuf, String, bool)> {
 }
 
 impl SystemdInstance {
-    /// Boots systemd and waits (up to 20 s) until its D-Bus socket answers.
+    /// Boots systemd on the node's cgroup layout (v1, hybrid or v2, as mounted) and waits
+    /// (up to 20 s) until its D-Bus socket answers.
     pub fn start() -> std::io::Result<SystemdInstance> {
+        Self::start_with(false)
+    }
+
+    /// Like [`SystemdInstance::start`]; `unified`: the namespace gets the cgroup v2 hierarchy
+    /// alone, at `/sys/fs/cgroup`, as on a pure cgroup v2 host (on a v1 or hybrid host its
+    /// controllers stay with v1, so it has none).
+    pub fn start_with(unified: bool) -> std::io::Result<SystemdInstance> {
         if let Some(why) = unavailable() {
             return Err(std::io::Error::other(why));
         }
@@ -110,6 +118,7 @@ impl SystemdInstance {
             .unwrap_or_else(|| "vessel-systemd".into());
         let hier = hierarchies();
         let mut mounts = String::new();
+        let mut dirs = Vec::new();
         for (mp, ctl, v2) in &hier {
             let cg = mp.join(&cgroup);
             std::fs::create_dir_all(&cg)?;
@@ -120,6 +129,13 @@ impl SystemdInstance {
                 }
             }
             let m = mp.display();
+            if unified {
+                if *v2 {
+                    mounts.push_str("mount -t cgroup2 cgroup2 /sys/fs/cgroup\n");
+                }
+                continue;
+            }
+            dirs.push(m.to_string());
             if *v2 {
                 mounts.push_str(&format!("mount -t cgroup2 cgroup2 {m}\n"));
             } else {
@@ -135,17 +151,20 @@ impl SystemdInstance {
             .iter()
             .map(|(mp, _, _)| mp.join(&cgroup).join("cgroup.procs").display().to_string())
             .collect();
+        // Unified: cgroup2 itself at /sys/fs/cgroup; otherwise a tmpfs holding each hierarchy.
+        let base = if unified {
+            String::new()
+        } else {
+            format!(
+                "mount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup\nmkdir -p {}\n",
+                dirs.join(" ")
+            )
+        };
         let inner = format!(
             "set -e\nmount --make-rprivate /\nmount -t proc proc /proc\nmount -t tmpfs tmpfs /run\n\
-             mkdir -p /run/systemd/system\numount -R /sys/fs/cgroup\nmount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup\n\
-             mkdir -p {dirs}\n{mounts}\
+             mkdir -p /run/systemd/system\numount -R /sys/fs/cgroup\n{base}{mounts}\
              exec env -i container=vessel-test SYSTEMD_UNIT_PATH={units} PATH=/usr/sbin:/usr/bin:/sbin:/bin \
              {SYSTEMD} --unit=vessel-test.target --log-target=console --log-level=info\n",
-            dirs = hier
-                .iter()
-                .map(|(mp, _, _)| mp.display().to_string())
-                .collect::<Vec<_>>()
-                .join(" "),
             units = units.display(),
         );
         let script = format!(
@@ -249,6 +268,15 @@ impl SystemdInstance {
             }
             Err(e) => (false, e.to_string()),
         }
+    }
+
+    /// The host's mount point of the cgroup v2 hierarchy (`/sys/fs/cgroup/unified` on a
+    /// hybrid host, `/sys/fs/cgroup` on a v2 one).
+    pub fn host_unified(&self) -> Option<PathBuf> {
+        hierarchies()
+            .into_iter()
+            .find(|(_, _, v2)| *v2)
+            .map(|(mp, _, _)| mp)
     }
 
     /// The host path of `rel` (a cgroup path as the instance sees it) in the hierarchy
