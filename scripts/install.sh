@@ -9,9 +9,13 @@
 #   - starts vesseld: as a systemd service where systemd runs, else as a detached daemon
 #     logging to /var/log/vessel/vesseld.log
 set -euo pipefail
+# Root is needed; a user with sudo is asked for it, and root needs no sudo installed.
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null; then exec sudo bash "$(readlink -f "$0")" "$@"; fi
+  echo "install.sh: run as root (vesseld manages mounts and namespaces)" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/.."
-
-[ "$(id -u)" -eq 0 ] || { echo "install.sh: run as root (vesseld manages mounts and namespaces)" >&2; exit 1; }
 
 bash scripts/deps.sh
 cargo build --release --locked -p vessel-cri -p vessel-agent -p vessel-shim

@@ -3,9 +3,13 @@
 # (a real vesseld driven over its CRI socket, images from a real docker-registry on 127.0.0.1).
 # Run as root: the tests mount overlayfs and chown files as image layers ask.
 set -euo pipefail
+# Root is needed; a user with sudo is asked for it, and root needs no sudo installed.
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null; then exec sudo bash "$(readlink -f "$0")" "$@"; fi
+  echo "test.sh: run as root (tests mount overlayfs, set file owners)" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/.."
-
-[ "$(id -u)" -eq 0 ] || { echo "test.sh: run as root (tests mount overlayfs, set file owners)" >&2; exit 1; }
 
 start=$(date +%s)
 bash scripts/deps.sh
