@@ -475,8 +475,9 @@ async fn zstd_whiteouts_and_user_fields() {
     assert!(status(&mut c, &format!("{h}/whiteout:v1")).await.is_none());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn basic_auth_ok_wrong_and_missing() {
+/// A registry wanting Basic auth (alice / s3cret), with the busybox image pushed as
+/// `private/app:v1`; the image and its name.
+async fn private_registry() -> (Registry, testimages::BuiltImage, String) {
     let reg = registry(RegistryOptions {
         htpasswd: Some(("alice".into(), "s3cret".into())),
         ..Default::default()
@@ -486,6 +487,12 @@ async fn basic_auth_ok_wrong_and_missing() {
     let img = testimages::busybox_image(Compression::Gzip);
     push_image(&t, &img, Some("v1")).await.unwrap();
     let name = format!("{}/private/app:v1", reg.host());
+    (reg, img, name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn basic_auth_ok_wrong_and_missing() {
+    let (reg, img, name) = private_registry().await;
 
     let v = vesseld("");
     let mut c = v.client().await;
@@ -803,15 +810,7 @@ async fn mtls_registry_client_certificates_default_section_and_skip_verify() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_auth_file_when_kubelet_sends_no_credentials() {
     use base64::Engine as _;
-    let reg = registry(RegistryOptions {
-        htpasswd: Some(("alice".into(), "s3cret".into())),
-        ..Default::default()
-    });
-    let mut t = target(&reg, "private/app");
-    t.basic_auth = Some(("alice".into(), "s3cret".into()));
-    let img = testimages::busybox_image(Compression::Gzip);
-    push_image(&t, &img, Some("v1")).await.unwrap();
-    let name = format!("{}/private/app:v1", reg.host());
+    let (reg, img, name) = private_registry().await;
     let d = tempfile::tempdir().unwrap();
     let auth_file = d.path().join("config.json");
     let v = vesseld(&format!(

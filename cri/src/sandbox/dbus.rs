@@ -167,19 +167,19 @@ impl<'a> Reader<'a> {
     /// A string or an object path.
     pub fn str(&mut self) -> Result<String, DbusError> {
         let n = self.u32()? as usize;
-        let s = self.take(n)?;
-        if self.take(1)? != [0] {
-            return Err(DbusError::Malformed("string without its NUL"));
-        }
-        String::from_utf8(s.to_vec()).map_err(|_| DbusError::Malformed("string not UTF-8"))
+        self.text(n)
     }
     pub fn signature(&mut self) -> Result<String, DbusError> {
         let n = self.u8()? as usize;
+        self.text(n)
+    }
+    /// `n` bytes of UTF-8 and their terminating NUL.
+    fn text(&mut self, n: usize) -> Result<String, DbusError> {
         let s = self.take(n)?;
         if self.take(1)? != [0] {
-            return Err(DbusError::Malformed("signature without its NUL"));
+            return Err(DbusError::Malformed("text without its NUL"));
         }
-        String::from_utf8(s.to_vec()).map_err(|_| DbusError::Malformed("signature not UTF-8"))
+        String::from_utf8(s.to_vec()).map_err(|_| DbusError::Malformed("text not UTF-8"))
     }
     /// Reads an array whose elements align to `align`, calling `f` for each element.
     pub fn array(
