@@ -169,6 +169,17 @@ pub struct ContainerRecord {
     /// Diff IDs of the image's layers, bottom first (VM pods attach them as disks).
     #[serde(default)]
     pub layers: Vec<String>,
+    /// Snapshots mounted read-only for the container's image volumes (CRI `Mount.image`),
+    /// removed with the container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_snapshots: Vec<String>,
+}
+
+impl ContainerRecord {
+    /// Every snapshot the container owns: its root filesystem and its image volumes.
+    pub fn snapshots(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.snapshot).chain(&self.volume_snapshots)
+    }
 }
 
 /// Where records live, and their atomic reads and writes.

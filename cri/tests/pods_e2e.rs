@@ -2090,3 +2090,105 @@ fn walk_files(d: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// CRI image volumes (kubelet's ImageVolume): a mount that names an image shows that image's
+/// content (all its layers, whiteouts applied) read-only at the container path. The image
+/// cannot be removed while a container mounts it; removing the container unmounts it. An
+/// image that is not on the node is NotFound, and leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_volumes_mount_an_image_read_only() {
+    if skip_unless(
+        false,
+        "image_volumes_mount_an_image_read_only",
+        "flat pods (VM pods share the same host directory over virtio-fs; not yet run in the harness)",
+    ) {
+        return;
+    }
+    let mut h = harness().await;
+    let wimg = testimages::whiteout_image();
+    let mut t = PushTarget::new(&h._reg.url(), "library/volume");
+    t.insecure_tls = true;
+    push_image(&t, &wimg, Some("v1")).await.unwrap();
+    let vname = format!("{}/library/volume:v1", h._reg.host());
+    h.c.pull(&vname).await.expect("pull the volume's image");
+    let (pod, pcfg) = h.run_pod("imgvol").await;
+    let volume = |image: &str| cri::Mount {
+        container_path: "/iv".into(),
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        readonly: true,
+        ..Default::default()
+    };
+
+    let mut cfg = h.ctr_config("missing", "sleep 1000");
+    cfg.mounts.push(volume("127.0.0.1:1/never/pulled:v1"));
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    assert!(e.message().contains("/iv"), "{e}");
+    let iv_mounts = |h: &H| {
+        mounts_under(h.v.dir.path())
+            .into_iter()
+            .filter(|m| m.contains("-iv"))
+            .collect::<Vec<_>>()
+    };
+    assert!(iv_mounts(&h).is_empty());
+
+    let mut cfg = h.ctr_config("reader", "sleep 1000");
+    cfg.mounts.push(volume(&vname));
+    let id = h
+        .create(&pod, &pcfg, cfg)
+        .await
+        .expect("container with an image volume");
+    h.start(&id).await;
+    let r = h
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "cat /iv/data/keep /iv/opaque/new; ls /iv/data; touch /iv/x 2>/dev/null || echo read-only",
+            ],
+            10,
+        )
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(
+        out.contains("keep") && out.contains("new") && !out.contains("gone"),
+        "{out}"
+    );
+    assert!(out.contains("read-only"), "{out}");
+    assert_eq!(iv_mounts(&h).len(), 1);
+    let e =
+        h.c.images
+            .remove_image(cri::RemoveImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: vname.clone(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+
+    h.c.runtime
+        .remove_container(cri::RemoveContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap();
+    assert!(iv_mounts(&h).is_empty());
+    h.c.images
+        .remove_image(cri::RemoveImageRequest {
+            image: Some(cri::ImageSpec {
+                image: vname,
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("the image is free once its container is gone");
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

@@ -94,6 +94,16 @@ impl Snapshot {
 
     /// Mounts the overlay at [`Snapshot::rootfs`] (flat backend). Idempotent.
     pub fn mount_overlay(&self) -> Result<PathBuf> {
+        self.mount_with(rustix::mount::MountFlags::empty())
+    }
+
+    /// Mounts the overlay read-only at [`Snapshot::rootfs`]: an image's content as it is
+    /// (CRI image volumes). Idempotent.
+    pub fn mount_overlay_readonly(&self) -> Result<PathBuf> {
+        self.mount_with(rustix::mount::MountFlags::RDONLY)
+    }
+
+    fn mount_with(&self, flags: rustix::mount::MountFlags) -> Result<PathBuf> {
         let target = self.rootfs();
         if is_mountpoint(&target) {
             return Ok(target);
@@ -103,14 +113,8 @@ impl Snapshot {
                 reference: self.meta.image.to_string(),
                 reason: "overlayfs options contain a NUL byte".into(),
             })?;
-        rustix::mount::mount(
-            "overlay",
-            &target,
-            "overlay",
-            rustix::mount::MountFlags::empty(),
-            Some(data.as_c_str()),
-        )
-        .map_err(|e| ImageError::io("mount overlay", &target)(e.into()))?;
+        rustix::mount::mount("overlay", &target, "overlay", flags, Some(data.as_c_str()))
+            .map_err(|e| ImageError::io("mount overlay", &target)(e.into()))?;
         Ok(target)
     }
 

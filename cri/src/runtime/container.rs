@@ -12,6 +12,17 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
+
+/// What CreateContainer settled before it makes anything of the container's own.
+struct Made {
+    image: vessel_images::ImageRecord,
+    layer_dirs: Vec<std::path::PathBuf>,
+    /// The TARGET container's pid, for NamespaceMode TARGET.
+    target_pid: Option<u32>,
+    /// The config with image volumes as read-only host paths.
+    volumes: cri::ContainerConfig,
+    volume_snapshots: Vec<String>,
+}
 use vessel_agent::proto::{self as ap, agent_client::AgentClient};
 
 impl Runtime {
@@ -110,11 +121,117 @@ impl Runtime {
             }
             None => None,
         };
+        // Image volumes become read-only host directories; from here on both backends see
+        // plain bind mounts (a VM pod shares them into its guest like any host path).
+        let (volumes, volume_snapshots) = self.image_volumes(id, &config).await?;
+        let made = Made {
+            image,
+            layer_dirs,
+            target_pid,
+            volumes,
+            volume_snapshots,
+        };
+        let snaps = made.volume_snapshots.clone();
+        let res = self.create_made(pod, prec, id, key, config, made).await;
+        if res.is_err() {
+            for s in &snaps {
+                let _ = self.store.remove_snapshot(s);
+            }
+        }
+        res
+    }
+
+    /// The container config with its image volumes (mounts naming an image) turned into
+    /// read-only mounts of that image's content, each a snapshot of the image mounted
+    /// read-only on the host; and those snapshots' ids. Kubelet pulls the image first: one
+    /// that is not here is NotFound.
+    async fn image_volumes(
+        &self,
+        id: &str,
+        config: &cri::ContainerConfig,
+    ) -> Result<(cri::ContainerConfig, Vec<String>)> {
+        let mut out = config.clone();
+        let mut snaps: Vec<String> = Vec::new();
+        for (n, m) in out.mounts.iter_mut().enumerate() {
+            let Some(image) = m.image.as_ref().filter(|i| !i.image.is_empty()) else {
+                continue;
+            };
+            let (store, name, snap_id) = (
+                self.store.clone(),
+                image.image.clone(),
+                format!("{id}-iv{n}"),
+            );
+            let at = m.container_path.clone();
+            let made = tokio::task::spawn_blocking(move || {
+                let rec = store
+                    .find(&name)
+                    .map_err(|e| {
+                        RuntimeError::InvalidArgument(format!("image volume at {at:?}: {e}"))
+                    })?
+                    .ok_or_else(|| {
+                        RuntimeError::NotFound(format!(
+                            "image volume at {at:?}: image {name:?} not found; pull it first"
+                        ))
+                    })?;
+                let snap = store
+                    .prepare_snapshot(&snap_id, &rec)
+                    .map_err(internal(format!("image volume at {at:?}")))?;
+                match snap.mount_overlay_readonly() {
+                    Ok(p) => Ok((snap_id, p)),
+                    Err(e) => {
+                        let _ = store.remove_snapshot(&snap_id);
+                        Err(internal(format!("image volume at {at:?}"))(e))
+                    }
+                }
+            })
+            .await
+            .map_err(internal("image volume"))
+            .and_then(|r| r);
+            match made {
+                Ok((snap_id, path)) => {
+                    snaps.push(snap_id);
+                    m.host_path = path.display().to_string();
+                    m.readonly = true;
+                    m.image = None;
+                }
+                Err(e) => {
+                    for s in &snaps {
+                        let _ = self.store.remove_snapshot(s);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok((out, snaps))
+    }
+
+    /// CreateContainer once its image, namespaces and image volumes are settled.
+    async fn create_made(
+        self: &Arc<Self>,
+        pod: &Arc<Pod>,
+        prec: &PodRecord,
+        id: &str,
+        key: &str,
+        config: cri::ContainerConfig,
+        made: Made,
+    ) -> Result<()> {
+        let Made {
+            image,
+            layer_dirs,
+            target_pid,
+            volumes,
+            volume_snapshots,
+        } = made;
+        let image_name = config
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default();
         let backend = self.backend(prec);
-        backend.admit_container(prec, &config)?;
+        backend.admit_container(prec, &volumes)?;
         let (mut spec, user) = spec::build(&SpecInput {
             pod: &prec.config,
-            config: &config,
+            config: &volumes,
             image: &image.run_config,
             layer_dirs: &layer_dirs,
             hostname: &prec.hostname,
@@ -166,6 +283,7 @@ impl Runtime {
             stop_signal,
             snapshot: id.to_string(),
             layers: image.layers.iter().map(|l| l.diff_id.to_string()).collect(),
+            volume_snapshots,
         };
         // The record (state Creating) and the writable layer are independent, each durable
         // on its own (a crash between them leaves what recovery cleans: a Creating record,
@@ -201,7 +319,7 @@ impl Runtime {
                     ContainerRequest {
                         id,
                         key,
-                        config: &config,
+                        config: &volumes,
                         spec: &mut spec,
                         layers: &rec.layers,
                         layers_in_use: in_use,
@@ -412,9 +530,11 @@ impl Runtime {
                 }
             }
         }
-        self.store
-            .remove_snapshot(&rec.snapshot)
-            .map_err(internal(format!("removing rootfs of {}", rec.id)))?;
+        for s in rec.snapshots() {
+            self.store
+                .remove_snapshot(s)
+                .map_err(internal(format!("removing rootfs of {}", rec.id)))?;
+        }
         if let Ok(pod) = self.pod(&rec.pod_id) {
             self.backend(&pod.record())
                 .release_container(&pod, &rec)

@@ -230,7 +230,9 @@ impl Runtime {
             // the pod's host process).
             for c in self.dirs.load_containers() {
                 if c.pod_id == rec.id {
-                    let _ = self.store.remove_snapshot(&c.snapshot);
+                    for s in c.snapshots() {
+                        let _ = self.store.remove_snapshot(s);
+                    }
                     let _ = self.dirs.delete_container(&c.id);
                 }
             }

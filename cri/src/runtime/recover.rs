@@ -118,7 +118,9 @@ impl Runtime {
             }
             let Ok(pod) = self.pod(&rec.pod_id) else {
                 tracing::info!(container = %rec.id, "removing container of a pod that no longer exists");
-                let _ = self.store.remove_snapshot(&rec.snapshot);
+                for s in rec.snapshots() {
+                    let _ = self.store.remove_snapshot(s);
+                }
                 let _ = self.dirs.delete_container(&rec.id);
                 continue;
             };
@@ -158,7 +160,9 @@ impl Runtime {
                             .await;
                     }
                 }
-                let _ = self.store.remove_snapshot(&rec.snapshot);
+                for s in rec.snapshots() {
+                    let _ = self.store.remove_snapshot(s);
+                }
                 let _ = self.dirs.delete_container(&rec.id);
                 continue;
             }
@@ -223,7 +227,7 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .map(|c| c.record().snapshot)
+            .flat_map(|c| c.record().snapshots().cloned().collect::<Vec<_>>())
             .collect();
         for s in self.store.list_snapshots().unwrap_or_default() {
             if !live.contains(&s) && !held(&kept, &s) {
