@@ -2097,13 +2097,6 @@ fn walk_files(d: &Path) -> Vec<PathBuf> {
 /// image that is not on the node is NotFound, and leaves nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn image_volumes_mount_an_image_read_only() {
-    if skip_unless(
-        false,
-        "image_volumes_mount_an_image_read_only",
-        "flat pods (VM pods share the same host directory over virtio-fs; not yet run in the harness)",
-    ) {
-        return;
-    }
     let mut h = harness().await;
     let wimg = testimages::whiteout_image();
     let mut t = PushTarget::new(&h._reg.url(), "library/volume");
