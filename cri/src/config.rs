@@ -45,6 +45,9 @@ default_handler = "vm"
 # systemd's D-Bus API; the pod's containers get cgroups beneath it. "systemd" needs systemd as
 # the init system: vesseld does not start without it.
 cgroup_driver = "cgroupfs"
+# Where CDI spec files (JSON or YAML) describe the devices containers may ask for by name
+# (CRI cdi_devices, or cdi.k8s.io/ annotations); a later directory wins for the same device.
+cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
 
 [vm]
 # The guest kernel (an ELF vmlinux boots faster than a bzImage) and the initrd whose /init is
@@ -180,6 +183,7 @@ pub struct RuntimeConfig {
     pub vm_fallback: VmFallback,
     pub default_handler: String,
     pub cgroup_driver: CgroupDriver,
+    pub cdi_spec_dirs: Vec<PathBuf>,
 }
 
 impl Default for RuntimeConfig {
@@ -189,6 +193,7 @@ impl Default for RuntimeConfig {
             vm_fallback: VmFallback::Fallback,
             default_handler: "vm".into(),
             cgroup_driver: CgroupDriver::Cgroupfs,
+            cdi_spec_dirs: crate::cdi::default_dirs(),
         }
     }
 }
@@ -592,6 +597,11 @@ impl Config {
                 )));
             }
         }
+        if let Some(d) = self.runtime.cdi_spec_dirs.iter().find(|d| !d.is_absolute()) {
+            return Err(invalid(format!(
+                "runtime.cdi_spec_dirs: {d:?} is not an absolute path"
+            )));
+        }
         if !self.cni.cache_dir.as_os_str().is_empty() && !self.cni.cache_dir.is_absolute() {
             return Err(invalid(format!(
                 "cni.cache_dir must be empty or an absolute path, not {:?}",
@@ -793,6 +803,7 @@ ca_file = "/etc/ca.pem"
             "[images]\nauth_file = \"auth.json\"",
             "[runtime]\ndefault_handler = \"kata\"",
             "[runtime]\ncgroup_driver = \"systemd-cgroup\"",
+            "[runtime]\ncdi_spec_dirs = [\"cdi\"]",
             "[vm]\nspare_disks = 0",
             "[vm]\nvcpus = 0",
             "[vm]\nkernel = \"vmlinux\"",

@@ -5,6 +5,7 @@
 //! - [`image_service`]: the CRI ImageService over `vessel-images`.
 //! - [`runtime_service`]: the CRI RuntimeService.
 
+pub mod cdi;
 pub mod cni;
 pub mod config;
 pub mod doctor;

@@ -198,6 +198,7 @@ impl Daemon {
                 state_dir: self.config.daemon.state_dir.clone(),
                 cni: self.config.cni(),
                 cgroups,
+                cdi_spec_dirs: self.config.runtime.cdi_spec_dirs.clone(),
             },
             self.store.clone(),
         )

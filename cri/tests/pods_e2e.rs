@@ -2185,3 +2185,108 @@ async fn image_volumes_mount_an_image_read_only() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// CDI devices (`cdi_devices`, and the `cdi.k8s.io/` annotation form): resolved from the
+/// configured spec directories and applied for flat pods: a device node (with its cgroup
+/// rule), environment, a mount and a poststart hook. An unknown device is NotFound and a
+/// malformed name InvalidArgument, naming it. VM pods refuse CDI devices with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdi_devices_are_applied_or_refused() {
+    let specs = tempfile::tempdir().unwrap();
+    let share = tempfile::tempdir().unwrap();
+    std::fs::write(share.path().join("from-cdi"), "cdi mount\n").unwrap();
+    let marker = share.path().join("hook-ran");
+    std::fs::write(
+        specs.path().join("vessel-test.yaml"),
+        format!(
+            r#"cdiVersion: "0.6.0"
+kind: "vessel.test/dev"
+containerEdits:
+  env: ["VESSEL_CDI_SPEC=1"]
+devices:
+  - name: "null"
+    containerEdits:
+      env: ["VESSEL_CDI_DEVICE=null"]
+      deviceNodes:
+        - path: /dev/vessel-null
+          hostPath: /dev/null
+      mounts:
+        - hostPath: {share}
+          containerPath: /cdi-share
+          options: ["ro"]
+      hooks:
+        - hookName: poststart
+          path: /bin/sh
+          args: ["sh", "-c", "touch {marker}"]
+"#,
+            share = share.path().display(),
+            marker = marker.display()
+        ),
+    )
+    .unwrap();
+    let mut h = if vm_mode() {
+        harness().await
+    } else {
+        harness_with(&format!(
+            "[runtime]\ncdi_spec_dirs = [\"{}\"]\n",
+            specs.path().display()
+        ))
+        .await
+    };
+    let (pod, pcfg) = h.run_pod("cdi").await;
+    let with = |h: &H, name: &str, dev: &str| {
+        let mut cfg = h.ctr_config(name, "sleep 1000");
+        cfg.cdi_devices = vec![cri::CdiDevice { name: dev.into() }];
+        cfg
+    };
+    if vm_mode() {
+        let e = h
+            .create(&pod, &pcfg, with(&h, "c", "vessel.test/dev=null"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("vessel.test/dev=null"), "{e}");
+        h.remove_pod(&pod).await;
+        h.assert_clean();
+        return;
+    }
+    let e = h
+        .create(&pod, &pcfg, with(&h, "unknown", "vessel.test/dev=none"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    assert!(e.message().contains("vessel.test/dev=none"), "{e}");
+    let e = h
+        .create(&pod, &pcfg, with(&h, "bad", "no-kind"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+
+    let id = h
+        .create(&pod, &pcfg, with(&h, "dev", "vessel.test/dev=null"))
+        .await
+        .expect("a container with a CDI device");
+    h.start(&id).await;
+    let r = h
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "test -c /dev/vessel-null && echo node; echo x > /dev/vessel-null && echo writable; echo $VESSEL_CDI_SPEC $VESSEL_CDI_DEVICE; cat /cdi-share/from-cdi",
+            ],
+            10,
+        )
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    for want in ["node", "writable", "1 null", "cdi mount"] {
+        assert!(out.contains(want), "{want:?} not in {out:?}");
+    }
+    wait_for("the poststart hook", Duration::from_secs(10), || {
+        marker.exists()
+    })
+    .await;
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

@@ -241,6 +241,20 @@ impl Runtime {
             cgroup_ns: backend.cgroup_ns(),
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        let cdi = crate::cdi::requested(&config.cdi_devices, &config.annotations);
+        if !cdi.is_empty() {
+            let cdi_err = |e: crate::cdi::CdiError| {
+                let m = format!("CreateContainer {key:?}: {e}");
+                match e {
+                    crate::cdi::CdiError::BadName(_) => RuntimeError::InvalidArgument(m),
+                    crate::cdi::CdiError::Unresolved { .. } => RuntimeError::NotFound(m),
+                    crate::cdi::CdiError::BadEdit { .. } => RuntimeError::FailedPrecondition(m),
+                }
+            };
+            let edits = crate::cdi::resolve(&self.opts.cdi_spec_dirs, &cdi).map_err(cdi_err)?;
+            crate::cdi::apply(&mut spec, &edits).map_err(cdi_err)?;
+            tracing::debug!(container = %id, devices = ?cdi, "CDI devices applied");
+        }
         let log_path = container_log_path(&prec.config.log_directory, &config.log_path).map_err(
             |e| match e {
                 RuntimeError::InvalidArgument(m) => {

@@ -133,6 +133,7 @@ fn options(root: &Path, default_handler: &str, vm_ready: bool) -> RuntimeOptions
             cache_dir: root.join("cni/cache"),
         },
         cgroups: crate::sandbox::cgroup::Driver::Cgroupfs,
+        cdi_spec_dirs: Vec::new(),
     }
 }
 

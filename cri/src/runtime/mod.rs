@@ -57,6 +57,8 @@ pub struct RuntimeOptions {
     pub cni: crate::cni::Cni,
     /// How pod cgroups are made (`runtime.cgroup_driver`).
     pub cgroups: crate::sandbox::cgroup::Driver,
+    /// Where CDI device specs are looked up (`runtime.cdi_spec_dirs`).
+    pub cdi_spec_dirs: Vec<PathBuf>,
 }
 
 /// A container in memory: its record and the lock that orders its operations.

@@ -218,11 +218,17 @@ impl SandboxBackend for VmBackend {
     }
 
     fn admit_container(&self, prec: &PodRecord, config: &cri::ContainerConfig) -> Result<()> {
-        if !config.devices.is_empty() {
+        let cdi = crate::cdi::requested(&config.cdi_devices, &config.annotations);
+        if !config.devices.is_empty() || !cdi.is_empty() {
             let name = config.metadata.as_ref().map(|m| m.name.as_str());
             return Err(RuntimeError::InvalidArgument(format!(
-                "CreateContainer {:?}: host devices cannot be passed into a VM pod (pod {})",
+                "CreateContainer {:?}: host devices{} cannot be passed into a VM pod (pod {})",
                 name.unwrap_or_default(),
+                if cdi.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (CDI {})", cdi.join(", "))
+                },
                 prec.id
             )));
         }
