@@ -2290,3 +2290,58 @@ devices:
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// AppArmor is applied or refused, never ignored. Where the container's kernel has no
+/// AppArmor (this host; a VM guest), RuntimeDefault and Unconfined run and a Localhost
+/// profile (either field) is InvalidArgument naming it; a malformed deprecated value too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)]
+async fn apparmor_profiles_are_applied_or_refused() {
+    let host_has_apparmor = vessel_cri::spec::apparmor::host_profiles().is_some();
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("apparmor").await;
+    let with = |h: &H, name: &str, field: Option<(i32, &str)>, old: &str| {
+        let mut cfg = h.ctr_config(name, "sleep 1000");
+        cfg.linux = Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                apparmor: field.map(|(t, r)| cri::SecurityProfile {
+                    profile_type: t,
+                    localhost_ref: r.into(),
+                }),
+                apparmor_profile: old.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        cfg
+    };
+    use cri::security_profile::ProfileType as P;
+    for (name, field, old) in [
+        ("local", Some((P::Localhost as i32, "vessel-test-deny")), ""),
+        ("local-old", None, "localhost/vessel-test-deny"),
+        ("bogus", None, "sometimes"),
+    ] {
+        let e = h
+            .create(&pod, &pcfg, with(&h, name, field, old))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{name}: {e}");
+        if name != "bogus" {
+            assert!(e.message().contains("vessel-test-deny"), "{e}");
+        }
+    }
+    let mut fine = vec![("unconfined", Some((P::Unconfined as i32, "")), "")];
+    if !host_has_apparmor || vm_mode() {
+        fine.push(("default", Some((P::RuntimeDefault as i32, "")), ""));
+        fine.push(("default-old", None, "runtime/default"));
+    }
+    for (name, field, old) in fine {
+        let id = h
+            .create(&pod, &pcfg, with(&h, name, field, old))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        h.start(&id).await;
+    }
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

@@ -229,6 +229,28 @@ impl Runtime {
             .unwrap_or_default();
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
+        // AppArmor confines only where the container's kernel has it: the host, for flat pods.
+        let apparmor = (backend.kind() == crate::state::BackendKind::Flat)
+            .then(spec::apparmor::host_profiles)
+            .flatten();
+        let sc = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref());
+        if let (Some(loaded), Some(sc)) = (&apparmor, sc) {
+            let wanted = spec::apparmor::wanted(Some(sc)).map_err(|e| {
+                RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}"))
+            })?;
+            if wanted == Some(spec::apparmor::Wanted::RuntimeDefault) && !sc.privileged {
+                let loaded = loaded.clone();
+                tokio::task::spawn_blocking(move || spec::apparmor::ensure_default(&loaded))
+                    .await
+                    .map_err(internal("AppArmor"))?
+                    .map_err(|e| {
+                        RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {e}"))
+                    })?;
+            }
+        }
         let (mut spec, user) = spec::build(&SpecInput {
             pod: &prec.config,
             config: &volumes,
@@ -239,6 +261,7 @@ impl Runtime {
             cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
             target_pid,
             cgroup_ns: backend.cgroup_ns(),
+            apparmor: apparmor.as_ref(),
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         let cdi = crate::cdi::requested(&config.cdi_devices, &config.annotations);

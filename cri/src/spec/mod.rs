@@ -6,6 +6,7 @@
 //! creates a new one, and an absent type inherits the agent's (the host's, for namespaces the
 //! pod shares with the node).
 
+pub mod apparmor;
 mod resources;
 mod security;
 mod user;
@@ -113,6 +114,8 @@ pub struct SpecInput<'a> {
     /// Give the container its own cgroup namespace, so that it sees its own cgroup as the
     /// root of /sys/fs/cgroup: on cgroup v2 (a VM's guest, unified hosts), as containerd does.
     pub cgroup_ns: bool,
+    /// The AppArmor profiles loaded where the container runs; `None`: no AppArmor there.
+    pub apparmor: Option<&'a std::collections::HashSet<String>>,
 }
 
 /// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
@@ -448,6 +451,10 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     if let Some(s) = seccomp(sc, privileged)? {
         linux["seccomp"] = s;
     }
+    let wanted = apparmor::wanted(sc)?;
+    if let Some(p) = apparmor::profile(wanted.as_ref(), privileged, input.apparmor)? {
+        process["apparmorProfile"] = json!(p);
+    }
     // A Bidirectional mount needs the container's root to stay shared (as containerd sets
     // rootfsPropagation "rshared"), or its mounts could never reach the host; otherwise the
     // root is a slave (libcontainer's default), which HostToContainer needs.
@@ -758,6 +765,7 @@ mod tests {
             cgroups_path: "/vessel/p/c".into(),
             target_pid: None,
             cgroup_ns: false,
+            apparmor: None,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);

@@ -1,0 +1,238 @@
+//! AppArmor: the profile a container asks for (CRI `apparmor`, else the deprecated
+//! `apparmor_profile` string), checked against where the container runs.
+//!
+//! - Where AppArmor confines processes (a flat pod on a host with AppArmor enabled), a
+//!   Localhost profile must be loaded and is applied by name; RuntimeDefault applies
+//!   vessel's default profile, `vessel-default`, loaded with `apparmor_parser` the first time
+//!   it is needed; Unconfined applies none.
+//! - Where it does not (a host without AppArmor, a VM guest: vessel's guest kernel has no
+//!   AppArmor), RuntimeDefault and Unconfined are accepted and there is nothing to apply,
+//!   while a Localhost profile is refused, naming it, as containerd and CRI-O do.
+
+use super::{invalid, SpecError};
+use k8s_cri::v1 as cri;
+use std::collections::HashSet;
+
+/// The profile RuntimeDefault applies.
+pub const DEFAULT_PROFILE: &str = "vessel-default";
+
+/// vessel's default profile: everything a container normally does, without the kernel
+/// interfaces that reach beyond it (mounting, kernel tunables, raw memory, firmware, the
+/// security filesystem), and ptrace only among processes under the same profile.
+const DEFAULT_PROFILE_TEXT: &str = r#"abi <abi/3.0>,
+include <tunables/global>
+
+profile vessel-default flags=(attach_disconnected,mediate_deleted) {
+  include <abstractions/base>
+
+  network,
+  capability,
+  file,
+  umount,
+  signal,
+  ptrace (read, readby, trace, tracedby) peer=vessel-default,
+
+  deny mount,
+  deny pivot_root,
+  deny @{PROC}/sys/** wklx,
+  deny @{PROC}/sysrq-trigger rwklx,
+  deny @{PROC}/kcore rwklx,
+  deny @{PROC}/kmem rwklx,
+  deny @{PROC}/mem rwklx,
+  deny /sys/firmware/** rwklx,
+  deny /sys/kernel/security/** rwklx,
+  deny /sys/kernel/debug/** rwklx,
+}
+"#;
+
+/// What the container asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wanted {
+    RuntimeDefault,
+    Unconfined,
+    Localhost(String),
+}
+
+/// The container's AppArmor request, if any.
+pub fn wanted(
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+) -> Result<Option<Wanted>, SpecError> {
+    use cri::security_profile::ProfileType;
+    let Some(sc) = sc else { return Ok(None) };
+    if let Some(p) = &sc.apparmor {
+        return Ok(Some(
+            match ProfileType::try_from(p.profile_type).unwrap_or(ProfileType::Unconfined) {
+                ProfileType::RuntimeDefault => Wanted::RuntimeDefault,
+                ProfileType::Unconfined => Wanted::Unconfined,
+                ProfileType::Localhost => {
+                    let name = p.localhost_ref.trim();
+                    let name = name.strip_prefix("localhost/").unwrap_or(name);
+                    if name.is_empty() {
+                        return Err(invalid("AppArmor Localhost profile without a name"));
+                    }
+                    Wanted::Localhost(name.to_string())
+                }
+            },
+        ));
+    }
+    // The deprecated field is still what older kubelets send.
+    #[allow(deprecated)]
+    let old = sc.apparmor_profile.trim();
+    Ok(match old {
+        "" => None,
+        "runtime/default" => Some(Wanted::RuntimeDefault),
+        "unconfined" => Some(Wanted::Unconfined),
+        _ => match old.strip_prefix("localhost/") {
+            Some(n) if !n.is_empty() => Some(Wanted::Localhost(n.to_string())),
+            _ => {
+                return Err(invalid(format!(
+                "AppArmor profile {old:?} is not runtime/default, unconfined or localhost/<name>"
+            )))
+            }
+        },
+    })
+}
+
+/// The loaded profiles, where AppArmor confines processes on this host; `None` where it
+/// does not.
+pub fn host_profiles() -> Option<HashSet<String>> {
+    let enabled = std::fs::read_to_string("/sys/module/apparmor/parameters/enabled")
+        .is_ok_and(|s| s.trim() == "Y");
+    if !enabled {
+        return None;
+    }
+    let text = std::fs::read_to_string("/sys/kernel/security/apparmor/profiles").ok()?;
+    Some(
+        text.lines()
+            .filter_map(|l| l.rsplit_once(" (").map(|(n, _)| n.to_string()))
+            .collect(),
+    )
+}
+
+/// The OCI `process.apparmorProfile` for `wanted`, where `loaded` is what the container's
+/// kernel has (`None`: no AppArmor there).
+pub fn profile(
+    wanted: Option<&Wanted>,
+    privileged: bool,
+    loaded: Option<&HashSet<String>>,
+) -> Result<Option<String>, SpecError> {
+    let Some(w) = wanted else { return Ok(None) };
+    match (w, loaded) {
+        (Wanted::Unconfined, _) | (Wanted::RuntimeDefault, None) => Ok(None),
+        (Wanted::Localhost(name), None) => Err(invalid(format!(
+            "AppArmor profile localhost/{name}: AppArmor is not enabled where this container runs (it cannot be confined by it)"
+        ))),
+        (Wanted::RuntimeDefault, Some(_)) if privileged => Ok(None),
+        (Wanted::RuntimeDefault, Some(_)) => Ok(Some(DEFAULT_PROFILE.to_string())),
+        (Wanted::Localhost(name), Some(l)) if l.contains(name) => Ok(Some(name.clone())),
+        (Wanted::Localhost(name), Some(_)) => Err(invalid(format!(
+            "AppArmor profile {name:?} is not loaded on this host (apparmor_parser -r <file> loads it)"
+        ))),
+    }
+}
+
+/// Loads [`DEFAULT_PROFILE`] with `apparmor_parser` unless `loaded` has it.
+pub fn ensure_default(loaded: &HashSet<String>) -> Result<(), String> {
+    if loaded.contains(DEFAULT_PROFILE) {
+        return Ok(());
+    }
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("apparmor_parser")
+        .args(["--replace", "--"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            format!("loading the AppArmor profile {DEFAULT_PROFILE}: apparmor_parser: {e} (apt-get install apparmor)")
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(DEFAULT_PROFILE_TEXT.as_bytes())
+            .map_err(|e| format!("loading the AppArmor profile {DEFAULT_PROFILE}: {e}"))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("loading the AppArmor profile {DEFAULT_PROFILE}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "loading the AppArmor profile {DEFAULT_PROFILE}: apparmor_parser: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    tracing::info!(profile = DEFAULT_PROFILE, "AppArmor profile loaded");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(deprecated)]
+    fn sc(field: Option<(i32, &str)>, old: &str) -> cri::LinuxContainerSecurityContext {
+        cri::LinuxContainerSecurityContext {
+            apparmor: field.map(|(t, r)| cri::SecurityProfile {
+                profile_type: t,
+                localhost_ref: r.into(),
+            }),
+            apparmor_profile: old.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn requests_read_from_both_fields() {
+        use cri::security_profile::ProfileType as P;
+        let w = |s| wanted(Some(&s)).unwrap();
+        assert_eq!(w(sc(None, "")), None);
+        assert_eq!(w(sc(None, "runtime/default")), Some(Wanted::RuntimeDefault));
+        assert_eq!(
+            w(sc(None, "localhost/p")),
+            Some(Wanted::Localhost("p".into()))
+        );
+        assert_eq!(
+            w(sc(Some((P::Localhost as i32, "localhost/q")), "unconfined")),
+            Some(Wanted::Localhost("q".into())),
+            "the field wins over the deprecated string"
+        );
+        assert!(wanted(Some(&sc(None, "bogus"))).is_err());
+        assert!(wanted(Some(&sc(Some((P::Localhost as i32, "")), ""))).is_err());
+    }
+
+    #[test]
+    fn applied_where_apparmor_runs_refused_where_localhost_cannot_be() {
+        let l = |p: &str| Wanted::Localhost(p.into());
+        // No AppArmor where the container runs.
+        assert_eq!(
+            profile(Some(&Wanted::RuntimeDefault), false, None).unwrap(),
+            None
+        );
+        assert_eq!(
+            profile(Some(&Wanted::Unconfined), false, None).unwrap(),
+            None
+        );
+        let e = profile(Some(&l("deny-write")), false, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("localhost/deny-write"), "{e}");
+        // AppArmor there.
+        let loaded: HashSet<String> = ["deny-write".to_string()].into();
+        assert_eq!(
+            profile(Some(&l("deny-write")), false, Some(&loaded))
+                .unwrap()
+                .as_deref(),
+            Some("deny-write")
+        );
+        assert!(profile(Some(&l("other")), false, Some(&loaded)).is_err());
+        assert_eq!(
+            profile(Some(&Wanted::RuntimeDefault), false, Some(&loaded))
+                .unwrap()
+                .as_deref(),
+            Some(DEFAULT_PROFILE)
+        );
+        assert_eq!(
+            profile(Some(&Wanted::RuntimeDefault), true, Some(&loaded)).unwrap(),
+            None
+        );
+    }
+}
