@@ -2345,3 +2345,37 @@ async fn apparmor_profiles_are_applied_or_refused() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// Hugepage limits are applied where the hugetlb controller is (a flat pod on a host with
+/// it), and refused with InvalidArgument where they cannot be honoured (a host without it, a
+/// VM guest), never dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hugepage_limits_are_honoured_or_refused() {
+    let hugetlb = std::path::Path::new("/sys/fs/cgroup/hugetlb").is_dir()
+        || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+            .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"));
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("hugepages").await;
+    let mut cfg = h.ctr_config("huge", "sleep 1000");
+    cfg.linux = Some(cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources {
+            hugepage_limits: vec![cri::HugepageLimit {
+                page_size: "2MB".into(),
+                limit: 4 << 20,
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let res = h.create(&pod, &pcfg, cfg).await;
+    if hugetlb && !vm_mode() {
+        let id = res.expect("hugepage limits where hugetlb is");
+        h.start(&id).await;
+    } else {
+        let e = res.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("hugepage"), "{e}");
+    }
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

@@ -116,6 +116,8 @@ pub struct SpecInput<'a> {
     pub cgroup_ns: bool,
     /// The AppArmor profiles loaded where the container runs; `None`: no AppArmor there.
     pub apparmor: Option<&'a std::collections::HashSet<String>>,
+    /// Whether SELinux is enabled where the container runs.
+    pub selinux: bool,
 }
 
 /// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
@@ -375,6 +377,23 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         if !r.unified.is_empty() {
             resources["unified"] = json!(r.unified);
         }
+        if !r.hugepage_limits.is_empty() {
+            let mut limits = Vec::new();
+            for h in &r.hugepage_limits {
+                let size = h.page_size.trim();
+                let ok = size.len() > 2
+                    && size.ends_with('B')
+                    && size[..size.len() - 2].bytes().all(|c| c.is_ascii_digit())
+                    && matches!(size.as_bytes()[size.len() - 2], b'K' | b'M' | b'G');
+                if !ok {
+                    return Err(invalid(format!(
+                        "hugepage limit: page size {size:?} is not <number>KB, MB or GB"
+                    )));
+                }
+                limits.push(json!({"pageSize": size, "limit": h.limit}));
+            }
+            resources["hugepageLimits"] = json!(limits);
+        }
         if r.oom_score_adj != 0 {
             // The agent clamps a value it is not allowed to set (no CAP_SYS_RESOURCE).
             oom_score_adj = Some(r.oom_score_adj);
@@ -407,6 +426,25 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             process["capabilities"]["effective"] = json!(caps);
             process["capabilities"]["permitted"] = json!(caps);
         }
+    }
+    // Ambient capabilities go into every set, so that a non-root process keeps them.
+    let ambient = security::ambient_capabilities(sc);
+    if !ambient.is_empty() && !privileged {
+        for set in ["bounding", "effective", "permitted"] {
+            let Some(have) = process["capabilities"][set].as_array_mut() else {
+                continue;
+            };
+            for a in &ambient {
+                if !have.iter().any(|v| v == a) {
+                    have.push(json!(a));
+                }
+            }
+        }
+        process["capabilities"]["inheritable"] = json!(ambient);
+        process["capabilities"]["ambient"] = json!(ambient);
+    }
+    if let Some(label) = security::selinux_label(sc, input.selinux) {
+        process["selinuxLabel"] = json!(label.process);
     }
     if let Some(adj) = oom_score_adj {
         process["oomScoreAdj"] = json!(adj);
@@ -740,11 +778,27 @@ mod tests {
                     memory_limit_in_bytes: 64 << 20,
                     cpu_shares: 512,
                     oom_score_adj: -999,
+                    hugepage_limits: vec![cri::HugepageLimit {
+                        page_size: "2MB".into(),
+                        limit: 4 << 20,
+                    }],
                     ..Default::default()
                 }),
                 security_context: Some(cri::LinuxContainerSecurityContext {
                     seccomp: Some(cri::SecurityProfile {
                         profile_type: cri::security_profile::ProfileType::RuntimeDefault as i32,
+                        ..Default::default()
+                    }),
+                    apparmor: Some(cri::SecurityProfile {
+                        profile_type: cri::security_profile::ProfileType::Localhost as i32,
+                        localhost_ref: "vessel-test".into(),
+                    }),
+                    capabilities: Some(cri::Capability {
+                        add_ambient_capabilities: vec!["NET_ADMIN".into()],
+                        ..Default::default()
+                    }),
+                    selinux_options: Some(cri::SeLinuxOption {
+                        level: "s0:c1,c2".into(),
                         ..Default::default()
                     }),
                     ..Default::default()
@@ -765,10 +819,31 @@ mod tests {
             cgroups_path: "/vessel/p/c".into(),
             target_pid: None,
             cgroup_ns: false,
-            apparmor: None,
+            apparmor: Some(&["vessel-test".to_string()].into()),
+            selinux: true,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);
+        assert_eq!(spec["process"]["apparmorProfile"], "vessel-test");
+        assert_eq!(
+            spec["process"]["selinuxLabel"],
+            "system_u:system_r:container_t:s0:c1,c2"
+        );
+        let caps = &spec["process"]["capabilities"];
+        assert_eq!(caps["ambient"], json!(["CAP_NET_ADMIN"]));
+        for set in ["bounding", "effective", "permitted", "inheritable"] {
+            assert!(
+                caps[set]
+                    .as_array()
+                    .unwrap()
+                    .contains(&json!("CAP_NET_ADMIN")),
+                "{set}: {caps}"
+            );
+        }
+        assert_eq!(
+            spec["linux"]["resources"]["hugepageLimits"],
+            json!([{"pageSize": "2MB", "limit": 4 << 20}])
+        );
         // Passed as asked; the agent clamps what it may not set (tested in guest-agent).
         assert_eq!(spec["process"]["oomScoreAdj"], -999);
         let parsed: oci_spec::runtime::Spec = serde_json::from_value(spec.clone()).unwrap();

@@ -135,6 +135,66 @@ const SECCOMP_DENY: &[&str] = &[
     "ustat",
 ];
 
+/// The ambient capabilities a container asks for (CRI `add_ambient_capabilities`).
+pub(super) fn ambient_capabilities(sc: Option<&cri::LinuxContainerSecurityContext>) -> Vec<String> {
+    sc.and_then(|s| s.capabilities.as_ref())
+        .map(|c| {
+            c.add_ambient_capabilities
+                .iter()
+                .map(|a| norm_cap(a))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `CAP_X` for `x`, `X` or `CAP_X`.
+fn norm_cap(c: &str) -> String {
+    let c = c.trim().to_ascii_uppercase();
+    if c.starts_with("CAP_") {
+        c
+    } else {
+        format!("CAP_{c}")
+    }
+}
+
+/// The SELinux labels of a container.
+pub struct SelinuxLabel {
+    pub process: String,
+}
+
+/// The SELinux process label for the container's `selinux_options`, where SELinux is enabled
+/// where it runs (`enabled`); parts left empty take container-selinux's defaults. Without
+/// SELinux there is nothing to label with, which is logged at debug level, as containerd does.
+pub(super) fn selinux_label(
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+    enabled: bool,
+) -> Option<SelinuxLabel> {
+    let o = sc.and_then(|s| s.selinux_options.as_ref())?;
+    if o.user.is_empty() && o.role.is_empty() && o.r#type.is_empty() && o.level.is_empty() {
+        return None;
+    }
+    if !enabled {
+        tracing::debug!(options = ?o, "SELinux is not enabled here: the container's label is not applied");
+        return None;
+    }
+    let or = |v: &str, d: &str| {
+        if v.is_empty() {
+            d.to_string()
+        } else {
+            v.to_string()
+        }
+    };
+    Some(SelinuxLabel {
+        process: format!(
+            "{}:{}:{}:{}",
+            or(&o.user, "system_u"),
+            or(&o.role, "system_r"),
+            or(&o.r#type, "container_t"),
+            or(&o.level, "s0")
+        ),
+    })
+}
+
 pub(super) fn capabilities(
     sc: Option<&cri::LinuxContainerSecurityContext>,
     privileged: bool,
@@ -142,14 +202,7 @@ pub(super) fn capabilities(
     if privileged {
         return ALL_CAPS.iter().map(|s| s.to_string()).collect();
     }
-    let norm = |c: &str| {
-        let c = c.trim().to_ascii_uppercase();
-        if c.starts_with("CAP_") {
-            c
-        } else {
-            format!("CAP_{c}")
-        }
-    };
+    let norm = norm_cap;
     let mut caps: Vec<String> = DEFAULT_CAPS.iter().map(|s| s.to_string()).collect();
     if let Some(c) = sc.and_then(|sc| sc.capabilities.as_ref()) {
         if c.add_capabilities
