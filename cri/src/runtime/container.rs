@@ -695,6 +695,13 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
         .map_err(internal(format!("log directory {log_directory:?}")))
 }
 
+/// Whether this host has the hugetlb cgroup controller (a v1 hierarchy, or v2's list).
+fn host_has_hugetlb() -> bool {
+    std::path::Path::new("/sys/fs/cgroup/hugetlb").is_dir()
+        || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+            .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -722,11 +729,4 @@ mod tests {
         assert_eq!(container_log_path(ds, "").unwrap(), "");
         assert_eq!(container_log_path("", "x.log").unwrap(), "");
     }
-}
-
-/// Whether this host has the hugetlb cgroup controller (a v1 hierarchy, or v2's list).
-fn host_has_hugetlb() -> bool {
-    std::path::Path::new("/sys/fs/cgroup/hugetlb").is_dir()
-        || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
-            .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"))
 }
