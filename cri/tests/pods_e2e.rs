@@ -2379,3 +2379,59 @@ async fn hugepage_limits_are_honoured_or_refused() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// User namespaces are not implemented: Status does not advertise them, and a pod that asks
+/// for one (POD, CONTAINER or TARGET mode, or ID mappings) is refused, not run without it;
+/// NODE mode (no user namespace) runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_namespaces_are_refused_until_supported() {
+    let h = harness().await;
+    let with = |name: &str, mode: cri::NamespaceMode, map: bool| {
+        let mut cfg = h.pod_config(name);
+        let ids = map
+            .then(|| {
+                vec![cri::IdMapping {
+                    container_id: 0,
+                    host_id: 1000,
+                    length: 65536,
+                }]
+            })
+            .unwrap_or_default();
+        cfg.linux = Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    userns_options: Some(cri::UserNamespace {
+                        mode: mode as i32,
+                        uids: ids.clone(),
+                        gids: ids,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        cfg
+    };
+    for (name, mode, map) in [
+        ("userns-pod", cri::NamespaceMode::Pod, true),
+        ("userns-ctr", cri::NamespaceMode::Container, false),
+        ("userns-target", cri::NamespaceMode::Target, false),
+    ] {
+        let e =
+            h.c.run_pod(&with(name, mode, map), &handler())
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{name}: {e}");
+        assert!(e.message().contains("user namespaces"), "{e}");
+    }
+    let id =
+        h.c.run_pod(
+            &with("userns-node", cri::NamespaceMode::Node, false),
+            &handler(),
+        )
+        .await
+        .expect("NODE mode runs");
+    h.c.stop_and_remove_pod(&id).await.unwrap();
+    h.assert_clean();
+}

@@ -29,6 +29,24 @@ impl Runtime {
                 meta.name, meta.namespace, meta.uid
             )));
         }
+        // User namespaces are not implemented (Status does not advertise them, so kubelet does
+        // not ask); a request for one is refused rather than run without it.
+        let userns = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.as_ref())
+            .and_then(|n| n.userns_options.as_ref());
+        if let Some(u) = userns {
+            if u.mode != cri::NamespaceMode::Node as i32 || !u.uids.is_empty() || !u.gids.is_empty()
+            {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "RunPodSandbox {:?}: user namespaces (mode {:?}) are not supported by vessel yet; only NODE",
+                    meta.name,
+                    cri::NamespaceMode::try_from(u.mode).unwrap_or(cri::NamespaceMode::Node)
+                )));
+            }
+        }
         let backend = sandbox::choose(
             &config,
             handler,

@@ -258,6 +258,12 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
                 m.container_path
             )));
         }
+        if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
+            return Err(invalid(format!(
+                "mount at {:?}: ID-mapped mounts (for user namespaces) are not supported yet",
+                m.container_path
+            )));
+        }
         if std::fs::symlink_metadata(&m.host_path).is_err() {
             return Err(invalid(format!(
                 "mount source {:?} (for {:?}) does not exist",
@@ -751,6 +757,26 @@ mod tests {
         assert!(!image_has_command(&layers, "nope", "/bin:/usr/bin", "/"));
         assert!(!image_has_command(&layers, "/nope", "", "/"));
         drop(d);
+    }
+
+    #[test]
+    #[allow(deprecated)]
+    fn deprecated_seccomp_path_is_read() {
+        let sc = |p: &str| cri::LinuxContainerSecurityContext {
+            seccomp_profile_path: p.into(),
+            ..Default::default()
+        };
+        assert!(seccomp(Some(&sc("runtime/default")), false)
+            .unwrap()
+            .is_some());
+        assert!(seccomp(Some(&sc("docker/default")), false)
+            .unwrap()
+            .is_some());
+        assert!(seccomp(Some(&sc("unconfined")), false).unwrap().is_none());
+        assert!(seccomp(Some(&sc("")), false).unwrap().is_none());
+        let e = seccomp(Some(&sc("localhost//no/such/profile.json")), false).unwrap_err();
+        assert!(e.to_string().contains("/no/such/profile.json"), "{e}");
+        assert!(seccomp(Some(&sc("sometimes")), false).is_err());
     }
 
     #[test]

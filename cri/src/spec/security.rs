@@ -244,10 +244,38 @@ pub(super) fn seccomp(
     if privileged {
         return Ok(None);
     }
-    let Some(profile) = sc.and_then(|s| s.seccomp.as_ref()) else {
+    use cri::security_profile::ProfileType;
+    // The deprecated string form (runtime/default, docker/default, unconfined,
+    // localhost/<path>), still sent by older kubelets, where the field is not set.
+    #[allow(deprecated)]
+    let old = sc
+        .map(|s| s.seccomp_profile_path.trim())
+        .unwrap_or_default();
+    let from_old = match old {
+        "" => None,
+        "runtime/default" | "docker/default" => Some(cri::SecurityProfile {
+            profile_type: ProfileType::RuntimeDefault as i32,
+            localhost_ref: String::new(),
+        }),
+        "unconfined" => Some(cri::SecurityProfile {
+            profile_type: ProfileType::Unconfined as i32,
+            localhost_ref: String::new(),
+        }),
+        _ => match old.strip_prefix("localhost/") {
+            Some(p) if !p.is_empty() => Some(cri::SecurityProfile {
+                profile_type: ProfileType::Localhost as i32,
+                localhost_ref: p.to_string(),
+            }),
+            _ => {
+                return Err(invalid(format!(
+                    "seccomp profile path {old:?} is not runtime/default, unconfined or localhost/<path>"
+                )))
+            }
+        },
+    };
+    let Some(profile) = sc.and_then(|s| s.seccomp.as_ref()).or(from_old.as_ref()) else {
         return Ok(None);
     };
-    use cri::security_profile::ProfileType;
     match ProfileType::try_from(profile.profile_type).unwrap_or(ProfileType::Unconfined) {
         ProfileType::Unconfined => Ok(None),
         ProfileType::RuntimeDefault => Ok(Some(default_seccomp())),
