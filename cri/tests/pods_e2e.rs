@@ -2388,15 +2388,15 @@ async fn user_namespaces_are_refused_until_supported() {
     let h = harness().await;
     let with = |name: &str, mode: cri::NamespaceMode, map: bool| {
         let mut cfg = h.pod_config(name);
-        let ids = map
-            .then(|| {
-                vec![cri::IdMapping {
-                    container_id: 0,
-                    host_id: 1000,
-                    length: 65536,
-                }]
-            })
-            .unwrap_or_default();
+        let ids = if map {
+            vec![cri::IdMapping {
+                container_id: 0,
+                host_id: 1000,
+                length: 65536,
+            }]
+        } else {
+            Vec::new()
+        };
         cfg.linux = Some(cri::LinuxPodSandboxConfig {
             security_context: Some(cri::LinuxSandboxSecurityContext {
                 namespace_options: Some(cri::NamespaceOption {
