@@ -566,7 +566,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         _req: Request<cri::ListMetricDescriptorsRequest>,
     ) -> Result<Response<cri::ListMetricDescriptorsResponse>, Status> {
         Ok(Response::new(cri::ListMetricDescriptorsResponse {
-            descriptors: vec![],
+            descriptors: crate::runtime::cri_metrics::descriptors(),
         }))
     }
 
@@ -575,7 +575,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         _req: Request<cri::ListPodSandboxMetricsRequest>,
     ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
         Ok(Response::new(cri::ListPodSandboxMetricsResponse {
-            pod_metrics: vec![],
+            pod_metrics: self.rt.list_pod_sandbox_metrics().await.map_err(st)?,
         }))
     }
 

@@ -283,6 +283,15 @@ fn crictl_every_verb() {
         "{st}"
     );
 
+    // CRI metrics (kubelet's /metrics/cadvisor from the runtime).
+    let out = c.ok(&["metricdescs"]);
+    assert!(out.contains("container_cpu_usage_seconds_total"), "{out}");
+    let out = c.ok(&["metricsp"]);
+    assert!(
+        out.contains(&pod) && out.contains("container_memory_working_set_bytes"),
+        "{out}"
+    );
+
     // port-forward: a local port to the pod's 8080.
     let local = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

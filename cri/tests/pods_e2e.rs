@@ -2435,3 +2435,78 @@ async fn user_namespaces_are_refused_until_supported() {
     h.c.stop_and_remove_pod(&id).await.unwrap();
     h.assert_clean();
 }
+
+/// ListMetricDescriptors and ListPodSandboxMetrics (kubelet's /metrics/cadvisor from CRI):
+/// cAdvisor's names, every metric's label values matching its descriptor's keys, and a
+/// running container's CPU, memory and start time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_sandbox_metrics_follow_their_descriptors() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("metrics").await;
+    let id = h
+        .run(
+            &pod,
+            &pcfg,
+            "busy",
+            "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; sleep 1000",
+        )
+        .await;
+    let descs =
+        h.c.runtime
+            .list_metric_descriptors(cri::ListMetricDescriptorsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .descriptors;
+    let keys: HashMap<String, usize> = descs
+        .iter()
+        .map(|d| (d.name.clone(), d.label_keys.len()))
+        .collect();
+    assert!(
+        keys.contains_key("container_cpu_usage_seconds_total"),
+        "{descs:?}"
+    );
+    let metrics =
+        h.c.runtime
+            .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .pod_metrics;
+    let p = metrics
+        .iter()
+        .find(|m| m.pod_sandbox_id == pod)
+        .unwrap_or_else(|| panic!("no metrics for pod {pod}: {metrics:?}"));
+    let c = p
+        .container_metrics
+        .iter()
+        .find(|c| c.container_id == id)
+        .expect("the container's metrics");
+    for m in p.metrics.iter().chain(&c.metrics) {
+        assert_eq!(
+            keys.get(&m.name),
+            Some(&m.label_values.len()),
+            "{} has no descriptor or other labels: {m:?}",
+            m.name
+        );
+    }
+    let names: Vec<&str> = c.metrics.iter().map(|m| m.name.as_str()).collect();
+    for want in [
+        "container_cpu_usage_seconds_total",
+        "container_memory_working_set_bytes",
+        "container_start_time_seconds",
+    ] {
+        assert!(names.contains(&want), "{want} not in {names:?}");
+    }
+    let ws = c
+        .metrics
+        .iter()
+        .find(|m| m.name == "container_memory_working_set_bytes")
+        .and_then(|m| m.value.as_ref())
+        .map(|v| v.value)
+        .unwrap_or(0);
+    assert!(ws > 0, "working set {ws}");
+    assert!(c.metrics[0].label_values.contains(&"busy".to_string()));
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

@@ -16,6 +16,7 @@
 //! - [`translate`]: records to CRI messages.
 
 mod container;
+pub mod cri_metrics;
 mod events;
 mod exec;
 mod pod;
