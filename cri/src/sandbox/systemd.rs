@@ -306,19 +306,43 @@ impl Systemd {
         }
     }
 
-    /// Stops `unit` (killing what is left in it); a unit that is gone is fine.
+    /// Stops `unit` (killing what is left in it) and waits until it is down; a unit that is
+    /// gone is fine.
     pub async fn stop_unit(&self, unit: &str) -> Result<(), SystemdError> {
+        let gone = |e: &SystemdError| {
+            matches!(e, SystemdError::Call { source, .. }
+                if source.name() == Some("org.freedesktop.systemd1.NoSuchUnit"))
+        };
         let mut w = Writer::default();
         w.str(unit);
         w.str("replace");
         match self.call("StopUnit", unit, "ss", w.buf).await {
-            Ok(_) => Ok(()),
-            Err(SystemdError::Call { source, .. })
-                if source.name() == Some("org.freedesktop.systemd1.NoSuchUnit") =>
-            {
-                Ok(())
+            Ok(_) => {}
+            Err(e) if gone(&e) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        // StopUnit queues a job: the unit's processes and cgroup go when it has run.
+        let start = tokio::time::Instant::now();
+        let deadline = start + MOVE_TIMEOUT;
+        let done = || {
+            tracing::debug!(
+                unit,
+                ms = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+                "unit stopped"
+            );
+            Ok(())
+        };
+        loop {
+            match self.active_state(unit).await {
+                Err(e) if gone(&e) => return done(),
+                Err(e) => return Err(e),
+                Ok(s) if s == "inactive" || s == "failed" => return done(),
+                Ok(_) if tokio::time::Instant::now() >= deadline => {
+                    tracing::warn!(unit, "the unit is still stopping; going on");
+                    return Ok(());
+                }
+                Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
             }
-            Err(e) => Err(e),
         }
     }
 
