@@ -145,6 +145,23 @@ impl H {
     ) -> Result<cri::ExecSyncResponse, tonic::Status> {
         self.c.exec_sync(id, cmd, timeout).await
     }
+    /// Creates and starts a container from `cfg`, runs `script` in it with `sh -c` and
+    /// returns the container's id and the script's stdout.
+    async fn run_and_sh(
+        &mut self,
+        pod: &str,
+        pcfg: &cri::PodSandboxConfig,
+        cfg: cri::ContainerConfig,
+        script: &str,
+    ) -> (String, String) {
+        let id = self
+            .create(pod, pcfg, cfg)
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer: {e}"));
+        self.start(&id).await;
+        let r = self.exec(&id, &["sh", "-c", script], 10).await.unwrap();
+        (id, String::from_utf8_lossy(&r.stdout).to_string())
+    }
     async fn pod_state(&mut self, id: &str) -> i32 {
         self.c.pod_status(id).await.expect("PodSandboxStatus").state
     }
@@ -2134,24 +2151,14 @@ async fn image_volumes_mount_an_image_read_only() {
 
     let mut cfg = h.ctr_config("reader", "sleep 1000");
     cfg.mounts.push(volume(&vname));
-    let id = h
-        .create(&pod, &pcfg, cfg)
-        .await
-        .expect("container with an image volume");
-    h.start(&id).await;
-    let r = h
-        .exec(
-            &id,
-            &[
-                "sh",
-                "-c",
-                "cat /iv/data/keep /iv/opaque/new; ls /iv/data; touch /iv/x 2>/dev/null || echo read-only",
-            ],
-            10,
+    let (id, out) = h
+        .run_and_sh(
+            &pod,
+            &pcfg,
+            cfg,
+            "cat /iv/data/keep /iv/opaque/new; ls /iv/data; touch /iv/x 2>/dev/null || echo read-only",
         )
-        .await
-        .unwrap();
-    let out = String::from_utf8_lossy(&r.stdout).to_string();
+        .await;
     assert!(
         out.contains("keep") && out.contains("new") && !out.contains("gone"),
         "{out}"
@@ -2266,24 +2273,15 @@ devices:
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
 
-    let id = h
-        .create(&pod, &pcfg, with(&h, "dev", "vessel.test/dev=null"))
-        .await
-        .expect("a container with a CDI device");
-    h.start(&id).await;
-    let r = h
-        .exec(
-            &id,
-            &[
-                "sh",
-                "-c",
-                "test -c /dev/vessel-null && echo node; echo x > /dev/vessel-null && echo writable; echo $VESSEL_CDI_SPEC $VESSEL_CDI_DEVICE; cat /cdi-share/from-cdi",
-            ],
-            10,
+    let cfg = with(&h, "dev", "vessel.test/dev=null");
+    let (_, out) = h
+        .run_and_sh(
+            &pod,
+            &pcfg,
+            cfg,
+            "test -c /dev/vessel-null && echo node; echo x > /dev/vessel-null && echo writable; echo $VESSEL_CDI_SPEC $VESSEL_CDI_DEVICE; cat /cdi-share/from-cdi",
         )
-        .await
-        .unwrap();
-    let out = String::from_utf8_lossy(&r.stdout).to_string();
+        .await;
     for want in ["node", "writable", "1 null", "cdi mount"] {
         assert!(out.contains(want), "{want:?} not in {out:?}");
     }
