@@ -2349,8 +2349,9 @@ async fn apparmor_profiles_are_applied_or_refused() {
 }
 
 /// Hugepage limits are applied where the hugetlb controller is (a flat pod on a host with
-/// it), and refused with InvalidArgument where they cannot be honoured (a host without it, a
-/// VM guest), never dropped.
+/// it), and a real limit is refused with InvalidArgument where it cannot be honoured (a host
+/// without it, a VM guest), never dropped. kubelet's zero limits for every page size of the
+/// node (what it sends for every container) run everywhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hugepage_limits_are_honoured_or_refused() {
     let hugetlb = std::path::Path::new("/sys/fs/cgroup/hugetlb").is_dir()
@@ -2358,18 +2359,29 @@ async fn hugepage_limits_are_honoured_or_refused() {
             .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"));
     let mut h = harness().await;
     let (pod, pcfg) = h.run_pod("hugepages").await;
-    let mut cfg = h.ctr_config("huge", "sleep 1000");
-    cfg.linux = Some(cri::LinuxContainerConfig {
-        resources: Some(cri::LinuxContainerResources {
-            hugepage_limits: vec![cri::HugepageLimit {
-                page_size: "2MB".into(),
-                limit: 4 << 20,
-            }],
+    let limits = |h: &H, name: &str, limit: u64| {
+        let mut cfg = h.ctr_config(name, "sleep 1000");
+        cfg.linux = Some(cri::LinuxContainerConfig {
+            resources: Some(cri::LinuxContainerResources {
+                hugepage_limits: ["2MB", "1GB"]
+                    .iter()
+                    .map(|p| cri::HugepageLimit {
+                        page_size: p.to_string(),
+                        limit: if *p == "2MB" { limit } else { 0 },
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
             ..Default::default()
-        }),
-        ..Default::default()
-    });
-    let res = h.create(&pod, &pcfg, cfg).await;
+        });
+        cfg
+    };
+    let zero = h
+        .create(&pod, &pcfg, limits(&h, "kubelet-default", 0))
+        .await
+        .expect("kubelet's zero hugepage limits run everywhere");
+    h.start(&zero).await;
+    let res = h.create(&pod, &pcfg, limits(&h, "huge", 4 << 20)).await;
     if hugetlb && !vm_mode() {
         let id = res.expect("hugepage limits where hugetlb is");
         h.start(&id).await;

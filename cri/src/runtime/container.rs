@@ -229,23 +229,6 @@ impl Runtime {
             .unwrap_or_default();
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
-        // HugeTLB limits need the hugetlb controller: the host's, for flat pods; a VM guest
-        // has no huge pages to limit.
-        let hugepages = config
-            .linux
-            .as_ref()
-            .and_then(|l| l.resources.as_ref())
-            .is_some_and(|r| !r.hugepage_limits.is_empty());
-        if hugepages && (backend.kind() != crate::state::BackendKind::Flat || !host_has_hugetlb()) {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "CreateContainer {key:?}: hugepage limits cannot be honoured: {}",
-                if backend.kind() == crate::state::BackendKind::Flat {
-                    "this node has no hugetlb cgroup controller"
-                } else {
-                    "a VM pod's guest has no huge pages"
-                }
-            )));
-        }
         // AppArmor confines only where the container's kernel has it: the host, for flat pods.
         let apparmor = (backend.kind() == crate::state::BackendKind::Flat)
             .then(spec::apparmor::host_profiles)
@@ -279,6 +262,9 @@ impl Runtime {
             target_pid,
             cgroup_ns: backend.cgroup_ns(),
             apparmor: apparmor.as_ref(),
+            // HugeTLB limits need the hugetlb controller: the host's, for flat pods; a VM
+            // guest has no huge pages.
+            hugetlb: backend.kind() == crate::state::BackendKind::Flat && host_has_hugetlb(),
             // Like AppArmor, the host's, for flat pods; the guest kernel has no SELinux.
             selinux: backend.kind() == crate::state::BackendKind::Flat
                 && std::path::Path::new("/sys/fs/selinux/enforce").exists(),

@@ -118,6 +118,8 @@ pub struct SpecInput<'a> {
     pub apparmor: Option<&'a std::collections::HashSet<String>>,
     /// Whether SELinux is enabled where the container runs.
     pub selinux: bool,
+    /// Whether the hugetlb cgroup controller is there where the container runs.
+    pub hugetlb: bool,
 }
 
 /// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
@@ -383,7 +385,20 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         if !r.unified.is_empty() {
             resources["unified"] = json!(r.unified);
         }
-        if !r.hugepage_limits.is_empty() {
+        // kubelet sends a limit for every huge page size the node has, 0 where the pod asks
+        // for none. Where there is no hugetlb controller nothing can be limited: the zero
+        // entries are dropped and a real limit is refused.
+        if let Some(h) = r
+            .hugepage_limits
+            .iter()
+            .find(|h| h.limit > 0 && !input.hugetlb)
+        {
+            return Err(invalid(format!(
+                "hugepage limit of {} bytes for {} pages cannot be honoured: there is no hugetlb cgroup controller where the container runs (a VM guest has no huge pages)",
+                h.limit, h.page_size
+            )));
+        }
+        if !r.hugepage_limits.is_empty() && input.hugetlb {
             let mut limits = Vec::new();
             for h in &r.hugepage_limits {
                 let size = h.page_size.trim();
@@ -847,6 +862,7 @@ mod tests {
             cgroup_ns: false,
             apparmor: Some(&["vessel-test".to_string()].into()),
             selinux: true,
+            hugetlb: true,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);
