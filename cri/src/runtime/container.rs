@@ -12,6 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
+use vessel_agent::proto::{self as ap, agent_client::AgentClient};
 
 /// What CreateContainer settled before it makes anything of the container's own.
 struct Made {
@@ -23,7 +24,6 @@ struct Made {
     volumes: cri::ContainerConfig,
     volume_snapshots: Vec<String>,
 }
-use vessel_agent::proto::{self as ap, agent_client::AgentClient};
 
 impl Runtime {
     pub async fn create_container(
@@ -230,17 +230,17 @@ impl Runtime {
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
         // AppArmor confines only where the container's kernel has it: the host, for flat pods.
-        let apparmor = (backend.kind() == crate::state::BackendKind::Flat)
-            .then(spec::apparmor::host_profiles)
-            .flatten();
+        // Its loaded profiles are read only for a container that asks for one.
         let sc = config
             .linux
             .as_ref()
             .and_then(|l| l.security_context.as_ref());
+        let wanted = spec::apparmor::wanted(sc)
+            .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}")))?;
+        let apparmor = (wanted.is_some() && backend.kind() == crate::state::BackendKind::Flat)
+            .then(spec::apparmor::host_profiles)
+            .flatten();
         if let (Some(loaded), Some(sc)) = (&apparmor, sc) {
-            let wanted = spec::apparmor::wanted(Some(sc)).map_err(|e| {
-                RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}"))
-            })?;
             if wanted == Some(spec::apparmor::Wanted::RuntimeDefault) && !sc.privileged {
                 let loaded = loaded.clone();
                 tokio::task::spawn_blocking(move || spec::apparmor::ensure_default(&loaded))
