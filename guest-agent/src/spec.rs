@@ -12,7 +12,10 @@
 
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::{LinuxBuilder, LinuxNamespaceType, RootBuilder, Spec};
+use oci_spec::runtime::{
+    Linux, LinuxBuilder, LinuxNamespaceType, LinuxSeccompArgBuilder, LinuxSeccompOperator,
+    RootBuilder, Spec,
+};
 
 use crate::error::AgentError;
 
@@ -98,10 +101,46 @@ pub fn prepare(
             }
         }
     }
+    masked_eq_as_runc(linux);
     Ok(spec)
 }
 
-/// The cgroups path of a prepared spec.
+/// libcontainer 0.7 reads SCMP_CMP_MASKED_EQ the other way round from runc: it masks with
+/// `valueTwo` and compares with `value`, where runc, and every profile written for it (Docker's
+/// and containerd's defaults, vessel's RuntimeDefault, a node's Localhost profiles), masks
+/// with `value` and compares with `valueTwo`. Swapped here, a profile means what it means
+/// under runc (a namespace-flag mask on clone would otherwise refuse every fork).
+fn masked_eq_as_runc(linux: &mut Linux) {
+    let Some(mut seccomp) = linux.seccomp().clone() else {
+        return;
+    };
+    let Some(mut syscalls) = seccomp.syscalls().clone() else {
+        return;
+    };
+    for sc in &mut syscalls {
+        let Some(mut args) = sc.args().clone() else {
+            continue;
+        };
+        for a in &mut args {
+            if a.op() == LinuxSeccompOperator::ScmpCmpMaskedEq {
+                let (mask, want) = (a.value(), a.value_two().unwrap_or(0));
+                if let Ok(swapped) = LinuxSeccompArgBuilder::default()
+                    .index(a.index())
+                    .value(want)
+                    .value_two(mask)
+                    .op(a.op())
+                    .build()
+                {
+                    *a = swapped;
+                }
+            }
+        }
+        sc.set_args(Some(args));
+    }
+    seccomp.set_syscalls(Some(syscalls));
+    linux.set_seccomp(Some(seccomp));
+}
+
 /// Limits every capability set to the agent's own bounding set: asking for a capability the
 /// agent does not hold (a host's root may lack some, e.g. CAP_SYS_RESOURCE in some
 /// sandboxes) makes capset fail and the container with it. Privileged means "all we have".
@@ -132,6 +171,7 @@ fn clamp_capabilities(process: &mut oci_spec::runtime::Process) -> Result<(), Ag
     Ok(())
 }
 
+/// The cgroups path of a prepared spec.
 pub fn cgroups_path(spec: &Spec, id: &str) -> PathBuf {
     spec.linux()
         .as_ref()
@@ -228,5 +268,105 @@ mod tests {
         assert_eq!(nnp(spec(r#", "noNewPrivileges": false"#)), None);
         assert_eq!(nnp(spec(r#", "noNewPrivileges": true"#)), Some(true));
         assert_eq!(nnp(spec("")), None);
+    }
+
+    /// A runc-style profile (namespace-flag mask on clone, AF_VSOCK refused, clone3 ENOSYS),
+    /// prepared and installed by libcontainer in a child: fork works, namespaces and vsock
+    /// do not.
+    #[test]
+    fn masked_eq_means_what_it_means_under_runc() {
+        let json = br#"{
+            "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+            "process": {"args": ["sh"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+            "linux": {"seccomp": {"defaultAction": "SCMP_ACT_ALLOW",
+                "architectures": ["SCMP_ARCH_X86_64"],
+                "syscalls": [
+                  {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+                   "args": [{"index": 0, "value": 2114060288, "valueTwo": 0,
+                             "op": "SCMP_CMP_MASKED_EQ"}]},
+                  {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+                  {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+                   "args": [{"index": 0, "value": 40, "op": "SCMP_CMP_EQ"}]}]}}
+        }"#;
+        // Here clone without namespace flags is what is refused (the inverse of a default
+        // profile), so that a wrong reading shows as a fork that works.
+        let spec = prepare(json, "c1", Path::new("/r"), false, 1).unwrap();
+        let filter = spec.linux().as_ref().unwrap().seccomp().clone().unwrap();
+        // SAFETY: fork in a test process; the child only installs the filter, makes raw
+        // syscalls and _exits; the parent waits for it.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let code = (|| -> i32 {
+                // SAFETY: prctl with integer arguments.
+                if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+                    return 10;
+                }
+                if libcontainer::seccomp::initialize_seccomp(&filter).is_err() {
+                    return 11;
+                }
+                let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+                // SAFETY: raw clone with SIGCHLD only (a fork); the child _exits at once.
+                let r = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD, 0, 0, 0, 0) };
+                if r == 0 {
+                    // SAFETY: _exit in the forked grandchild.
+                    unsafe { libc::_exit(0) };
+                }
+                if r > 0 || errno() != libc::EPERM {
+                    return 12; // a plain fork must be the refused one under this profile
+                }
+                // ... and one with a namespace flag is not (a wrong reading of the operands
+                // matches every clone or none).
+                // SAFETY: as above, with CLONE_NEWUSER.
+                let r = unsafe {
+                    libc::syscall(
+                        libc::SYS_clone,
+                        libc::CLONE_NEWUSER | libc::SIGCHLD,
+                        0,
+                        0,
+                        0,
+                        0,
+                    )
+                };
+                if r == 0 {
+                    // SAFETY: _exit in the forked grandchild.
+                    unsafe { libc::_exit(0) };
+                }
+                if r < 0 {
+                    return 16;
+                }
+                let Ok(r) = libc::pid_t::try_from(r) else {
+                    return 17;
+                };
+                let mut st = 0;
+                // SAFETY: reaping the grandchild just made.
+                unsafe { libc::waitpid(r, &mut st, 0) };
+                // SAFETY: clone3 with a null argument: refused by the filter before use.
+                let r = unsafe { libc::syscall(libc::SYS_clone3, 0usize, 0usize) };
+                if r != -1 || errno() != libc::ENOSYS {
+                    return 13;
+                }
+                // SAFETY: socket(2) with integer arguments; the descriptor is closed.
+                let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0) };
+                if fd >= 0 || errno() != libc::EPERM {
+                    return 14;
+                }
+                // SAFETY: as above.
+                let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) };
+                if fd < 0 {
+                    return 15;
+                }
+                // SAFETY: closing the descriptor just made.
+                unsafe { libc::close(fd) };
+                0
+            })();
+            // SAFETY: _exit in the forked child (no unwinding into the test harness).
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "child status {status:#x}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "see the return codes above");
     }
 }
