@@ -161,6 +161,8 @@ cp /bin/busybox "$G/bin/busybox"
 for a in sh mount sed grep cat echo head poweroff reboot sleep dd ip ifconfig ping dmesg; do ln -sf busybox "$G/bin/$a"; done
 install -m 0755 images/guest/harness/guest-init.sh "$G/init"
 gcc -static -O2 -Wall -o "$G/bin/vsock-echo" images/guest/harness/vsock-echo.c
+# Also in L1's PATH: the pods suite bind-mounts it into containers to try AF_VSOCK from there.
+cp "$G/bin/vsock-echo" "$STAGE/bin/vsock-echo"
 (cd "$G" && find . | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$STAGE/guest/initrd.cpio"
 
 if [ "$mode" = direct ]; then

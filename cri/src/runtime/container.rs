@@ -266,8 +266,8 @@ impl Runtime {
             // guest has no huge pages.
             hugetlb: backend.kind() == crate::state::BackendKind::Flat && host_has_hugetlb(),
             // Like AppArmor, the host's, for flat pods; the guest kernel has no SELinux.
-            selinux: backend.kind() == crate::state::BackendKind::Flat
-                && std::path::Path::new("/sys/fs/selinux/enforce").exists(),
+            selinux: backend.kind() == crate::state::BackendKind::Flat && host_has_selinux(),
+            vm_guest: backend.kind() == crate::state::BackendKind::Vm,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         let cdi = crate::cdi::requested(&config.cdi_devices, &config.annotations);
@@ -682,10 +682,20 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
 }
 
 /// Whether this host has the hugetlb cgroup controller (a v1 hierarchy, or v2's list).
+/// Whether the host has the hugetlb cgroup controller (a fact of the boot: read once).
 fn host_has_hugetlb() -> bool {
-    std::path::Path::new("/sys/fs/cgroup/hugetlb").is_dir()
-        || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
-            .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"))
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::path::Path::new("/sys/fs/cgroup/hugetlb").is_dir()
+            || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+                .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"))
+    })
+}
+
+/// Whether SELinux is enabled on the host (a fact of the boot: read once).
+fn host_has_selinux() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| std::path::Path::new("/sys/fs/selinux/enforce").exists())
 }
 
 #[cfg(test)]

@@ -8,13 +8,14 @@
 
 pub mod apparmor;
 mod resources;
+mod seccomp;
 mod security;
 mod user;
 
 use resources::check_envs;
 pub use resources::{check_resources, MIN_MEMORY_LIMIT};
-use security::{capabilities, seccomp, DEFAULT_MASKED, DEFAULT_READONLY};
-pub use security::{default_seccomp, ALL_CAPS, DEFAULT_CAPS};
+use security::{capabilities, DEFAULT_MASKED, DEFAULT_READONLY};
+pub use security::{ALL_CAPS, DEFAULT_CAPS};
 pub use user::{image_has_command, read_image_file, resolve_user};
 
 use k8s_cri::v1 as cri;
@@ -120,6 +121,8 @@ pub struct SpecInput<'a> {
     pub selinux: bool,
     /// Whether the hugetlb cgroup controller is there where the container runs.
     pub hugetlb: bool,
+    /// Whether the container runs in a VM pod's guest, where vsock reaches the host.
+    pub vm_guest: bool,
 }
 
 /// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
@@ -507,7 +510,15 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         "readonlyPaths": readonly_paths,
         "sysctl": sysctl,
     });
-    if let Some(s) = seccomp(sc, privileged)? {
+    let bounding: Vec<String> = process["capabilities"]["bounding"]
+        .as_array()
+        .map(|b| {
+            b.iter()
+                .filter_map(|c| c.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(s) = seccomp::profile(sc, privileged, &bounding, input.vm_guest)? {
         linux["seccomp"] = s;
     }
     let wanted = apparmor::wanted(sc)?;
@@ -781,17 +792,14 @@ mod tests {
             seccomp_profile_path: p.into(),
             ..Default::default()
         };
-        assert!(seccomp(Some(&sc("runtime/default")), false)
-            .unwrap()
-            .is_some());
-        assert!(seccomp(Some(&sc("docker/default")), false)
-            .unwrap()
-            .is_some());
-        assert!(seccomp(Some(&sc("unconfined")), false).unwrap().is_none());
-        assert!(seccomp(Some(&sc("")), false).unwrap().is_none());
-        let e = seccomp(Some(&sc("localhost//no/such/profile.json")), false).unwrap_err();
+        let f = |p: &str| seccomp::profile(Some(&sc(p)), false, &[], false);
+        assert!(f("runtime/default").unwrap().is_some());
+        assert!(f("docker/default").unwrap().is_some());
+        assert!(f("unconfined").unwrap().is_none());
+        assert!(f("").unwrap().is_none());
+        let e = f("localhost//no/such/profile.json").unwrap_err();
         assert!(e.to_string().contains("/no/such/profile.json"), "{e}");
-        assert!(seccomp(Some(&sc("sometimes")), false).is_err());
+        assert!(f("sometimes").is_err());
     }
 
     #[test]
@@ -863,6 +871,7 @@ mod tests {
             apparmor: Some(&["vessel-test".to_string()].into()),
             selinux: true,
             hugetlb: true,
+            vm_guest: false,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);

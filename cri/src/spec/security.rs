@@ -1,8 +1,6 @@
-//! Confinement defaults: capabilities, masked and read-only paths, the seccomp profiles.
+//! Confinement defaults: capabilities, masked and read-only paths, SELinux labels.
 
-use super::{invalid, SpecError};
 use k8s_cri::v1 as cri;
-use serde_json::{json, Value};
 
 /// Capabilities a container gets by default (containerd's and Docker's set).
 pub const DEFAULT_CAPS: &[&str] = &[
@@ -87,52 +85,6 @@ pub(super) const DEFAULT_READONLY: &[&str] = &[
     "/proc/irq",
     "/proc/sys",
     "/proc/sysrq-trigger",
-];
-
-/// Syscalls the default seccomp profile refuses with EPERM: kernel modules, kexec, raw
-/// kernel interfaces, clock changes, keyrings, BPF, perf, handle-based opens, and old or
-/// obscure ABIs. Everything else is allowed (capabilities still apply).
-const SECCOMP_DENY: &[&str] = &[
-    "acct",
-    "add_key",
-    "bpf",
-    "clock_adjtime",
-    "clock_settime",
-    "create_module",
-    "delete_module",
-    "finit_module",
-    "get_kernel_syms",
-    "get_mempolicy",
-    "init_module",
-    "ioperm",
-    "iopl",
-    "kcmp",
-    "kexec_file_load",
-    "kexec_load",
-    "keyctl",
-    "lookup_dcookie",
-    "mbind",
-    "move_pages",
-    "nfsservctl",
-    "open_by_handle_at",
-    "perf_event_open",
-    "personality",
-    "pivot_root",
-    "process_vm_readv",
-    "process_vm_writev",
-    "query_module",
-    "quotactl",
-    "reboot",
-    "request_key",
-    "set_mempolicy",
-    "settimeofday",
-    "swapoff",
-    "swapon",
-    "sysfs",
-    "_sysctl",
-    "uselib",
-    "userfaultfd",
-    "ustat",
 ];
 
 /// The ambient capabilities a container asks for (CRI `add_ambient_capabilities`).
@@ -235,77 +187,4 @@ pub(super) fn capabilities(
         }
     }
     caps
-}
-
-pub(super) fn seccomp(
-    sc: Option<&cri::LinuxContainerSecurityContext>,
-    privileged: bool,
-) -> Result<Option<Value>, SpecError> {
-    if privileged {
-        return Ok(None);
-    }
-    use cri::security_profile::ProfileType;
-    // The deprecated string form (runtime/default, docker/default, unconfined,
-    // localhost/<path>), still sent by older kubelets, where the field is not set.
-    #[allow(deprecated)]
-    let old = sc
-        .map(|s| s.seccomp_profile_path.trim())
-        .unwrap_or_default();
-    let from_old = match old {
-        "" => None,
-        "runtime/default" | "docker/default" => Some(cri::SecurityProfile {
-            profile_type: ProfileType::RuntimeDefault as i32,
-            localhost_ref: String::new(),
-        }),
-        "unconfined" => Some(cri::SecurityProfile {
-            profile_type: ProfileType::Unconfined as i32,
-            localhost_ref: String::new(),
-        }),
-        _ => match old.strip_prefix("localhost/") {
-            Some(p) if !p.is_empty() => Some(cri::SecurityProfile {
-                profile_type: ProfileType::Localhost as i32,
-                localhost_ref: p.to_string(),
-            }),
-            _ => {
-                return Err(invalid(format!(
-                    "seccomp profile path {old:?} is not runtime/default, unconfined or localhost/<path>"
-                )))
-            }
-        },
-    };
-    let Some(profile) = sc.and_then(|s| s.seccomp.as_ref()).or(from_old.as_ref()) else {
-        return Ok(None);
-    };
-    match ProfileType::try_from(profile.profile_type).unwrap_or(ProfileType::Unconfined) {
-        ProfileType::Unconfined => Ok(None),
-        ProfileType::RuntimeDefault => Ok(Some(default_seccomp())),
-        ProfileType::Localhost => {
-            let path = profile.localhost_ref.trim();
-            let data = std::fs::read(path)
-                .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
-            let v: Value = serde_json::from_slice(&data)
-                .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
-            if v.get("defaultAction").is_none() {
-                return Err(invalid(format!(
-                    "seccomp profile {path:?} has no defaultAction"
-                )));
-            }
-            Ok(Some(v))
-        }
-    }
-}
-
-/// vessel's default seccomp profile (CRI "RuntimeDefault").
-pub fn default_seccomp() -> Value {
-    json!({
-        "defaultAction": "SCMP_ACT_ALLOW",
-        // Native ABI only: syscalls of other ABIs (i386, x32) hit libseccomp's bad-arch action
-        // and are killed, so the denylist cannot be bypassed through them.
-        "architectures": ["SCMP_ARCH_X86_64"],
-        "syscalls": [{
-            "names": SECCOMP_DENY,
-            "action": "SCMP_ACT_ERRNO",
-            "errnoRet": 1
-        }]
-    })
 }

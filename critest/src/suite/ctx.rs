@@ -19,6 +19,8 @@ pub struct Env {
     pub run_id: String,
     pub runtime_handler: String,
     pub vm_pods: bool,
+    /// See [`crate::suite::Config::vsock_probe`].
+    pub vsock_probe: Option<PathBuf>,
     /// A temporary directory: pod log directories and host paths for mounts.
     pub work: PathBuf,
 }

@@ -187,6 +187,9 @@ pub struct Config {
     pub spec_timeout: Duration,
     /// Print a line per spec and the closing line on stdout.
     pub print: bool,
+    /// A static `vsock-echo` (images/guest/harness/vsock-echo.c) that a spec bind-mounts into
+    /// containers to try AF_VSOCK from there; by default, the one on PATH if any.
+    pub vsock_probe: Option<PathBuf>,
 }
 
 impl Config {
@@ -203,6 +206,11 @@ impl Config {
             parallel: 1,
             spec_timeout: Duration::from_secs(60),
             print: true,
+            vsock_probe: std::env::var_os("PATH").and_then(|p| {
+                std::env::split_paths(&p)
+                    .map(|d| d.join("vsock-echo"))
+                    .find(|f| f.is_file())
+            }),
         }
     }
 }
@@ -355,6 +363,7 @@ pub async fn run(config: Config) -> Result<Summary, SuiteError> {
         run_id: run_id.clone(),
         runtime_handler: config.runtime_handler.clone(),
         vm_pods: config.vm_pods,
+        vsock_probe: config.vsock_probe.clone(),
         work: work.path().to_path_buf(),
     });
     // Images present before the run are left in place; the ones the suite pulled go.

@@ -25,6 +25,8 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "no_new_privs sets NoNewPrivs", no_new_privs),
         spec!("security", "seccomp RuntimeDefault filters, Unconfined does not", seccomp),
         spec!("security", "seccomp RuntimeDefault also filters exec'd processes", seccomp_exec),
+        spec!("security", "seccomp RuntimeDefault is an allow-list: no namespaces without CAP_SYS_ADMIN", seccomp_allow_list),
+        spec!("security", "no container opens an AF_VSOCK socket under RuntimeDefault, nor in a VM pod at all", seccomp_vsock),
         spec!("security", "pid namespace POD: containers see each other's processes", pid_pod),
         spec!("security", "pid namespace NODE: the host's pid namespace", pid_node,
             vm = "a VM pod's processes run under the guest kernel; the host's pid namespace is out of reach"),
@@ -247,6 +249,108 @@ async fn seccomp_exec(c: Ctx) -> SpecResult {
         v == "2",
         "an exec'd process has Seccomp {v} with RuntimeDefault, want 2 (filter)"
     );
+    Ok(())
+}
+
+fn with_seccomp(
+    cfg: &mut cri::ContainerConfig,
+    t: cri::security_profile::ProfileType,
+    localhost_ref: &str,
+) {
+    Ctx::sec(cfg).seccomp = Some(cri::SecurityProfile {
+        profile_type: t as i32,
+        localhost_ref: localhost_ref.into(),
+    });
+}
+
+/// A user namespace needs no capability, so only an allow-list profile refuses one to a
+/// container without CAP_SYS_ADMIN (containerd's and Docker's default profile do); fork, a
+/// clone without namespace flags, must still work.
+async fn seccomp_allow_list(c: Ctx) -> SpecResult {
+    use cri::security_profile::ProfileType;
+    let (pod, pcfg) = c.run_pod("seccompal").await?;
+    let mut cfg = c.ctr_config("default", "sleep 100000");
+    with_seccomp(&mut cfg, ProfileType::RuntimeDefault, "");
+    let d = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let mut cfg = c.ctr_config("admin", "sleep 100000");
+    with_seccomp(&mut cfg, ProfileType::RuntimeDefault, "");
+    Ctx::sec(&mut cfg).capabilities = Some(cri::Capability {
+        add_capabilities: vec!["CAP_SYS_ADMIN".into()],
+        ..Default::default()
+    });
+    let a = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let u = c.run(&pod, &pcfg, "unconfined", "sleep 100000").await?;
+
+    let forked = c.sh_ok(&d, "(echo forked) | cat; echo $(echo sub)").await?;
+    check!(
+        forked == "forked\nsub",
+        "fork under RuntimeDefault: {forked:?}"
+    );
+    let (code, _, err) = c.sh(&d, "unshare -U true").await?;
+    check!(
+        code != 0 && err.contains("not permitted"),
+        "unshare -U under RuntimeDefault without CAP_SYS_ADMIN: exit {code}, stderr {err:?}"
+    );
+    for (id, what) in [
+        (&a, "RuntimeDefault with CAP_SYS_ADMIN"),
+        (&u, "no profile"),
+    ] {
+        let (code, _, err) = c.sh(id, "unshare -U true").await?;
+        check!(
+            code == 0,
+            "unshare -U with {what}: exit {code}, stderr {err:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Tries `socket(AF_VSOCK)` (then a connect to the host's log port, 1025) from inside a
+/// container with each profile: RuntimeDefault refuses it everywhere; in a VM pod every
+/// unprivileged container is refused, whatever its profile (vsock reaches the agent's and the
+/// shim's ports on the host).
+async fn seccomp_vsock(c: Ctx) -> SpecResult {
+    use cri::security_profile::ProfileType;
+    let Some(probe) = c.env.vsock_probe.clone() else {
+        crate::skip!(
+            "no vsock probe (vsock-echo on PATH; the VM harness stages it, critest_e2e builds it)"
+        );
+    };
+    let d = c.dir("vsockp")?;
+    let profile = d.join("allow-all.json");
+    std::fs::write(&profile, r#"{"defaultAction":"SCMP_ACT_ALLOW"}"#)
+        .map_err(|e| Stop::Fail(format!("writing {}: {e}", profile.display())))?;
+    let (pod, pcfg) = c.run_pod("vsock").await?;
+    let mut cases = vec![(
+        "runtime-default",
+        ProfileType::RuntimeDefault,
+        String::new(),
+    )];
+    if c.env.vm_pods {
+        cases.push(("unconfined", ProfileType::Unconfined, String::new()));
+        cases.push((
+            "localhost",
+            ProfileType::Localhost,
+            profile.display().to_string(),
+        ));
+    }
+    for (name, t, r) in cases {
+        let mut cfg = c.ctr_config(name, "sleep 100000");
+        with_seccomp(&mut cfg, t, &r);
+        cfg.mounts.push(cri::Mount {
+            container_path: "/vsock-echo".into(),
+            host_path: probe.display().to_string(),
+            readonly: true,
+            ..Default::default()
+        });
+        let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+        let (code, out, err) = c
+            .sh(&id, "timeout 5 /vsock-echo connect 1025 vessel-probe")
+            .await?;
+        check!(
+            code != 0 && err.contains("socket: Operation not permitted"),
+            "{name}: socket(AF_VSOCK) was not refused: exit {code}, stdout {out:?}, stderr {err:?}"
+        );
+    }
     Ok(())
 }
 
