@@ -463,46 +463,70 @@ pub(crate) fn cri_creds_apply(creds: &Credentials, ep: &Endpoint) -> bool {
         || normalize_host(&creds.server_address) == normalize_host(&ep.host)
 }
 
-/// Credentials for `host` from a docker `config.json` (`auths.<host>`: `auth`,
-/// `username`/`password`, `identitytoken`, `registrytoken`). A missing file is no error:
-/// the node simply has none.
-pub(crate) fn auth_file_lookup(path: &Path, host: &str) -> std::io::Result<Option<Credentials>> {
-    #[derive(Deserialize)]
-    struct File {
+/// A docker `config.json` (`auths.<host>`: `auth`, `username`/`password`, `identitytoken`,
+/// `registrytoken`), parsed.
+#[derive(Debug, Default)]
+pub(crate) struct AuthFile {
+    /// (normalized host, its credentials without a server address).
+    auths: Vec<(String, Credentials)>,
+}
+
+impl AuthFile {
+    /// Parses the file. A missing file is no error: the node simply has none.
+    pub(crate) fn load(path: &Path) -> std::io::Result<Option<AuthFile>> {
+        #[derive(Deserialize)]
+        struct File {
+            #[serde(default)]
+            auths: BTreeMap<String, Entry>,
+        }
+        #[derive(Deserialize, Default)]
         #[serde(default)]
-        auths: BTreeMap<String, Entry>,
+        struct Entry {
+            auth: String,
+            username: String,
+            password: String,
+            identitytoken: String,
+            registrytoken: String,
+        }
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let f: File = serde_json::from_slice(&bytes)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        let auths = f
+            .auths
+            .iter()
+            .map(|(k, e)| {
+                let c = Credentials::from_cri(
+                    &e.username,
+                    &e.password,
+                    &e.auth,
+                    &e.identitytoken,
+                    &e.registrytoken,
+                );
+                (normalize_host(k), c)
+            })
+            .collect();
+        Ok(Some(AuthFile { auths }))
     }
-    #[derive(Deserialize, Default)]
-    #[serde(default)]
-    struct Entry {
-        auth: String,
-        username: String,
-        password: String,
-        identitytoken: String,
-        registrytoken: String,
-    }
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let f: File = serde_json::from_slice(&bytes)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let want = normalize_host(host);
-    Ok(f.auths
-        .iter()
-        .find(|(k, _)| normalize_host(k) == want)
-        .map(|(_, e)| {
-            let mut c = Credentials::from_cri(
-                &e.username,
-                &e.password,
-                &e.auth,
-                &e.identitytoken,
-                &e.registrytoken,
-            );
+
+    /// The credentials for `host`, if the file has an entry for it.
+    pub(crate) fn lookup(&self, host: &str) -> Option<Credentials> {
+        let want = normalize_host(host);
+        self.auths.iter().find(|(k, _)| *k == want).map(|(_, c)| {
+            let mut c = c.clone();
             c.server_address = host.to_string();
             c
-        }))
+        })
+    }
+}
+
+/// Credentials for `host` from the auth file at `path`.
+#[cfg(test)]
+pub(crate) fn auth_file_lookup(path: &Path, host: &str) -> std::io::Result<Option<Credentials>> {
+    Ok(AuthFile::load(path)?.and_then(|f| f.lookup(host)))
 }
 
 /// The `Authorization: Basic` value of a user and password.

@@ -173,6 +173,9 @@ pub struct Puller {
     registries: std::sync::RwLock<BTreeMap<String, RegistryConfig>>,
     /// The node's auth file, replaced by [`Puller::set_auth_file`].
     auth_file: std::sync::RwLock<Option<PathBuf>>,
+    /// The auth file as last parsed, with the path, modification time and length it was
+    /// parsed from: read again only when one of them changes.
+    auth_cache: Mutex<Option<AuthCache>>,
     /// One client per TLS setting, rebuilt when one of its files changes (rotation).
     clients: Mutex<HashMap<Tls, (FileStamps, reqwest::Client)>>,
     tokens: Mutex<HashMap<(String, String), (String, Instant)>>,
@@ -182,6 +185,14 @@ pub struct Puller {
     downloads: tokio::sync::Semaphore,
 }
 
+/// A parsed auth file and what it was parsed from.
+struct AuthCache {
+    path: PathBuf,
+    /// Modification time and length; `None`: the file was missing.
+    stamp: Option<(Option<std::time::SystemTime>, u64)>,
+    file: hosts::AuthFile,
+}
+
 impl Puller {
     pub fn new(store: Arc<ImageStore>, config: PullConfig) -> Puller {
         let n = config.max_concurrent_downloads.max(1);
@@ -189,6 +200,7 @@ impl Puller {
             store,
             registries: std::sync::RwLock::new(config.registries.clone()),
             auth_file: std::sync::RwLock::new(config.auth_file.clone()),
+            auth_cache: Mutex::new(None),
             config,
             clients: Mutex::new(HashMap::new()),
             tokens: Mutex::new(HashMap::new()),
@@ -326,8 +338,27 @@ impl Puller {
         let Some(file) = file else {
             return Credentials::default();
         };
-        match hosts::auth_file_lookup(&file, &ep.host) {
-            Ok(c) => c.unwrap_or_default(),
+        let stamp = std::fs::metadata(&file)
+            .ok()
+            .map(|m| (m.modified().ok(), m.len()));
+        let mut cache = self.auth_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = cache
+            .as_ref()
+            .filter(|c| c.path == file && c.stamp == stamp)
+        {
+            return c.file.lookup(&ep.host).unwrap_or_default();
+        }
+        match hosts::AuthFile::load(&file) {
+            Ok(f) => {
+                let f = f.unwrap_or_default();
+                let creds = f.lookup(&ep.host).unwrap_or_default();
+                *cache = Some(AuthCache {
+                    path: file,
+                    stamp,
+                    file: f,
+                });
+                creds
+            }
             Err(e) => {
                 tracing::warn!(file = %file.display(), error = %e, "auth file unreadable; pulling without its credentials");
                 Credentials::default()
