@@ -585,10 +585,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
     ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
         Ok(Response::new(cri::RuntimeConfigResponse {
             linux: Some(cri::LinuxRuntimeConfiguration {
-                cgroup_driver: match self.rt.cgroup_driver() {
-                    crate::sandbox::cgroup::Driver::Cgroupfs => cri::CgroupDriver::Cgroupfs,
-                    crate::sandbox::cgroup::Driver::Systemd(_) => cri::CgroupDriver::Systemd,
-                } as i32,
+                cgroup_driver: self.rt.cgroup_driver().cri() as i32,
             }),
         }))
     }

@@ -1095,6 +1095,65 @@ impl H {
     }
 }
 
+/// The pod's host process (a flat pod's agent, a VM pod's shim with its vCPU threads) is
+/// charged to the pod's cgroup, where kubelet sizes and accounts the pod: a leaf of the
+/// cgroupfs parent kubelet gives. The leaf goes with the pod; the parent is kubelet's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pods_host_process_runs_in_the_pods_cgroup() {
+    let mut h = harness().await;
+    let base = format!("/vessel-e2e-kubepods-{}", std::process::id());
+    let parent = format!("{base}/burstable/pod-e2e");
+    let mut cfg = h.pod_config("cgparent");
+    cfg.linux.get_or_insert_with(Default::default).cgroup_parent = parent.clone();
+    let pod =
+        h.c.run_pod(&cfg, &handler())
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", h.v.log()));
+    let c = h.run(&pod, &cfg, "c", "sleep 100000").await;
+    let pid = h.c.pod_info(&pod).await.unwrap()["pid"].as_u64().unwrap();
+    let leaf = format!(
+        "{parent}/{}",
+        if vm_mode() {
+            "vessel-vmm"
+        } else {
+            "vessel-agent"
+        }
+    );
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    // The v2 line (unified or hybrid) and the v1 memory and cpu hierarchies, where mounted.
+    let checked: Vec<&str> = cgroups
+        .lines()
+        .filter(|l| l.starts_with("0::") || l.contains(":memory:") || l.contains(":cpu,cpuacct:"))
+        .collect();
+    assert!(!checked.is_empty(), "{cgroups}");
+    for l in checked {
+        assert!(
+            l.ends_with(&leaf),
+            "pod process {pid} not in {leaf}: {l}\n{cgroups}"
+        );
+    }
+    if !vm_mode() {
+        // A flat pod's container gets its cgroup beside the agent's leaf.
+        let st = h.status(&c).await;
+        assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
+        let dirs = vessel_cri::sandbox::cgroup::cgroup_dirs(&format!("{parent}/{c}"));
+        assert!(dirs.iter().any(|d| d.is_dir()), "no cgroup {parent}/{c}");
+    }
+    h.remove_pod(&pod).await;
+    for d in vessel_cri::sandbox::cgroup::cgroup_dirs(&leaf) {
+        assert!(!d.exists(), "{} left after the pod's removal", d.display());
+    }
+    vessel_cri::sandbox::cgroup::remove_cgroup(&base);
+    for d in vessel_cri::sandbox::cgroup::cgroup_dirs(&base) {
+        assert!(
+            !d.exists(),
+            "{} left: the pod left something in it",
+            d.display()
+        );
+    }
+    h.assert_clean();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_killed_marks_pod_not_ready() {
     let mut h = harness().await;

@@ -319,12 +319,7 @@ impl Runtime {
             hostname: String::new(),
             cgroup_parent: format!("/vessel/{id}"),
             // Its unit, if the driver makes them, is named after it: stopped with it.
-            cgroup_unit: match self.opts.cgroups {
-                crate::sandbox::cgroup::Driver::Systemd(_) => {
-                    crate::sandbox::systemd::pod_unit(id)
-                }
-                crate::sandbox::cgroup::Driver::Cgroupfs => String::new(),
-            },
+            cgroup_unit: self.opts.cgroups.pod_unit(id),
             reason: format!(
                 "its record could not be read (kept at {}); RemovePodSandbox stops what is left of it and removes it",
                 path.display()

@@ -13,6 +13,10 @@ use std::path::PathBuf;
 /// cgroup is no prefix of its containers'.
 const AGENT_LEAF: &str = "vessel-agent";
 
+/// The leaf a VM pod's shim (the VMM) moves to under a cgroupfs pod cgroup that is kubelet's,
+/// where kubelet may have enabled controllers for children.
+const VMM_LEAF: &str = "vessel-vmm";
+
 /// How pod cgroups are made: directly in cgroupfs (`/vessel/<pod>`, or kubelet's cgroupfs
 /// parent), or as systemd units in kubelet's slices ([`super::systemd`]).
 #[derive(Debug)]
@@ -27,6 +31,22 @@ impl Driver {
         match self {
             Driver::Cgroupfs => "cgroupfs",
             Driver::Systemd(_) => "systemd",
+        }
+    }
+
+    /// The CRI `CgroupDriver` value kubelet reads from `RuntimeConfig`.
+    pub fn cri(&self) -> k8s_cri::v1::CgroupDriver {
+        match self {
+            Driver::Cgroupfs => k8s_cri::v1::CgroupDriver::Cgroupfs,
+            Driver::Systemd(_) => k8s_cri::v1::CgroupDriver::Systemd,
+        }
+    }
+
+    /// The unit pod `id`'s cgroup lives in, where the driver makes units (`""` otherwise).
+    pub fn pod_unit(&self, id: &str) -> String {
+        match self {
+            Driver::Cgroupfs => String::new(),
+            Driver::Systemd(_) => systemd::pod_unit(id),
         }
     }
 
@@ -66,15 +86,35 @@ impl Driver {
         }
     }
 
-    /// Puts the pod's host process into the pod's unit (systemd driver); with `leaf`, on
-    /// into a leaf beneath it, as the pod's containers get cgroups beneath it too.
-    pub async fn adopt(&self, rec: &PodRecord, leaf: bool) -> Result<()> {
-        let Driver::Systemd(sd) = self else {
-            return Ok(());
+    /// Puts the pod's host process into the pod's cgroup, so that what it uses is charged to
+    /// the pod (kubelet sizes and accounts pods by their cgroup): under the systemd driver
+    /// into the pod's scope, under cgroupfs into a leaf of the pod's cgroup parent (kubelet's
+    /// `kubepods/.../pod<uid>`, or vessel's `/vessel/<pod>`). A flat pod's agent always goes
+    /// on into a leaf ([`AGENT_LEAF`]), as the pod's containers get cgroups beside it; a VM
+    /// pod's shim (the VMM: its vCPU threads and guest memory) into [`VMM_LEAF`] under
+    /// cgroupfs, where the parent is kubelet's.
+    pub async fn adopt(&self, rec: &PodRecord, flat: bool) -> Result<()> {
+        let leaf = if flat { AGENT_LEAF } else { VMM_LEAF };
+        let sd = match self {
+            Driver::Systemd(sd) if !rec.cgroup_unit.is_empty() => sd,
+            Driver::Systemd(_) => return Ok(()),
+            Driver::Cgroupfs => {
+                for dir in cgroup_dirs(&rec.cgroup_parent) {
+                    make_cgroup(&dir)
+                        .and_then(|()| join_leaf(&dir, leaf, rec.agent_pid))
+                        .map_err(|e| {
+                            RuntimeError::Internal(format!(
+                                "pod {}: moving its {} into {}/{leaf}: {e}",
+                                rec.id,
+                                if flat { "agent" } else { "VMM" },
+                                dir.display()
+                            ))
+                        })?;
+                }
+                tracing::debug!(pod = %rec.id, cgroup = %rec.cgroup_parent, leaf, "pod host process in the pod's cgroup");
+                return Ok(());
+            }
         };
-        if rec.cgroup_unit.is_empty() {
-            return Ok(());
-        }
         let parent = rec
             .config
             .linux
@@ -96,15 +136,15 @@ impl Driver {
         )
         .await
         .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
-        if leaf {
+        if flat {
             // In every hierarchy where systemd made the scope. Not only for cgroup v2: a
             // container's parent process must not sit in a cgroup that is a prefix of the
             // container's, or libcontainer's emulated /sys/fs/cgroup (cgroup v1) strips it.
             for scope in cgroup_dirs(&rec.cgroup_parent) {
                 if scope.is_dir() {
-                    join_leaf(&scope, rec.agent_pid).map_err(|e| {
+                    join_leaf(&scope, leaf, rec.agent_pid).map_err(|e| {
                         RuntimeError::Internal(format!(
-                            "pod {}: moving its agent into {}/{AGENT_LEAF}: {e}",
+                            "pod {}: moving its agent into {}/{leaf}: {e}",
                             rec.id,
                             scope.display()
                         ))
@@ -116,15 +156,25 @@ impl Driver {
         Ok(())
     }
 
-    /// Stops the pod's unit (which kills what is left in it) and removes its cgroups.
-    /// Idempotent; failures are logged.
+    /// Stops the pod's unit (which kills what is left in it) and removes its cgroups; under
+    /// cgroupfs removes the host process's leaf, and the pod's cgroup where it is vessel's
+    /// own. Called after the host process is gone. Idempotent; failures are logged.
     pub async fn release(&self, rec: &PodRecord) {
-        let Driver::Systemd(sd) = self else {
-            return;
+        let sd = match self {
+            Driver::Systemd(sd) if !rec.cgroup_unit.is_empty() => sd,
+            Driver::Systemd(_) => return,
+            Driver::Cgroupfs => {
+                if rec.cgroup_parent == format!("/vessel/{}", rec.id) {
+                    remove_cgroup_patiently(&rec.cgroup_parent).await;
+                } else {
+                    let parent = rec.cgroup_parent.trim_end_matches('/');
+                    for leaf in [AGENT_LEAF, VMM_LEAF] {
+                        remove_cgroup_patiently(&format!("{parent}/{leaf}")).await;
+                    }
+                }
+                return;
+            }
         };
-        if rec.cgroup_unit.is_empty() {
-            return;
-        }
         if let Err(e) = sd.stop_unit(&rec.cgroup_unit).await {
             tracing::warn!(pod = %rec.id, unit = %rec.cgroup_unit, error = %e, "cannot stop the pod's scope");
         }
@@ -164,18 +214,43 @@ impl Driver {
     }
 }
 
-/// Moves process `pid` into the leaf [`AGENT_LEAF`] under the cgroup directory `dir`.
-fn join_leaf(dir: &std::path::Path, pid: u32) -> std::io::Result<()> {
-    let leaf = dir.join(AGENT_LEAF);
-    match std::fs::create_dir(&leaf) {
-        Ok(()) => {
-            // A v1 cpuset cgroup takes no process before it has CPUs and memory nodes.
-            for f in ["cpuset.cpus", "cpuset.mems"] {
-                if let Ok(v) = std::fs::read_to_string(dir.join(f)) {
-                    std::fs::write(leaf.join(f), v.trim())?;
-                }
-            }
+/// Creates the cgroup directory `dir` and its missing ancestors. In a v1 cpuset hierarchy a
+/// new cgroup has no CPUs and memory nodes (and takes no process) until given its parent's.
+fn make_cgroup(dir: &std::path::Path) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent() {
+        make_cgroup(parent)?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => inherit_cpuset(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Copies a v1 cpuset cgroup's CPUs and memory nodes from its parent (nothing elsewhere).
+fn inherit_cpuset(dir: &std::path::Path) -> std::io::Result<()> {
+    let Some(parent) = dir.parent() else {
+        return Ok(());
+    };
+    for f in ["cpuset.cpus", "cpuset.mems"] {
+        if !dir.join(f).exists() {
+            continue;
         }
+        if let Ok(v) = std::fs::read_to_string(parent.join(f)) {
+            std::fs::write(dir.join(f), v.trim())?;
+        }
+    }
+    Ok(())
+}
+
+/// Moves process `pid` (all its threads) into the leaf `leaf` under the cgroup directory `dir`.
+fn join_leaf(dir: &std::path::Path, leaf: &str, pid: u32) -> std::io::Result<()> {
+    let leaf = dir.join(leaf);
+    match std::fs::create_dir(&leaf) {
+        Ok(()) => inherit_cpuset(&leaf)?,
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
@@ -218,6 +293,34 @@ pub fn cgroup_dirs(rel: &str) -> Vec<PathBuf> {
 
 /// Removes the cgroup `rel` (and its empty children, deepest first) from every hierarchy.
 pub fn remove_cgroup(rel: &str) {
+    for (d, e) in try_remove_cgroup(rel) {
+        tracing::warn!(cgroup = %d.display(), error = %e, "cannot remove cgroup");
+    }
+}
+
+/// Like [`remove_cgroup`], for a cgroup whose processes were just killed: a v1 cgroup stays
+/// busy for a moment after its last process is killed (until it is gone for good), so a busy
+/// one is tried again for up to a second.
+pub async fn remove_cgroup_patiently(rel: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        let left = try_remove_cgroup(rel);
+        let busy = left
+            .iter()
+            .all(|(_, e)| e.raw_os_error() == Some(libc::EBUSY));
+        if left.is_empty() || !busy || std::time::Instant::now() >= deadline {
+            for (d, e) in left {
+                tracing::warn!(cgroup = %d.display(), error = %e, "cannot remove cgroup");
+            }
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// One pass of removing `rel` from every hierarchy: the directories left, with why.
+fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
+    let mut left = Vec::new();
     for dir in cgroup_dirs(rel) {
         if !dir.exists() {
             continue;
@@ -238,9 +341,10 @@ pub fn remove_cgroup(rel: &str) {
         for d in dirs {
             if let Err(e) = std::fs::remove_dir(&d) {
                 if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(cgroup = %d.display(), error = %e, "cannot remove cgroup");
+                    left.push((d, e));
                 }
             }
         }
     }
+    left
 }

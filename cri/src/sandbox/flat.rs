@@ -144,9 +144,7 @@ impl SandboxBackend for FlatBackend {
         )
         .await;
         network::release(&self.cni, rec).await;
-        if rec.cgroup_parent == format!("/vessel/{}", rec.id) {
-            cgroup::remove_cgroup(&rec.cgroup_parent);
-        }
+        // The pod's cgroups go in `cgroup::Driver::release`, next.
     }
 
     fn admit_container(&self, _prec: &PodRecord, _config: &cri::ContainerConfig) -> Result<()> {
