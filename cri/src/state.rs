@@ -127,6 +127,11 @@ pub struct VmPodState {
     pub mem_mib: u64,
     /// The layer (diff ID) each spare disk slot holds; empty for an empty slot.
     pub slots: Vec<String>,
+    /// The secret the guest agent presents first on every connection to the shim's log port
+    /// (the shim drops any other), so that no other guest process can write into a
+    /// container's log. Empty in records of earlier versions: their shims ask for none.
+    #[serde(default)]
+    pub log_token: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

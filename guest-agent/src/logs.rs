@@ -215,21 +215,27 @@ impl LogFile {
     /// Sends `id`'s records over `conn` (already connected): writes the header line `<id>\n`,
     /// then one complete record per write.
     pub fn stream(
-        id: &str,
+        header: &str,
         what: impl Into<String>,
         mut conn: Box<dyn Write + Send>,
     ) -> io::Result<Arc<LogFile>> {
-        conn.write_all(format!("{id}\n").as_bytes())?;
+        conn.write_all(format!("{header}\n").as_bytes())?;
         Ok(Self::with(Sink::Stream {
             what: what.into(),
             conn: Some(conn),
         }))
     }
 
-    /// Connects to the host (CID 2) at vsock `port` and sends `id`'s records there.
-    pub fn vsock(id: &str, port: u32) -> io::Result<Arc<LogFile>> {
+    /// Connects to the host (CID 2) at vsock `port` and sends `id`'s records there, after
+    /// the pod's `token` (if it has one) and the id.
+    pub fn vsock(id: &str, port: u32, token: &str) -> io::Result<Arc<LogFile>> {
         let fd = crate::vsock::connect_blocking(crate::vsock::HOST_CID, port, STREAM_SEND_TIMEOUT)?;
-        Self::stream(id, format!("vsock:2:{port}"), Box::new(File::from(fd)))
+        let header = if token.is_empty() {
+            id.to_string()
+        } else {
+            format!("{token} {id}")
+        };
+        Self::stream(&header, format!("vsock:2:{port}"), Box::new(File::from(fd)))
     }
 
     /// Closes the file and opens its path again (kubelet renamed the old one). A stream sink

@@ -321,10 +321,9 @@ impl AgentState {
                     "log_vsock_port is for VM pods; use log_path".into(),
                 ));
             }
-            LogFile::vsock(id, req.log_vsock_port).map_err(io_internal(format!(
-                "connecting to the host's log port {}",
-                req.log_vsock_port
-            )))?
+            LogFile::vsock(id, req.log_vsock_port, &req.log_vsock_token).map_err(io_internal(
+                format!("connecting to the host's log port {}", req.log_vsock_port),
+            ))?
         } else {
             LogFile::open(&req.log_path)
                 .map_err(io_internal(format!("opening log {}", req.log_path)))?

@@ -35,6 +35,10 @@ pub struct ShimConfig {
     /// `<vsock uds_path>_<port>`. Needs `vsock`.
     #[serde(default)]
     pub log_port: Option<u32>,
+    /// The secret every log connection must start with (`<token> <container-id>\n`): the
+    /// shim drops a connection without it. Absent: the id line alone.
+    #[serde(default)]
+    pub log_token: Option<String>,
     /// The pod network: a tap in this namespace, joined to its CNI interface, becomes the
     /// guest's first virtio-net interface ([`podnet`]).
     #[serde(default)]
@@ -90,6 +94,7 @@ impl Spec {
         let shim = ShimConfig {
             control_socket: key(obj, "control_socket")?,
             log_port: key(obj, "log_port")?,
+            log_token: key(obj, "log_token")?,
             pod_net: key(obj, "pod_net")?,
             log_file: key(obj, "log_file")?,
         };

@@ -133,20 +133,33 @@ impl LogRouter {
     }
 }
 
-/// Reads one guest log connection: the id line, then lines until EOF.
-pub fn serve_connection(router: &LogRouter, stream: impl Read) -> std::io::Result<()> {
+/// Reads one guest log connection: the id line (`<token> <id>` where the pod has a `token`),
+/// then lines until EOF. A connection without the token is refused before anything of it is
+/// written anywhere.
+pub fn serve_connection(
+    router: &LogRouter,
+    stream: impl Read,
+    token: Option<&str>,
+) -> std::io::Result<()> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
     let mut r = BufReader::new(stream);
     let mut id = Vec::new();
-    (&mut r)
-        .take(MAX_ID as u64 + 1)
-        .read_until(b'\n', &mut id)?;
+    let limit = MAX_ID + token.map_or(0, |t| t.len() + 1);
+    (&mut r).take(limit as u64 + 1).read_until(b'\n', &mut id)?;
     if id.last() != Some(&b'\n') {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "no container id line",
-        ));
+        return Err(bad("no container id line"));
     }
     id.pop();
+    if let Some(token) = token {
+        let (given, rest) = match id.iter().position(|b| *b == b' ') {
+            Some(i) => (&id[..i], id[i + 1..].to_vec()),
+            None => (&id[..], Vec::new()),
+        };
+        if !same_secret(given, token.as_bytes()) {
+            return Err(bad("a connection without the pod's log token: dropped"));
+        }
+        id = rest;
+    }
     let id = String::from_utf8(id)
         .ok()
         .filter(|s| !s.is_empty())
@@ -181,6 +194,11 @@ pub fn serve_connection(router: &LogRouter, stream: impl Read) -> std::io::Resul
             return Ok(());
         }
     }
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 /// A Unix socket path that is removed when this is dropped.
@@ -218,7 +236,12 @@ pub fn bind_private(path: &Path) -> std::io::Result<(UnixListener, SocketPath)> 
 }
 
 /// The log listener: accepts guest connections on a thread, one thread per connection.
-pub fn serve(listener: UnixListener, router: Arc<LogRouter>) -> std::io::Result<()> {
+pub fn serve(
+    listener: UnixListener,
+    router: Arc<LogRouter>,
+    token: Option<String>,
+) -> std::io::Result<()> {
+    let token: Option<Arc<str>> = token.map(Arc::from);
     std::thread::Builder::new()
         .name("log-accept".into())
         .spawn(move || {
@@ -226,11 +249,12 @@ pub fn serve(listener: UnixListener, router: Arc<LogRouter>) -> std::io::Result<
                 match s {
                     Ok(s) => {
                         let router = router.clone();
+                        let token = token.clone();
                         let spawned =
                             std::thread::Builder::new()
                                 .name("log-conn".into())
                                 .spawn(move || {
-                                    if let Err(e) = serve_connection(&router, s) {
+                                    if let Err(e) = serve_connection(&router, s, token.as_deref()) {
                                         tracing::warn!("log connection: {e}");
                                     }
                                 });
@@ -309,14 +333,44 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let r = LogRouter::default();
         r.set("ctr", open_log(&d.path().join("c.log")));
-        serve_connection(&r, &b"ctr\nl1\nl2\npartial"[..]).unwrap();
+        serve_connection(&r, &b"ctr\nl1\nl2\npartial"[..], None).unwrap();
         assert_eq!(
             std::fs::read_to_string(d.path().join("c.log")).unwrap(),
             "l1\nl2\n"
         );
-        assert!(serve_connection(&r, &b"no newline"[..]).is_err());
-        assert!(serve_connection(&r, &b"\nx\n"[..]).is_err());
+        assert!(serve_connection(&r, &b"no newline"[..], None).is_err());
+        assert!(serve_connection(&r, &b"\nx\n"[..], None).is_err());
         let long_id = format!("{}\n", "i".repeat(MAX_ID + 10));
-        assert!(serve_connection(&r, long_id.as_bytes()).is_err());
+        assert!(serve_connection(&r, long_id.as_bytes(), None).is_err());
+    }
+
+    #[test]
+    fn a_connection_without_the_token_writes_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let r = LogRouter::default();
+        r.set("ctr", open_log(&d.path().join("c.log")));
+        let t = Some("s3cret");
+        // The id alone, a wrong token, a token of another length: refused, nothing written
+        // and nothing held.
+        for bad in [
+            &b"ctr\nforged\n"[..],
+            b"s3creT ctr\nforged\n",
+            b"s3cre ctr\nforged\n",
+            b"s3cret\nforged\n",
+        ] {
+            assert!(
+                serve_connection(&r, bad, t).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(serve_connection(&r, &b"s3cret other\nheld\n"[..], Some("x")).is_err());
+        assert_eq!(r.held_bytes("other"), 0);
+        assert_eq!(std::fs::read_to_string(d.path().join("c.log")).unwrap(), "");
+        serve_connection(&r, &b"s3cret ctr\nreal\n"[..], t).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.path().join("c.log")).unwrap(),
+            "real\n"
+        );
     }
 }

@@ -233,7 +233,7 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     let _log_socket = match cfg.log_socket() {
         Some(p) => match vessel_shim::logs::bind_private(&p) {
             Ok((l, guard)) => {
-                vessel_shim::logs::serve(l, logs.clone())?;
+                vessel_shim::logs::serve(l, logs.clone(), cfg.shim.log_token.clone())?;
                 Some(guard)
             }
             Err(e) => return fail(format!("log socket: {e}")),

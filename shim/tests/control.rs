@@ -60,7 +60,7 @@ fn start() -> Fixture {
     let router = Arc::new(LogRouter::default());
     let disks = Arc::new(FakeDisks::default());
     let (l, g1) = logs::bind_private(&log_sock).unwrap();
-    logs::serve(l, router.clone()).unwrap();
+    logs::serve(l, router.clone(), None).unwrap();
     let (l, g2) = logs::bind_private(&ctl).unwrap();
     Arc::new(Server {
         disks: disks.clone(),

@@ -380,6 +380,7 @@ impl Runtime {
                 stdin: config.stdin,
                 stdin_once: config.stdin_once,
                 log_vsock_port: prepared.log_vsock_port,
+                log_vsock_token: prepared.log_vsock_token,
             };
             let mut c = pod.client().await?;
             let resp = c

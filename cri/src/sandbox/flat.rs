@@ -179,6 +179,7 @@ impl SandboxBackend for FlatBackend {
             },
             log_path: req.log_path.to_string(),
             log_vsock_port: 0,
+            log_vsock_token: String::new(),
         })
     }
 

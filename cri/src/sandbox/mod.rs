@@ -134,6 +134,8 @@ pub struct PreparedContainer {
     /// Where the agent writes the log itself (flat), or empty when it sends it over vsock.
     pub log_path: String,
     pub log_vsock_port: u32,
+    /// The secret the agent presents on that port (VM pods; empty otherwise).
+    pub log_vsock_token: String,
 }
 
 /// A pod in memory: its record, the lock that orders its operations, and its agent

@@ -14,9 +14,10 @@
 //! (`arg & value == valueTwo`), as every OCI profile in the wild is; the agent hands them to
 //! libcontainer in the form it expects.
 //!
-//! In a VM pod, vsock is how the guest reaches the host (the agent's API, the shim's log
-//! port): no container but a privileged one may open an AF_VSOCK socket there, whatever its
-//! profile. Unconfined containers of a VM pod get a filter that refuses only that.
+//! In a VM pod, vsock is how the guest reaches the host (the shim's log port): a Localhost
+//! profile gets a rule refusing AF_VSOCK there too. An Unconfined container stays unfiltered
+//! (`Seccomp: 0`, which upstream critest checks); what keeps it, and a privileged one, from
+//! the log port is the pod's log token, which only the agent holds.
 
 use super::{invalid, SpecError};
 use k8s_cri::v1 as cri;
@@ -184,7 +185,6 @@ pub(super) fn profile(
         .map(|p| ProfileType::try_from(p.profile_type).unwrap_or(ProfileType::Unconfined))
         .unwrap_or(ProfileType::Unconfined);
     let mut filter = match kind {
-        ProfileType::Unconfined if vm_guest => no_vsock(),
         ProfileType::Unconfined => return Ok(None),
         ProfileType::RuntimeDefault => runtime_default(bounding),
         ProfileType::Localhost => {
@@ -290,18 +290,6 @@ pub fn runtime_default(bounding: &[String]) -> Value {
         "defaultErrnoRet": libc::EPERM,
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         "syscalls": rules,
-    })
-}
-
-/// The filter of an Unconfined container in a VM pod: everything but AF_VSOCK sockets. Native
-/// ABI only: the guest kernel has no 32-bit emulation, and through `socketcall` a 32-bit
-/// process could hide the address family from the filter.
-fn no_vsock() -> Value {
-    json!({
-        "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": ["SCMP_ARCH_X86_64"],
-        "syscalls": [{"names": ["socket"], "action": "SCMP_ACT_ERRNO",
-                      "errnoRet": libc::EPERM, "args": [arg(0, AF_VSOCK, "SCMP_CMP_EQ")]}],
     })
 }
 
@@ -446,16 +434,15 @@ mod tests {
     }
 
     #[test]
-    fn vm_guests_refuse_vsock_whatever_the_profile() {
+    fn vm_guests_refuse_vsock_under_a_profile() {
         use cri::security_profile::ProfileType;
         let c = caps(super::super::DEFAULT_CAPS);
-        // Unconfined: nothing on the host, an AF_VSOCK-only filter in a guest.
+        // Unconfined: no filter, on the host and in a guest.
         let u = sc(ProfileType::Unconfined, "");
-        assert!(profile(Some(&u), false, &c, false).unwrap().is_none());
-        assert!(profile(None, false, &c, false).unwrap().is_none());
-        let f = profile(None, false, &c, true).unwrap().unwrap();
-        assert_eq!(f["defaultAction"], "SCMP_ACT_ALLOW");
-        assert_eq!(f["syscalls"][0]["args"][0]["value"], AF_VSOCK);
+        for vm in [false, true] {
+            assert!(profile(Some(&u), false, &c, vm).unwrap().is_none());
+            assert!(profile(None, false, &c, vm).unwrap().is_none());
+        }
         // Privileged: nothing anywhere.
         assert!(profile(None, true, &c, true).unwrap().is_none());
 

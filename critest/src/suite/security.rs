@@ -305,9 +305,10 @@ async fn seccomp_allow_list(c: Ctx) -> SpecResult {
 }
 
 /// Tries `socket(AF_VSOCK)` (then a connect to the host's log port, 1025) from inside a
-/// container with each profile: RuntimeDefault refuses it everywhere; in a VM pod every
-/// unprivileged container is refused, whatever its profile (vsock reaches the agent's and the
-/// shim's ports on the host).
+/// container: RuntimeDefault refuses it everywhere, and in a VM pod a Localhost profile too
+/// (vsock reaches the shim's log port on the host). An Unconfined container of a VM pod can
+/// open one, but cannot write into another container's log: the shim takes only connections
+/// that start with the pod's log token, which only the agent holds.
 async fn seccomp_vsock(c: Ctx) -> SpecResult {
     use cri::security_profile::ProfileType;
     let Some(probe) = c.env.vsock_probe.clone() else {
@@ -320,37 +321,77 @@ async fn seccomp_vsock(c: Ctx) -> SpecResult {
     std::fs::write(&profile, r#"{"defaultAction":"SCMP_ACT_ALLOW"}"#)
         .map_err(|e| Stop::Fail(format!("writing {}: {e}", profile.display())))?;
     let (pod, pcfg) = c.run_pod("vsock").await?;
-    let mut cases = vec![(
-        "runtime-default",
-        ProfileType::RuntimeDefault,
-        String::new(),
-    )];
-    if c.env.vm_pods {
-        cases.push(("unconfined", ProfileType::Unconfined, String::new()));
-        cases.push((
-            "localhost",
-            ProfileType::Localhost,
-            profile.display().to_string(),
-        ));
-    }
-    for (name, t, r) in cases {
-        let mut cfg = c.ctr_config(name, "sleep 100000");
-        with_seccomp(&mut cfg, t, &r);
+    let with_probe = |name: &str, script: &str, t: ProfileType, r: &str| {
+        let mut cfg = c.ctr_config(name, script);
+        with_seccomp(&mut cfg, t, r);
         cfg.mounts.push(cri::Mount {
             container_path: "/vsock-echo".into(),
             host_path: probe.display().to_string(),
             readonly: true,
             ..Default::default()
         });
-        let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+        cfg
+    };
+    let mut refused = vec![(
+        "runtime-default",
+        ProfileType::RuntimeDefault,
+        String::new(),
+    )];
+    if c.env.vm_pods {
+        refused.push((
+            "localhost",
+            ProfileType::Localhost,
+            profile.display().to_string(),
+        ));
+    }
+    for (name, t, r) in refused {
+        let id = c
+            .run_cfg(&pod, &pcfg, with_probe(name, "sleep 100000", t, &r))
+            .await?;
         let (code, out, err) = c
             .sh(&id, "timeout 5 /vsock-echo connect 1025 vessel-probe")
             .await?;
+        if !(code != 0 && err.contains("socket: Operation not permitted")) {
+            let (_, ls, _) = c
+                .sh(&id, "ls -l /vsock-echo; od -A d -c -N 8 /vsock-echo")
+                .await?;
+            fail!("{name}: socket(AF_VSOCK) was not refused: exit {code}, stdout {out:?}, stderr {err:?}; the probe: {ls:?}");
+        }
+    }
+    if !c.env.vm_pods {
+        return Ok(());
+    }
+    let victim = c
+        .run(&pod, &pcfg, "victim", "echo real; sleep 100000")
+        .await?;
+    let log = c.log_path(&pcfg, "victim");
+    c.wait_log(&log, "the victim's own line", |l| {
+        l.iter().any(|x| x.content == "real")
+    })
+    .await?;
+    let forger = c
+        .run_cfg(
+            &pod,
+            &pcfg,
+            with_probe("forger", "sleep 100000", ProfileType::Unconfined, ""),
+        )
+        .await?;
+    for header in [victim.clone(), format!("0123456789abcdef {victim}")] {
+        let script = format!(
+            "printf '%s\\n%s\\n' '{header}' '2026-01-01T00:00:00.000000000Z stdout F forged' | timeout 5 /vsock-echo send 1025; echo sent $?"
+        );
+        let (_, out, err) = c.sh(&forger, &script).await?;
         check!(
-            code != 0 && err.contains("socket: Operation not permitted"),
-            "{name}: socket(AF_VSOCK) was not refused: exit {code}, stdout {out:?}, stderr {err:?}"
+            out.contains("sent"),
+            "the forger did not run: {out:?} {err:?}"
         );
     }
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let lines = c.read_log(&log)?;
+    check!(
+        !lines.iter().any(|l| l.content.contains("forged")),
+        "a line forged over vsock reached the victim's log: {lines:?}"
+    );
     Ok(())
 }
 

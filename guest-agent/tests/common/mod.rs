@@ -160,6 +160,7 @@ impl TestAgent {
             stdin: false,
             stdin_once: false,
             log_vsock_port: 0,
+            log_vsock_token: String::new(),
         }
     }
 

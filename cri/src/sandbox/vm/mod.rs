@@ -47,6 +47,24 @@ fn vm_of(rec: &PodRecord) -> VmPodState {
     }
 }
 
+/// The pod's log-port secret (see [`VmPodState::log_token`]).
+fn prec_log_token(rec: &PodRecord) -> String {
+    vm_of(rec).log_token
+}
+
+/// A new log-port secret: 128 random bits, hex. Without randomness (getrandom failing) the
+/// pod gets none and its log port is unauthenticated, which is logged.
+fn new_log_token() -> String {
+    let mut b = [0u8; 16];
+    match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
+        Ok(16) => b.iter().map(|x| format!("{x:02x}")).collect(),
+        r => {
+            tracing::warn!(result = ?r, "no randomness for the log port's secret: the pod's log port takes any guest connection");
+            String::new()
+        }
+    }
+}
+
 /// One request to the pod's shim control socket, off the async threads.
 async fn control(
     v: &VmPodState,
@@ -101,6 +119,7 @@ impl SandboxBackend for VmBackend {
                     vcpus,
                     mem_mib,
                     slots: vec![String::new(); self.cfg.spare_disks as usize],
+                    log_token: new_log_token(),
                 },
             },
         }
@@ -144,6 +163,7 @@ impl SandboxBackend for VmBackend {
             log_level: &self.log_level,
             pod_net,
             shared_dir: Some(shared_dir),
+            log_token: &v.log_token,
         };
         let boot_started = std::time::Instant::now();
         let launched = shim::spawn(&launch).map_err(fail)?;
@@ -282,6 +302,7 @@ impl SandboxBackend for VmBackend {
             },
             log_path: String::new(),
             log_vsock_port: LOG_PORT,
+            log_vsock_token: prec_log_token(&prec),
         })
     }
 

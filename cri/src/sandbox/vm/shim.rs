@@ -53,6 +53,8 @@ pub struct LaunchSpec<'a> {
     pub pod_net: Option<vessel_shim::podnet::PodNet>,
     /// The pod's share of volumes (virtio-fs), if it has one.
     pub shared_dir: Option<PathBuf>,
+    /// The secret of the shim's log port (empty: none).
+    pub log_token: &'a str,
 }
 
 /// Paths of a VM pod's files in its directory.
@@ -134,6 +136,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
         shim: vessel_shim::ShimConfig {
             control_socket: Some(p.control.clone()),
             log_port: Some(LOG_PORT),
+            log_token: (!spec.log_token.is_empty()).then(|| spec.log_token.to_string()),
             pod_net: spec.pod_net.clone(),
             log_file: Some(p.shim_log.clone()),
         },
@@ -363,6 +366,7 @@ mod tests {
                 tap: "vessel-tap0".into(),
             }),
             shared_dir: Some(d.path().join("shared")),
+            log_token: "0123abcd",
         })
         .to_value()
         .unwrap();
