@@ -13,6 +13,7 @@ pub(super) fn specs() -> Vec<Spec> {
     vec![
         spec!("volume", "a 50 MB write with fsync is on the host while the container runs and after the pod is gone", big_write),
         spec!("volume", "two containers of a pod share a host directory", shared_between_containers),
+        spec!("volume", "programs on a host-path volume run: a script, a static binary, one the container wrote", programs_run_from_a_volume),
         spec!("volume", "a ConfigMap-style symlink swap on the host is seen by the container within 3 s", configmap_swap),
         spec!("volume", "a socket as a host path: bound into a flat pod, InvalidArgument for a VM pod", socket_source),
     ]
@@ -111,6 +112,44 @@ async fn shared_between_containers(c: Ctx) -> SpecResult {
         d.join("sub").is_dir() && !d.join("note").exists(),
         "the host directory does not show the containers' changes"
     );
+    Ok(())
+}
+
+/// What an init container that copies a tool into an emptyDir for the main container does:
+/// programs on a volume run (a script and a static binary from the host, one the container
+/// copied there).
+async fn programs_run_from_a_volume(c: Ctx) -> SpecResult {
+    let d = c.dir("bin")?;
+    let script = d.join("hello.sh");
+    std::fs::write(&script, "#!/bin/sh\necho hello from a volume\n").map_err(io("writing"))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))
+        .map_err(io("chmod"))?;
+    let (pod, pcfg) = c.run_pod("volbin").await?;
+    let mut cfg = c.ctr_config("runner", "sleep 100000");
+    cfg.mounts = vec![vol(&d, "/vol")];
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let got = c.sh_ok(&id, "/vol/hello.sh").await?;
+    check!(got == "hello from a volume", "the script printed {got:?}");
+    // busybox is static: a copy of it on the volume is a static ELF binary.
+    c.sh_ok(
+        &id,
+        "cp /bin/busybox /vol/busybox && chmod 755 /vol/busybox",
+    )
+    .await?;
+    let (code, out, err) = c.sh(&id, "/vol/busybox echo static-ok").await?;
+    check!(
+        code == 0 && out.trim() == "static-ok",
+        "a static binary the container put on the volume: exit {code}, stdout {out:?}, stderr {err:?}"
+    );
+    if let Some(probe) = c.env.vsock_probe.clone() {
+        std::fs::copy(&probe, d.join("probe")).map_err(io("copying the probe"))?;
+        let (code, _, err) = c.sh(&id, "/vol/probe").await?;
+        check!(
+            code == 2 && err.contains("usage"),
+            "a static binary from the host on the volume: exit {code}, stderr {err:?}"
+        );
+    }
     Ok(())
 }
 
