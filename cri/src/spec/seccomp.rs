@@ -23,6 +23,9 @@ use super::{invalid, SpecError};
 use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
 
+/// The largest Localhost profile read (Docker's default profile is about 20 KiB).
+const MAX_PROFILE: u64 = 1 << 20;
+
 /// `AF_VSOCK` from <sys/socket.h>.
 const AF_VSOCK: u64 = 40;
 
@@ -235,8 +238,21 @@ fn chosen(
 
 /// A Localhost profile: an OCI `linux.seccomp` JSON file on the node.
 fn localhost(path: &str) -> Result<Value, SpecError> {
-    let data =
-        std::fs::read(path).map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
+    use std::io::Read as _;
+    let err = |e: &dyn std::fmt::Display| invalid(format!("seccomp profile {path:?}: {e}"));
+    let f = std::fs::File::open(path).map_err(|e| err(&e))?;
+    // A profile is a regular file of JSON: not a device to read forever (/dev/zero), not
+    // something larger than any profile.
+    if !f.metadata().map_err(|e| err(&e))?.is_file() {
+        return Err(err(&"not a regular file"));
+    }
+    let mut data = Vec::new();
+    f.take(MAX_PROFILE + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| err(&e))?;
+    if data.len() as u64 > MAX_PROFILE {
+        return Err(err(&format!("larger than {MAX_PROFILE} bytes")));
+    }
     let v: Value = serde_json::from_slice(&data)
         .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
     if v.get("defaultAction").and_then(Value::as_str).is_none() {
