@@ -49,3 +49,8 @@ if ! command -v cargo-nextest >/dev/null && ! cargo nextest --version >/dev/null
   echo "deps: installing cargo-nextest"
   cargo install --locked cargo-nextest
 fi
+# Coverage-guided fuzzing (scripts/fuzz.sh, run by scripts/test.sh).
+if ! command -v cargo-fuzz >/dev/null; then
+  echo "deps: installing cargo-fuzz"
+  cargo install --locked cargo-fuzz --version 0.13.2
+fi

@@ -60,5 +60,13 @@ if [ $rc -ne 0 ]; then
   echo "test.sh: FAILED" >&2
   exit $rc
 fi
+step "coverage-guided fuzzing: every target ${VESSEL_FUZZ_SECONDS:-20}s from the committed seeds (scripts/fuzz.sh)"
+if ! bash scripts/fuzz.sh "${VESSEL_FUZZ_SECONDS:-20}"; then
+  echo "tests: ${n_passed:-0} passed, 0 failed, ${n_skipped:-0} skipped; fuzzing FAILED"
+  echo "test.sh: FAILED (fuzzing found a crash: images/fuzz/artifacts/)" >&2
+  exit 1
+fi
+echo
+echo "test.sh: $(( $(date +%s) - start ))s in all"
 echo "test.sh: all passed"
 echo "tests: ${n_passed:-0} passed, ${n_failed:-0} failed, ${n_skipped:-0} skipped"
