@@ -6,7 +6,8 @@
 # Targets (images/fuzz/fuzz_targets): layer_unpack (image layer tar streams), registry_input
 # (references, digests, auth challenges, platforms, manifests, indexes, image configs),
 # spdy_decode (streaming clients' SPDY frames), container_request (CRI container and pod
-# configs to OCI specs). Each runs SECONDS (default 20) from the committed seeds
+# configs to OCI specs), agent_spec (the OCI spec the pod agent prepares for libcontainer).
+# Each runs SECONDS (default 20) from the committed seeds
 # (images/fuzz/corpus/<target>), with AddressSanitizer, new inputs kept in a scratch corpus
 # (VESSEL_FUZZ_CORPUS, default a temp dir); a crash, leak or panic fails the run, and its
 # input is kept under images/fuzz/artifacts/<target>/. cargo-fuzz comes from crates.io
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-20}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(layer_unpack registry_input spdy_decode container_request)
+[ ${#targets[@]} -gt 0 ] || targets=(layer_unpack registry_input spdy_decode container_request agent_spec)
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz --version 0.13.2
 export RUSTC_BOOTSTRAP=1
 if [ -n "${VESSEL_FUZZ_CORPUS:-}" ]; then
