@@ -143,7 +143,7 @@ async fn programs_run_from_a_volume(c: Ctx) -> SpecResult {
         let (_, copy, copy_err) = c
             .sh(
                 &id,
-                "cp /vol/busybox /tmp/bb-copy && /tmp/bb-copy echo copy-ok",
+                "mkdir -p /tmp/copy && cp /vol/busybox /tmp/copy/busybox && /tmp/copy/busybox echo copy-ok",
             )
             .await?;
         fail!(
