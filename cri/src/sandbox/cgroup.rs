@@ -94,6 +94,11 @@ impl Driver {
     /// pod's shim (the VMM: its vCPU threads and guest memory) into [`VMM_LEAF`] under
     /// cgroupfs, where the parent is kubelet's.
     pub async fn adopt(&self, rec: &PodRecord, flat: bool) -> Result<()> {
+        // vesseld never moves itself (pid 0 in cgroup.procs is the writer; a test double's
+        // host process is the test).
+        if rec.agent_pid == 0 || rec.agent_pid == std::process::id() {
+            return Ok(());
+        }
         let leaf = if flat { AGENT_LEAF } else { VMM_LEAF };
         let sd = match self {
             Driver::Systemd(sd) if !rec.cgroup_unit.is_empty() => sd,
