@@ -47,11 +47,6 @@ fn vm_of(rec: &PodRecord) -> VmPodState {
     }
 }
 
-/// The pod's log-port secret (see [`VmPodState::log_token`]).
-fn prec_log_token(rec: &PodRecord) -> String {
-    vm_of(rec).log_token
-}
-
 /// A new log-port secret: 128 random bits, hex. Without randomness (getrandom failing) the
 /// pod gets none and its log port is unauthenticated, which is logged.
 fn new_log_token() -> String {
@@ -302,7 +297,7 @@ impl SandboxBackend for VmBackend {
             },
             log_path: String::new(),
             log_vsock_port: LOG_PORT,
-            log_vsock_token: prec_log_token(&prec),
+            log_vsock_token: vm_of(&prec).log_token,
         })
     }
 
