@@ -54,8 +54,9 @@ const ALLOWED: &[&[&str]] = &[
         "linkat", "listxattr", "llistxattr", "_llseek", "lremovexattr", "lseek", "lsetxattr",
         "lstat", "lstat64", "mkdir", "mkdirat", "mknod", "mknodat", "name_to_handle_at",
         "newfstatat", "open", "openat", "openat2", "pipe", "pipe2", "pread64", "preadv",
-        "preadv2", "pwrite64", "pwritev", "pwritev2", "read", "readahead", "readlink", "readlinkat", "readv",
-        "removexattr", "rename", "renameat", "renameat2", "rmdir", "sendfile", "sendfile64",
+        "preadv2", "pwrite64", "pwritev", "pwritev2", "read", "readahead", "readlink",
+        "readlinkat", "readv", "removexattr", "rename", "renameat", "renameat2", "rmdir",
+        "sendfile", "sendfile64",
         "setxattr", "splice", "stat", "stat64", "statfs", "statfs64", "statx", "symlink",
         "symlinkat", "sync", "sync_file_range", "syncfs", "tee", "truncate", "truncate64",
         "umask", "unlink", "unlinkat", "utime", "utimensat", "utimensat_time64", "utimes",
@@ -228,8 +229,7 @@ fn chosen(
             Some(p) if !p.is_empty() => of(ProfileType::Localhost, p),
             _ => {
                 return Err(invalid(format!(
-                    "seccomp profile path {old:?} is not runtime/default, unconfined or
-                    localhost/<path>"
+                    "seccomp profile path {old:?} is not runtime/default, unconfined or localhost/<path>"
                 )))
             }
         },
@@ -253,8 +253,7 @@ fn localhost(path: &str) -> Result<Value, SpecError> {
     if data.len() as u64 > MAX_PROFILE {
         return Err(err(&format!("larger than {MAX_PROFILE} bytes")));
     }
-    let v: Value = serde_json::from_slice(&data)
-        .map_err(|e| invalid(format!("seccomp profile {path:?}: {e}")))?;
+    let v: Value = serde_json::from_slice(&data).map_err(|e| err(&e))?;
     if v.get("defaultAction").and_then(Value::as_str).is_none() {
         return Err(invalid(format!(
             "seccomp profile {path:?} has no defaultAction"

@@ -217,16 +217,14 @@ async fn no_new_privs(c: Ctx) -> SpecResult {
 async fn seccomp(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("seccomp").await?;
     let mut cfg = c.ctr_config("default", "sleep 100000");
-    Ctx::sec(&mut cfg).seccomp = Some(cri::SecurityProfile {
-        profile_type: cri::security_profile::ProfileType::RuntimeDefault as i32,
-        ..Default::default()
-    });
+    with_seccomp(
+        &mut cfg,
+        cri::security_profile::ProfileType::RuntimeDefault,
+        "",
+    );
     let d = c.run_cfg(&pod, &pcfg, cfg).await?;
     let mut cfg = c.ctr_config("unconfined", "sleep 100000");
-    Ctx::sec(&mut cfg).seccomp = Some(cri::SecurityProfile {
-        profile_type: cri::security_profile::ProfileType::Unconfined as i32,
-        ..Default::default()
-    });
+    with_seccomp(&mut cfg, cri::security_profile::ProfileType::Unconfined, "");
     let u = c.run_cfg(&pod, &pcfg, cfg).await?;
     // The container's own process (pid 1 of its pid namespace).
     let v = pid1_status_field(&c, &d, "Seccomp").await?;
@@ -239,10 +237,11 @@ async fn seccomp(c: Ctx) -> SpecResult {
 async fn seccomp_exec(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("seccompx").await?;
     let mut cfg = c.ctr_config("default", "sleep 100000");
-    Ctx::sec(&mut cfg).seccomp = Some(cri::SecurityProfile {
-        profile_type: cri::security_profile::ProfileType::RuntimeDefault as i32,
-        ..Default::default()
-    });
+    with_seccomp(
+        &mut cfg,
+        cri::security_profile::ProfileType::RuntimeDefault,
+        "",
+    );
     let d = c.run_cfg(&pod, &pcfg, cfg).await?;
     let v = status_field(&c, &d, "Seccomp").await?;
     check!(
