@@ -36,7 +36,10 @@ for t in "${targets[@]}"; do
   log="$scratch/$t.log"
   echo "fuzz: $t for ${secs}s"
   # The scratch corpus first: new inputs go there, the committed seeds stay as they are.
-  if cargo fuzz run -O "$t" "$scratch/$t" "fuzz/corpus/$t" -- \
+  # The targets' own temp files (an image root, layer directories) go under the scratch
+  # directory too: libFuzzer exits without running destructors.
+  mkdir -p "$scratch/tmp"
+  if TMPDIR="$scratch/tmp" cargo fuzz run -O "$t" "$scratch/$t" "fuzz/corpus/$t" -- \
       -max_total_time="$secs" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
       -artifact_prefix="fuzz/artifacts/$t/" >"$log" 2>&1; then
     echo "fuzz: $t: $(grep -E 'DONE' "$log" | tail -1 | tr -s '\t ' ' ')"
