@@ -51,8 +51,15 @@ pub enum SystemdError {
     },
     #[error("{slice:?} is not a systemd slice name: {reason}")]
     BadSlice { slice: String, reason: &'static str },
-    #[error("unit {unit}: process {pid} was not moved into it within {MOVE_TIMEOUT:?}")]
-    NotMoved { unit: String, pid: u32 },
+    #[error(
+        "unit {unit}: process {pid} was not moved into it within {MOVE_TIMEOUT:?} (the unit \
+         is {state})"
+    )]
+    NotMoved {
+        unit: String,
+        pid: u32,
+        state: String,
+    },
 }
 
 /// Whether systemd is the init system (`sd_booted()`).
@@ -253,31 +260,32 @@ impl Systemd {
             .await?;
         // Active once systemd has put the process into the unit's cgroup in every hierarchy
         // it manages (one at a time: the process may show in some before others).
+        // StartTransientUnit returns once the start job is queued: until the job runs the unit
+        // is `inactive` with the job pending, which is not a failure.
         let deadline = tokio::time::Instant::now() + MOVE_TIMEOUT;
+        let not_moved = |state: &str| SystemdError::NotMoved {
+            unit: unit.to_string(),
+            pid,
+            state: state.to_string(),
+        };
         loop {
-            let state = self.active_state(unit).await?;
+            let (state, job) = self.unit_state(unit).await?;
             match state.as_str() {
                 "active" if in_unit(pid, unit) => return Ok(()),
-                "failed" | "inactive" => {
-                    return Err(SystemdError::NotMoved {
-                        unit: unit.to_string(),
-                        pid,
-                    })
-                }
+                "failed" => return Err(not_moved(&state)),
+                "inactive" if !job => return Err(not_moved(&state)),
                 _ => {}
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(SystemdError::NotMoved {
-                    unit: unit.to_string(),
-                    pid,
-                });
+                return Err(not_moved(&state));
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 
-    /// The `ActiveState` of a loaded unit (`active`, `activating`, `failed`, ...).
-    async fn active_state(&self, unit: &str) -> Result<String, SystemdError> {
+    /// The `ActiveState` of a loaded unit (`active`, `activating`, `failed`, ...), and
+    /// whether a job (its start or stop) is pending on it.
+    async fn unit_state(&self, unit: &str) -> Result<(String, bool), SystemdError> {
         let bad = |source| SystemdError::Call {
             method: "GetUnit",
             unit: unit.to_string(),
@@ -287,23 +295,35 @@ impl Systemd {
         w.str(unit);
         let (body, be) = self.call("GetUnit", unit, "s", w.buf).await?;
         let path = Reader::new(&body, be).str().map_err(bad)?;
-        let mut w = Writer::default();
-        w.str("org.freedesktop.systemd1.Unit");
-        w.str("ActiveState");
-        let (body, be) = self
-            .call_at(
-                (path, "org.freedesktop.DBus.Properties"),
+        let property = |name: &str| {
+            let mut w = Writer::default();
+            w.str("org.freedesktop.systemd1.Unit");
+            w.str(name);
+            self.call_at(
+                (path.clone(), "org.freedesktop.DBus.Properties"),
                 "Get",
                 unit,
                 "ss",
                 w.buf,
             )
-            .await?;
+        };
+        let (body, be) = property("ActiveState").await?;
         let mut r = Reader::new(&body, be);
-        match r.signature().map_err(bad)?.as_str() {
-            "s" => r.str().map_err(bad),
-            _ => Err(bad(DbusError::Malformed("ActiveState is not a string"))),
-        }
+        let state = match r.signature().map_err(bad)?.as_str() {
+            "s" => r.str().map_err(bad)?,
+            _ => return Err(bad(DbusError::Malformed("ActiveState is not a string"))),
+        };
+        // Job: (uo), the pending job's id and object path; id 0 is none.
+        let (body, be) = property("Job").await?;
+        let mut r = Reader::new(&body, be);
+        let job = match r.signature().map_err(bad)?.as_str() {
+            "(uo)" => {
+                r.structure().map_err(bad)?;
+                r.u32().map_err(bad)? != 0
+            }
+            _ => return Err(bad(DbusError::Malformed("Job is not (uo)"))),
+        };
+        Ok((state, job))
     }
 
     /// Stops `unit` (killing what is left in it) and waits until it is down; a unit that is
@@ -333,10 +353,10 @@ impl Systemd {
             Ok(())
         };
         loop {
-            match self.active_state(unit).await {
+            match self.unit_state(unit).await {
                 Err(e) if gone(&e) => return done(),
                 Err(e) => return Err(e),
-                Ok(s) if s == "inactive" || s == "failed" => return done(),
+                Ok((s, false)) if s == "inactive" || s == "failed" => return done(),
                 Ok(_) if tokio::time::Instant::now() >= deadline => {
                     tracing::warn!(unit, "the unit is still stopping; going on");
                     return Ok(());
