@@ -22,11 +22,7 @@ use vessel_vmm::probe::{probe, Verdict};
 
 /// The conformance specs that a VM pod fails today, with the reason; anything else must pass.
 /// A spec listed here that passes fails the test too, so that the list stays true.
-const KNOWN_FAILURES: &[(&str, &str)] = &[(
-    "[volume] programs on a host-path volume run",
-    "exec of an ELF binary from a virtio-fs volume fails with ENOENT in the guest (a script there runs, \
-     and the binary's bytes read and copy intact): found by this spec, not yet understood",
-)];
+const KNOWN_FAILURES: &[(&str, &str)] = &[];
 
 /// The newest `<name>-<hash>` test binary next to this one (cargo builds every test binary
 /// of the crate before running any).

@@ -27,6 +27,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::share_fs::ShareFs;
 use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
 
 pub const VIRTIO_ID_FS: u32 = 26;
@@ -174,17 +175,20 @@ fn passthrough_config(root: &str) -> Config {
 /// `/`, after. Where the thread cannot be confined (no privilege), it serves `dir` by path,
 /// with a warning.
 fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
-    let fs = match enter_namespace(dir) {
+    let (fs, confined) = match enter_namespace(dir) {
         Ok(()) => {
             let fs = Fs017::new(passthrough_config("/"))?;
             pivot_into(dir)?;
             keep_only_file_capabilities()?;
             tracing::debug!(dir = %dir.display(), "virtio-fs server confined to its share");
-            fs
+            (fs, true)
         }
         Err(e) => {
             tracing::warn!(dir = %dir.display(), "virtio-fs server not confined to its share: {e}");
-            Fs017::new(passthrough_config(dir.to_str().unwrap_or_default()))?
+            (
+                Fs017::new(passthrough_config(dir.to_str().unwrap_or_default()))?,
+                false,
+            )
         }
     };
     // Under fuse-backend-rs's VFS (the passthrough filesystem alone offers the guest 4 KiB
@@ -208,7 +212,7 @@ fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
         ..Default::default()
     });
     fs.import()?;
-    vfs.mount(Box::new(fs), "/")
+    vfs.mount(Box::new(ShareFs::new(fs, confined)), "/")
         .map_err(|e| std::io::Error::other(format!("mounting the share in the VFS: {e:?}")))?;
     Ok(Server::new(Arc::new(vfs)))
 }
@@ -654,6 +658,102 @@ mod tests {
         assert_eq!(cap("CapPrm:"), u64::from(FILE_SERVER_CAPS));
         // And it serves on from there.
         let (e, _) = call(&mut drv, 2, 1, 1, b"marker\0");
+        assert_eq!(e, 0);
+    }
+
+    /// Extended attributes through a confined server (whose root has no `/proc`): a host
+    /// file's attribute reads and lists, the guest sets and removes one, and a missing
+    /// `security.capability` (which execve asks for) is ENODATA, not ENOENT.
+    #[test]
+    fn xattrs_work_in_a_confined_server() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("SKIP xattrs_work_in_a_confined_server: confining needs root");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("prog");
+        std::fs::write(&file, b"#!").unwrap();
+        let path = std::ffi::CString::new(file.to_str().unwrap()).unwrap();
+        let value = b"from the host";
+        // SAFETY: NUL-terminated strings and a slice alive for the call.
+        let r = unsafe {
+            libc::setxattr(
+                path.as_ptr(),
+                c"user.vessel".as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if r != 0 {
+            println!(
+                "SKIP xattrs_work_in_a_confined_server: {} has no user xattrs: {}",
+                d.path().display(),
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let mut drv = Driver::new(Box::new(Fs::new("vessel", d.path()).unwrap()), 0);
+        drv.init(&[0, 1]);
+        let mut init = Vec::new();
+        for v in [7u32, 31, 1 << 20, 0] {
+            init.extend(v.to_le_bytes());
+        }
+        assert_eq!(call(&mut drv, 1, 26, 0, &init).0, 0);
+        let (e, out) = call(&mut drv, 2, 1, 1, b"prog\0");
+        assert_eq!(e, 0);
+        let node = u64_at(&out, 0);
+        // fuse_getxattr_in: size, padding; then the name. Opcodes: SETXATTR 21, GETXATTR 22,
+        // LISTXATTR 23, REMOVEXATTR 24.
+        let get = |size: u32, name: &[u8]| {
+            let mut b = Vec::new();
+            b.extend(size.to_le_bytes());
+            b.extend(0u32.to_le_bytes());
+            b.extend(name);
+            b
+        };
+        let (e, out) = call(&mut drv, 3, 22, node, &get(64, b"user.vessel\0"));
+        assert_eq!((e, out.as_slice()), (0, value.as_slice()));
+        let (e, out) = call(&mut drv, 4, 22, node, &get(0, b"user.vessel\0"));
+        assert_eq!(
+            (e, u32::from_le_bytes(out[0..4].try_into().unwrap())),
+            (0, 13)
+        );
+        let (e, _) = call(&mut drv, 5, 22, node, &get(64, b"security.capability\0"));
+        assert_eq!(e, -libc::ENODATA, "the attribute execve asks for");
+        let (e, out) = call(&mut drv, 6, 23, node, &get(256, b""));
+        assert_eq!(e, 0);
+        assert!(
+            out.split(|b| *b == 0).any(|n| n == b"user.vessel"),
+            "{out:?}"
+        );
+        // fuse_setxattr_in: size, flags; the name, then the value.
+        let mut set = Vec::new();
+        set.extend(5u32.to_le_bytes());
+        set.extend(0u32.to_le_bytes());
+        set.extend(b"user.guest\0hello");
+        assert_eq!(call(&mut drv, 7, 21, node, &set).0, 0);
+        let mut buf = [0u8; 16];
+        // SAFETY: NUL-terminated strings and a buffer alive for the call.
+        let n = unsafe {
+            libc::getxattr(
+                path.as_ptr(),
+                c"user.guest".as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        assert_eq!(
+            &buf[..usize::try_from(n).unwrap()],
+            b"hello",
+            "set on the host"
+        );
+        assert_eq!(call(&mut drv, 8, 24, node, b"user.guest\0").0, 0);
+        let (e, _) = call(&mut drv, 9, 22, node, &get(64, b"user.guest\0"));
+        assert_eq!(e, -libc::ENODATA);
+        // The share's root too (its path is "/").
+        let (e, _) = call(&mut drv, 10, 23, 1, &get(256, b""));
         assert_eq!(e, 0);
     }
 
