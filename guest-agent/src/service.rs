@@ -681,19 +681,16 @@ impl AgentState {
         for e in p.env {
             args.push(format!("--env={e}").into());
         }
-        // Console sockets live under a short directory: a unix socket path has at most 107
-        // bytes, and the container's own directory (state dir + 64-hex id) leaves too few.
-        // Flat pods' state dirs hold the pod id, so fall back to the temp dir when needed.
-        let mut exec_dir = self.state_dir.join("x");
-        if exec_dir.as_os_str().len() + 40 > 107 {
-            exec_dir = std::env::temp_dir().join("vessel-exec");
-        }
         let mut console = None;
+        // Removed (with the console socket in it) when this returns.
+        let mut _console_dir = None;
         let mut stdout: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
         let mut stderr: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
         let mut stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>> = None;
         let stdio = if p.tty {
-            std::fs::create_dir_all(&exec_dir).map_err(io_internal("creating exec dir"))?;
+            let (exec_dir, private) =
+                console_dir(&self.state_dir).map_err(io_internal("creating exec dir"))?;
+            _console_dir = private;
             let path = exec_dir.join(format!("{}.sock", rand_suffix()));
             let sock = ConsoleSocket::bind(&path).map_err(io_internal("console socket"))?;
             args.push("--console-socket".into());
@@ -873,6 +870,27 @@ impl AgentState {
             writable_layer_inodes: inodes,
         })
     }
+}
+
+/// Where an exec's console socket goes. A unix socket path has at most 107 bytes, and the
+/// container's own directory (state dir + 64-hex id) leaves too few: `<state dir>/x`, or where
+/// even that is too long (flat pods' state dirs hold the pod id), a directory of this exec's
+/// own in the temp dir, returned too so that it is removed when dropped. That one is made
+/// with an unpredictable name and mode 0700: a shared, fixed-name directory in /tmp could be
+/// made first by another user, who could then take the socket's place and receive the
+/// exec's terminal.
+fn console_dir(state_dir: &Path) -> std::io::Result<(PathBuf, Option<tempfile::TempDir>)> {
+    let dir = state_dir.join("x");
+    if dir.as_os_str().len() + 40 <= 107 {
+        std::fs::create_dir_all(&dir)?;
+        return Ok((dir, None));
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let private = tempfile::Builder::new()
+        .prefix("vessel-exec-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir()?;
+    Ok((private.path().to_path_buf(), Some(private)))
 }
 
 fn rand_suffix() -> String {
@@ -1367,6 +1385,27 @@ impl Agent for AgentService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn console_sockets_go_in_a_short_dir_or_a_private_one() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let (dir, private) = console_dir(d.path()).unwrap();
+        assert_eq!(dir, d.path().join("x"));
+        assert!(dir.is_dir() && private.is_none());
+        // A flat pod's state dir: too long for a socket path beneath it.
+        let long = d.path().join("p".repeat(80));
+        let (dir, private) = console_dir(&long).unwrap();
+        assert!(dir.starts_with(std::env::temp_dir()), "{}", dir.display());
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let (other, _p2) = console_dir(&long).unwrap();
+        assert_ne!(dir, other, "one per exec");
+        std::fs::write(dir.join("1.sock"), b"").unwrap();
+        drop(private);
+        assert!(!dir.exists(), "removed with the exec");
+        assert!(!long.exists());
+    }
 
     fn state(dir: &Path, vm: bool) -> Arc<AgentState> {
         let libct = Libct {
