@@ -548,6 +548,19 @@ mod tests {
         (error, reply[16..olen].to_vec())
     }
 
+    /// A device sharing `dir`, its queues set up and a FUSE session begun (INIT 7.31, no
+    /// flags).
+    fn session(dir: &Path) -> Driver {
+        let mut drv = Driver::new(Box::new(Fs::new("vessel", dir).unwrap()), 0);
+        drv.init(&[0, 1]);
+        let mut init = Vec::new();
+        for v in [7u32, 31, 1 << 20, 0] {
+            init.extend(v.to_le_bytes());
+        }
+        assert_eq!(call(&mut drv, 1, 26, 0, &init).0, 0);
+        drv
+    }
+
     fn u64_at(b: &[u8], at: usize) -> u64 {
         u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
     }
@@ -622,13 +635,7 @@ mod tests {
         std::fs::write(d.path().join("outside"), b"host secret").unwrap();
         let share = d.path().join("share");
         std::fs::create_dir(&share).unwrap();
-        let mut drv = Driver::new(Box::new(Fs::new("vessel", &share).unwrap()), 0);
-        drv.init(&[0, 1]);
-        let mut init = Vec::new();
-        for v in [7u32, 31, 1 << 20, 0] {
-            init.extend(v.to_le_bytes());
-        }
-        assert_eq!(call(&mut drv, 1, 26, 0, &init).0, 0);
+        let mut drv = session(&share);
         // The server's thread: the one whose root holds this share's marker.
         std::fs::write(share.join("marker"), b"").unwrap();
         let me = std::fs::read_link("/proc/self/ns/mnt").unwrap();
@@ -694,13 +701,7 @@ mod tests {
             );
             return;
         }
-        let mut drv = Driver::new(Box::new(Fs::new("vessel", d.path()).unwrap()), 0);
-        drv.init(&[0, 1]);
-        let mut init = Vec::new();
-        for v in [7u32, 31, 1 << 20, 0] {
-            init.extend(v.to_le_bytes());
-        }
-        assert_eq!(call(&mut drv, 1, 26, 0, &init).0, 0);
+        let mut drv = session(d.path());
         let (e, out) = call(&mut drv, 2, 1, 1, b"prog\0");
         assert_eq!(e, 0);
         let node = u64_at(&out, 0);
