@@ -1791,36 +1791,37 @@ async fn reconcile(h: &mut H, m: &mut Model, lost: &mut Vec<String>) {
 /// Kills (-9) the host process of pod `id` (its agent, or its VM's shim), read from the pod's
 /// record, and waits until it is gone; false where the record names none that lives (the pod
 /// was already stopping).
-fn kill_host_process(h: &H, id: &str) -> bool {
+async fn kill_host_process(h: &H, id: &str) -> bool {
+    use vessel_cri::sandbox::process::is_alive;
     let Ok(text) = std::fs::read_to_string(h.v.root_dir().join("pods").join(id).join("pod.json"))
     else {
         return false;
     };
     let rec: serde_json::Value = serde_json::from_str(&text).expect("pod record is JSON");
-    let Some(pid) = rec["agent_pid"]
+    let pid = rec["agent_pid"]
         .as_u64()
-        .and_then(|p| i32::try_from(p).ok())
-        .filter(|p| *p > 0)
-    else {
+        .and_then(|p| u32::try_from(p).ok());
+    let start_time = rec["agent_start_time"].as_u64().unwrap_or(0);
+    // Only the process the record names: a pid whose process ended may be another's now.
+    let Some(pid) = pid.filter(|p| *p > 0 && is_alive(*p, start_time)) else {
         return false;
     };
-    // SAFETY: kill(2) with a pid from the pod's record and a valid signal.
-    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill(2) with the pid of the pod's host process (checked by its start time just
+    // now) and a valid signal.
+    if unsafe { libc::kill(raw, libc::SIGKILL) } != 0 {
         return false;
     }
     let start = Instant::now();
-    while std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && start.elapsed() < Duration::from_secs(10)
-    {
-        // A zombie until vesseld (its parent, or the reaper) waits for it.
-        if std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            s.rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('Z'))
-        }) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    // Dead, or a zombie until vesseld (its parent, or the reaper) waits for it.
+    while is_alive(pid, start_time) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "pid {pid} lives 10 s after SIGKILL"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     true
 }
@@ -1866,8 +1867,9 @@ async fn wait_not_ready(h: &H, id: &str) {
 
 /// Crash soak: random lifecycle operations (300 with flat pods; 40 with VM pods, which boot
 /// slowly in the nested harness; `VESSEL_SOAK_OPS`), about one in eight with vesseld killed
-/// (-9) at a random moment during it and restarted, and about one in ten followed by a kill -9
-/// of a pod's host process (its agent, or its VM's shim), half of those while vesseld is down.
+/// (-9) at a random moment during it and restarted. A ready pod's host process (its agent, or
+/// its VM's shim) is killed -9 too: after one in ten of the other operations, and in half the
+/// crashes while vesseld is down (some 15% of operations in all).
 /// After each restart every pod and container the model holds must still be listed (none
 /// lost), a pod whose host process was killed must turn NotReady with its containers exited,
 /// and operations retried as kubelet retries them must succeed; at the end everything is
@@ -1965,19 +1967,19 @@ async fn crash_soak_with_kill9_of_vesseld() {
             let _ = task.await;
             kills += 1;
             // Sometimes a pod's host process dies while vesseld is down too.
-            // (Not one the interrupted operation was removing: it may be gone.)
+            // (Not one the interrupted operation was stopping or removing.)
             let doomed = if rng.below(2) == 0 {
                 let ready: Vec<String> = m
                     .ready_pods()
                     .into_iter()
-                    .filter(|p| !gone.contains(p))
+                    .filter(|p| !gone.contains(p) && again.as_ref().is_none_or(|(_, a)| a != p))
                     .collect();
                 rng.pick(&ready).cloned()
             } else {
                 None
             };
             if let Some(pod) = &doomed {
-                host_kills += usize::from(kill_host_process(&h, pod));
+                host_kills += usize::from(kill_host_process(&h, pod).await);
             }
             h.v.restart().unwrap();
             h.c = h.v.client().await;
@@ -1992,7 +1994,7 @@ async fn crash_soak_with_kill9_of_vesseld() {
         reconcile(&mut h, &mut m, &mut lost).await;
         if !crashed && rng.below(10) == 0 {
             if let Some(pod) = rng.pick(&m.ready_pods()).cloned() {
-                if kill_host_process(&h, &pod) {
+                if kill_host_process(&h, &pod).await {
                     host_kills += 1;
                     wait_not_ready(&h, &pod).await;
                     reconcile(&mut h, &mut m, &mut lost).await;

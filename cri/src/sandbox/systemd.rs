@@ -307,13 +307,9 @@ impl Systemd {
                 w.buf,
             )
         };
-        let (body, be) = property("ActiveState").await?;
-        let mut r = Reader::new(&body, be);
-        let state = match r.signature().map_err(bad)?.as_str() {
-            "s" => r.str().map_err(bad)?,
-            _ => return Err(bad(DbusError::Malformed("ActiveState is not a string"))),
-        };
-        // Job: (uo), the pending job's id and object path; id 0 is none.
+        // Job first: (uo), the pending job's id and object path, id 0 for none. Read the
+        // other way round, the job could run between the two reads: an old `inactive` with
+        // no job pending would look final.
         let (body, be) = property("Job").await?;
         let mut r = Reader::new(&body, be);
         let job = match r.signature().map_err(bad)?.as_str() {
@@ -322,6 +318,12 @@ impl Systemd {
                 r.u32().map_err(bad)? != 0
             }
             _ => return Err(bad(DbusError::Malformed("Job is not (uo)"))),
+        };
+        let (body, be) = property("ActiveState").await?;
+        let mut r = Reader::new(&body, be);
+        let state = match r.signature().map_err(bad)?.as_str() {
+            "s" => r.str().map_err(bad)?,
+            _ => return Err(bad(DbusError::Malformed("ActiveState is not a string"))),
         };
         Ok((state, job))
     }

@@ -12,6 +12,7 @@
 //! it holds the VMM's memory, which does) and 0.17 queues with the addresses the driver set.
 
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -175,19 +176,24 @@ fn passthrough_config(root: &str) -> Config {
 /// `/`, after. Where the thread cannot be confined (no privilege), it serves `dir` by path,
 /// with a warning.
 fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
-    let (fs, confined) = match enter_namespace(dir) {
+    let (fs, proc_fd) = match enter_namespace(dir) {
         Ok(()) => {
             let fs = Fs017::new(passthrough_config("/"))?;
+            // For ShareFs's xattr requests, which name inodes in it.
+            let proc_fd = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+                .open("/proc/self/fd")?;
             pivot_into(dir)?;
             keep_only_file_capabilities()?;
             tracing::debug!(dir = %dir.display(), "virtio-fs server confined to its share");
-            (fs, true)
+            (fs, Some(proc_fd))
         }
         Err(e) => {
             tracing::warn!(dir = %dir.display(), "virtio-fs server not confined to its share: {e}");
             (
                 Fs017::new(passthrough_config(dir.to_str().unwrap_or_default()))?,
-                false,
+                None,
             )
         }
     };
@@ -212,7 +218,7 @@ fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
         ..Default::default()
     });
     fs.import()?;
-    vfs.mount(Box::new(ShareFs::new(fs, confined)), "/")
+    vfs.mount(Box::new(ShareFs::new(fs, proc_fd)), "/")
         .map_err(|e| std::io::Error::other(format!("mounting the share in the VFS: {e:?}")))?;
     Ok(Server::new(Arc::new(vfs)))
 }
@@ -669,8 +675,9 @@ mod tests {
     }
 
     /// Extended attributes through a confined server (whose root has no `/proc`): a host
-    /// file's attribute reads and lists, the guest sets and removes one, and a missing
-    /// `security.capability` (which execve asks for) is ENODATA, not ENOENT.
+    /// file's attribute reads and lists, the guest sets and removes one, a missing
+    /// `security.capability` (which execve asks for) is ENODATA, not ENOENT, and a file
+    /// whose name is gone is not mistaken for another.
     #[test]
     fn xattrs_work_in_a_confined_server() {
         // SAFETY: geteuid has no preconditions.
@@ -756,6 +763,29 @@ mod tests {
         // The share's root too (its path is "/").
         let (e, _) = call(&mut drv, 10, 23, 1, &get(256, b""));
         assert_eq!(e, 0);
+        // A file whose name is gone: its path reads "/gone (deleted)", and a decoy of that
+        // name is not asked in its place.
+        std::fs::write(d.path().join("gone"), b"").unwrap();
+        let (e, out) = call(&mut drv, 11, 1, 1, b"gone\0");
+        assert_eq!(e, 0);
+        let gone = u64_at(&out, 0);
+        std::fs::remove_file(d.path().join("gone")).unwrap();
+        let decoy = d.path().join("gone (deleted)");
+        std::fs::write(&decoy, b"").unwrap();
+        let decoy = std::ffi::CString::new(decoy.to_str().unwrap()).unwrap();
+        // SAFETY: NUL-terminated strings and a slice alive for the call.
+        let r = unsafe {
+            libc::setxattr(
+                decoy.as_ptr(),
+                c"user.vessel".as_ptr(),
+                b"decoy".as_ptr().cast(),
+                5,
+                0,
+            )
+        };
+        assert_eq!(r, 0);
+        let (e, _) = call(&mut drv, 12, 22, gone, &get(64, b"user.vessel\0"));
+        assert_eq!(e, -libc::ENOENT);
     }
 
     #[test]

@@ -9,18 +9,21 @@
 //! so no binary on a volume could run in a VM pod (scripts could: the kernel reads the
 //! interpreter's attributes, and the interpreter was not on the volume).
 //!
-//! Here the four xattr requests name the inode by its path instead, which the filesystem reads
-//! from its `/proc/self/fd` directory (opened before the thread was confined) and which the
-//! kernel writes relative to the reading thread's root, the shared directory. They use the
-//! `l*xattr` calls: the inode itself, a symbolic link included, as the passthrough
-//! filesystem's magic-link path does. A path that changes (a rename) between the two calls
-//! names another file in the same share, never one outside it: the thread's root is the share.
-//! An inode whose last name was removed has no path (`... (deleted)`), and its xattr requests
-//! fail with ENOENT as before. Every other request goes to the passthrough filesystem as is.
+//! Here the four xattr requests open the inode anew, `O_PATH` by its path in the share (which
+//! the filesystem reads from its `/proc/self/fd` directory, and the kernel writes relative to
+//! the reading thread's root, the share), check that it is the same file (device and inode
+//! number), and name that fd the way virtiofsd does: relative to the process's `/proc/self/fd`
+//! directory, opened before the thread left the host's root, as the thread's working
+//! directory (the thread has its own, CLONE_FS). A rename between reading the path and
+//! opening it, or an inode whose last name is gone (`... (deleted)`), fails the request with
+//! ENOENT rather than reaching another file. Every other request goes to the passthrough
+//! filesystem as is.
 
 use std::any::Any;
 use std::ffi::{CStr, CString};
+use std::fs::File;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStringExt;
 use std::time::Duration;
 
@@ -39,44 +42,105 @@ use fuse_backend_rs::transport::FsCacheReqHandler;
 type Inode = u64;
 type Handle = u64;
 
-/// The passthrough filesystem, and whether its thread is confined to the share (a root
-/// without `/proc`); unconfined, its own xattr requests work and are left to it.
+/// The most an attribute's value, or a list of names, can be (XATTR_SIZE_MAX,
+/// XATTR_LIST_MAX): the kernel asks for no more, and a guest's larger size is not allocated.
+const XATTR_MAX: u32 = 65536;
+
+/// The passthrough filesystem and, where its thread is confined to the share (a root without
+/// `/proc`), the process's `/proc/self/fd` directory; unconfined, its own xattr requests work
+/// and are left to it.
 pub struct ShareFs {
     inner: PassthroughFs<()>,
-    confined: bool,
+    proc_fd: Option<File>,
+}
+
+/// The inode of a request, opened for naming in `/proc/self/fd`.
+struct Named<'a> {
+    proc_fd: &'a File,
+    /// Held open while `name`, its number, is used.
+    _fd: OwnedFd,
+    name: CString,
+}
+
+impl Named<'_> {
+    /// Runs `f` with the name (`<fd>`), relative to the working directory, which is
+    /// `/proc/self/fd` meanwhile, and `/` again after. `f` reads errno itself: the change back
+    /// comes after it.
+    fn with<T>(&self, f: impl FnOnce(&CStr) -> T) -> io::Result<T> {
+        // SAFETY: fchdir on a directory fd we own; the working directory is this thread's own
+        // (CLONE_FS was unshared), and nothing else on it depends on it.
+        status(unsafe { libc::fchdir(self.proc_fd.as_raw_fd()) })?;
+        let out = f(&self.name);
+        // SAFETY: "/" is a NUL-terminated string: the thread's root, the share.
+        status(unsafe { libc::chdir(c"/".as_ptr()) })?;
+        Ok(out)
+    }
 }
 
 impl ShareFs {
-    pub fn new(inner: PassthroughFs<()>, confined: bool) -> ShareFs {
-        ShareFs { inner, confined }
+    /// `proc_fd` is `/proc/self/fd` for a confined server thread, `None` otherwise.
+    pub fn new(inner: PassthroughFs<()>, proc_fd: Option<File>) -> ShareFs {
+        ShareFs { inner, proc_fd }
     }
 
-    /// The inode's path from the thread's root.
-    fn path(&self, inode: Inode) -> io::Result<CString> {
+    /// The inode opened anew (`O_PATH`, not following a last symlink) by its path from the
+    /// thread's root, if it is still the same file there; `None` when unconfined.
+    fn named(&self, ctx: &Context, inode: Inode) -> io::Result<Option<Named<'_>>> {
+        let Some(proc_fd) = &self.proc_fd else {
+            return Ok(None);
+        };
+        let gone = || io::Error::from_raw_os_error(libc::ENOENT);
         let p = self.inner.readlinkat_proc_file(inode)?;
         if !p.is_absolute() {
-            // Not a name in the tree (an anonymous inode): nothing to ask by path.
-            return Err(io::Error::from_raw_os_error(libc::ENOENT));
+            // Not a name in the tree (an anonymous inode, an unreachable one).
+            return Err(gone());
         }
-        CString::new(p.into_os_string().into_vec())
-            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+        let path = CString::new(p.into_os_string().into_vec()).map_err(|_| gone())?;
+        // SAFETY: `path` is a NUL-terminated string alive for the call; the fd returned, if
+        // any, is new and ours.
+        let raw = unsafe {
+            libc::open(
+                path.as_ptr(),
+                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is an open fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let mut st = std::mem::MaybeUninit::<libc::stat64>::zeroed();
+        // SAFETY: fstat64 fills the stat we own from an open fd.
+        status(unsafe { libc::fstat64(fd.as_raw_fd(), st.as_mut_ptr()) })?;
+        // SAFETY: fstat64 succeeded, so it initialised `st` (zeroed before anyway).
+        let st = unsafe { st.assume_init() };
+        let (want, _) = self.inner.getattr(ctx, inode, None)?;
+        if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) {
+            return Err(gone());
+        }
+        let name = CString::new(raw.to_string()).map_err(|_| gone())?;
+        Ok(Some(Named {
+            proc_fd,
+            _fd: fd,
+            name,
+        }))
     }
 }
 
-/// `r` (a byte count from an xattr call) as a result.
-fn xattr_result(r: libc::ssize_t) -> io::Result<u32> {
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    u32::try_from(r).map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))
-}
-
-/// `r` (a status from an xattr call) as a result.
+/// `r` (a status from a libc call) as a result.
 fn status(r: libc::c_int) -> io::Result<()> {
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// `r` (a byte count from an xattr call) as a result.
+fn byte_count(r: libc::ssize_t) -> io::Result<u32> {
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    u32::try_from(r).map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))
 }
 
 impl BackendFileSystem for ShareFs {
@@ -101,24 +165,24 @@ impl FileSystem for ShareFs {
         value: &[u8],
         flags: u32,
     ) -> io::Result<()> {
-        if !self.confined {
+        let Some(n) = self.named(ctx, inode)? else {
             return self.inner.setxattr(ctx, inode, name, value, flags);
-        }
-        let path = self.path(inode)?;
+        };
         let flags =
             libc::c_int::try_from(flags).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: `path` and `name` are NUL-terminated strings and `value` a slice of
-        // `value.len()` bytes, all alive for the call; nothing is written.
-        let r = unsafe {
-            libc::lsetxattr(
-                path.as_ptr(),
-                name.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                flags,
-            )
-        };
-        status(r)
+        n.with(|file| {
+            // SAFETY: `file` and `name` are NUL-terminated strings and `value` a slice of
+            // `value.len()` bytes, all alive for the call; nothing is written.
+            status(unsafe {
+                libc::setxattr(
+                    file.as_ptr(),
+                    name.as_ptr(),
+                    value.as_ptr().cast(),
+                    value.len(),
+                    flags,
+                )
+            })
+        })?
     }
 
     fn getxattr(
@@ -128,54 +192,56 @@ impl FileSystem for ShareFs {
         name: &CStr,
         size: u32,
     ) -> io::Result<GetxattrReply> {
-        if !self.confined {
+        let Some(n) = self.named(ctx, inode)? else {
             return self.inner.getxattr(ctx, inode, name, size);
-        }
-        let path = self.path(inode)?;
-        let mut buf = vec![0u8; size as usize];
-        // SAFETY: `path` and `name` are NUL-terminated strings alive for the call; the kernel
-        // writes at most `buf.len()` bytes into `buf` (nothing when it is empty).
-        let r = unsafe {
-            libc::lgetxattr(
-                path.as_ptr(),
-                name.as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
         };
-        let n = xattr_result(r)?;
+        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
+        let len = n.with(|file| {
+            // SAFETY: `file` and `name` are NUL-terminated strings alive for the call; the
+            // kernel writes at most `buf.len()` bytes into `buf` (nothing when it is empty).
+            byte_count(unsafe {
+                libc::getxattr(
+                    file.as_ptr(),
+                    name.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            })
+        })??;
         if size == 0 {
-            return Ok(GetxattrReply::Count(n));
+            return Ok(GetxattrReply::Count(len));
         }
-        buf.truncate(n as usize);
+        buf.truncate(len as usize);
         Ok(GetxattrReply::Value(buf))
     }
 
     fn listxattr(&self, ctx: &Context, inode: Inode, size: u32) -> io::Result<ListxattrReply> {
-        if !self.confined {
+        let Some(n) = self.named(ctx, inode)? else {
             return self.inner.listxattr(ctx, inode, size);
-        }
-        let path = self.path(inode)?;
-        let mut buf = vec![0u8; size as usize];
-        // SAFETY: `path` is a NUL-terminated string alive for the call; the kernel writes at
-        // most `buf.len()` bytes into `buf` (nothing when it is empty).
-        let r = unsafe { libc::llistxattr(path.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        let n = xattr_result(r)?;
+        };
+        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
+        let len = n.with(|file| {
+            // SAFETY: `file` is a NUL-terminated string alive for the call; the kernel writes
+            // at most `buf.len()` bytes into `buf` (nothing when it is empty).
+            byte_count(unsafe {
+                libc::listxattr(file.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+            })
+        })??;
         if size == 0 {
-            return Ok(ListxattrReply::Count(n));
+            return Ok(ListxattrReply::Count(len));
         }
-        buf.truncate(n as usize);
+        buf.truncate(len as usize);
         Ok(ListxattrReply::Names(buf))
     }
 
     fn removexattr(&self, ctx: &Context, inode: Inode, name: &CStr) -> io::Result<()> {
-        if !self.confined {
+        let Some(n) = self.named(ctx, inode)? else {
             return self.inner.removexattr(ctx, inode, name);
-        }
-        let path = self.path(inode)?;
-        // SAFETY: `path` and `name` are NUL-terminated strings alive for the call.
-        let r = unsafe { libc::lremovexattr(path.as_ptr(), name.as_ptr()) };
-        status(r)
+        };
+        n.with(|file| {
+            // SAFETY: `file` and `name` are NUL-terminated strings alive for the call.
+            status(unsafe { libc::removexattr(file.as_ptr(), name.as_ptr()) })
+        })?
     }
 
     // Everything else: the passthrough filesystem's own.
