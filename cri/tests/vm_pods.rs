@@ -10,7 +10,8 @@
 //! Runs when the guest kernel is already in the build cache, QEMU is installed (nested case)
 //! and we are root; otherwise it prints `SKIP vm_pods: <reason>`. `VESSEL_VM_HARNESS=1`
 //! forces a run, `VESSEL_VM_HARNESS=0` skips it. `VESSEL_VM_PODS_FOCUS` narrows the critest
-//! specs, `VESSEL_VM_PODS_E2E` the pods_e2e tests (a libtest filter).
+//! specs, `VESSEL_VM_PODS_E2E` the pods_e2e tests (a libtest filter); `VESSEL_SOAK_OPS` and
+//! `VESSEL_SOAK_SEED` reach the crash soak in L1.
 
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
@@ -178,9 +179,18 @@ fn run_nested(
         Path::new("/vessel/guest/vessel-initrd.img"),
         Path::new("/vessel/guest/vessel-rootfs.erofs"),
     );
-    let env = format!(
+    let mut env = format!(
         "VESSEL_E2E_VESSELD=/vessel/bin/vesseld VESSEL_E2E_HANDLER=vm VESSEL_E2E_CONFIG='{config}'"
     );
+    // The crash soak's length and seed, to lengthen or replay it in L1.
+    for k in ["VESSEL_SOAK_OPS", "VESSEL_SOAK_SEED"] {
+        if let Some(v) = std::env::var(k)
+            .ok()
+            .filter(|v| v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty())
+        {
+            env.push_str(&format!(" {k}={v}"));
+        }
+    }
     let mut extra = format!(
         "{env} /vessel/bin/{pods_name} --test-threads 1 {e2e_filter} && {env} /vessel/bin/{cni_name} --test-threads 1 {e2e_filter}"
     );
