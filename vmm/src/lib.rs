@@ -6,6 +6,7 @@
 
 pub mod arch;
 pub mod boot;
+pub mod caps;
 pub mod devices;
 pub mod kick;
 pub mod mptable;

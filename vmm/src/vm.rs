@@ -253,12 +253,16 @@ fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::KvmIoctl { what, source }
 }
 
-/// The host's total memory in MiB (from /proc/meminfo).
+/// The host's total memory in MiB (sysinfo(2): a jailed VMM has no /proc/meminfo).
 pub fn host_mem_mib() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024)
+    // SAFETY: sysinfo is plain data; the call fills it.
+    let mut si: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: `si` is a valid out pointer for the call.
+    if unsafe { libc::sysinfo(&mut si) } != 0 {
+        return None;
+    }
+    let bytes = si.totalram.checked_mul(u64::from(si.mem_unit))?;
+    Some(bytes >> 20)
 }
 
 /// A configured VM, ready to start.
@@ -529,6 +533,10 @@ impl Vm {
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
+                    // A vCPU runs guest code and emulates devices: it needs no capability.
+                    if let Err(e) = crate::caps::drop_all() {
+                        tracing::warn!(vcpu = id, "dropping capabilities: {e}");
+                    }
                     if let Err(e) = run_vcpu(&mut vcpu, &pio, &mmio, &control) {
                         control.finish(Outcome::Error(format!("vcpu{id}: {e}")));
                     }
@@ -658,6 +666,19 @@ impl VmHandle {
         serial: &str,
     ) -> Result<(), BlockError> {
         self.slot(slot)?.attach(path, read_only, serial)
+    }
+
+    /// [`VmHandle::attach_disk`] for an image the caller opened (a jailed VMM cannot open
+    /// it by path); `name` is its path, for messages.
+    pub fn attach_disk_file(
+        &self,
+        slot: usize,
+        file: std::fs::File,
+        name: &str,
+        read_only: bool,
+        serial: &str,
+    ) -> Result<(), BlockError> {
+        self.slot(slot)?.attach_file(file, name, read_only, serial)
     }
 
     /// Spare slot `slot` is empty again (0 sectors, serial "").

@@ -53,7 +53,7 @@ struct Backing {
 impl Backing {
     fn open(path: &Path, read_only: bool, serial: &str) -> Result<Self, BlockError> {
         let p = path.display().to_string();
-        let mut file = OpenOptions::new()
+        let file = OpenOptions::new()
             .read(true)
             .write(!read_only)
             .open(path)
@@ -61,6 +61,34 @@ impl Backing {
                 path: p.clone(),
                 source,
             })?;
+        Self::from_file(file, &p, read_only, serial)
+    }
+
+    /// Serves an open image; `name` names it in errors. A read-write disk needs a file
+    /// opened for writing.
+    fn from_file(
+        mut file: File,
+        name: &str,
+        read_only: bool,
+        serial: &str,
+    ) -> Result<Self, BlockError> {
+        let p = name.to_string();
+        // SAFETY: F_GETFL only reads the flags of an fd `file` owns.
+        let flags = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GETFL) };
+        let mode = flags & libc::O_ACCMODE;
+        if flags < 0 || mode == libc::O_WRONLY || (!read_only && mode != libc::O_RDWR) {
+            return Err(BlockError::Open {
+                path: p,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    if read_only {
+                        "the image is not open for reading"
+                    } else {
+                        "a read-write disk needs its image open for reading and writing"
+                    },
+                ),
+            });
+        }
         let len = file
             .seek(SeekFrom::End(0))
             .map_err(|source| BlockError::Open { path: p, source })?;
@@ -115,6 +143,19 @@ impl DiskSlot {
     /// change after the driver negotiated features).
     pub fn attach(&self, path: &Path, read_only: bool, serial: &str) -> Result<(), BlockError> {
         let b = Backing::open(path, read_only, serial)?;
+        self.swap(b);
+        Ok(())
+    }
+
+    /// [`DiskSlot::attach`] for an image the caller opened; `name` names it in errors.
+    pub fn attach_file(
+        &self,
+        file: File,
+        name: &str,
+        read_only: bool,
+        serial: &str,
+    ) -> Result<(), BlockError> {
+        let b = Backing::from_file(file, name, read_only, serial)?;
         self.swap(b);
         Ok(())
     }

@@ -30,6 +30,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::share_fs::ShareFs;
 use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
+use crate::caps::FILE_SERVER_CAPS;
 
 pub const VIRTIO_ID_FS: u32 = 26;
 const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
@@ -100,7 +101,7 @@ impl Fs {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let worker = {
             let (active, dir) = (active.clone(), dir.to_path_buf());
-            Worker::spawn("virtio-fs", move |wake, stop| {
+            Worker::spawn_privileged("virtio-fs", move |wake, stop| {
                 let server = match passthrough_server(&dir) {
                     Ok(s) => {
                         let _ = ready_tx.send(Ok(()));
@@ -185,7 +186,7 @@ fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
                 .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
                 .open("/proc/self/fd")?;
             pivot_into(dir)?;
-            keep_only_file_capabilities()?;
+            crate::caps::set_thread(FILE_SERVER_CAPS)?;
             tracing::debug!(dir = %dir.display(), "virtio-fs server confined to its share");
             (fs, Some(proc_fd))
         }
@@ -269,58 +270,6 @@ fn enter_namespace(dir: &Path) -> std::io::Result<()> {
         },
         "binding the share onto itself",
     )
-}
-
-/// The capabilities a passthrough file server needs (virtiofsd keeps the same): to act for
-/// any guest user on files (chown, DAC override, owner checks, setgid bits, mknod, file
-/// capabilities) and to switch to the guest's uid/gid per request. Bits of `CAP_*`.
-pub const FILE_SERVER_CAPS: u32 = (1 << 0) // CAP_CHOWN
-    | (1 << 1) // CAP_DAC_OVERRIDE
-    | (1 << 3) // CAP_FOWNER
-    | (1 << 4) // CAP_FSETID
-    | (1 << 6) // CAP_SETGID
-    | (1 << 7) // CAP_SETUID
-    | (1 << 27) // CAP_MKNOD
-    | (1 << 31); // CAP_SETFCAP
-
-/// Drops every capability of the calling thread but [`FILE_SERVER_CAPS`] (effective,
-/// permitted; inheritable none). Capabilities are per thread: the rest of the VMM keeps its
-/// own.
-fn keep_only_file_capabilities() -> std::io::Result<()> {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: libc::c_int,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    const VERSION_3: u32 = 0x2008_0522;
-    let mut header = Header {
-        version: VERSION_3,
-        pid: 0,
-    };
-    let keep = Data {
-        effective: FILE_SERVER_CAPS,
-        permitted: FILE_SERVER_CAPS,
-        inheritable: 0,
-    };
-    let data = [
-        keep,
-        Data {
-            effective: 0,
-            permitted: 0,
-            inheritable: 0,
-        },
-    ];
-    // SAFETY: capset reads a v3 header and two data structs that live across the call; pid 0
-    // is the calling thread.
-    let r = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
-    check_os(if r < 0 { -1 } else { 0 }, "capset")
 }
 
 /// Makes `dir` (a mount point in the thread's own namespace) the thread's root and detaches

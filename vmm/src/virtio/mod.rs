@@ -30,8 +30,25 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    /// Spawns `run(wake, stop)` on a thread named `name`; `run` returns once `stop` is set.
+    /// Spawns `run(wake, stop)` on a thread named `name`, which first drops every
+    /// capability it got from its creator (a device worker handles what the guest sends and
+    /// needs none); `run` returns once `stop` is set.
     pub(crate) fn spawn(
+        name: &str,
+        run: impl FnOnce(&EventFd, &AtomicBool) + Send + 'static,
+    ) -> std::io::Result<Worker> {
+        let owned = name.to_string();
+        Self::spawn_privileged(name, move |wake, stop| {
+            if let Err(e) = crate::caps::drop_all() {
+                tracing::warn!(worker = owned, "dropping capabilities: {e}");
+            }
+            run(wake, stop)
+        })
+    }
+
+    /// [`Worker::spawn`] for a worker that keeps its creator's capabilities: `run` must drop
+    /// what it does not need itself (the virtio-fs server confines itself first).
+    pub(crate) fn spawn_privileged(
         name: &str,
         run: impl FnOnce(&EventFd, &AtomicBool) + Send + 'static,
     ) -> std::io::Result<Worker> {
