@@ -1,6 +1,7 @@
 //! The shim's control socket (docs/vm-pods.md, "Shim"): one JSON request per line, one JSON
 //! answer per line, any number per connection, connections served concurrently. `set_log`
-//! carries a file descriptor (SCM_RIGHTS) in the same message as its request line.
+//! carries a file descriptor (SCM_RIGHTS) in the same message as its request line, and so may
+//! `attach_disk` (the image, opened by vesseld: a jailed shim cannot open it by path).
 
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -19,8 +20,15 @@ pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// What the control socket changes on the VM: its spare disk slots.
 pub trait DiskSlots: Send + Sync {
-    fn attach(&self, slot: usize, path: &Path, read_only: bool, serial: &str)
-        -> Result<(), String>;
+    /// Attaches `file` if given (`path` then only names it), else opens `path`.
+    fn attach(
+        &self,
+        slot: usize,
+        path: &Path,
+        file: Option<std::fs::File>,
+        read_only: bool,
+        serial: &str,
+    ) -> Result<(), String>;
     fn detach(&self, slot: usize) -> Result<(), String>;
 }
 
@@ -29,11 +37,17 @@ impl DiskSlots for vessel_vmm::vm::VmHandle {
         &self,
         slot: usize,
         path: &Path,
+        file: Option<std::fs::File>,
         read_only: bool,
         serial: &str,
     ) -> Result<(), String> {
-        self.attach_disk(slot, path, read_only, serial)
-            .map_err(|e| e.to_string())
+        match file {
+            Some(f) => {
+                self.attach_disk_file(slot, f, &path.display().to_string(), read_only, serial)
+            }
+            None => self.attach_disk(slot, path, read_only, serial),
+        }
+        .map_err(|e| e.to_string())
     }
 
     fn detach(&self, slot: usize) -> Result<(), String> {
@@ -57,12 +71,16 @@ impl DiskSlots for Slots {
         &self,
         slot: usize,
         path: &Path,
+        file: Option<std::fs::File>,
         read_only: bool,
         serial: &str,
     ) -> Result<(), String> {
-        self.get(slot)?
-            .attach(path, read_only, serial)
-            .map_err(|e| e.to_string())
+        let s = self.get(slot)?;
+        match file {
+            Some(f) => s.attach_file(f, &path.display().to_string(), read_only, serial),
+            None => s.attach(path, read_only, serial),
+        }
+        .map_err(|e| e.to_string())
     }
 
     fn detach(&self, slot: usize) -> Result<(), String> {
@@ -77,6 +95,8 @@ impl DiskSlots for Slots {
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     Ping,
+    /// The image comes as a descriptor with the request (vesseld sends one; `path` then
+    /// names it in messages), or is opened by `path` where none came.
     AttachDisk {
         slot: usize,
         path: PathBuf,
@@ -146,7 +166,7 @@ impl Server {
         tracing::debug!(?req, "control request");
         match req {
             Request::Ping => reply(Reply {
-                pid: Some(std::process::id()),
+                pid: Some(crate::host_pid()),
                 ..Reply::ok()
             }),
             Request::AttachDisk {
@@ -154,7 +174,13 @@ impl Server {
                 path,
                 read_only,
                 serial,
-            } => match self.disks.attach(slot, &path, read_only, &serial) {
+            } => match self.disks.attach(
+                slot,
+                &path,
+                fd.map(std::fs::File::from),
+                read_only,
+                &serial,
+            ) {
                 Ok(()) => {
                     tracing::info!(slot, path = %path.display(), serial, "disk attached");
                     reply(Reply::ok())
@@ -205,8 +231,8 @@ impl Server {
                     continue;
                 }
                 // A descriptor is sent with its request line, so it came in before or with
-                // that line's bytes: the oldest one unclaimed belongs to this set_log.
-                let fd = if is_set_log(line) && !fds.is_empty() {
+                // that line's bytes: the oldest one unclaimed belongs to this request.
+                let fd = if takes_fd(line) && !fds.is_empty() {
                     Some(fds.remove(0))
                 } else {
                     None
@@ -260,10 +286,14 @@ impl Server {
     }
 }
 
-fn is_set_log(line: &[u8]) -> bool {
-    serde_json::from_slice::<Value>(line)
-        .ok()
-        .is_some_and(|v| v.get("op").and_then(Value::as_str) == Some("set_log"))
+/// Whether a request line takes a descriptor sent with it.
+fn takes_fd(line: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(line).ok().is_some_and(|v| {
+        matches!(
+            v.get("op").and_then(Value::as_str),
+            Some("set_log" | "attach_disk")
+        )
+    })
 }
 
 fn write_all(s: &UnixStream, mut data: &[u8]) -> std::io::Result<()> {

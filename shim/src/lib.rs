@@ -9,8 +9,22 @@ use serde::{Deserialize, Serialize};
 use vessel_vmm::vm::{Outcome, VmConfig};
 
 pub mod control;
+pub mod jail;
 pub mod logs;
 pub mod podnet;
+pub mod seccomp;
+
+static HOST_PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
+/// The shim's pid as the host sees it: the supervisor's, when the VMM runs jailed in a pid
+/// namespace of its own (where it is pid 1); the process's own otherwise.
+pub fn host_pid() -> u32 {
+    HOST_PID.get().copied().unwrap_or_else(std::process::id)
+}
+
+pub(crate) fn set_host_pid(pid: u32) {
+    let _ = HOST_PID.set(pid);
+}
 
 /// Errors reading a spec.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +60,9 @@ pub struct ShimConfig {
     /// The file the shim's stderr goes to: rotated past `vessel_agent::logs::OWN_LOG_MAX`.
     #[serde(default)]
     pub log_file: Option<PathBuf>,
+    /// Run the VMM in its jail ([`jail`]): needs root. vesseld's pods always do.
+    #[serde(default)]
+    pub jail: bool,
 }
 
 /// A shim spec, as JSON or (for a `.toml` file) TOML: the VM configuration and, at the same
@@ -97,6 +114,7 @@ impl Spec {
             log_token: key(obj, "log_token")?,
             pod_net: key(obj, "pod_net")?,
             log_file: key(obj, "log_file")?,
+            jail: key(obj, "jail")?.unwrap_or(false),
         };
         let vm: VmConfig = serde_json::from_value(v).map_err(|e| e.to_string())?;
         if shim.log_port.is_some() && vm.vsock.is_none() {

@@ -89,6 +89,22 @@ enum Cmd {
         #[arg(long, default_value = "/tmp/vessel-bench")]
         work: std::path::PathBuf,
     },
+    /// Enter the jail a spec describes (`"jail": true`), as `run` does, without booting:
+    /// print as JSON what the VMM there can open and write, its pid, capabilities and
+    /// no_new_privs, and the /proc it sees. An operator's check of the confinement.
+    JailCheck {
+        #[arg(long)]
+        spec: std::path::PathBuf,
+        /// Paths to open for reading.
+        #[arg(long)]
+        open: Vec<std::path::PathBuf>,
+        /// Paths to open for writing (appending, not creating).
+        #[arg(long)]
+        write: Vec<std::path::PathBuf>,
+        /// Stay this long in the jail after printing (to watch it from outside).
+        #[arg(long, default_value_t = 0)]
+        hold_ms: u64,
+    },
     /// Listen on a Unix socket (a VM's `<uds>_<port>`) for one guest-initiated vsock
     /// connection and echo it back until EOF.
     VsockEcho {
@@ -119,6 +135,12 @@ fn main() -> Result<()> {
             retry_ms,
         } => vsock_connect(&socket, port, send.as_deref(), echo_bytes, retry_ms),
         Cmd::VsockEcho { path } => vsock_echo(&path),
+        Cmd::JailCheck {
+            spec,
+            open,
+            write,
+            hold_ms,
+        } => jail_check(&spec, &open, &write, hold_ms),
         Cmd::Ctl {
             socket,
             request,
@@ -201,10 +223,15 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         Ok(1)
     };
     let mut cfg = vessel_shim::read_spec(spec)?;
-    if let Some(p) = &cfg.shim.log_file {
-        let (max, every) = (vessel_agent::logs::OWN_LOG_MAX, Duration::from_secs(10));
-        if let Err(e) = vessel_agent::logs::bound_stderr(p.clone(), max, every) {
-            tracing::warn!(error = %e, "no log rotation");
+    let jail = cfg
+        .shim
+        .jail
+        .then(|| vessel_shim::jail::Plan::for_spec(&cfg, spec));
+    if jail.is_some() {
+        // From here on this is the VMM, pid 1 of its own pid namespace; the process vesseld
+        // started waits for it outside.
+        if let Err(e) = vessel_shim::jail::fork_into_pid_namespace() {
+            return fail(e.to_string());
         }
     }
     if let Some(net) = &cfg.shim.pod_net {
@@ -227,15 +254,19 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
             Err(e) => return fail(format!("pod network: {e}")),
         }
     }
+    // The pod's tap is open (above): nothing else outside the jail is needed.
+    if let Some(plan) = &jail {
+        if let Err(e) = vessel_shim::jail::confine(plan) {
+            return fail(e.to_string());
+        }
+        tracing::debug!(?plan, "jailed");
+    }
     let logs = std::sync::Arc::new(vessel_shim::logs::LogRouter::default());
     // The log listener is bound before the guest boots; these guards remove the sockets when
     // run() returns, however it ends.
-    let _log_socket = match cfg.log_socket() {
+    let log_socket = match cfg.log_socket() {
         Some(p) => match vessel_shim::logs::bind_private(&p) {
-            Ok((l, guard)) => {
-                vessel_shim::logs::serve(l, logs.clone(), cfg.shim.log_token.clone())?;
-                Some(guard)
-            }
+            Ok(x) => Some(x),
             Err(e) => return fail(format!("log socket: {e}")),
         },
         None => None,
@@ -250,6 +281,29 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     let vm = match vessel_vmm::vm::Vm::new(&cfg.vm) {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
+    };
+    // The virtio-fs servers have confined themselves: this thread, and every thread it
+    // starts from now on (control, logs, vCPUs, signals), needs no capability.
+    if let Err(e) = vessel_vmm::caps::drop_all() {
+        return fail(format!("dropping capabilities: {e}"));
+    }
+    if jail.is_some() {
+        if let Err(e) = vessel_shim::seccomp::install() {
+            return fail(e.to_string());
+        }
+    }
+    if let Some(p) = &cfg.shim.log_file {
+        let (max, every) = (vessel_agent::logs::OWN_LOG_MAX, Duration::from_secs(10));
+        if let Err(e) = vessel_agent::logs::bound_stderr(p.clone(), max, every) {
+            tracing::warn!(error = %e, "no log rotation");
+        }
+    }
+    let _log_socket = match log_socket {
+        Some((l, guard)) => {
+            vessel_shim::logs::serve(l, logs.clone(), cfg.shim.log_token.clone())?;
+            Some(guard)
+        }
+        None => None,
     };
     let _control_socket = match control_socket {
         Some((l, guard)) => {
@@ -443,5 +497,103 @@ fn vsock_echo(path: &std::path::Path) -> Result<()> {
         }
         s.write_all(&buf[..n])?;
     }
+    Ok(())
+}
+
+fn jail_check(
+    spec: &std::path::Path,
+    open: &[std::path::PathBuf],
+    write: &[std::path::PathBuf],
+    hold_ms: u64,
+) -> Result<()> {
+    use std::io::Write;
+    let cfg = vessel_shim::read_spec(spec)?;
+    if !cfg.shim.jail {
+        bail!("{}: the spec does not ask for a jail", spec.display());
+    }
+    let plan = vessel_shim::jail::Plan::for_spec(&cfg, spec);
+    vessel_shim::jail::fork_into_pid_namespace()?;
+    vessel_shim::jail::confine(&plan)?;
+    vessel_vmm::caps::drop_all()?;
+    vessel_shim::seccomp::install()?;
+    let result = |r: std::io::Result<std::fs::File>| match r {
+        Ok(_) => "ok".to_string(),
+        Err(e) => e.to_string(),
+    };
+    let opened: serde_json::Map<String, serde_json::Value> = open
+        .iter()
+        .map(|p| {
+            (
+                p.display().to_string(),
+                result(std::fs::File::open(p)).into(),
+            )
+        })
+        .collect();
+    let written: serde_json::Map<String, serde_json::Value> = write
+        .iter()
+        .map(|p| {
+            let r = std::fs::OpenOptions::new().append(true).open(p);
+            (p.display().to_string(), result(r).into())
+        })
+        .collect();
+    let mut procs: Vec<String> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    procs.sort();
+    let namespaces: serde_json::Map<String, serde_json::Value> =
+        ["pid", "mnt", "net", "ipc", "uts"]
+            .iter()
+            .map(|n| {
+                let l = std::fs::read_link(format!("/proc/self/ns/{n}"))
+                    .map(|l| l.display().to_string())
+                    .unwrap_or_else(|e| e.to_string());
+                (n.to_string(), l.into())
+            })
+            .collect();
+    let errno = |r: libc::c_int| {
+        if r < 0 {
+            std::io::Error::last_os_error().to_string()
+        } else {
+            "ok".to_string()
+        }
+    };
+    let argv = [c"/nonexistent".as_ptr(), std::ptr::null()];
+    // SAFETY: a NUL-terminated path and a null-terminated argv/envp; if it ever ran, the
+    // program would replace this check, which is what the output would then show.
+    let execve = errno(unsafe { libc::execve(argv[0], argv.as_ptr(), argv[1..].as_ptr()) });
+    // SAFETY: fork; a child, if one were made, leaves at once without running Rust code.
+    let fork = match unsafe { libc::fork() } {
+        0 => unsafe { libc::_exit(0) },
+        r => errno(r),
+    };
+    let seccomp = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Seccomp:").map(|v| v.trim().to_string()))
+        })
+        .unwrap_or_default();
+    // SAFETY: prctl with integer arguments only reads a flag.
+    let nnp = unsafe { libc::prctl(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) };
+    let out = serde_json::json!({
+        "pid": std::process::id(),
+        "host_pid": vessel_shim::host_pid(),
+        "capabilities": vessel_vmm::caps::effective()?,
+        "no_new_privs": nnp == 1,
+        "open": opened,
+        "write": written,
+        "proc": procs,
+        "namespaces": namespaces,
+        "seccomp": seccomp,
+        "execve": execve,
+        "fork": fork,
+    });
+    println!("{out}");
+    std::io::stdout().flush()?;
+    std::thread::sleep(std::time::Duration::from_millis(hold_ms));
     Ok(())
 }

@@ -23,9 +23,24 @@ struct FakeDisks {
 }
 
 impl DiskSlots for FakeDisks {
-    fn attach(&self, slot: usize, path: &Path, ro: bool, serial: &str) -> Result<(), String> {
+    fn attach(
+        &self,
+        slot: usize,
+        path: &Path,
+        file: Option<std::fs::File>,
+        ro: bool,
+        serial: &str,
+    ) -> Result<(), String> {
         if slot >= 2 {
             return Err(format!("no spare disk slot {slot} (the VM has 2)"));
+        }
+        if let Some(f) = file {
+            let len = f.metadata().unwrap().len();
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("attach {slot} fd of {len} bytes {ro} {serial}"));
+            return Ok(());
         }
         if !path.exists() {
             return Err(format!("disk image {}: not found", path.display()));
@@ -131,6 +146,15 @@ fn requests_answers_and_errors_on_one_connection() {
         )
         .unwrap();
     assert!(!ok(&a) && a["error"].as_str().unwrap().contains("/nonexistent.img"));
+    // The image as a descriptor sent with the request: the path only names it.
+    let image = std::fs::File::open(&img).unwrap();
+    let a = c
+        .request(
+            &json!({"op":"attach_disk","slot":0,"path":"/not/here.img","read_only":true}),
+            Some(image.as_fd()),
+        )
+        .unwrap();
+    assert!(ok(&a), "{a}");
     assert!(ok(&c
         .request(&json!({"op":"detach_disk","slot":1}), None)
         .unwrap()));
@@ -138,6 +162,7 @@ fn requests_answers_and_errors_on_one_connection() {
         *f.disks.calls.lock().unwrap(),
         vec![
             format!("attach 1 {} true l1", img.display()),
+            "attach 0 fd of 512 bytes true ".to_string(),
             "detach 1".into()
         ]
     );
@@ -264,6 +289,23 @@ fn real_slot_backend_leaves_a_slot_alone_on_a_bad_path() {
     );
     assert!(!ok(&a));
     assert_eq!(slot.info(), (8, "x".into()));
+    // By descriptor: the path names it only; a read-write disk needs a writable one.
+    let small = d.path().join("y.img");
+    std::fs::write(&small, vec![7u8; 1024]).unwrap();
+    let req = br#"{"op":"attach_disk","slot":0,"path":"/not/here","serial":"y"}"#;
+    let a = s.handle(req, Some(std::fs::File::open(&small).unwrap().into()));
+    assert!(
+        !ok(&a) && a["error"].as_str().unwrap().contains("/not/here"),
+        "{a}"
+    );
+    assert_eq!(slot.info(), (8, "x".into()));
+    let rw = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&small)
+        .unwrap();
+    assert!(ok(&s.handle(req, Some(rw.into()))));
+    assert_eq!(slot.info(), (2, "y".into()));
     let a = s.handle(br#"{"op":"detach_disk","slot":1}"#, None);
     assert!(!ok(&a) && a["error"].as_str().unwrap().contains("slot 1"));
     assert!(ok(&s.handle(br#"{"op":"detach_disk","slot":0}"#, None)));

@@ -412,13 +412,19 @@ impl VmBackend {
                 .erofs_layer(&digest)
                 .await
                 .map_err(internal(format!("EROFS image of layer {l}")))?;
+            // The shim is jailed (it sees its VM directory only): it gets the image open.
+            let file = std::fs::File::open(&img).map_err(internal(format!(
+                "pod {}: opening the EROFS image {} of layer {l}",
+                prec.id,
+                img.display()
+            )))?;
             let req = ControlRequest::AttachDisk {
                 slot,
                 path: img,
                 read_only: true,
                 serial: shim::layer_serial(&l),
             };
-            control(&v, req, None)
+            control(&v, req, Some(file.into()))
                 .await
                 .map_err(internal(format!("pod {}", prec.id)))?;
             let rec = pod.update(|r| {

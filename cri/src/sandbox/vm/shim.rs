@@ -139,6 +139,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
             log_token: (!spec.log_token.is_empty()).then(|| spec.log_token.to_string()),
             pod_net: spec.pod_net.clone(),
             log_file: Some(p.shim_log.clone()),
+            jail: true,
         },
     }
 }
