@@ -1119,18 +1119,35 @@ async fn the_pods_host_process_runs_in_the_pods_cgroup() {
             "vessel-agent"
         }
     );
-    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    // The v2 line (unified or hybrid) and the v1 memory and cpu hierarchies, where mounted.
-    let checked: Vec<&str> = cgroups
-        .lines()
-        .filter(|l| l.starts_with("0::") || l.contains(":memory:") || l.contains(":cpu,cpuacct:"))
-        .collect();
-    assert!(!checked.is_empty(), "{cgroups}");
-    for l in checked {
-        assert!(
-            l.ends_with(&leaf),
-            "pod process {pid} not in {leaf}: {l}\n{cgroups}"
-        );
+    let mut pids = vec![pid];
+    if vm_mode() {
+        // The shim's jailed VMM (its child, pid 1 of its own pid namespace), with the vCPU
+        // threads and guest memory, is charged there too.
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        let vmm: Vec<u64> = children
+            .split_whitespace()
+            .map(|c| c.parse().unwrap())
+            .collect();
+        assert_eq!(vmm.len(), 1, "the shim's children: {children:?}");
+        pids.extend(vmm);
+    }
+    for pid in pids {
+        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        // The v2 line (unified or hybrid) and the v1 memory and cpu hierarchies, where mounted.
+        let checked: Vec<&str> = cgroups
+            .lines()
+            .filter(|l| {
+                l.starts_with("0::") || l.contains(":memory:") || l.contains(":cpu,cpuacct:")
+            })
+            .collect();
+        assert!(!checked.is_empty(), "{cgroups}");
+        for l in checked {
+            assert!(
+                l.ends_with(&leaf),
+                "pod process {pid} not in {leaf}: {l}\n{cgroups}"
+            );
+        }
     }
     if !vm_mode() {
         // A flat pod's container gets its cgroup beside the agent's leaf.

@@ -107,6 +107,13 @@ impl Driver {
                 for dir in cgroup_dirs(&rec.cgroup_parent) {
                     make_cgroup(&dir)
                         .and_then(|()| join_leaf(&dir, leaf, rec.agent_pid))
+                        .and_then(|()| {
+                            // The jailed VMM, forked by the shim, maybe before the shim
+                            // moved: read after the move, so a later fork inherits it.
+                            children(rec.agent_pid)
+                                .into_iter()
+                                .try_for_each(|c| ignore_gone(join_leaf(&dir, leaf, c)))
+                        })
                         .map_err(|e| {
                             RuntimeError::Internal(format!(
                                 "pod {}: moving its {} into {}/{leaf}: {e}",
@@ -141,6 +148,24 @@ impl Driver {
         )
         .await
         .map_err(|e| RuntimeError::Internal(format!("pod {}: {e}", rec.id)))?;
+        if !flat {
+            // The jailed VMM the shim forked, maybe before systemd moved the shim: into the
+            // scope beside it (read after the move, so a later fork inherits the scope).
+            for scope in cgroup_dirs(&rec.cgroup_parent) {
+                for c in children(rec.agent_pid) {
+                    if scope.is_dir() {
+                        ignore_gone(std::fs::write(scope.join("cgroup.procs"), c.to_string()))
+                            .map_err(|e| {
+                                RuntimeError::Internal(format!(
+                                    "pod {}: moving its VMM (pid {c}) into {}: {e}",
+                                    rec.id,
+                                    scope.display()
+                                ))
+                            })?;
+                    }
+                }
+            }
+        }
         if flat {
             // In every hierarchy where systemd made the scope. Not only for cgroup v2: a
             // container's parent process must not sit in a cgroup that is a prefix of the
@@ -252,6 +277,23 @@ fn inherit_cpuset(dir: &std::path::Path) -> std::io::Result<()> {
 }
 
 /// Moves process `pid` (all its threads) into the leaf `leaf` under the cgroup directory `dir`.
+/// The children of a process (a VM pod's shim has one: its jailed VMM).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// A process that exited before it could be moved is not an error.
+fn ignore_gone(r: std::io::Result<()>) -> std::io::Result<()> {
+    match r {
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+        r => r,
+    }
+}
+
 fn join_leaf(dir: &std::path::Path, leaf: &str, pid: u32) -> std::io::Result<()> {
     let leaf = dir.join(leaf);
     match std::fs::create_dir(&leaf) {
