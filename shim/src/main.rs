@@ -567,6 +567,7 @@ fn jail_check(
     let execve = errno(unsafe { libc::execve(argv[0], argv.as_ptr(), argv[1..].as_ptr()) });
     // SAFETY: fork; a child, if one were made, leaves at once without running Rust code.
     let fork = match unsafe { libc::fork() } {
+        // SAFETY: _exit in a forked child ends it without running anything of the parent's.
         0 => unsafe { libc::_exit(0) },
         r => errno(r),
     };
