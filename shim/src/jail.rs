@@ -1,6 +1,6 @@
 //! The shim's jail (docs/vm-pods.md, "The shim's jail"), as Firecracker's jailer confines
-//! its VMM: the VMM runs as pid 1 of its own pid namespace, in its own mount, IPC and UTS
-//! namespaces (and network namespace, once the pod's tap is open), with a root that holds
+//! its VMM: the VMM runs as pid 1 of its own pid namespace, in its own mount, IPC, UTS and
+//! network namespaces (its taps are opened before), with a root that holds
 //! only what its spec names: its VM directory (sockets, console, logs, the volume share), the
 //! kernel, initrd and disk images read-only, `/dev/kvm`, and a `/proc` that shows its own
 //! pid namespace only. It cannot gain privileges (`no_new_privs`); each thread then drops
@@ -67,9 +67,6 @@ pub struct Plan {
     /// Files under a bound directory that the VMM must not change (its spec: vesseld reads
     /// it back to clean up after the shim).
     pub protect: Vec<PathBuf>,
-    /// Whether the VMM also gets a network namespace of its own (not when its spec opens
-    /// taps by name: those live in the host's).
-    pub new_net: bool,
 }
 
 impl Plan {
@@ -125,17 +122,20 @@ impl Plan {
             }
         }
         binds.push((spec.vm.kvm_device.clone(), Access::Device));
-        let named_taps = spec.vm.nets.iter().any(|n| n.tap.is_some());
-        if named_taps {
-            binds.push((PathBuf::from("/dev/net/tun"), Access::Device));
-        }
         if inside(spec_path) {
             protect.push(spec_path.to_path_buf());
         }
-        Plan {
-            binds,
-            protect,
-            new_net: !named_taps,
+        Plan { binds, protect }
+    }
+
+    /// The plan's paths must be absolute: the jail binds each at its own path.
+    fn check(&self) -> Result<(), JailError> {
+        match self.binds.iter().find(|(p, _)| !p.is_absolute()) {
+            Some((p, _)) => Err(JailError::Plan(format!(
+                "{}: a jailed VM needs absolute paths",
+                p.display()
+            ))),
+            None => Ok(()),
         }
     }
 }
@@ -168,6 +168,10 @@ pub fn fork_into_pid_namespace() -> Result<(), JailError> {
         libc::sigprocmask(libc::SIG_BLOCK, &set, &mut old);
         (set, old)
     };
+    // A SIGCHLD ignored by whoever started us (that survives exec) would reap the VMM
+    // before the supervisor could read its status.
+    // SAFETY: resets one signal's disposition to the default; no handler is involved.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
     // SAFETY: unshare(CLONE_NEWPID) only decides the namespace of our next child.
     check(unsafe { libc::unshare(libc::CLONE_NEWPID) }, "unshare(pid)")?;
     // SAFETY: the process has one thread (the caller's promise), so the child may do
@@ -191,6 +195,9 @@ pub fn fork_into_pid_namespace() -> Result<(), JailError> {
             std::process::exit(1);
         }
         drop(pidfd);
+        // Its own process group: a terminal's ^C reaches it once, through the supervisor.
+        // SAFETY: setpgid(0, 0) moves only the calling process.
+        unsafe { libc::setpgid(0, 0) };
         // SAFETY: restores the mask the caller had (SIGCHLD unblocked again if it was).
         unsafe { libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
         crate::set_host_pid(me.unsigned_abs());
@@ -238,10 +245,8 @@ fn supervise(child: libc::pid_t, set: &libc::sigset_t) -> ! {
 /// a root holding the plan's paths at their own paths, `/proc` of its pid namespace, and
 /// `no_new_privs`.
 pub fn confine(plan: &Plan) -> Result<(), JailError> {
-    let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
-    if plan.new_net {
-        flags |= libc::CLONE_NEWNET;
-    }
+    plan.check()?;
+    let flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET;
     // SAFETY: unshare of namespaces for this single-threaded process.
     check(unsafe { libc::unshare(flags) }, "unshare")?;
     // Host mounts still propagate in (volumes mounted into the share later), ours never out.
@@ -256,7 +261,17 @@ pub fn confine(plan: &Plan) -> Result<(), JailError> {
     let base = ["/mnt", "/srv", "/media", "/opt", "/tmp", "/run"]
         .iter()
         .map(Path::new)
-        .find(|b| b.is_dir() && !plan.binds.iter().any(|(p, _)| p.starts_with(b)))
+        .find(|b| {
+            // Not above a path to bind, as named or through links: the tmpfs would hide it.
+            let above = |p: &Path| {
+                p.starts_with(b)
+                    || std::fs::canonicalize(p).is_ok_and(|c| c.starts_with(b))
+                    || p.parent()
+                        .and_then(|d| std::fs::canonicalize(d).ok())
+                        .is_some_and(|c| c.starts_with(b))
+            };
+            b.is_dir() && !plan.binds.iter().any(|(p, _)| above(p))
+        })
         .ok_or_else(|| JailError::Plan("no directory to build the root on".into()))?;
     mount(
         Some(Path::new("vessel-jail")),
@@ -412,24 +427,26 @@ mod tests {
             p.protect,
             vec![PathBuf::from("/run/vessel/vm/p1/spec.json")]
         );
-        assert!(p.new_net);
+        assert!(p.check().is_ok());
     }
 
     #[test]
-    fn taps_by_name_keep_the_hosts_network() {
+    fn read_write_disks_and_relative_paths() {
         let s = spec(serde_json::json!({
             "kernel": "/d/k", "initrd": "/d/i", "mem_mib": 64, "vcpus": 1,
             "disks": [{"path": "/d/rw.img"}],
             "nets": [{"tap": "tap0"}],
         }));
         let p = Plan::for_spec(&s, Path::new("/d/spec.json"));
-        assert!(!p.new_net);
         assert!(p
             .binds
             .contains(&(PathBuf::from("/d/rw.img"), Access::ReadWrite)));
-        assert!(p
-            .binds
-            .contains(&(PathBuf::from("/dev/net/tun"), Access::Device)));
         assert!(p.protect.is_empty());
+        let s = spec(serde_json::json!({
+            "kernel": "/d/k", "mem_mib": 64, "vcpus": 1, "console": {"file": "c.log"},
+        }));
+        let p = Plan::for_spec(&s, Path::new("/d/spec.json"));
+        let e = p.check().unwrap_err().to_string();
+        assert!(e.contains("absolute"), "{e}");
     }
 }

@@ -254,6 +254,20 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
             Err(e) => return fail(format!("pod network: {e}")),
         }
     }
+    // Taps named in the spec are the host's: opened now, the jail has its own network.
+    if jail.is_some() {
+        for n in cfg.vm.nets.iter_mut() {
+            if let (Some(name), None) = (&n.tap, n.tap_fd) {
+                match vessel_vmm::virtio::net::open_tap(name) {
+                    Ok(f) => {
+                        n.tap_fd = Some(std::os::fd::IntoRawFd::into_raw_fd(f));
+                        n.tap = None;
+                    }
+                    Err(e) => return fail(e.to_string()),
+                }
+            }
+        }
+    }
     // The pod's tap is open (above): nothing else outside the jail is needed.
     if let Some(plan) = &jail {
         if let Err(e) = vessel_shim::jail::confine(plan) {
@@ -571,6 +585,10 @@ fn jail_check(
         0 => unsafe { libc::_exit(0) },
         r => errno(r),
     };
+    // getpid through the x32 ABI (bit 30 of the number).
+    // SAFETY: a system call without arguments, refused or answered.
+    let r = unsafe { libc::syscall(0x4000_0000 | libc::SYS_getpid) };
+    let x32 = errno(if r < 0 { -1 } else { 0 });
     let seccomp = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -592,6 +610,7 @@ fn jail_check(
         "seccomp": seccomp,
         "execve": execve,
         "fork": fork,
+        "x32": x32,
     });
     println!("{out}");
     std::io::stdout().flush()?;

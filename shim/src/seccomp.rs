@@ -123,6 +123,26 @@ fn compile(rules: BTreeMap<i64, Vec<SeccompRule>>, errno: i32) -> Result<BpfProg
         .map_err(|e: seccompiler::BackendError| SeccompError(e.to_string()))
 }
 
+/// Refuses every system call made through the x32 ABI (numbers with bit 30 set): they carry
+/// the x86_64 architecture, and a deny-list matches only the x86_64 numbers. Hand-written,
+/// as seccompiler (made for allow-lists) checks the architecture only.
+fn no_x32() -> BpfProgram {
+    const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+    const JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    const X32_BIT: u32 = 0x4000_0000;
+    const RET_ERRNO: u32 = 0x0005_0000; // SECCOMP_RET_ERRNO
+    const RET_ALLOW: u32 = 0x7fff_0000; // SECCOMP_RET_ALLOW
+    let op = |code, jt, jf, k| seccompiler::sock_filter { code, jt, jf, k };
+    vec![
+        // offsetof(struct seccomp_data, nr) is 0.
+        op(LD_W_ABS, 0, 0, 0),
+        op(JGE_K, 0, 1, X32_BIT),
+        op(RET_K, 0, 0, RET_ERRNO | libc::EPERM.unsigned_abs()),
+        op(RET_K, 0, 0, RET_ALLOW),
+    ]
+}
+
 /// The filters, in the order they are installed.
 pub fn programs() -> Result<Vec<BpfProgram>, SeccompError> {
     let mut denied: BTreeMap<i64, Vec<SeccompRule>> =
@@ -137,6 +157,7 @@ pub fn programs() -> Result<Vec<BpfProgram>, SeccompError> {
     let clone3: BTreeMap<i64, Vec<SeccompRule>> =
         [(libc::SYS_clone3, Vec::new())].into_iter().collect();
     Ok(vec![
+        no_x32(),
         compile(denied, libc::EPERM)?,
         compile(clone3, libc::ENOSYS)?,
     ])
@@ -158,7 +179,7 @@ mod tests {
     #[test]
     fn the_filters_compile_for_this_machine() {
         let p = programs().unwrap();
-        assert_eq!(p.len(), 2);
-        assert!(p[0].len() > DENIED.len());
+        assert_eq!(p.len(), 3);
+        assert!(p[1].len() > DENIED.len());
     }
 }

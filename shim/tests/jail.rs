@@ -160,6 +160,7 @@ fn a_jailed_vmm_sees_its_own_directory_and_images_only() {
         "{line}"
     );
     assert_eq!(v["fork"], "Operation not permitted (os error 1)", "{line}");
+    assert_eq!(v["x32"], "Operation not permitted (os error 1)", "{line}");
     assert_eq!(
         v["proc"],
         serde_json::json!(["1", "self", "thread-self"]),

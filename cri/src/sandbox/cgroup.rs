@@ -276,13 +276,44 @@ fn inherit_cpuset(dir: &std::path::Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Moves process `pid` (all its threads) into the leaf `leaf` under the cgroup directory `dir`.
-/// The children of a process (a VM pod's shim has one: its jailed VMM).
+/// The children of a process (a VM pod's shim has one: its jailed VMM): from
+/// `/proc/<pid>/task/<tid>/children`, or where the kernel lacks it (CONFIG_PROC_CHILDREN),
+/// from every process's parent in `/proc/<p>/stat`.
 fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
+    // Each thread lists the children it started.
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        match std::fs::read_to_string(t.path().join("children")) {
+            Ok(s) => out.extend(s.split_whitespace().filter_map(|p| p.parse::<u32>().ok())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && t.path().exists() => {
+                return children_by_parent(pid);
+            }
+            Err(_) => {}
+        }
+    }
+    out
+}
+
+fn children_by_parent(pid: u32) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+                return false;
+            };
+            // Field 4, after the command name (which may hold spaces and parentheses).
+            stat.rfind(')')
+                .and_then(|i| stat.get(i + 2..))
+                .and_then(|rest| rest.split_whitespace().nth(1))
+                .and_then(|pp| pp.parse::<u32>().ok())
+                == Some(pid)
+        })
         .collect()
 }
 
@@ -294,6 +325,7 @@ fn ignore_gone(r: std::io::Result<()>) -> std::io::Result<()> {
     }
 }
 
+/// Moves process `pid` (all its threads) into the leaf `leaf` under the cgroup directory `dir`.
 fn join_leaf(dir: &std::path::Path, leaf: &str, pid: u32) -> std::io::Result<()> {
     let leaf = dir.join(leaf);
     match std::fs::create_dir(&leaf) {
@@ -394,4 +426,23 @@ fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
         }
     }
     left
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_children_are_found_both_ways() {
+        let mut c = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let me = std::process::id();
+        assert!(children(me).contains(&c.id()));
+        assert!(children_by_parent(me).contains(&c.id()));
+        c.kill().unwrap();
+        c.wait().unwrap();
+        assert!(!children(me).contains(&c.id()));
+    }
 }

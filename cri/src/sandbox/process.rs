@@ -7,9 +7,26 @@ use std::time::Duration;
 
 use rustix::process::{Pid, Signal};
 
-/// The last `n` non-empty lines of a file, joined with " | ", for error messages.
+/// The last `n` non-empty lines of a file, joined with " | ", for error messages. A link is
+/// not followed: a VM pod's directory is writable by its VMM.
 pub fn log_tail(p: &Path, n: usize) -> String {
-    let s = std::fs::read_to_string(p).unwrap_or_default();
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut s = String::new();
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(p)
+    {
+        if let Some(len) = f.metadata().ok().filter(|m| m.is_file()).map(|m| m.len()) {
+            // The last MiB of a large log is enough.
+            use std::io::Seek;
+            let _ = f.seek(std::io::SeekFrom::Start(len.saturating_sub(1 << 20)));
+            let mut data = Vec::new();
+            let _ = f.read_to_end(&mut data);
+            s = String::from_utf8_lossy(&data).into_owned();
+        }
+    }
     let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
@@ -184,6 +201,20 @@ pub fn kill_by_arg(flag: &str, value: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_tail_is_the_last_lines_and_never_through_a_link() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("shim.log");
+        std::fs::write(&log, "a\n\nb\nc\n").unwrap();
+        assert_eq!(log_tail(&log, 2), "b | c");
+        let secret = d.path().join("secret");
+        std::fs::write(&secret, "host only\n").unwrap();
+        let link = d.path().join("console.log");
+        std::os::unix::fs::symlink(&secret, &link).unwrap();
+        assert_eq!(log_tail(&link, 2), "");
+        assert_eq!(log_tail(&d.path().join("none"), 2), "");
+    }
 
     #[test]
     fn liveness_is_keyed_on_pid_and_start_time() {

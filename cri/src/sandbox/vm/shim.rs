@@ -2,6 +2,7 @@
 //! docs/vm-pods.md for the files, the shim spec and its control protocol.
 
 use std::os::fd::BorrowedFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -158,9 +159,11 @@ pub fn spawn(spec: &LaunchSpec<'_>) -> Result<Launched, VmError> {
     })?;
     let data = serde_json::to_vec_pretty(&value).unwrap_or_default();
     vessel_images::fsutil::atomic_write_fast(&p.spec, &data).map_err(io("write", &p.spec))?;
+    // Not through a link: the VM directory is writable by the (jailed) VMM.
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&p.shim_log)
         .map_err(io("open", &p.shim_log))?;
     let log2 = log.try_clone().map_err(io("dup", &p.shim_log))?;

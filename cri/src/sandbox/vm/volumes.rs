@@ -273,20 +273,49 @@ pub fn unshare_container(vm_dir: &Path, id: &str) {
         tracing::warn!(dir = %base.display(), "volumes still mounted; their mount points stay");
         return;
     }
-    let Ok(rd) = std::fs::read_dir(&base) else {
-        return;
+    if let Err(e) = remove_mount_points(&shared_dir(vm_dir), id) {
+        tracing::warn!(dir = %base.display(), error = %e, "cannot remove the volume mount points");
+    }
+}
+
+/// Removes `share/<id>` and the (empty) mount points in it, through directory descriptors
+/// and never following a link: the share is writable by the guest (and its VMM), which may
+/// have swapped `<id>` for a link to a host directory.
+fn remove_mount_points(share: &Path, id: &str) -> io::Result<()> {
+    use rustix::fs::{openat, unlinkat, AtFlags, Dir, FileType, Mode, OFlags, CWD};
+    let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let share = openat(CWD, share, dir_flags, Mode::empty())?;
+    let sub = match openat(&share, id, dir_flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        // A link (or a file) in its place: remove that, not what it names.
+        Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => {
+            return Ok(unlinkat(&share, id, AtFlags::empty())?);
+        }
+        Err(e) => return Err(e.into()),
     };
-    for e in rd.flatten() {
-        let p = e.path();
-        let r = match e.file_type() {
-            Ok(t) if t.is_dir() => std::fs::remove_dir(&p),
-            _ => std::fs::remove_file(&p),
+    let mut first_error = None;
+    for e in Dir::read_from(&sub)? {
+        let e = e?;
+        let name = e.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        let how = if e.file_type() == FileType::Directory {
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
         };
-        if let Err(e) = r {
-            tracing::warn!(path = %p.display(), error = %e, "cannot remove a volume mount point");
+        if let Err(err) = unlinkat(&sub, name, how) {
+            tracing::warn!(container = id, entry = ?name, error = %err, "cannot remove a volume mount point");
+            first_error.get_or_insert(err);
         }
     }
-    let _ = std::fs::remove_dir(&base);
+    unlinkat(&share, id, AtFlags::REMOVEDIR)?;
+    match first_error {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
 }
 
 /// Removes a VM pod's directory, after detaching every mount in it (the share, the
@@ -330,6 +359,32 @@ pub fn rewrite_mount_sources(spec: &mut serde_json::Value, shared: &[SharedMount
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mount_points_are_removed_without_following_a_link_the_guest_made() {
+        let d = tempfile::tempdir().unwrap();
+        let share = d.path().join("shared");
+        std::fs::create_dir_all(share.join("c1/0")).unwrap();
+        std::fs::write(share.join("c1/1"), "").unwrap();
+        remove_mount_points(&share, "c1").unwrap();
+        assert!(!share.join("c1").exists());
+        // The guest swapped a container's directory for a link to a host directory.
+        let victim = d.path().join("victim");
+        std::fs::create_dir_all(victim.join("dir")).unwrap();
+        std::fs::write(victim.join("file"), "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, share.join("c2")).unwrap();
+        remove_mount_points(&share, "c2").unwrap();
+        assert!(
+            share.join("c2").symlink_metadata().is_err(),
+            "the link goes"
+        );
+        assert_eq!(
+            std::fs::read_to_string(victim.join("file")).unwrap(),
+            "keep"
+        );
+        assert!(victim.join("dir").is_dir());
+        remove_mount_points(&share, "none").unwrap();
+    }
 
     fn mount(host: &Path, ctr: &str, readonly: bool) -> cri::Mount {
         cri::Mount {
