@@ -469,18 +469,10 @@ async fn restart_keeps_ips_and_detaches_dead_pods() {
     assert_eq!(cni.allocated_ips().len(), 2);
     h.v.kill9();
     // The doomed pod's agent dies while vesseld is down.
-    let info = std::fs::read_to_string(h.v.root_dir().join("pods").join(&doomed).join("pod.json"))
-        .unwrap();
-    let rec: serde_json::Value = serde_json::from_str(&info).unwrap();
-    let pid = i32::try_from(rec["agent_pid"].as_u64().unwrap()).unwrap();
-    // SAFETY: kill(2) with a pid read from the pod record and a valid signal.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let start = Instant::now();
-    while std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && start.elapsed() < Duration::from_secs(5)
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert!(
+        h.v.kill_pod_host_process(&doomed),
+        "no live host process for {doomed}"
+    );
     h.v.restart().expect("restart vesseld");
     h.c = h.v.client().await;
     assert_eq!(

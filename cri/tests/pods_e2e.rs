@@ -1805,44 +1805,6 @@ async fn reconcile(h: &mut H, m: &mut Model, lost: &mut Vec<String>) {
     }
 }
 
-/// Kills (-9) the host process of pod `id` (its agent, or its VM's shim), read from the pod's
-/// record, and waits until it is gone; false where the record names none that lives (the pod
-/// was already stopping).
-async fn kill_host_process(h: &H, id: &str) -> bool {
-    use vessel_cri::sandbox::process::is_alive;
-    let Ok(text) = std::fs::read_to_string(h.v.root_dir().join("pods").join(id).join("pod.json"))
-    else {
-        return false;
-    };
-    let rec: serde_json::Value = serde_json::from_str(&text).expect("pod record is JSON");
-    let pid = rec["agent_pid"]
-        .as_u64()
-        .and_then(|p| u32::try_from(p).ok());
-    let start_time = rec["agent_start_time"].as_u64().unwrap_or(0);
-    // Only the process the record names: a pid whose process ended may be another's now.
-    let Some(pid) = pid.filter(|p| *p > 0 && is_alive(*p, start_time)) else {
-        return false;
-    };
-    let Ok(raw) = i32::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: kill(2) with the pid of the pod's host process (checked by its start time just
-    // now) and a valid signal.
-    if unsafe { libc::kill(raw, libc::SIGKILL) } != 0 {
-        return false;
-    }
-    let start = Instant::now();
-    // Dead, or a zombie until vesseld (its parent, or the reaper) waits for it.
-    while is_alive(pid, start_time) {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "pid {pid} lives 10 s after SIGKILL"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    true
-}
-
 /// Waits (up to 20 s) until pod `id` is NotReady and none of its containers runs: what
 /// vesseld makes of a pod whose host process died.
 async fn wait_not_ready(h: &H, id: &str) {
@@ -1996,7 +1958,7 @@ async fn crash_soak_with_kill9_of_vesseld() {
                 None
             };
             if let Some(pod) = &doomed {
-                host_kills += usize::from(kill_host_process(&h, pod).await);
+                host_kills += usize::from(h.v.kill_pod_host_process(pod));
             }
             h.v.restart().unwrap();
             h.c = h.v.client().await;
@@ -2011,7 +1973,7 @@ async fn crash_soak_with_kill9_of_vesseld() {
         reconcile(&mut h, &mut m, &mut lost).await;
         if !crashed && rng.below(10) == 0 {
             if let Some(pod) = rng.pick(&m.ready_pods()).cloned() {
-                if kill_host_process(&h, &pod).await {
+                if h.v.kill_pod_host_process(&pod) {
                     host_kills += 1;
                     wait_not_ready(&h, &pod).await;
                     reconcile(&mut h, &mut m, &mut lost).await;

@@ -6,6 +6,22 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Whether `pid` is the process that started at `start_time` (clock ticks after boot,
+/// `/proc/<pid>/stat` field 22) and not a zombie.
+fn process_lives(pid: i32, start_time: u64) -> bool {
+    let Ok(s) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The command name (field 2) may hold spaces and parentheses: fields after its end.
+    let mut f = s
+        .get(s.rfind(')').map_or(s.len(), |i| i + 2)..)
+        .unwrap_or_default()
+        .split_whitespace();
+    let state = f.next().unwrap_or("Z");
+    let started = f.nth(18).and_then(|x| x.parse::<u64>().ok());
+    state != "Z" && state != "X" && started == Some(start_time)
+}
+
 /// A vesseld under test. Drop kills it and removes its directories (after unmounting
 /// anything left below them, which a test should also assert never happens).
 pub struct Vesseld {
@@ -156,6 +172,40 @@ impl Vesseld {
         CriClient::connect(&self.socket)
             .await
             .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.socket.display()))
+    }
+
+    /// Kills (-9) the host process of pod `id` (its agent, or its VM's shim) that the pod's
+    /// record names, and waits (10 s at most, else panics) until it is gone; false where the
+    /// record names none that lives (no record, or the pod was already stopping).
+    pub fn kill_pod_host_process(&self, id: &str) -> bool {
+        let record = self.root_dir().join("pods").join(id).join("pod.json");
+        let Ok(text) = fs::read_to_string(record) else {
+            return false;
+        };
+        let rec: serde_json::Value = serde_json::from_str(&text).expect("pod record is JSON");
+        let pid = rec["agent_pid"]
+            .as_u64()
+            .and_then(|p| i32::try_from(p).ok());
+        let start_time = rec["agent_start_time"].as_u64().unwrap_or(0);
+        // Only the process the record names: a pid whose process ended may be another's now.
+        let Some(pid) = pid.filter(|p| *p > 0 && process_lives(*p, start_time)) else {
+            return false;
+        };
+        // SAFETY: kill(2) with the pid of the pod's host process (checked by its start time
+        // just now) and a valid signal.
+        if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+            return false;
+        }
+        let start = Instant::now();
+        // Dead, or a zombie until vesseld (its parent, or the reaper) waits for it.
+        while process_lives(pid, start_time) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "pid {pid} lives 10 s after SIGKILL"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
     }
 
     /// SIGKILL, as a crash would.
