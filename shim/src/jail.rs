@@ -241,7 +241,7 @@ fn supervise(child: libc::pid_t, set: &libc::sigset_t) -> ! {
 }
 
 /// Confines the calling process (one thread; the VMM after
-/// [`fork_into_pid_namespace`]) to `plan`: its own mount, IPC, UTS (and network) namespaces,
+/// [`fork_into_pid_namespace`]) to `plan`: its own mount, IPC, UTS and network namespaces,
 /// a root holding the plan's paths at their own paths, `/proc` of its pid namespace, and
 /// `no_new_privs`.
 pub fn confine(plan: &Plan) -> Result<(), JailError> {
