@@ -223,9 +223,11 @@ fn run_nested(
         .env("VESSEL_PODS_EXTRA", extra)
         // Appended to l1-pods.sh's config, whose last section is [vm].
         .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
+        // Below nextest's limit for this test (30 min), so that a slow or stuck L1 is stopped
+        // by the harness, which then prints L1's console (nextest's kill would lose it).
         .env(
             "VESSEL_HARNESS_TIMEOUT",
-            std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("1500".into()),
+            std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("1650".into()),
         );
     if !focus.is_empty() {
         cmd.env("VESSEL_PODS_FOCUS", focus);
