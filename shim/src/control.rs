@@ -32,29 +32,6 @@ pub trait DiskSlots: Send + Sync {
     fn detach(&self, slot: usize) -> Result<(), String>;
 }
 
-impl DiskSlots for vessel_vmm::vm::VmHandle {
-    fn attach(
-        &self,
-        slot: usize,
-        path: &Path,
-        file: Option<std::fs::File>,
-        read_only: bool,
-        serial: &str,
-    ) -> Result<(), String> {
-        match file {
-            Some(f) => {
-                self.attach_disk_file(slot, f, &path.display().to_string(), read_only, serial)
-            }
-            None => self.attach_disk(slot, path, read_only, serial),
-        }
-        .map_err(|e| e.to_string())
-    }
-
-    fn detach(&self, slot: usize) -> Result<(), String> {
-        self.detach_disk(slot).map_err(|e| e.to_string())
-    }
-}
-
 /// The spare slots of a VM that has not started yet (or has).
 pub struct Slots(pub Vec<vessel_vmm::virtio::block::DiskSlot>);
 

@@ -668,19 +668,6 @@ impl VmHandle {
         self.slot(slot)?.attach(path, read_only, serial)
     }
 
-    /// [`VmHandle::attach_disk`] for an image the caller opened (a jailed VMM cannot open
-    /// it by path); `name` is its path, for messages.
-    pub fn attach_disk_file(
-        &self,
-        slot: usize,
-        file: std::fs::File,
-        name: &str,
-        read_only: bool,
-        serial: &str,
-    ) -> Result<(), BlockError> {
-        self.slot(slot)?.attach_file(file, name, read_only, serial)
-    }
-
     /// Spare slot `slot` is empty again (0 sectors, serial "").
     pub fn detach_disk(&self, slot: usize) -> Result<(), BlockError> {
         self.slot(slot)?.detach();
