@@ -110,7 +110,7 @@ impl Driver {
                         .and_then(|()| {
                             // The jailed VMM, forked by the shim, maybe before the shim
                             // moved: read after the move, so a later fork inherits it.
-                            children(rec.agent_pid)
+                            super::process::children(rec.agent_pid)
                                 .into_iter()
                                 .try_for_each(|c| ignore_gone(join_leaf(&dir, leaf, c)))
                         })
@@ -152,7 +152,7 @@ impl Driver {
             // The jailed VMM the shim forked, maybe before systemd moved the shim: into the
             // scope beside it (read after the move, so a later fork inherits the scope).
             for scope in cgroup_dirs(&rec.cgroup_parent) {
-                for c in children(rec.agent_pid) {
+                for c in super::process::children(rec.agent_pid) {
                     if scope.is_dir() {
                         ignore_gone(std::fs::write(scope.join("cgroup.procs"), c.to_string()))
                             .map_err(|e| {
@@ -276,47 +276,6 @@ fn inherit_cpuset(dir: &std::path::Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The children of a process (a VM pod's shim has one: its jailed VMM): from
-/// `/proc/<pid>/task/<tid>/children`, or where the kernel lacks it (CONFIG_PROC_CHILDREN),
-/// from every process's parent in `/proc/<p>/stat`.
-fn children(pid: u32) -> Vec<u32> {
-    // Each thread lists the children it started.
-    let mut out = Vec::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return out;
-    };
-    for t in tasks.flatten() {
-        match std::fs::read_to_string(t.path().join("children")) {
-            Ok(s) => out.extend(s.split_whitespace().filter_map(|p| p.parse::<u32>().ok())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && t.path().exists() => {
-                return children_by_parent(pid);
-            }
-            Err(_) => {}
-        }
-    }
-    out
-}
-
-fn children_by_parent(pid: u32) -> Vec<u32> {
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-                return false;
-            };
-            // Field 4, after the command name (which may hold spaces and parentheses).
-            stat.rfind(')')
-                .and_then(|i| stat.get(i + 2..))
-                .and_then(|rest| rest.split_whitespace().nth(1))
-                .and_then(|pp| pp.parse::<u32>().ok())
-                == Some(pid)
-        })
-        .collect()
-}
-
 /// A process that exited before it could be moved is not an error.
 fn ignore_gone(r: std::io::Result<()>) -> std::io::Result<()> {
     match r {
@@ -426,23 +385,4 @@ fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
         }
     }
     left
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_process_children_are_found_both_ways() {
-        let mut c = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let me = std::process::id();
-        assert!(children(me).contains(&c.id()));
-        assert!(children_by_parent(me).contains(&c.id()));
-        c.kill().unwrap();
-        c.wait().unwrap();
-        assert!(!children(me).contains(&c.id()));
-    }
 }

@@ -36,13 +36,54 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     proc_stat(pid).map(|(_, start)| start)
 }
 
-/// State letter (field 3) and start time (field 22) from /proc/<pid>/stat.
-fn proc_stat(pid: u32) -> Option<(char, u64)> {
+/// The fields of /proc/<pid>/stat from field 3 (the state) on.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces and parentheses: skip past its end.
-    let mut f = s.get(s.rfind(')')? + 2..)?.split_whitespace();
-    let state = f.next()?.chars().next()?;
-    Some((state, f.nth(18)?.parse().ok()?))
+    let rest = s.get(s.rfind(')')? + 2..)?;
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+/// State letter (field 3) and start time (field 22) from /proc/<pid>/stat.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let f = stat_fields(pid)?;
+    let state = f.first()?.chars().next()?;
+    Some((state, f.get(19)?.parse().ok()?))
+}
+
+/// The children of a process (a VM pod's shim has one: its jailed VMM): from
+/// `/proc/<pid>/task/<tid>/children`, or where the kernel lacks it (CONFIG_PROC_CHILDREN),
+/// from every process's parent (field 4 of `/proc/<p>/stat`).
+pub fn children(pid: u32) -> Vec<u32> {
+    // Each thread lists the children it started.
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        match std::fs::read_to_string(t.path().join("children")) {
+            Ok(s) => out.extend(s.split_whitespace().filter_map(|p| p.parse::<u32>().ok())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && t.path().exists() => {
+                return children_by_parent(pid);
+            }
+            Err(_) => {}
+        }
+    }
+    out
+}
+
+fn children_by_parent(pid: u32) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            stat_fields(*p)
+                .and_then(|f| f.get(1)?.parse::<u32>().ok())
+                .is_some_and(|parent| parent == pid)
+        })
+        .collect()
 }
 
 /// Whether `pid` is still the process that started at `start_time`, and not a zombie (an
@@ -201,6 +242,20 @@ pub fn kill_by_arg(flag: &str, value: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_children_are_found_both_ways() {
+        let mut c = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let me = std::process::id();
+        assert!(children(me).contains(&c.id()));
+        assert!(children_by_parent(me).contains(&c.id()));
+        c.kill().unwrap();
+        c.wait().unwrap();
+        assert!(!children(me).contains(&c.id()));
+    }
 
     #[test]
     fn a_log_tail_is_the_last_lines_and_never_through_a_link() {
