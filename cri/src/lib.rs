@@ -16,6 +16,7 @@ pub mod notify;
 pub mod runtime;
 pub mod runtime_service;
 pub mod sandbox;
+pub mod selinux;
 pub mod server;
 pub mod spec;
 pub mod state;

@@ -205,6 +205,60 @@ impl Runtime {
         Ok((out, snaps))
     }
 
+    /// The host paths of mounts with `selinux_relabel` get the container's file label, where
+    /// the host has SELinux (flat and VM pods: a VM pod's volumes are host directories too);
+    /// without SELinux there is no label to give.
+    async fn relabel_mounts(
+        &self,
+        key: &str,
+        sc: Option<&cri::LinuxContainerSecurityContext>,
+        mounts: &[cri::Mount],
+    ) -> Result<()> {
+        let paths: Vec<std::path::PathBuf> = mounts
+            .iter()
+            .filter(|m| m.selinux_relabel && !m.host_path.is_empty())
+            .map(|m| m.host_path.clone().into())
+            .collect();
+        if paths.is_empty() {
+            return Ok(());
+        }
+        if !crate::selinux::enabled() {
+            tracing::debug!(
+                container = key,
+                ?paths,
+                "SELinux is not enabled here: nothing to relabel"
+            );
+            return Ok(());
+        }
+        let label = crate::selinux::mount_label(sc.and_then(|s| s.selinux_options.as_ref()));
+        let key = key.to_string();
+        tokio::task::spawn_blocking(move || {
+            for p in &paths {
+                match crate::selinux::relabel(p, &label) {
+                    Ok(()) => tracing::debug!(container = key, path = %p.display(), label, "relabelled"),
+                    Err(crate::selinux::RelabelError::Io { source, .. })
+                        if source.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+                    {
+                        tracing::warn!(container = key, path = %p.display(), "no SELinux labels on this filesystem: not relabelled");
+                    }
+                    Err(e @ crate::selinux::RelabelError::SystemPath(_)) => {
+                        return Err(RuntimeError::InvalidArgument(format!(
+                            "CreateContainer {key:?}: {e}"
+                        )))
+                    }
+                    Err(e) => {
+                        return Err(RuntimeError::FailedPrecondition(format!(
+                            "CreateContainer {key:?}: {e}"
+                        )))
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(internal("SELinux relabel"))?
+    }
+
     /// CreateContainer once its image, namespaces and image volumes are settled.
     async fn create_made(
         self: &Arc<Self>,
@@ -266,10 +320,11 @@ impl Runtime {
             // guest has no huge pages.
             hugetlb: backend.kind() == crate::state::BackendKind::Flat && host_has_hugetlb(),
             // Like AppArmor, the host's, for flat pods; the guest kernel has no SELinux.
-            selinux: backend.kind() == crate::state::BackendKind::Flat && host_has_selinux(),
+            selinux: backend.kind() == crate::state::BackendKind::Flat && crate::selinux::enabled(),
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        self.relabel_mounts(key, sc, &volumes.mounts).await?;
         let cdi = crate::cdi::requested(&config.cdi_devices, &config.annotations);
         if !cdi.is_empty() {
             let cdi_err = |e: crate::cdi::CdiError| {
@@ -691,12 +746,6 @@ fn host_has_hugetlb() -> bool {
             || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
                 .is_ok_and(|c| c.split_whitespace().any(|x| x == "hugetlb"))
     })
-}
-
-/// Whether SELinux is enabled on the host (a fact of the boot: read once).
-fn host_has_selinux() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| std::path::Path::new("/sys/fs/selinux/enforce").exists())
 }
 
 #[cfg(test)]

@@ -195,10 +195,6 @@ pub fn share_mounts(vm_dir: &Path, id: &str, mounts: &[cri::Mount]) -> Result<Ve
     let mut shared = Vec::new();
     let r = (|| {
         for (i, m) in mounts.iter().enumerate() {
-            if m.selinux_relabel {
-                // The guest has no SELinux policy of the host's; the host path keeps its label.
-                tracing::info!(container = id, path = %m.host_path, "SELinux relabel of a VM pod's volume ignored");
-            }
             let guest_path = match classify(m).map_err(RuntimeError::InvalidArgument)? {
                 Source::GuestDevice(p) => p,
                 kind => {
