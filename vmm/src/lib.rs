@@ -12,5 +12,6 @@ pub mod kick;
 pub mod mptable;
 pub mod probe;
 pub mod run_state;
+pub mod threads;
 pub mod virtio;
 pub mod vm;

@@ -537,6 +537,10 @@ impl Vm {
                     if let Err(e) = crate::caps::drop_all() {
                         tracing::warn!(vcpu = id, "dropping capabilities: {e}");
                     }
+                    if let Err(e) = crate::threads::confine(crate::threads::ThreadRole::Vcpu) {
+                        control.finish(Outcome::Error(format!("vcpu{id}: {e}")));
+                        return;
+                    }
                     if let Err(e) = run_vcpu(&mut vcpu, &pio, &mmio, &control) {
                         control.finish(Outcome::Error(format!("vcpu{id}: {e}")));
                     }

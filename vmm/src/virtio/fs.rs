@@ -102,7 +102,11 @@ impl Fs {
         let worker = {
             let (active, dir) = (active.clone(), dir.to_path_buf());
             Worker::spawn_privileged("virtio-fs", move |wake, stop| {
-                let server = match passthrough_server(&dir) {
+                let server = match passthrough_server(&dir).and_then(|s| {
+                    crate::threads::confine(crate::threads::ThreadRole::FileServer)
+                        .map_err(std::io::Error::other)?;
+                    Ok(s)
+                }) {
                     Ok(s) => {
                         let _ = ready_tx.send(Ok(()));
                         s
@@ -201,7 +205,9 @@ fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
     // Under fuse-backend-rs's VFS (the passthrough filesystem alone offers the guest 4 KiB
     // writes): 1 MiB requests (BIG_WRITES, MAX_PAGES), parallel lookups and async reads, the
     // data cache dropped when the host changes a file (AUTO_INVAL_DATA); no writeback cache
-    // (the host changes files too) and no DAX.
+    // (the host changes files too) and no DAX. Not HANDLE_KILLPRIV_V2 (which would spare
+    // the guest a `security.capability` lookup before each write): with it the guest leaves
+    // clearing setuid bits to the server, and fuse-backend-rs's fallocate does not.
     let vfs = Vfs::new(VfsOptions {
         no_open: false,
         no_opendir: false,

@@ -32,18 +32,36 @@ pub(crate) struct Worker {
 impl Worker {
     /// Spawns `run(wake, stop)` on a thread named `name`, which first drops every
     /// capability it got from its creator (a device worker handles what the guest sends and
-    /// needs none); `run` returns once `stop` is set.
+    /// needs none) and confines itself ([`crate::threads`]); an error there is the spawn's.
+    /// `run` returns once `stop` is set.
     pub(crate) fn spawn(
         name: &str,
         run: impl FnOnce(&EventFd, &AtomicBool) + Send + 'static,
     ) -> std::io::Result<Worker> {
         let owned = name.to_string();
-        Self::spawn_privileged(name, move |wake, stop| {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let mut worker = Self::spawn_privileged(name, move |wake, stop| {
             if let Err(e) = crate::caps::drop_all() {
                 tracing::warn!(worker = owned, "dropping capabilities: {e}");
             }
-            run(wake, stop)
-        })
+            let confined = crate::threads::confine(crate::threads::ThreadRole::Device);
+            let ok = confined.is_ok();
+            let _ = ready_tx.send(confined);
+            if ok {
+                run(wake, stop)
+            }
+        })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(worker),
+            Ok(Err(e)) => {
+                worker.stop();
+                Err(std::io::Error::other(format!("{name}: {e}")))
+            }
+            Err(_) => {
+                worker.stop();
+                Err(std::io::Error::other(format!("{name}: the thread ended")))
+            }
+        }
     }
 
     /// [`Worker::spawn`] for a worker that keeps its creator's capabilities: `run` must drop
