@@ -599,7 +599,24 @@ fn run_vcpu(
                     "KVM_EXIT_FAIL_ENTRY reason {reason:#x} on cpu {cpu}"
                 ));
             }
-            Ok(VcpuExit::InternalError) => return Err("KVM_EXIT_INTERNAL_ERROR".into()),
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: after a KVM_EXIT_INTERNAL_ERROR exit, the kernel filled the `internal`
+                // member of kvm_run's exit union.
+                let internal = unsafe { vcpu.get_kvm_run().__bindgen_anon_1.internal };
+                let n = (internal.ndata as usize).min(internal.data.len());
+                return Err(format!(
+                    "KVM_EXIT_INTERNAL_ERROR suberror {} ({}), data {:x?}",
+                    internal.suberror,
+                    match internal.suberror {
+                        1 => "instruction emulation failed",
+                        2 => "simultaneous exceptions",
+                        3 => "delivery event",
+                        4 => "unexpected exit reason",
+                        _ => "unknown",
+                    },
+                    &internal.data[..n]
+                ));
+            }
             Ok(other) => return Err(format!("unexpected exit {other:?}")),
             // A secondary vCPU's first KVM_RUN may return EAGAIN until it got its SIPI.
             Err(e) if e.errno() == libc::EAGAIN || e.errno() == libc::EINTR => {}
