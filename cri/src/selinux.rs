@@ -64,33 +64,74 @@ pub fn mount_label(options: Option<&k8s_cri::v1::SeLinuxOption>) -> String {
     format!("system_u:object_r:container_file_t:{level}")
 }
 
-/// Gives `path` and everything under it (not following links) the file label `label`.
+/// Gives `path` and everything under it (not following links below it) the file label
+/// `label`. The path is resolved first (a link names its target, `..` is gone), then checked
+/// against the system directories. A tree whose top already has the label is left as it
+/// is (a container's restart does not walk it again), and an entry removed during the walk
+/// is skipped.
 pub fn relabel(path: &Path, label: &str) -> Result<(), RelabelError> {
-    let clean = path.to_string_lossy();
-    let trimmed = clean.trim_end_matches('/');
-    let key = if trimmed.is_empty() { "/" } else { trimmed };
-    if REFUSED.contains(&key) {
-        return Err(RelabelError::SystemPath(key.to_string()));
-    }
     let io = |p: &Path, source| RelabelError::Io {
         path: p.display().to_string(),
         label: label.to_string(),
         source,
     };
+    if !path.is_absolute() {
+        return Err(io(path, std::io::Error::from_raw_os_error(libc::EINVAL)));
+    }
+    let path = std::fs::canonicalize(path).map_err(|e| io(path, e))?;
+    let key = path.to_string_lossy();
+    if REFUSED.contains(&key.as_ref()) {
+        return Err(RelabelError::SystemPath(key.into_owned()));
+    }
     // The value as libselinux writes it: the context and its NUL.
     let mut value = label.as_bytes().to_vec();
     value.push(0);
-    let mut stack = vec![path.to_path_buf()];
+    if get_label(&path).as_deref() == Some(value.as_slice()) {
+        return Ok(());
+    }
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+    let mut stack = vec![path.clone()];
     while let Some(p) = stack.pop() {
-        set_label(&p, &value).map_err(|e| io(&p, e))?;
-        let meta = std::fs::symlink_metadata(&p).map_err(|e| io(&p, e))?;
+        let top = p == path;
+        let r = set_label(&p, &value).and_then(|()| std::fs::symlink_metadata(&p));
+        let meta = match r {
+            Ok(m) => m,
+            Err(e) if !top && gone(&e) => continue,
+            Err(e) => return Err(io(&p, e)),
+        };
         if meta.is_dir() {
-            for e in std::fs::read_dir(&p).map_err(|e| io(&p, e))? {
-                stack.push(e.map_err(|e| io(&p, e))?.path());
+            let entries = match std::fs::read_dir(&p) {
+                Ok(d) => d,
+                Err(e) if !top && gone(&e) => continue,
+                Err(e) => return Err(io(&p, e)),
+            };
+            for e in entries {
+                match e {
+                    Ok(e) => stack.push(e.path()),
+                    Err(e) if gone(&e) => {}
+                    Err(e) => return Err(io(&p, e)),
+                }
             }
         }
     }
     Ok(())
+}
+
+/// The `security.selinux` attribute of `p` (not following a final link), if it has one.
+fn get_label(p: &Path) -> Option<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    let mut buf = [0u8; 256];
+    // SAFETY: NUL-terminated strings and a buffer of the length given, alive for the call.
+    let n = unsafe {
+        libc::lgetxattr(
+            c.as_ptr(),
+            c"security.selinux".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    usize::try_from(n).ok().map(|n| buf[..n].to_vec())
 }
 
 fn set_label(p: &Path, value: &[u8]) -> std::io::Result<()> {
@@ -119,24 +160,20 @@ mod tests {
     use super::*;
 
     fn label_of(p: &Path) -> Option<String> {
-        use std::os::unix::ffi::OsStrExt;
-        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
-        let mut buf = [0u8; 256];
-        // SAFETY: NUL-terminated strings and a buffer of the length given.
-        let n = unsafe {
-            libc::lgetxattr(
-                c.as_ptr(),
-                c"security.selinux".as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
-        };
-        (n > 0).then(|| String::from_utf8_lossy(&buf[..n as usize]).into_owned())
+        get_label(p).map(|v| String::from_utf8_lossy(&v).into_owned())
     }
 
     #[test]
     fn system_directories_are_refused() {
-        for p in ["/", "/etc", "/usr/", "/var/lib"] {
+        for p in [
+            "/",
+            "/etc",
+            "/usr/",
+            "/var/lib",
+            "//etc",
+            "/usr/../etc",
+            "/./var/lib/",
+        ] {
             assert!(
                 matches!(relabel(Path::new(p), "x"), Err(RelabelError::SystemPath(_))),
                 "{p}"
@@ -192,5 +229,12 @@ mod tests {
             );
         }
         assert_eq!(label_of(outside.path()), None);
+        // Through a link to it, the tree itself is what gets the label; a relative path is
+        // refused.
+        std::os::unix::fs::symlink(&vol, d.path().join("to-vol")).unwrap();
+        let other = "system_u:object_r:container_file_t:s0:c3,c4";
+        relabel(&d.path().join("to-vol"), other).unwrap();
+        assert_eq!(label_of(&vol.join("a/b/f")), Some(format!("{other}\0")));
+        assert!(relabel(Path::new("relative"), other).is_err());
     }
 }

@@ -214,10 +214,13 @@ impl Runtime {
         sc: Option<&cri::LinuxContainerSecurityContext>,
         mounts: &[cri::Mount],
     ) -> Result<()> {
+        // Directories and regular files: a device node or socket is not the container's to
+        // label (a VM pod's device mounts name the guest's own nodes).
         let paths: Vec<std::path::PathBuf> = mounts
             .iter()
             .filter(|m| m.selinux_relabel && !m.host_path.is_empty())
-            .map(|m| m.host_path.clone().into())
+            .map(|m| std::path::PathBuf::from(&m.host_path))
+            .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_dir() || m.is_file()))
             .collect();
         if paths.is_empty() {
             return Ok(());
