@@ -16,6 +16,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("volume", "programs on a host-path volume run: a script, a static binary, one the container wrote", programs_run_from_a_volume),
         spec!("volume", "a ConfigMap-style symlink swap on the host is seen by the container within 3 s", configmap_swap),
         spec!("volume", "a socket as a host path: bound into a flat pod, InvalidArgument for a VM pod", socket_source),
+        spec!("volume", "a write without CAP_FSETID clears a host file's setuid and setgid bits, root's keeps them", write_kills_suid),
     ]
 }
 
@@ -233,4 +234,46 @@ async fn socket_source(c: Ctx) -> SpecResult {
             r.map_err(|e| (e.code(), e.message().to_string()))
         ),
     }
+}
+
+/// What Linux does on a local write (and virtio-fs must do for the guest's writes to host
+/// files): a writer without CAP_FSETID loses the file its setuid and setgid bits, a writer
+/// with it (a root container's default capabilities) keeps them.
+async fn write_kills_suid(c: Ctx) -> SpecResult {
+    use std::os::unix::fs::PermissionsExt;
+    let d = c.dir("suid")?;
+    for f in ["user", "root"] {
+        std::fs::write(d.join(f), "x\n").map_err(io("host file"))?;
+        std::fs::set_permissions(d.join(f), std::fs::Permissions::from_mode(0o6777))
+            .map_err(io("chmod"))?;
+    }
+    let (pod, pcfg) = c.run_pod("suid").await?;
+    let mut cfg = c.ctr_config("user", "sleep 100000");
+    cfg.mounts = vec![vol(&d, "/mnt/v")];
+    Ctx::sec(&mut cfg).run_as_user = Some(cri::Int64Value { value: 1000 });
+    let user = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let mut cfg = c.ctr_config("root", "sleep 100000");
+    cfg.mounts = vec![vol(&d, "/mnt/v")];
+    let root = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.sh_ok(&user, "echo y >> /mnt/v/user").await?;
+    c.sh_ok(&root, "echo y >> /mnt/v/root").await?;
+    let mode = |f: &str| -> Result<u32, Stop> {
+        Ok(std::fs::metadata(d.join(f))
+            .map_err(io("host file"))?
+            .permissions()
+            .mode()
+            & 0o7777)
+    };
+    let (u, r) = (mode("user")?, mode("root")?);
+    check!(
+        u == 0o777,
+        "after uid 1000's write the host file's mode is {u:o}, want 777"
+    );
+    check!(
+        r == 0o6777,
+        "after root's write the host file's mode is {r:o}, want 6777"
+    );
+    let got = std::fs::read_to_string(d.join("user")).map_err(io("host file"))?;
+    check!(got == "x\ny\n", "the host file holds {got:?}");
+    Ok(())
 }
