@@ -81,6 +81,10 @@ console_log = false
 # Pods that ask for the host's network, pid or ipc namespace, or a privileged pod, cannot be
 # given what they ask in a VM: "flat" runs them flat (with a log line), "refuse" fails them.
 host_namespaces = "flat"
+# The VMM's seccomp filters, an allow-list per thread kind (docs/vm-pods.md): "enforce"
+# refuses a system call outside its thread's list (EPERM, and a line in the pod's shim.log);
+# "log" makes it and lets the kernel log it (audit, dmesg), to find what a list lacks.
+seccomp = "enforce"
 
 [cni]
 # CNI for pods that have their own network namespace, flat and VM: the first valid network
@@ -213,6 +217,7 @@ pub struct VmConfig {
     pub spare_disks: u32,
     pub console_log: bool,
     pub host_namespaces: HostNamespacesPolicy,
+    pub seccomp: vessel_shim::seccomp::Mode,
 }
 
 impl Default for VmConfig {
@@ -229,6 +234,7 @@ impl Default for VmConfig {
             spare_disks: 12,
             console_log: false,
             host_namespaces: HostNamespacesPolicy::Flat,
+            seccomp: vessel_shim::seccomp::Mode::Enforce,
         }
     }
 }

@@ -63,6 +63,9 @@ pub struct ShimConfig {
     /// Run the VMM in its jail ([`jail`]): needs root. vesseld's pods always do.
     #[serde(default)]
     pub jail: bool,
+    /// With `jail`: what a system call outside its thread's allow-list does ([`seccomp`]).
+    #[serde(default)]
+    pub seccomp: seccomp::Mode,
 }
 
 /// A shim spec, as JSON or (for a `.toml` file) TOML: the VM configuration and, at the same
@@ -115,6 +118,7 @@ impl Spec {
             pod_net: key(obj, "pod_net")?,
             log_file: key(obj, "log_file")?,
             jail: key(obj, "jail")?.unwrap_or(false),
+            seccomp: key(obj, "seccomp")?.unwrap_or_default(),
         };
         let vm: VmConfig = serde_json::from_value(v).map_err(|e| e.to_string())?;
         if shim.log_port.is_some() && vm.vsock.is_none() {

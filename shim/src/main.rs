@@ -292,6 +292,20 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         },
         None => None,
     };
+    // Jailed: each vCPU, device worker and file server installs its own seccomp filter as
+    // it starts (they start from here on), this thread the control list once the VM is built.
+    let filters = if jail.is_some() {
+        let console_file = matches!(cfg.vm.console, vessel_vmm::vm::Console::File(_));
+        let f = vessel_shim::seccomp::Filters::new(cfg.shim.seccomp, console_file)
+            .map(std::sync::Arc::new)
+            .and_then(|f| vessel_shim::seccomp::arm(f.clone()).map(|()| f));
+        match f {
+            Ok(f) => Some(f),
+            Err(e) => return fail(e.to_string()),
+        }
+    } else {
+        None
+    };
     let vm = match vessel_vmm::vm::Vm::new(&cfg.vm) {
         Ok(vm) => vm,
         Err(e) => return fail(e.to_string()),
@@ -301,10 +315,11 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     if let Err(e) = vessel_vmm::caps::drop_all() {
         return fail(format!("dropping capabilities: {e}"));
     }
-    if jail.is_some() {
-        if let Err(e) = vessel_shim::seccomp::install() {
+    if let Some(f) = &filters {
+        if let Err(e) = vessel_shim::seccomp::install_control(f) {
             return fail(e.to_string());
         }
+        tracing::debug!(mode = ?cfg.shim.seccomp, "seccomp filters installed");
     }
     if let Some(p) = &cfg.shim.log_file {
         let (max, every) = (vessel_agent::logs::OWN_LOG_MAX, Duration::from_secs(10));
@@ -514,6 +529,34 @@ fn vsock_echo(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// On a thread of its own with `role`'s filters (installed as the VMM's threads install
+/// them): whether it may open a file and make a socket.
+fn probe_role(
+    filters: &std::sync::Arc<vessel_shim::seccomp::Filters>,
+    role: vessel_vmm::threads::ThreadRole,
+) -> Result<serde_json::Value> {
+    let f = filters.clone();
+    std::thread::spawn(move || -> Result<serde_json::Value> {
+        f.install_for(role)?;
+        let open = match std::fs::File::open("/") {
+            Ok(_) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        };
+        // SAFETY: socket(2) with integer arguments; a descriptor it returns is closed.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) };
+        let socket = if fd < 0 {
+            std::io::Error::last_os_error().to_string()
+        } else {
+            // SAFETY: `fd` was just returned by socket(2) and is not used again.
+            unsafe { libc::close(fd) };
+            "ok".to_string()
+        };
+        Ok(serde_json::json!({"open": open, "socket": socket}))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the {role} thread panicked"))?
+}
+
 fn jail_check(
     spec: &std::path::Path,
     open: &[std::path::PathBuf],
@@ -528,8 +571,24 @@ fn jail_check(
     let plan = vessel_shim::jail::Plan::for_spec(&cfg, spec);
     vessel_shim::jail::fork_into_pid_namespace()?;
     vessel_shim::jail::confine(&plan)?;
+    let console_file = matches!(cfg.vm.console, vessel_vmm::vm::Console::File(_));
+    let filters = std::sync::Arc::new(vessel_shim::seccomp::Filters::new(
+        cfg.shim.seccomp,
+        console_file,
+    )?);
+    vessel_shim::seccomp::arm(filters.clone())?;
+    // As in the VMM: device workers and file servers start before the main thread takes
+    // the control list, and have their own list only; vCPUs start after, and stack theirs
+    // on it.
+    use vessel_vmm::threads::ThreadRole;
+    let mut threads = serde_json::Map::new();
+    for role in [ThreadRole::Device, ThreadRole::FileServer] {
+        threads.insert(role.to_string(), probe_role(&filters, role)?);
+    }
     vessel_vmm::caps::drop_all()?;
-    vessel_shim::seccomp::install()?;
+    vessel_shim::seccomp::install_control(&filters)?;
+    let vcpu = ThreadRole::Vcpu;
+    threads.insert(vcpu.to_string(), probe_role(&filters, vcpu)?);
     let result = |r: std::io::Result<std::fs::File>| match r {
         Ok(_) => "ok".to_string(),
         Err(e) => e.to_string(),
@@ -611,6 +670,7 @@ fn jail_check(
         "execve": execve,
         "fork": fork,
         "x32": x32,
+        "threads": threads,
     });
     println!("{out}");
     std::io::stdout().flush()?;

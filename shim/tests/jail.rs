@@ -66,7 +66,7 @@ fn a_jailed_vmm_sees_its_own_directory_and_images_only() {
         "mem_mib": 64, "vcpus": 1,
         "disks": [{"path": images.join("ro.img"), "read_only": true},
                   {"path": images.join("rw.img")}],
-        "console": {"file": vm.join("console.log")},
+        "console": "off",
         "vsock": {"uds_path": vm.join("v.sock")},
         "shared_dirs": [{"tag": "vessel", "path": shared}],
         "control_socket": vm.join("ctl.sock"),
@@ -161,6 +161,17 @@ fn a_jailed_vmm_sees_its_own_directory_and_images_only() {
     );
     assert_eq!(v["fork"], "Operation not permitted (os error 1)", "{line}");
     assert_eq!(v["x32"], "Operation not permitted (os error 1)", "{line}");
+    // Each thread kind's allow-list: vCPUs and device workers open no file, file servers
+    // make no socket.
+    let eperm = "Operation not permitted (os error 1)";
+    for (role, open, socket) in [
+        ("vcpu", eperm, "ok"),
+        ("device", eperm, "ok"),
+        ("file-server", "ok", eperm),
+    ] {
+        assert_eq!(v["threads"][role]["open"], open, "{role}: {line}");
+        assert_eq!(v["threads"][role]["socket"], socket, "{role}: {line}");
+    }
     assert_eq!(
         v["proc"],
         serde_json::json!(["1", "self", "thread-self"]),

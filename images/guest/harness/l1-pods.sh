@@ -18,6 +18,12 @@ VESSEL_SOCK="$STATE/vessel.sock"
 export VESSEL_SOCK
 since() { awk -v t="$1" '{printf "%.1f", $1 - t}' /proc/uptime; }
 
+# The kernel's log, kept whole (no rate limit) for the VMM's seccomp records (audit type 1326)
+# checked at the end.
+echo 0 >/proc/sys/kernel/printk_ratelimit 2>/dev/null
+cat /dev/kmsg >/tmp/kmsg &
+kmsg=$!
+echo "l1-pods: kernel log capture" >/dev/kmsg
 # cgroup v2 with every controller delegated to children (vesseld and libcontainer need it).
 if ! grep -q " /sys/fs/cgroup cgroup2 " /proc/mounts; then
   mount -t cgroup2 cgroup2 /sys/fs/cgroup
@@ -103,6 +109,19 @@ i=0; while kill -0 $vpid 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1))
 kill -KILL $vpid 2>/dev/null
 if [ "$fail" != 0 ] || [ "$pass" = 0 ]; then
   echo "l1-pods: the last 80 lines of vesseld's log:"; tail -n 80 "$STATE/vesseld.log"
+fi
+# The jailed VMMs' seccomp allow-lists refused nothing the suite made them do (each refusal
+# is an audit record of the kernel's: the lists are installed with SECCOMP_FILTER_FLAG_LOG).
+kill $kmsg 2>/dev/null
+if [ "$HANDLER" = vm ] && ! grep -q 'l1-pods: kernel log capture' /tmp/kmsg; then
+  fail=$((fail+1)); echo "FAIL the kernel log was not captured: the VMMs' seccomp refusals are not checked"
+elif [ "$HANDLER" = vm ]; then
+  refused=$(grep 'type=1326' /tmp/kmsg | grep 'vessel-shim' |
+    sed -E 's/.*comm="([^"]*)".*syscall=([0-9]+).*/thread \1 system call \2/; s/vcpu[0-9]+/vcpuN/' | sort | uniq -c)
+  if [ -z "$refused" ]; then pass=$((pass+1)); echo "PASS the VMMs' seccomp filters refused nothing"
+  else fail=$((fail+1)); echo "FAIL the VMMs' seccomp filters refused:"; echo "$refused"
+    grep 'type=1326' /tmp/kmsg | grep 'vessel-shim' | head -n 20
+  fi
 fi
 echo "PODS-HARNESS: $pass passed, $fail failed, $skip skipped"
 [ "$fail" = 0 ] && [ "$pass" != 0 ]

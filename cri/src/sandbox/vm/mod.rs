@@ -154,6 +154,7 @@ impl SandboxBackend for VmBackend {
             mem_mib: v.mem_mib,
             spare_disks: cfg.spare_disks,
             console_log: cfg.console_log,
+            seccomp: cfg.seccomp,
             boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
             log_level: &self.log_level,
             pod_net,

@@ -48,6 +48,8 @@ pub struct LaunchSpec<'a> {
     pub mem_mib: u64,
     pub spare_disks: u32,
     pub console_log: bool,
+    /// What the VMM's seccomp filters do with a call outside a thread's list.
+    pub seccomp: vessel_shim::seccomp::Mode,
     pub boot_timeout: Duration,
     pub log_level: &'a str,
     /// The pod's network namespace with its CNI interface, if it has one.
@@ -141,6 +143,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
             pod_net: spec.pod_net.clone(),
             log_file: Some(p.shim_log.clone()),
             jail: true,
+            seccomp: spec.seccomp,
         },
     }
 }
@@ -362,6 +365,7 @@ mod tests {
             mem_mib: 256,
             spare_disks: 4,
             console_log: false,
+            seccomp: vessel_shim::seccomp::Mode::Enforce,
             boot_timeout: Duration::from_secs(1),
             log_level: "info",
             pod_net: Some(vessel_shim::podnet::PodNet {
