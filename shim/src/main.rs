@@ -204,6 +204,14 @@ fn main() -> Result<()> {
 fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     use std::time::{Duration, Instant};
     let start = Instant::now();
+    // At most 4 malloc arenas, before any thread starts. Past 8 arenas glibc asks for the
+    // CPU count once, opening /sys/devices/system/cpu/online from whichever thread needs
+    // the 9th: a vCPU or device worker, whose seccomp list has no open (the nested suite saw
+    // it once in a port-forward of 10 MiB). Fewer arenas also keep the VMM's heap smaller.
+    // SAFETY: mallopt changes a malloc parameter; no thread but this one exists yet.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, 4) } != 1 {
+        tracing::warn!("mallopt(M_ARENA_MAX) failed");
+    }
     // SIGTERM/SIGINT are taken by a thread with sigwait; block them before any thread starts.
     let signals = [libc::SIGTERM, libc::SIGINT];
     // SAFETY: sigset_t is plain data initialised by sigemptyset before use; the set is only

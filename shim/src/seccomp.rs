@@ -249,7 +249,9 @@ const CONSOLE_FILE: &[libc::c_long] = &[
     libc::SYS_renameat2,
 ];
 
-/// The lists, by thread kind.
+/// The lists, by thread kind. None but the control and file-server lists may open files;
+/// glibc's malloc would, once, to count CPUs past 8 arenas, which the shim's `run` rules
+/// out (`M_ARENA_MAX`).
 fn allowed(list: Kind, console_file: bool) -> Vec<libc::c_long> {
     let mut v: Vec<libc::c_long> = BASE.to_vec();
     match list {
