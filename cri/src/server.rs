@@ -357,25 +357,24 @@ fn resolve_group(g: &str) -> Option<u32> {
     })
 }
 
-/// Resolves when SIGTERM or SIGINT arrives.
-pub async fn shutdown_signal() {
+/// Resolves when SIGTERM or SIGINT arrives. The handlers are installed at the call, not at
+/// the future's first poll: a SIGTERM right after READY (which comes before the server
+/// polls this) must shut vesseld down, not kill it. Call it inside the runtime.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot watch SIGTERM");
-            return std::future::pending().await;
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    async move {
+        let (mut term, mut int) = match (term, int) {
+            (Ok(t), Ok(i)) => (t, i),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!(error = %e, "cannot watch SIGTERM and SIGINT");
+                return std::future::pending().await;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("vesseld: SIGTERM, shutting down"),
+            _ = int.recv() => tracing::info!("vesseld: SIGINT, shutting down"),
         }
-    };
-    let mut int = match signal(SignalKind::interrupt()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot watch SIGINT");
-            return std::future::pending().await;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("vesseld: SIGTERM, shutting down"),
-        _ = int.recv() => tracing::info!("vesseld: SIGINT, shutting down"),
     }
 }
