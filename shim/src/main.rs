@@ -204,10 +204,11 @@ fn main() -> Result<()> {
 fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     use std::time::{Duration, Instant};
     let start = Instant::now();
-    // At most 4 malloc arenas, before any thread starts. Past 8 arenas glibc asks for the
-    // CPU count once, opening /sys/devices/system/cpu/online from whichever thread needs
-    // the 9th: a vCPU or device worker, whose seccomp list has no open (the nested suite saw
-    // it once in a port-forward of 10 MiB). Fewer arenas also keep the VMM's heap smaller.
+    // At most 4 malloc arenas, before any thread starts. Without a limit, past 8 arenas
+    // glibc counts CPUs whenever a thread wants another, opening
+    // /sys/devices/system/cpu/online from that thread: a vCPU or device worker, whose
+    // seccomp list has no open (the nested suite saw it once, in a 10 MiB port-forward).
+    // Fewer arenas also keep the VMM's heap smaller.
     // SAFETY: mallopt changes a malloc parameter; no thread but this one exists yet.
     if unsafe { libc::mallopt(libc::M_ARENA_MAX, 4) } != 1 {
         tracing::warn!("mallopt(M_ARENA_MAX) failed");
@@ -538,7 +539,7 @@ fn vsock_echo(path: &std::path::Path) -> Result<()> {
 }
 
 /// On a thread of its own with `role`'s filters (installed as the VMM's threads install
-/// them): whether it may open a file and make a socket.
+/// them): whether it may open a file for reading, create one, and make a socket.
 fn probe_role(
     filters: &std::sync::Arc<vessel_shim::seccomp::Filters>,
     role: vessel_vmm::threads::ThreadRole,
@@ -546,10 +547,18 @@ fn probe_role(
     let f = filters.clone();
     std::thread::spawn(move || -> Result<serde_json::Value> {
         f.install_for(role)?;
-        let open = match std::fs::File::open("/") {
+        let outcome = |r: std::io::Result<std::fs::File>| match r {
             Ok(_) => "ok".to_string(),
             Err(e) => e.to_string(),
         };
+        let read = outcome(std::fs::File::open("/"));
+        let create = outcome(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open("/jail-check-probe"),
+        );
         // SAFETY: socket(2) with integer arguments; a descriptor it returns is closed.
         let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) };
         let socket = if fd < 0 {
@@ -559,7 +568,7 @@ fn probe_role(
             unsafe { libc::close(fd) };
             "ok".to_string()
         };
-        Ok(serde_json::json!({"open": open, "socket": socket}))
+        Ok(serde_json::json!({"read": read, "create": create, "socket": socket}))
     })
     .join()
     .map_err(|_| anyhow::anyhow!("the {role} thread panicked"))?

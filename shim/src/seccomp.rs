@@ -249,9 +249,8 @@ const CONSOLE_FILE: &[libc::c_long] = &[
     libc::SYS_renameat2,
 ];
 
-/// The lists, by thread kind. None but the control and file-server lists may open files;
-/// glibc's malloc would, once, to count CPUs past 8 arenas, which the shim's `run` rules
-/// out (`M_ARENA_MAX`).
+/// The lists, by thread kind. None but the control and file-server lists may open files
+/// for writing (vCPUs and device workers may open for reading: see [`allow_list`]).
 fn allowed(list: Kind, console_file: bool) -> Vec<libc::c_long> {
     let mut v: Vec<libc::c_long> = BASE.to_vec();
     match list {
@@ -356,6 +355,26 @@ fn allow_list(kind: Kind, mode: Mode, console_file: bool) -> Result<BpfProgram, 
             libc::SYS_clone,
             vec![SeccompRule::new(vec![masked(thread, thread)?, masked(ns, 0)?]).map_err(err)?],
         );
+    }
+    if matches!(kind, Kind::Role(ThreadRole::Vcpu | ThreadRole::Device)) {
+        // Opening for reading only, nothing created or truncated: the C library does that
+        // on any thread. The nested suite saw it on vCPUs and the vsock worker, always from
+        // glibc's __open64_nocancel: malloc counting CPUs from /sys past 8 arenas is one
+        // such (the shim's M_ARENA_MAX removes it); another, not identified yet, remains.
+        // In the jail there is little to read, and nothing can be opened for writing.
+        let write = u64::from((libc::O_ACCMODE | libc::O_CREAT | libc::O_TRUNC).unsigned_abs());
+        for (sys, flags_arg) in [(libc::SYS_openat, 2), (libc::SYS_open, 1)] {
+            rules
+                .entry(sys)
+                .or_insert(vec![SeccompRule::new(vec![SeccompCondition::new(
+                    flags_arg,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::MaskedEq(write),
+                    0,
+                )
+                .map_err(err)?])
+                .map_err(err)?]);
+        }
     }
     compile(rules, refusal(mode), SeccompAction::Allow)
 }
