@@ -3,10 +3,10 @@
 //!
 //! * **vCPU** threads run guest code and emulate the devices' registers and queue
 //!   notifications: KVM ioctls, block I/O on open images, writes to taps and sockets, and
-//!   connecting to a host vsock port the guest dials; no file opening (unless the console
-//!   goes to a file, which the vCPU writing it rotates).
+//!   connecting to a host vsock port the guest dials; files opened for reading only
+//!   (unless the console goes to a file, which the vCPU writing it rotates).
 //! * **Device** workers (vsock, net) move data between the guest's queues and host
-//!   sockets or a tap: socket calls, no file opening, no unlinking.
+//!   sockets or a tap: socket calls, files opened for reading only, no unlinking.
 //! * **File servers** (virtio-fs) do file operations in their share for the guest (they
 //!   confined their filesystem view to it first): the file calls, no sockets, no ioctls.
 //! * The **control** list is the main thread's, taken over by every thread it starts after
