@@ -119,40 +119,20 @@ pub fn relabel(path: &Path, label: &str) -> Result<(), RelabelError> {
 
 /// The `security.selinux` attribute of `p` (not following a final link), if it has one.
 fn get_label(p: &Path) -> Option<Vec<u8>> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
     let mut buf = [0u8; 256];
-    // SAFETY: NUL-terminated strings and a buffer of the length given, alive for the call.
-    let n = unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            c"security.selinux".as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    usize::try_from(n).ok().map(|n| buf[..n].to_vec())
+    let n = rustix::fs::lgetxattr(p, "security.selinux", &mut buf).ok()?;
+    Some(buf[..n].to_vec())
 }
 
+/// Sets `p`'s `security.selinux` attribute (not following a final link).
 fn set_label(p: &Path, value: &[u8]) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `c` and the attribute name are NUL-terminated strings and `value` a buffer of
-    // the length given, all alive for the call; lsetxattr does not follow a final link.
-    let r = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            c"security.selinux".as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    rustix::fs::lsetxattr(
+        p,
+        "security.selinux",
+        value,
+        rustix::fs::XattrFlags::empty(),
+    )
+    .map_err(std::io::Error::from)
 }
 
 #[cfg(test)]
