@@ -214,13 +214,10 @@ impl Runtime {
         sc: Option<&cri::LinuxContainerSecurityContext>,
         mounts: &[cri::Mount],
     ) -> Result<()> {
-        // Directories and regular files: a device node or socket is not the container's to
-        // label (a VM pod's device mounts name the guest's own nodes).
         let paths: Vec<std::path::PathBuf> = mounts
             .iter()
             .filter(|m| m.selinux_relabel && !m.host_path.is_empty())
             .map(|m| std::path::PathBuf::from(&m.host_path))
-            .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_dir() || m.is_file()))
             .collect();
         if paths.is_empty() {
             return Ok(());
@@ -236,7 +233,12 @@ impl Runtime {
         let label = crate::selinux::mount_label(sc.and_then(|s| s.selinux_options.as_ref()));
         let key = key.to_string();
         tokio::task::spawn_blocking(move || {
-            for p in &paths {
+            // Directories and regular files: a device node or socket is not the container's
+            // to label (a VM pod's device mounts name the guest's own nodes).
+            let labelled = paths
+                .iter()
+                .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_dir() || m.is_file()));
+            for p in labelled {
                 match crate::selinux::relabel(p, &label) {
                     Ok(()) => tracing::debug!(container = key, path = %p.display(), label, "relabelled"),
                     Err(crate::selinux::RelabelError::Io { source, .. })
