@@ -307,14 +307,19 @@ fn err(e: impl std::fmt::Display) -> SeccompError {
     SeccompError(e.to_string())
 }
 
-fn masked(mask: u64, value: u64) -> Result<SeccompCondition, SeccompError> {
-    SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Qword,
-        SeccompCmpOp::MaskedEq(mask),
-        value,
-    )
-    .map_err(err)
+/// Argument `arg` (of width `len`) masked with `mask` equals `value`.
+fn masked(
+    arg: u8,
+    len: SeccompCmpArgLen,
+    mask: u64,
+    value: u64,
+) -> Result<SeccompCondition, SeccompError> {
+    SeccompCondition::new(arg, len, SeccompCmpOp::MaskedEq(mask), value).map_err(err)
+}
+
+/// The clone flags (argument 0) masked with `mask` equal `value`.
+fn clone_flags(mask: u64, value: u64) -> Result<SeccompCondition, SeccompError> {
+    masked(0, SeccompCmpArgLen::Qword, mask, value)
 }
 
 fn compile(
@@ -353,7 +358,10 @@ fn allow_list(kind: Kind, mode: Mode, console_file: bool) -> Result<BpfProgram, 
         let thread = u64::from(libc::CLONE_THREAD.unsigned_abs());
         rules.insert(
             libc::SYS_clone,
-            vec![SeccompRule::new(vec![masked(thread, thread)?, masked(ns, 0)?]).map_err(err)?],
+            vec![
+                SeccompRule::new(vec![clone_flags(thread, thread)?, clone_flags(ns, 0)?])
+                    .map_err(err)?,
+            ],
         );
     }
     if matches!(kind, Kind::Role(ThreadRole::Vcpu | ThreadRole::Device)) {
@@ -366,13 +374,12 @@ fn allow_list(kind: Kind, mode: Mode, console_file: bool) -> Result<BpfProgram, 
         for (sys, flags_arg) in [(libc::SYS_openat, 2), (libc::SYS_open, 1)] {
             rules
                 .entry(sys)
-                .or_insert(vec![SeccompRule::new(vec![SeccompCondition::new(
+                .or_insert(vec![SeccompRule::new(vec![masked(
                     flags_arg,
                     SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::MaskedEq(write),
+                    write,
                     0,
-                )
-                .map_err(err)?])
+                )?])
                 .map_err(err)?]);
         }
     }
@@ -466,10 +473,10 @@ fn deny_list() -> Result<Vec<BpfProgram>, SeccompError> {
     let mut denied: BTreeMap<i64, Vec<SeccompRule>> =
         DENIED.iter().map(|s| (*s, Vec::new())).collect();
     let thread = u64::from(libc::CLONE_THREAD.unsigned_abs());
-    let mut clone = vec![SeccompRule::new(vec![masked(thread, 0)?]).map_err(err)?];
+    let mut clone = vec![SeccompRule::new(vec![clone_flags(thread, 0)?]).map_err(err)?];
     for f in NAMESPACE_FLAGS {
         let f = u64::from(f.unsigned_abs());
-        clone.push(SeccompRule::new(vec![masked(f, f)?]).map_err(err)?);
+        clone.push(SeccompRule::new(vec![clone_flags(f, f)?]).map_err(err)?);
     }
     denied.insert(libc::SYS_clone, clone);
     Ok(vec![
