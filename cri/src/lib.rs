@@ -21,3 +21,4 @@ pub mod server;
 pub mod spec;
 pub mod state;
 pub mod streaming;
+pub mod userns;

@@ -194,6 +194,9 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                     "sandboxBackends": crate::sandbox::available(self.rt.vm_support()),
                     "kvm": {"usable": self.rt.vm_support().kvm_usable, "reason": self.rt.vm_support().reason},
                     "podCIDR": self.rt.pod_cidr(),
+                    // Where pods' state lives (critest looks for idmapped-mount support
+                    // on the filesystem holding this directory's parent).
+                    "stateDir": std::path::Path::new(&self.root_dir).join("pods"),
                 })
                 .to_string(),
             );
@@ -210,7 +213,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                     name: name.to_string(),
                     features: Some(cri::RuntimeHandlerFeatures {
                         recursive_read_only_mounts: true,
-                        user_namespaces: false,
+                        user_namespaces: self.rt.handler_has_userns(name),
                     }),
                 })
                 .collect(),

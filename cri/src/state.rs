@@ -229,6 +229,12 @@ impl StateDirs {
             fs::create_dir_all(&d).map_err(io("create", &d))?;
             fs::set_permissions(&d, fs::Permissions::from_mode(0o700)).map_err(io("chmod", &d))?;
         }
+        // Where the agent of a pod with its own user namespace mounts, in its own mount
+        // namespace, the tmpfs that holds its containers' roots and bind mounts: a container's
+        // root (an unprivileged host id) must be able to reach them. Empty on the host.
+        let u = s.userns_root();
+        fs::create_dir_all(&u).map_err(io("create", &u))?;
+        fs::set_permissions(&u, fs::Permissions::from_mode(0o711)).map_err(io("chmod", &u))?;
         for d in [s.pods_dir(), s.containers_dir()] {
             fsutil::clean_dead_temps(&d).map_err(io("clean", &d))?;
         }
@@ -260,6 +266,10 @@ impl StateDirs {
     }
 
     /// Runtime files of a pod (agent state), cleared by a reboot.
+    /// See [`StateDirs::new`]: the mount point of user-namespaced pods' container dirs.
+    pub fn userns_root(&self) -> PathBuf {
+        self.run.join("userns")
+    }
     pub fn pod_run_dir(&self, id: &str) -> PathBuf {
         self.run.join("pods").join(id)
     }

@@ -2535,60 +2535,260 @@ async fn hugepage_limits_are_honoured_or_refused() {
     h.assert_clean();
 }
 
-/// User namespaces are not implemented: Status does not advertise them, and a pod that asks
-/// for one (POD, CONTAINER or TARGET mode, or ID mappings) is refused, not run without it;
-/// NODE mode (no user namespace) runs.
+fn with_userns(
+    mut cfg: cri::PodSandboxConfig,
+    mode: cri::NamespaceMode,
+    ids: Vec<cri::IdMapping>,
+) -> cri::PodSandboxConfig {
+    cfg.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                userns_options: Some(cri::UserNamespace {
+                    mode: mode as i32,
+                    uids: ids.clone(),
+                    gids: ids,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    cfg
+}
+
+fn id_map(container_id: u32, host_id: u32, length: u32) -> cri::IdMapping {
+    cri::IdMapping {
+        container_id,
+        host_id,
+        length,
+    }
+}
+
+/// User namespaces (kubelet's `hostUsers: false`), as kubelet asks for them: the pod's one
+/// mapping, which each container and each volume's mount carries too. In a flat pod the
+/// containers see the mapping, are root over their own rootfs (idmapped image layers, a
+/// writable layer of their root's), over the pod's network (ping sockets, binding port 80)
+/// and over their volumes, whose files show with their owners on disk (idmapped mounts), and
+/// what they write there is root's on the host. A container sharing the pod's pid namespace
+/// sees its holder as PID 1. What CRI leaves undefined or kubelet never sends is refused;
+/// NODE is the host's user namespace. Status advertises them for the handlers that run flat;
+/// VM pods refuse them. Nothing is left afterwards, the holder process included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn user_namespaces_are_refused_until_supported() {
-    let h = harness().await;
-    let with = |name: &str, mode: cri::NamespaceMode, map: bool| {
-        let mut cfg = h.pod_config(name);
-        let ids = if map {
-            vec![cri::IdMapping {
-                container_id: 0,
-                host_id: 1000,
-                length: 65536,
-            }]
-        } else {
-            Vec::new()
-        };
-        cfg.linux = Some(cri::LinuxPodSandboxConfig {
-            security_context: Some(cri::LinuxSandboxSecurityContext {
+async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
+    let mut h = harness().await;
+    let status =
+        h.c.runtime
+            .status(cri::StatusRequest { verbose: false })
+            .await
+            .expect("Status")
+            .into_inner();
+    let advertised = |name: &str| {
+        status
+            .runtime_handlers
+            .iter()
+            .find(|r| r.name == name)
+            .and_then(|r| r.features)
+            .is_some_and(|f| f.user_namespaces)
+    };
+    assert!(advertised("flat"), "{status:?}");
+    let map = id_map(0, 300_000, 65536);
+    for (name, mode, ids, why) in [
+        (
+            "userns-ctr",
+            cri::NamespaceMode::Container,
+            vec![],
+            "CONTAINER",
+        ),
+        (
+            "userns-target",
+            cri::NamespaceMode::Target,
+            vec![],
+            "TARGET",
+        ),
+        (
+            "userns-two",
+            cri::NamespaceMode::Pod,
+            vec![map, id_map(65536, 400_000, 10)],
+            "exactly one",
+        ),
+        (
+            "userns-noroot",
+            cri::NamespaceMode::Pod,
+            vec![id_map(1, 300_000, 65536)],
+            "container id 0",
+        ),
+        (
+            "userns-nodemap",
+            cri::NamespaceMode::Node,
+            vec![map],
+            "NODE takes no",
+        ),
+    ] {
+        let e =
+            h.c.run_pod(&with_userns(h.pod_config(name), mode, ids), &handler())
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{name}: {e}");
+        assert!(e.message().contains(why), "{name}: {e}");
+    }
+    let node =
+        h.c.run_pod(
+            &with_userns(
+                h.pod_config("userns-node"),
+                cri::NamespaceMode::Node,
+                vec![],
+            ),
+            &handler(),
+        )
+        .await
+        .expect("NODE mode runs");
+    h.c.stop_and_remove_pod(&node).await.unwrap();
+
+    let pcfg = with_userns(
+        h.pod_config("userns-pod"),
+        cri::NamespaceMode::Pod,
+        vec![map],
+    );
+    if vm_mode() {
+        assert!(!advertised("vm"), "{status:?}");
+        let e = h.c.run_pod(&pcfg, &handler()).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("VM pods"), "{e}");
+        h.assert_clean();
+        return;
+    }
+    let pod =
+        h.c.run_pod(&pcfg, &handler())
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", h.v.log()));
+    let vol = tempfile::tempdir().unwrap();
+    std::fs::write(vol.path().join("from-host"), "x").unwrap();
+    let ns = |pid: cri::NamespaceMode| {
+        Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
                 namespace_options: Some(cri::NamespaceOption {
-                    userns_options: Some(cri::UserNamespace {
-                        mode: mode as i32,
-                        uids: ids.clone(),
-                        gids: ids,
-                    }),
+                    pid: pid as i32,
+                    userns_options: pcfg
+                        .linux
+                        .as_ref()
+                        .and_then(|l| l.security_context.as_ref())
+                        .and_then(|s| s.namespace_options.as_ref())
+                        .and_then(|n| n.userns_options.clone()),
                     ..Default::default()
                 }),
                 ..Default::default()
             }),
             ..Default::default()
-        });
-        cfg
+        })
     };
-    for (name, mode, map) in [
-        ("userns-pod", cri::NamespaceMode::Pod, true),
-        ("userns-ctr", cri::NamespaceMode::Container, false),
-        ("userns-target", cri::NamespaceMode::Target, false),
-    ] {
-        let e =
-            h.c.run_pod(&with(name, mode, map), &handler())
-                .await
-                .unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument, "{name}: {e}");
-        assert!(e.message().contains("user namespaces"), "{e}");
+    let mut cfg = h.ctr_config("c", "sleep 1000");
+    cfg.linux = ns(cri::NamespaceMode::Container);
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/vol".into(),
+        host_path: vol.path().display().to_string(),
+        uid_mappings: vec![map],
+        gid_mappings: vec![map],
+        ..Default::default()
+    }];
+    let c = match h.create(&pod, &pcfg, cfg).await {
+        Ok(c) => c,
+        Err(e) => panic!("CreateContainer: {e}\n{}", h.v.log()),
+    };
+    let agent_log =
+        h.v.dir
+            .path()
+            .join("root/pods")
+            .join(&pod)
+            .join("agent.log");
+    let agent_log = move || std::fs::read_to_string(&agent_log).unwrap_or_default();
+    if let Err(e) = h.c.start_container(&c).await {
+        panic!("StartContainer: {e}\n{}", agent_log());
     }
-    let id =
-        h.c.run_pod(
-            &with("userns-node", cri::NamespaceMode::Node, false),
-            &handler(),
-        )
+    let sh = |script: &str| -> Vec<String> { vec!["sh".into(), "-c".into(), script.into()] };
+    let script = "cat /proc/self/uid_map /proc/self/gid_map; id -u; stat -c %u:%g /bin/busybox /; \
+                  echo hi > /written && stat -c %u:%g /written; \
+                  stat -c %u:%g /vol/from-host; echo y > /vol/from-ctr; \
+                  nc -l -p 80 & sleep 0.2; kill %1 && echo bound80; hostname";
+    let args = sh(script);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = match h.exec(&c, &args, 20).await {
+        Ok(o) => o,
+        Err(e) => panic!("ExecSync: {e}\n{}", agent_log()),
+    };
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let want = [
+        "0 300000 65536",
+        "0 300000 65536",
+        "0",
+        "0:0",
+        "0:0",
+        "0:0",
+        "0:0",
+        "bound80",
+        "userns-pod",
+    ];
+    assert_eq!(
+        lines,
+        want,
+        "stdout {text:?} stderr {:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What the container's root wrote through the idmapped volume is root's on the host.
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(vol.path().join("from-ctr")).unwrap();
+    assert_eq!((m.uid(), m.gid()), (0, 0));
+    // A container in the pod's pid namespace sees the namespace's holder as PID 1.
+    let mut cfg = h.ctr_config("p", "sleep 1000");
+    cfg.linux = ns(cri::NamespaceMode::Pod);
+    let p = h
+        .create(&pod, &pcfg, cfg)
         .await
-        .expect("NODE mode runs");
-    h.c.stop_and_remove_pod(&id).await.unwrap();
+        .expect("CreateContainer (pid POD)");
+    if let Err(e) = h.c.start_container(&p).await {
+        panic!("StartContainer (pid POD): {e}\n{}", agent_log());
+    }
+    let out = h
+        .exec(&p, &["cat", "/proc/1/comm"], 10)
+        .await
+        .expect("ExecSync");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "vessel-pidns");
+    // A volume with other mappings than the pod's is refused.
+    let mut cfg = h.ctr_config("bad", "true");
+    cfg.linux = ns(cri::NamespaceMode::Container);
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/vol".into(),
+        host_path: vol.path().display().to_string(),
+        uid_mappings: vec![id_map(0, 500_000, 65536)],
+        gid_mappings: vec![map],
+        ..Default::default()
+    }];
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    // So is a user the mapping does not cover.
+    let mut cfg = h.ctr_config("unmapped", "true");
+    cfg.linux = ns(cri::NamespaceMode::Container);
+    if let Some(sc) = cfg.linux.as_mut().and_then(|l| l.security_context.as_mut()) {
+        sc.run_as_user = Some(cri::Int64Value { value: 70_000 });
+    }
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("not mapped"), "{e}");
+    h.remove_pod(&pod).await;
     h.assert_clean();
+    let holders = std::process::Command::new("pgrep")
+        .args(["-x", "vessel-pidns"])
+        .output()
+        .unwrap();
+    assert!(
+        holders.stdout.is_empty(),
+        "pid namespace holders left: {}",
+        String::from_utf8_lossy(&holders.stdout)
+    );
 }
 
 /// ListMetricDescriptors and ListPodSandboxMetrics (kubelet's /metrics/cadvisor from CRI):

@@ -59,6 +59,12 @@ impl Vesseld {
         extra_config: &str,
     ) -> std::io::Result<Vesseld> {
         let dir = tempfile::Builder::new().prefix("vessel-test-").tempdir()?;
+        // Traversable, as /run is where vessel's state dir usually lives: a pod with its own
+        // user namespace has its containers' roots under the state dir.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )?;
         let socket = dir.path().join("vessel.sock");
         let config_path = dir.path().join("config.toml");
         let level = if daemon_keys.contains("log_level") {

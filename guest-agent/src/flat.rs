@@ -7,6 +7,12 @@
 //! `READY <agent pid on the host>` and exits 0; on failure it kills the agent, removes what
 //! it created, prints the error on stderr and exits non-zero. vesseld pins the pod network
 //! namespace by bind-mounting `/proc/<that pid>/ns/net`.
+//!
+//! With `--uid-map`/`--gid-map` (a pod with its own user namespace) the launcher unshares
+//! only mount and pid; the agent, still in the host's user namespace, makes the pod's user
+//! namespace and, owned by it, the pod's net, uts, ipc and pid namespaces, joining the first
+//! three (`crate::userns`). Its containers' dirs go on a tmpfs of its own at
+//! `--userns-root`, which the containers' root can reach.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -56,6 +62,29 @@ pub struct FlatArgs {
     /// The file stderr goes to: rotated past [`crate::logs::OWN_LOG_MAX`] (one old file kept).
     #[arg(long)]
     pub log_file: Option<PathBuf>,
+    /// The pod's user namespace uid mapping (`container:host:size`); with `--gid-map`, the
+    /// pod gets its own user namespace, which owns its net, uts, ipc and pid namespaces.
+    #[arg(long)]
+    pub uid_map: Option<crate::userns::IdMap>,
+    /// The pod's user namespace gid mapping (`container:host:size`).
+    #[arg(long)]
+    pub gid_map: Option<crate::userns::IdMap>,
+    /// With a user namespace: an empty directory every host id can traverse to, where the
+    /// agent mounts (in its own mount namespace) the tmpfs that holds its containers' dirs,
+    /// so that a container's root, an unprivileged id on the host, reaches its rootfs and
+    /// bind sources.
+    #[arg(long)]
+    pub userns_root: Option<PathBuf>,
+}
+
+impl FlatArgs {
+    /// Where the agent keeps its containers' dirs.
+    fn containers_dir(&self) -> PathBuf {
+        match (&self.userns_root, self.uid_map) {
+            (Some(r), Some(_)) => r.clone(),
+            _ => self.state_dir.join("containers"),
+        }
+    }
 }
 
 impl FlatArgs {
@@ -101,21 +130,41 @@ pub fn launch(args: FlatArgs) -> Result<(), FlatError> {
     if setsid().is_err() {
         tracing::debug!("setsid failed (already a group leader); the agent will call it");
     }
-    let mut flags = CloneFlags::CLONE_NEWNS;
+    let mut pod_ns = CloneFlags::empty();
     if !args.shares(HostNs::Net) {
-        flags |= CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWUTS;
+        pod_ns |= CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWUTS;
     }
     if !args.shares(HostNs::Pid) {
-        flags |= CloneFlags::CLONE_NEWPID;
+        pod_ns |= CloneFlags::CLONE_NEWPID;
     }
     if !args.shares(HostNs::Ipc) {
-        flags |= CloneFlags::CLONE_NEWIPC;
+        pod_ns |= CloneFlags::CLONE_NEWIPC;
     }
     let state_existed = args.state_dir.exists();
     let socket_existed = args.socket.exists();
     // The host's mount namespace, for the helpers that look bind sources up there.
     let host_mnt = std::fs::File::open("/proc/self/ns/mnt")
         .map_err(io("opening the host's mount namespace"))?;
+    match (args.uid_map, args.gid_map) {
+        (None, None) => {}
+        (Some(_), Some(_)) => {
+            if !args.share_host.is_empty() {
+                return Err(FlatError::Agent(
+                    "a pod with its own user namespace cannot share host namespaces".into(),
+                ));
+            }
+            // The agent makes the pod's net, uts, ipc and pid namespaces inside the pod's
+            // user namespace (so that it owns them) as it starts; its own pid namespace,
+            // of which it is PID 1, stays the host's user namespace's.
+            pod_ns = CloneFlags::CLONE_NEWPID;
+        }
+        _ => {
+            return Err(FlatError::Agent(
+                "--uid-map and --gid-map go together".into(),
+            ))
+        }
+    }
+    let flags = CloneFlags::CLONE_NEWNS | pod_ns;
     unshare(flags).map_err(sys(format!("unshare({flags:?})")))?;
     let (ready_r, ready_w) = crate::stdio::pipe().map_err(io("pipe"))?;
 
@@ -265,6 +314,20 @@ fn setup_pod(args: &FlatArgs) -> Result<AgentListener, FlatError> {
         )
         .map_err(sys("mounting /proc"))?;
     }
+    if let (Some(uid), Some(gid)) = (args.uid_map, args.gid_map) {
+        let inside = CloneFlags::CLONE_NEWNET
+            | CloneFlags::CLONE_NEWUTS
+            | CloneFlags::CLONE_NEWIPC
+            | CloneFlags::CLONE_NEWPID;
+        let made = crate::userns::create(uid, gid, inside)
+            .map_err(|e| FlatError::Agent(format!("the pod's user namespace: {e}")))?;
+        crate::userns::set_pod(crate::userns::PodUserns {
+            fd: made.user,
+            uid,
+            gid,
+            pid_holder: made.pid_holder,
+        });
+    }
     if !args.shares(HostNs::Net) {
         nix::unistd::sethostname(&args.hostname).map_err(sys("sethostname"))?;
         loopback_up().map_err(io("bringing up lo"))?;
@@ -273,7 +336,22 @@ fn setup_pod(args: &FlatArgs) -> Result<AgentListener, FlatError> {
         .map_err(io(format!("creating {}", args.state_dir.display())))?;
     std::fs::create_dir_all(args.state_dir.join("libcontainer"))
         .map_err(io("libcontainer root"))?;
-    std::fs::create_dir_all(args.state_dir.join("containers")).map_err(io("containers dir"))?;
+    if let (Some(root), Some(_)) = (&args.userns_root, args.uid_map) {
+        // Private to the agent's mount namespace (its mounts never propagate out), and gone
+        // with it.
+        mount(
+            Some("tmpfs"),
+            root,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("mode=0711,size=64m"),
+        )
+        .map_err(sys(format!(
+            "mounting the containers' tmpfs at {}",
+            root.display()
+        )))?;
+    }
+    std::fs::create_dir_all(args.containers_dir()).map_err(io("containers dir"))?;
     AgentListener::bind_unix(&args.socket).map_err(io(format!("binding {}", args.socket.display())))
 }
 
@@ -340,7 +418,12 @@ async fn serve(args: FlatArgs, listener: AgentListener, mut ready: std::fs::File
         reaper: reaper.clone(),
         log_level: args.log_level.clone(),
     };
-    let state = AgentState::new(args.state_dir.clone(), libct, args.hostname.clone());
+    let state = AgentState::new_with(
+        args.state_dir.clone(),
+        args.containers_dir(),
+        libct,
+        args.hostname.clone(),
+    );
     let st = state.clone();
     tokio::spawn(async move {
         tokio::select! {

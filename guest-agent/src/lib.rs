@@ -63,6 +63,7 @@ pub mod service;
 pub mod signals;
 pub mod spec;
 pub mod stdio;
+pub mod userns;
 pub mod vm;
 pub mod volumes;
 pub mod vsock;

@@ -30,7 +30,7 @@
 
 use std::ffi::OsString;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -216,26 +216,55 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
     let mut spec = oci_spec::runtime::Spec::load(&config)
         .map_err(|e| other(format!("reading the bundle spec: {e}")))?;
     let mut mounts = spec.mounts().clone().unwrap_or_default();
-    let todo: Vec<(usize, PathBuf, bool)> = mounts
+    let is_idmap = |o: &String| o == "idmap" || o == "ridmap";
+    let todo: Vec<(usize, PathBuf, bool, bool)> = mounts
         .iter()
         .enumerate()
         .filter_map(|(i, m)| {
             let opts = m.options().clone().unwrap_or_default();
             let rbind = opts.iter().any(|o| o == "rbind");
             let bind = rbind || opts.iter().any(|o| o == "bind");
+            let idmap = opts.iter().any(is_idmap);
             let src = m.source().clone()?;
-            (bind && src.is_absolute()).then_some((i, src, rbind))
+            (bind && src.is_absolute()).then_some((i, src, rbind, idmap))
         })
         .collect();
     if todo.is_empty() {
         return Ok(());
     }
+    // `idmap` binds (a volume of a pod with its own user namespace) are idmapped through
+    // the container's user namespace, the pod's (libcontainer 0.7 has no idmapped mounts).
+    let userns = if todo.iter().any(|t| t.3) {
+        let path = spec
+            .linux()
+            .as_ref()
+            .and_then(|l| l.namespaces().as_ref())
+            .and_then(|ns| {
+                ns.iter()
+                    .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)
+            })
+            .and_then(|n| n.path().clone())
+            .ok_or_else(|| {
+                LibcontainerError::InvalidInput(
+                    "an idmap bind mount needs the container to join a user namespace".into(),
+                )
+            })?;
+        let f = std::fs::File::open(&path).map_err(|e| {
+            other(format!(
+                "opening the user namespace {}: {e}",
+                path.display()
+            ))
+        })?;
+        Some(OwnedFd::from(f))
+    } else {
+        None
+    };
     let own = std::fs::File::open("/proc/self/ns/mnt")
         .map_err(|e| other(format!("opening the agent's mount namespace: {e}")))?;
     nix::sched::setns(host_ns, nix::sched::CloneFlags::CLONE_NEWNS)
         .map_err(|e| other(format!("joining the host's mount namespace: {e}")))?;
     let mut trees = Vec::new();
-    let cloned = todo.iter().try_for_each(|(i, src, rbind)| {
+    let cloned = todo.iter().try_for_each(|(i, src, rbind, _)| {
         let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
         if *rbind {
             flags |= OpenTreeFlags::AT_RECURSIVE;
@@ -254,7 +283,18 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
         .ok_or_else(|| other("bundle has no parent".into()))?
         .join(crate::rootfs::BINDS_DIR);
     std::fs::create_dir_all(&dir).map_err(LibcontainerError::OtherIO)?;
-    for (i, fd) in trees {
+    for ((i, fd), (_, src, rbind, idmap)) in trees.into_iter().zip(&todo) {
+        if let (true, Some(ns)) = (*idmap, &userns) {
+            crate::userns::idmap_tree(fd.as_fd(), ns.as_fd(), *rbind).map_err(|e| {
+                LibcontainerError::InvalidInput(format!(
+                    "bind source {}: an idmapped mount (for the pod's user namespace) is not \
+                     possible there: {e}",
+                    src.display()
+                ))
+            })?;
+            let opts = mounts[i].options().clone().unwrap_or_default();
+            mounts[i].set_options(Some(opts.into_iter().filter(|o| !is_idmap(o)).collect()));
+        }
         let target = dir.join(i.to_string());
         let is_dir = rustix::fs::fstat(&fd)
             .map(|st| {
@@ -473,7 +513,30 @@ fn exec(
 ) -> Result<(), LibcontainerError> {
     let container = load(root, &id)?;
     let spec = oci_spec::runtime::Spec::load(container.bundle().join("config.json"))?;
-    let process = exec_process(&spec, args, env, cwd, console_socket.is_some())?;
+    let mut process = exec_process(&spec, args, env, cwd, console_socket.is_some())?;
+    // libcontainer 0.7's tenant path joins every namespace of the container but its user
+    // namespace: in a pod with its own, the exec'd process is set up as host root with every
+    // capability (what joining the user namespace needs) and our executor joins it, then
+    // takes on the process's own user and capabilities, before the seccomp filter and exec.
+    let userns = match user_ns_path(&spec) {
+        Some(path) => {
+            let fd = std::fs::File::open(&path).map_err(|e| {
+                LibcontainerError::Other(format!(
+                    "opening the pod's user namespace {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let own = UsernsEntry {
+                fd: OwnedFd::from(fd),
+                user: process.user().clone(),
+                caps: process.capabilities().clone(),
+            };
+            process.set_user(oci_spec::runtime::User::default());
+            process.set_capabilities(Some(all_capabilities()?));
+            Some(Arc::new(own))
+        }
+        None => None,
+    };
     // The whole process spec (user, capabilities, rlimits, no_new_privileges, terminal) goes
     // through a process.json: the tenant builder's piecemeal setters drop `terminal`, the
     // container's capabilities and its additional gids.
@@ -502,7 +565,7 @@ fn exec(
     // libcontainer 0.7's tenant path rebuilds `linux` without `seccomp`: the exec'd process
     // gets the container's filter from our executor instead, installed last before exec.
     let seccomp = spec.linux().as_ref().and_then(|l| l.seccomp().clone());
-    b = b.with_executor(SeccompExecutor { seccomp });
+    b = b.with_executor(SeccompExecutor { seccomp, userns });
     let built = b
         .as_tenant()
         .with_detach(true)
@@ -535,6 +598,86 @@ fn exec(
 #[derive(Clone)]
 struct SeccompExecutor {
     seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
+    /// The pod's user namespace to join first, with the exec'd process's own user and
+    /// capabilities to take on there.
+    userns: Option<Arc<UsernsEntry>>,
+}
+
+/// See [`SeccompExecutor::userns`].
+struct UsernsEntry {
+    fd: OwnedFd,
+    user: oci_spec::runtime::User,
+    caps: Option<oci_spec::runtime::LinuxCapabilities>,
+}
+
+impl UsernsEntry {
+    /// In the exec'd process (single-threaded, host root with every capability): joins the
+    /// user namespace, where it has every capability, and becomes the process's own user
+    /// with its own capabilities, as libcontainer's init does for a container.
+    fn enter(&self) -> Result<(), String> {
+        use nix::unistd::{Gid, Uid};
+        nix::sched::setns(&self.fd, nix::sched::CloneFlags::CLONE_NEWUSER)
+            .map_err(|e| format!("joining the pod's user namespace: {e}"))?;
+        let sys = libcontainer::syscall::syscall::create_syscall();
+        let groups: Vec<Gid> = self
+            .user
+            .additional_gids()
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(Gid::from_raw)
+            .collect();
+        sys.set_groups(&groups)
+            .map_err(|e| format!("setting supplementary groups {groups:?}: {e}"))?;
+        sys.set_id(
+            Uid::from_raw(self.user.uid()),
+            Gid::from_raw(self.user.gid()),
+        )
+        .map_err(|e| format!("becoming {}:{}: {e}", self.user.uid(), self.user.gid()))?;
+        libcontainer::capabilities::reset_effective(sys.as_ref())
+            .map_err(|e| format!("resetting capabilities: {e}"))?;
+        if let Some(c) = &self.caps {
+            libcontainer::capabilities::drop_privileges(c, sys.as_ref())
+                .map_err(|e| format!("dropping capabilities: {e}"))?;
+        }
+        if let Some(mask) = self.user.umask() {
+            nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(mask));
+        }
+        Ok(())
+    }
+}
+
+/// The path of the user namespace the container joined, if it joined one.
+fn user_ns_path(spec: &oci_spec::runtime::Spec) -> Option<PathBuf> {
+    spec.linux()
+        .as_ref()?
+        .namespaces()
+        .as_ref()?
+        .iter()
+        .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)?
+        .path()
+        .clone()
+}
+
+/// Every capability this process has (root on a host may lack some), permitted, effective
+/// and bounding; none inheritable or ambient.
+fn all_capabilities() -> Result<oci_spec::runtime::LinuxCapabilities, LibcontainerError> {
+    use oci_spec::runtime::{Capability, LinuxCapabilitiesBuilder};
+    let own = caps::read(None, caps::CapSet::Permitted)
+        .map_err(|e| LibcontainerError::Other(format!("reading capabilities: {e}")))?;
+    let all: std::collections::HashSet<Capability> = own
+        .into_iter()
+        .filter_map(|c| serde_json::from_value::<Capability>(c.to_string().into()).ok())
+        .collect();
+    // Explicitly empty: the builder's defaults would raise ambient ones.
+    LinuxCapabilitiesBuilder::default()
+        .bounding(all.clone())
+        .effective(all.clone())
+        .permitted(all)
+        .inheritable(std::collections::HashSet::new())
+        .ambient(std::collections::HashSet::new())
+        .build()
+        .map_err(|e| LibcontainerError::Other(format!("capability set: {e}")))
 }
 
 impl libcontainer::workload::Executor for SeccompExecutor {
@@ -543,6 +686,9 @@ impl libcontainer::workload::Executor for SeccompExecutor {
         spec: &oci_spec::runtime::Spec,
     ) -> Result<(), libcontainer::workload::ExecutorError> {
         use libcontainer::workload::ExecutorError;
+        if let Some(u) = &self.userns {
+            u.enter().map_err(ExecutorError::Other)?;
+        }
         if let Some(filter) = &self.seccomp {
             let admin = caps::has_cap(
                 None,
@@ -822,5 +968,17 @@ mod tests {
             Err(AgentError::FailedPrecondition(m)) if m.contains("container is running")
         ));
         assert!(matches!(parse_line("junk"), Err(AgentError::Internal(_))));
+    }
+}
+
+#[cfg(test)]
+mod caps_tests {
+    #[test]
+    fn all_capabilities_are_ours() {
+        let c = super::all_capabilities().unwrap();
+        let own = caps::read(None, caps::CapSet::Permitted).unwrap();
+        assert_eq!(c.permitted().as_ref().map(|p| p.len()), Some(own.len()));
+        assert_eq!(c.ambient().as_ref().map(|p| p.len()), Some(0));
+        assert_eq!(c.inheritable().as_ref().map(|p| p.len()), Some(0));
     }
 }

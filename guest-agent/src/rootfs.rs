@@ -59,11 +59,16 @@ pub fn overlay_options(ov: &OverlayRootfs) -> Result<String, AgentError> {
 #[derive(Debug, Clone)]
 pub struct PreparedOverlay {
     opts: String,
+    /// The layers, top-most first (for idmapped copies of them).
+    lowers: Vec<String>,
+    /// `,upperdir=..,workdir=..`, or empty.
+    upper: String,
     writable: bool,
 }
 
 /// Checks `ov`'s options and makes its upper, work and `target` directories; the mount
-/// itself is [`mount_prepared`] (a container's, when it starts).
+/// itself is [`mount_prepared`] (a container's, when it starts). In a pod with its own user
+/// namespace the writable layer's top belongs to the container's root.
 pub fn prepare_overlay(target: &Path, ov: &OverlayRootfs) -> Result<PreparedOverlay, AgentError> {
     let opts = overlay_options(ov)?;
     for d in [&ov.upperdir, &ov.workdir] {
@@ -72,16 +77,114 @@ pub fn prepare_overlay(target: &Path, ov: &OverlayRootfs) -> Result<PreparedOver
                 .map_err(|e| AgentError::internal(format!("creating {d}"), e))?;
         }
     }
+    if let (Some(u), false) = (crate::userns::pod(), ov.upperdir.is_empty()) {
+        let (Some(uid), Some(gid)) = (u.uid.to_host(0), u.gid.to_host(0)) else {
+            return Err(AgentError::InvalidArgument(
+                "the pod's user namespace does not map root".into(),
+            ));
+        };
+        std::os::unix::fs::chown(&ov.upperdir, Some(uid), Some(gid))
+            .map_err(|e| AgentError::internal(format!("chown of {}", ov.upperdir), e))?;
+    }
     std::fs::create_dir_all(target)
         .map_err(|e| AgentError::internal(format!("creating {}", target.display()), e))?;
+    let upper = if ov.upperdir.is_empty() {
+        String::new()
+    } else {
+        format!(",upperdir={},workdir={}", ov.upperdir, ov.workdir)
+    };
     Ok(PreparedOverlay {
         opts,
+        lowers: ov.lowerdirs.iter().rev().cloned().collect(),
+        upper,
         writable: !ov.upperdir.is_empty(),
     })
 }
 
-/// Mounts a prepared overlay at `target`.
+/// Idmapped copies of an overlay's layers, attached under `<target>.idmapped/<n>` for as
+/// long as the overlay mount takes (overlayfs keeps its own reference to each layer).
+struct IdmappedLayers {
+    dir: PathBuf,
+    attached: Vec<PathBuf>,
+}
+
+impl IdmappedLayers {
+    fn attach(
+        target: &Path,
+        lowers: &[String],
+        userns: &crate::userns::PodUserns,
+    ) -> Result<Self, AgentError> {
+        use std::os::fd::AsFd;
+        let mut name = target.file_name().unwrap_or_default().to_os_string();
+        name.push(".idmapped");
+        let mut layers = IdmappedLayers {
+            dir: target.with_file_name(name),
+            attached: Vec::new(),
+        };
+        std::fs::create_dir_all(&layers.dir)
+            .map_err(|e| AgentError::internal(format!("creating {}", layers.dir.display()), e))?;
+        for (i, l) in lowers.iter().enumerate() {
+            let at = layers.dir.join(i.to_string());
+            std::fs::create_dir_all(&at)
+                .map_err(|e| AgentError::internal(format!("creating {}", at.display()), e))?;
+            let tree = crate::userns::idmapped_clone(Path::new(l), userns.fd.as_fd(), false)
+                .map_err(|e| {
+                    AgentError::FailedPrecondition(format!(
+                        "an idmapped mount of image layer {l} (needed by the pod's user namespace; \
+                         Linux 5.19+ and a filesystem that supports idmapped mounts): {e}"
+                    ))
+                })?;
+            crate::userns::attach(tree.as_fd(), &at)
+                .map_err(|e| AgentError::internal(format!("attaching {}", at.display()), e))?;
+            layers.attached.push(at);
+        }
+        Ok(layers)
+    }
+
+    fn lowerdir(&self) -> String {
+        let paths: Vec<String> = self
+            .attached
+            .iter()
+            .map(|p| p.to_string_lossy().into_owned())
+            .collect();
+        format!("lowerdir={}", paths.join(":"))
+    }
+}
+
+impl Drop for IdmappedLayers {
+    fn drop(&mut self) {
+        // Never a recursive removal: a layer still attached would have its files deleted.
+        for p in &self.attached {
+            unmount_all(p);
+            let _ = std::fs::remove_dir(p);
+        }
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            for e in rd.flatten() {
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Mounts a prepared overlay at `target`; in a pod with its own user namespace, over
+/// idmapped copies of the layers, so the image's files show to the containers' ids as they
+/// are on disk (root's as root's).
 pub fn mount_prepared(target: &Path, p: &PreparedOverlay) -> Result<(), AgentError> {
+    let idmapped = match crate::userns::pod() {
+        Some(u) => Some(IdmappedLayers::attach(target, &p.lowers, u)?),
+        None => None,
+    };
+    let opts = match &idmapped {
+        Some(l) => format!("{}{}", l.lowerdir(), p.upper),
+        None => p.opts.clone(),
+    };
+    if opts.len() >= 4096 {
+        return Err(AgentError::InvalidArgument(format!(
+            "overlay mount options are {} bytes, over the kernel's 4095",
+            opts.len()
+        )));
+    }
     let mount_with = |opts: &str| {
         mount(
             Some("overlay"),
@@ -99,13 +202,14 @@ pub fn mount_prepared(target: &Path, p: &PreparedOverlay) -> Result<(), AgentErr
     // the option: then without it.
     let mut r = Err(nix::errno::Errno::EINVAL);
     if p.writable {
-        r = mount_with(&format!("{},volatile", p.opts));
+        r = mount_with(&format!("{opts},volatile"));
     }
     if r == Err(nix::errno::Errno::EINVAL) {
-        r = mount_with(&p.opts);
+        r = mount_with(&opts);
     }
+    drop(idmapped);
     r.map_err(|e| {
-        let msg = format!("mounting overlay at {} ({})", target.display(), p.opts);
+        let msg = format!("mounting overlay at {} ({opts})", target.display());
         if e == nix::errno::Errno::ENOENT || e == nix::errno::Errno::ENOTDIR {
             AgentError::InvalidArgument(format!("{msg}: {e}"))
         } else {

@@ -66,6 +66,8 @@ impl VmParts {
 /// Everything the service owns.
 pub struct AgentState {
     pub state_dir: PathBuf,
+    /// Where each container's dir (bundle, rootfs mount point, staged binds) is made.
+    pub containers_dir: PathBuf,
     pub libct: Libct,
     /// This agent's pid as seen by itself.
     pub pid: u32,
@@ -88,10 +90,6 @@ pub struct AgentService {
 
 fn io_internal(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> AgentError {
     move |e| AgentError::internal(what, e)
-}
-
-fn containers_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("containers")
 }
 
 /// Reads `r` to EOF, keeping the first `cap` bytes.
@@ -173,16 +171,30 @@ struct ExecParams<'a> {
 impl AgentState {
     /// `hostname` is reported by `Ping` only if the kernel's cannot be read.
     pub fn new(state_dir: PathBuf, libct: Libct, hostname: String) -> Arc<AgentState> {
-        Self::build(state_dir, libct, hostname, None)
+        let containers = state_dir.join("containers");
+        Self::build(state_dir, containers, libct, hostname, None)
+    }
+
+    /// The state of a flat agent whose containers' dirs are in `containers_dir` (not under
+    /// `state_dir`: a pod with its own user namespace).
+    pub fn new_with(
+        state_dir: PathBuf,
+        containers_dir: PathBuf,
+        libct: Libct,
+        hostname: String,
+    ) -> Arc<AgentState> {
+        Self::build(state_dir, containers_dir, libct, hostname, None)
     }
 
     /// The state of an agent in VM mode.
     pub fn new_vm(state_dir: PathBuf, libct: Libct, vm: VmParts) -> Arc<AgentState> {
-        Self::build(state_dir, libct, String::new(), Some(vm))
+        let containers = state_dir.join("containers");
+        Self::build(state_dir, containers, libct, String::new(), Some(vm))
     }
 
     fn build(
         state_dir: PathBuf,
+        containers_dir: PathBuf,
         libct: Libct,
         hostname: String,
         vm: Option<VmParts>,
@@ -195,6 +207,7 @@ impl AgentState {
             .unwrap_or(hostname);
         Arc::new(AgentState {
             state_dir,
+            containers_dir,
             libct,
             pid: std::process::id(),
             hostname,
@@ -232,7 +245,7 @@ impl AgentState {
                 req.id
             )));
         }
-        let dir = containers_dir(&self.state_dir).join(&req.id);
+        let dir = self.containers_dir.join(&req.id);
         if dir.exists() {
             // A leftover from a failed attempt.
             self.cleanup_dir(&req.id, &dir, true).await;
@@ -311,7 +324,11 @@ impl AgentState {
         clamp_oom_score_adj(&mut spec);
         let cgroup = Cgroup::new(&crate::spec::cgroups_path(&spec, id));
         let bundle = dir.join("bundle");
-        std::fs::create_dir_all(&bundle).map_err(io_internal("creating the bundle dir"))?;
+        // Root's only: the spec holds the environment (secrets), and a user-namespaced pod's
+        // container dirs are reachable by unprivileged ids.
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(&bundle)
+            .map_err(io_internal("creating the bundle dir"))?;
         spec.save(bundle.join("config.json"))
             .map_err(|e| AgentError::internal("writing config.json", e))?;
 

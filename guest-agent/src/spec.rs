@@ -6,6 +6,9 @@
 //! - A namespace whose `path` is `"agent"` joins the agent's own namespace of that type
 //!   (`/proc/<agent pid>/ns/<type>`, i.e. the pod's, or the host's where the pod shares it);
 //!   a namespace without `path` is created; an absent type is inherited from the agent.
+//!   In a pod with its own user namespace (`crate::userns`), `"agent"` is the pod's
+//!   namespace held by the pod's pid namespace holder, `user` included; a pod without one
+//!   refuses `user`.
 //! - `linux.cgroupsPath` is a cgroupfs path (`/a/b/c`, taken from each hierarchy's root);
 //!   systemd-style `slice:prefix:name` paths are refused (no systemd manager). Absent, it
 //!   defaults to `/vessel/<id>`.
@@ -95,10 +98,22 @@ pub fn prepare(
     }
     if let Some(namespaces) = linux.namespaces_mut().as_mut() {
         for ns in namespaces.iter_mut() {
-            if ns.path().as_deref() == Some(Path::new("agent")) {
-                let p = format!("/proc/{agent_pid}/ns/{}", ns_file_name(ns.typ()));
-                ns.set_path(Some(PathBuf::from(p)));
+            if ns.path().as_deref() != Some(Path::new("agent")) {
+                continue;
             }
+            let p = if let Some(holder) = crate::userns::pod_holder() {
+                // A pod with its own user namespace: its namespaces are the holder's (owned
+                // by that user namespace, which a container joins first; it could not open
+                // the agent's, which stays in the host's).
+                PathBuf::from(format!("/proc/{holder}/ns/{}", ns_file_name(ns.typ())))
+            } else if ns.typ() == LinuxNamespaceType::User {
+                return Err(AgentError::InvalidArgument(
+                    "the spec joins the pod's user namespace, but this pod has none".into(),
+                ));
+            } else {
+                PathBuf::from(format!("/proc/{agent_pid}/ns/{}", ns_file_name(ns.typ())))
+            };
+            ns.set_path(Some(p));
         }
     }
     masked_eq_as_runc(linux);

@@ -256,6 +256,12 @@ impl Runtime {
         &self.opts.vm
     }
 
+    /// Whether pods of runtime `handler` can have their own user namespace: those that run
+    /// flat (a VM pod has none yet).
+    pub fn handler_has_userns(&self, handler: &str) -> bool {
+        crate::sandbox::runs_flat(handler, &self.opts.default_handler, &self.opts.vm)
+    }
+
     /// The backend of a pod (by its record).
     fn backend(&self, rec: &PodRecord) -> &dyn SandboxBackend {
         self.backend_of(rec.backend.kind())

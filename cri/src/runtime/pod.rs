@@ -29,24 +29,9 @@ impl Runtime {
                 meta.name, meta.namespace, meta.uid
             )));
         }
-        // User namespaces are not implemented (Status does not advertise them, so kubelet does
-        // not ask); a request for one is refused rather than run without it.
-        let userns = config
-            .linux
-            .as_ref()
-            .and_then(|l| l.security_context.as_ref())
-            .and_then(|s| s.namespace_options.as_ref())
-            .and_then(|n| n.userns_options.as_ref());
-        if let Some(u) = userns {
-            if u.mode != cri::NamespaceMode::Node as i32 || !u.uids.is_empty() || !u.gids.is_empty()
-            {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "RunPodSandbox {:?}: user namespaces (mode {:?}) are not supported by vessel yet; only NODE",
-                    meta.name,
-                    cri::NamespaceMode::try_from(u.mode).unwrap_or(cri::NamespaceMode::Node)
-                )));
-            }
-        }
+        let userns = crate::userns::of_pod(&config).map_err(|e| {
+            RuntimeError::InvalidArgument(format!("RunPodSandbox {:?}: {e}", meta.name))
+        })?;
         let backend = sandbox::choose(
             &config,
             handler,
@@ -56,6 +41,13 @@ impl Runtime {
                 host_namespaces: self.opts.vm_cfg.host_namespaces,
             },
         )?;
+        if userns.is_some() && backend == BackendKind::Vm {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "RunPodSandbox {:?}: user namespaces are not supported for VM pods yet (the \
+                 runtime handler does not advertise them); use runtime handler \"flat\"",
+                meta.name
+            )));
+        }
         let id = state::new_id();
         let key = pod_name_key(&meta);
         self.reserve(&key, &id, "pod sandbox")?;

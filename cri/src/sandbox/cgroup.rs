@@ -109,7 +109,8 @@ impl Driver {
                         .and_then(|()| join_leaf(&dir, leaf, rec.agent_pid))
                         .and_then(|()| {
                             // The jailed VMM, forked by the shim, maybe before the shim
-                            // moved: read after the move, so a later fork inherits it.
+                            // moved, or a flat pod's pid namespace holder: read after the
+                            // move, so a later fork inherits it.
                             super::process::children(rec.agent_pid)
                                 .into_iter()
                                 .try_for_each(|c| ignore_gone(join_leaf(&dir, leaf, c)))
@@ -172,13 +173,21 @@ impl Driver {
             // container's, or libcontainer's emulated /sys/fs/cgroup (cgroup v1) strips it.
             for scope in cgroup_dirs(&rec.cgroup_parent) {
                 if scope.is_dir() {
-                    join_leaf(&scope, leaf, rec.agent_pid).map_err(|e| {
-                        RuntimeError::Internal(format!(
-                            "pod {}: moving its agent into {}/{leaf}: {e}",
-                            rec.id,
-                            scope.display()
-                        ))
-                    })?;
+                    // With the agent, its children: a pod with its own user namespace has
+                    // its pid namespace's holder there from the start.
+                    join_leaf(&scope, leaf, rec.agent_pid)
+                        .and_then(|()| {
+                            super::process::children(rec.agent_pid)
+                                .into_iter()
+                                .try_for_each(|c| ignore_gone(join_leaf(&scope, leaf, c)))
+                        })
+                        .map_err(|e| {
+                            RuntimeError::Internal(format!(
+                                "pod {}: moving its agent into {}/{leaf}: {e}",
+                                rec.id,
+                                scope.display()
+                            ))
+                        })?;
                 }
             }
         }

@@ -96,6 +96,8 @@ impl SandboxBackend for FlatBackend {
             share,
             log_file: &dir.join("agent.log"),
             log_level: &self.log_level,
+            userns: crate::userns::of_pod(config).map_err(RuntimeError::InvalidArgument)?,
+            userns_root: &self.dirs.userns_root(),
         })
         .await
         .map_err(internal(format!("pod {}", rec.id)))?;
@@ -225,6 +227,8 @@ struct LaunchSpec<'a> {
     share: HostShare,
     log_file: &'a Path,
     log_level: &'a str,
+    userns: Option<crate::userns::PodUserns>,
+    userns_root: &'a Path,
 }
 
 struct Launched {
@@ -259,6 +263,11 @@ async fn launch(spec: &LaunchSpec<'_>) -> Result<Launched, FlatError> {
     }
     if spec.share.ipc {
         shared.push("ipc");
+    }
+    if let Some(u) = &spec.userns {
+        let [uid, gid] = u.flags();
+        cmd.arg("--uid-map").arg(uid).arg("--gid-map").arg(gid);
+        cmd.arg("--userns-root").arg(spec.userns_root);
     }
     if !shared.is_empty() {
         cmd.arg("--share-host").arg(shared.join(","));

@@ -197,6 +197,45 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     let pod_ns = pod_ns.unwrap_or(unshared);
     let host_net = ns_mode(pod_ns.network) == cri::NamespaceMode::Node;
     let mut namespaces = vec![json!({"type": "mount"})];
+    // The pod's own user namespace, which every container of the pod joins (kubelet sends
+    // the pod's options with each container; other ones are refused).
+    let userns = crate::userns::of_pod(input.pod).map_err(invalid)?;
+    if sc
+        .and_then(|s| s.namespace_options.as_ref())
+        .is_some_and(|n| n.userns_options.is_some())
+    {
+        let own = crate::userns::of_options(sc.and_then(|s| s.namespace_options.as_ref()))
+            .map_err(invalid)?;
+        if own != userns {
+            return Err(invalid(
+                "the container's user namespace options differ from its pod's".to_string(),
+            ));
+        }
+    }
+    if let Some(u) = &userns {
+        // Every id the process takes must be mapped, or setting it fails at start.
+        let mapped =
+            |m: &cri::IdMapping, id: u32| id >= m.container_id && id - m.container_id < m.length;
+        let gids = std::iter::once(user.gid).chain(user.additional_gids.iter().copied());
+        if !mapped(&u.uid, user.uid) {
+            return Err(invalid(format!(
+                "user {} is not mapped in the pod's user namespace ({} ids from {})",
+                user.uid, u.uid.length, u.uid.container_id
+            )));
+        }
+        if let Some(g) = gids.into_iter().find(|g| !mapped(&u.gid, *g)) {
+            return Err(invalid(format!(
+                "group {g} is not mapped in the pod's user namespace ({} ids from {})",
+                u.gid.length, u.gid.container_id
+            )));
+        }
+        if input.vm_guest {
+            return Err(invalid(
+                "user namespaces are not supported for VM pods yet".to_string(),
+            ));
+        }
+        namespaces.push(json!({"type": "user", "path": "agent"}));
+    }
     if !host_net {
         namespaces.push(json!({"type": "network", "path": "agent"}));
         namespaces.push(json!({"type": "uts"}));
@@ -234,6 +273,15 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", if privileged { "rw" } else { "ro" }]}),
         json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", if privileged { "rw" } else { "ro" }]}),
     ];
+    // libcontainer 0.7 emulates cgroup v1's /sys/fs/cgroup from the /proc entry of the
+    // container's pid as its own pid namespace numbers it, looked up in the agent's /proc:
+    // in the pod's pid namespace of a pod with its own user namespace (not the agent's), that
+    // entry is not there. Such a container gets an empty read-only /sys/fs/cgroup on a v1
+    // host (its own cgroup namespace on v2, where this does not arise).
+    if userns.is_some() && !input.cgroup_ns && ns_mode(ns.pid) == cri::NamespaceMode::Pod {
+        mounts.pop();
+        mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
+    }
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
     let dests: Vec<&str> = c.mounts.iter().map(|m| m.container_path.as_str()).collect();
     for (file, dest) in [
@@ -245,9 +293,13 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             continue; // kubelet mounts its own /etc/hosts
         }
         let src = input.pod_dir.join(file);
+        let mut opts = vec!["rbind", "rprivate", if readonly_root { "ro" } else { "rw" }];
+        if userns.is_some() {
+            // Root's files show as the container root's, as without a user namespace.
+            opts.push("idmap");
+        }
         mounts.push(json!({
-            "destination": dest, "type": "bind", "source": src,
-            "options": ["rbind", "rprivate", if readonly_root { "ro" } else { "rw" }]
+            "destination": dest, "type": "bind", "source": src, "options": opts
         }));
     }
     for m in &c.mounts {
@@ -263,9 +315,17 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
                 m.container_path
             )));
         }
-        if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
+        // kubelet gives a pod without host users its volumes with the pod's mappings: the
+        // agent idmaps them through the pod's user namespace. Other mappings are refused.
+        let idmap = !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty();
+        if idmap
+            && !userns
+                .as_ref()
+                .is_some_and(|u| crate::userns::mount_matches(u, m))
+        {
             return Err(invalid(format!(
-                "mount at {:?}: ID-mapped mounts (for user namespaces) are not supported yet",
+                "mount at {:?}: its ID mappings are not the pod's user namespace's (only \
+                 those are supported, and only in a pod with its own user namespace)",
                 m.container_path
             )));
         }
@@ -293,6 +353,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
                 )));
             }
             opts.push("rro".into());
+        }
+        if idmap {
+            opts.push("idmap".into());
         }
         mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));
     }

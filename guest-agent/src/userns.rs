@@ -1,0 +1,419 @@
+//! Pod user namespaces (CRI `userns_options` with mode POD) and idmapped mounts.
+//!
+//! A flat pod with a user namespace: the launcher makes the namespace with the pod's one
+//! uid and one gid mapping, and, owned by it, the pod's net, uts, ipc and pid namespaces
+//! (so that root in a container has its capabilities over the pod's network, hostname, IPC
+//! and processes, and may mount sysfs, proc and mqueue there). The agent itself stays in
+//! the host's user namespace (it mounts overlays and manages cgroups for the pod), holding
+//! the pod's user namespace open; containers join it through `/proc/<agent>/fd/<n>`.
+//!
+//! What the containers see of the host's files is made to match with idmapped mounts: the
+//! image layers under a container's overlay, and the volumes whose CRI mount carries the
+//! pod's mappings (what kubelet sends for a pod without host users).
+
+use std::fmt;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use nix::sched::CloneFlags;
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::waitpid;
+use nix::unistd::{fork, ForkResult, Pid};
+
+/// One id mapping: `size` ids from `container` inside map to `host` outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdMap {
+    pub container: u32,
+    pub host: u32,
+    pub size: u32,
+}
+
+impl IdMap {
+    /// The host id of container id `id`, if mapped.
+    pub fn to_host(&self, id: u32) -> Option<u32> {
+        let off = id.checked_sub(self.container)?;
+        (off < self.size).then(|| self.host + off)
+    }
+
+    /// Checks the mapping is one the kernel takes: a non-empty range that overflows neither
+    /// side.
+    pub fn check(&self) -> Result<(), String> {
+        if self.size == 0 {
+            return Err(format!("mapping {self}: length 0"));
+        }
+        if self.container.checked_add(self.size - 1).is_none()
+            || self.host.checked_add(self.size - 1).is_none()
+        {
+            return Err(format!("mapping {self}: the range overflows 32 bits"));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for IdMap {
+    /// `container:host:size`, the form the command line takes.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.container, self.host, self.size)
+    }
+}
+
+impl FromStr for IdMap {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = s.split(':').collect();
+        let [c, h, n] = parts.as_slice() else {
+            return Err(format!("id mapping {s:?}: want container:host:size"));
+        };
+        let num = |v: &str| {
+            v.parse::<u32>()
+                .map_err(|e| format!("id mapping {s:?}: {v:?}: {e}"))
+        };
+        let m = IdMap {
+            container: num(c)?,
+            host: num(h)?,
+            size: num(n)?,
+        };
+        m.check()?;
+        Ok(m)
+    }
+}
+
+/// Why a user namespace could not be made or used.
+#[derive(Debug, thiserror::Error)]
+pub enum UsernsError {
+    #[error("{what}: {source}")]
+    Sys {
+        what: String,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> UsernsError {
+    let what = what.into();
+    move |source| UsernsError::Sys { what, source }
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> UsernsError {
+    let what = what.into();
+    move |source| UsernsError::Io { what, source }
+}
+
+/// The pod's user namespace and its mappings, as the agent holds them.
+#[derive(Debug)]
+pub struct PodUserns {
+    pub fd: OwnedFd,
+    pub uid: IdMap,
+    pub gid: IdMap,
+    /// The pod's pid namespace holder (its PID 1, a child of the agent), as the agent's pid
+    /// namespace numbers it.
+    pub pid_holder: Option<u32>,
+}
+
+static POD: OnceLock<PodUserns> = OnceLock::new();
+
+/// Records the pod's user namespace (once, when the agent starts).
+pub fn set_pod(u: PodUserns) {
+    let _ = POD.set(u);
+}
+
+/// The pod's user namespace, if the pod has one.
+pub fn pod() -> Option<&'static PodUserns> {
+    POD.get()
+}
+
+/// The pod's pid namespace holder, where the pod has its own user namespace: the process
+/// (a child of the agent, numbered as the agent's pid namespace numbers it) whose
+/// `/proc/<pid>/ns/*` are the pod's namespaces, all owned by that user namespace.
+pub fn pod_holder() -> Option<u32> {
+    pod().and_then(|u| u.pid_holder)
+}
+
+/// What [`create`] made.
+#[derive(Debug)]
+pub struct Created {
+    /// The user namespace.
+    pub user: OwnedFd,
+    /// With CLONE_NEWPID: the new pid namespace's PID 1, a process that only holds it.
+    pub pid_holder: Option<u32>,
+}
+
+/// Makes a user namespace with `uid` and `gid` as its only mappings and returns it open.
+/// With `inside` flags, also makes those namespaces (net, uts, ipc, pid) owned by it; the
+/// caller joins the net, uts and ipc ones. A pid namespace lives only while its PID 1 does,
+/// and only a process of the user namespace can make one it owns: so its PID 1 is a holder
+/// process that does nothing else, reparented to the caller (which must be a pid namespace's
+/// PID 1 or a subreaper, so that its death takes the holder with it). A helper child
+/// unshares; the caller, privileged in the host's user namespace, writes its maps. Must be
+/// called while the process is single-threaded.
+pub fn create(uid: IdMap, gid: IdMap, inside: CloneFlags) -> Result<Created, UsernsError> {
+    let (to_parent_r, to_parent_w) = crate::stdio::pipe().map_err(io("pipe"))?;
+    let (to_child_r, to_child_w) = crate::stdio::pipe().map_err(io("pipe"))?;
+    // SAFETY: the caller is single-threaded (documented), so the child may run any code;
+    // it only unshares, forks the holder, talks over the pipes and exits with _exit.
+    match unsafe { fork() }.map_err(sys("fork"))? {
+        ForkResult::Child => {
+            drop(to_parent_r);
+            drop(to_child_w);
+            let code = helper(to_child_r, to_parent_w, inside);
+            // SAFETY: _exit ends the forked child without running the parent's atexit
+            // handlers or destructors.
+            unsafe { libc::_exit(code) }
+        }
+        ForkResult::Parent { child } => {
+            drop(to_parent_w);
+            drop(to_child_r);
+            let mut holder = None;
+            let res = drive(
+                child,
+                uid,
+                gid,
+                inside,
+                to_parent_r,
+                to_child_w,
+                &mut holder,
+            );
+            let _ = kill(child, Signal::SIGKILL);
+            let _ = waitpid(child, None);
+            if let (Err(_), Some(h)) = (&res, holder) {
+                let _ = kill(Pid::from_raw(h as i32), Signal::SIGKILL);
+            }
+            res
+        }
+    }
+}
+
+/// The helper child: unshare the user namespace, wait for its maps, unshare `inside` (and
+/// fork the pid namespace's holder), wait to be killed. Each step's result goes to the
+/// parent as an errno (0: done), then the holder's pid.
+fn helper(from_parent: OwnedFd, to_parent: OwnedFd, inside: CloneFlags) -> i32 {
+    let mut rx = std::fs::File::from(from_parent);
+    let mut tx = std::fs::File::from(to_parent);
+    let send = |tx: &mut std::fs::File, r: nix::Result<()>| {
+        let code = r.err().map_or(0, |e| e as i32);
+        tx.write_all(&code.to_ne_bytes()).is_ok() && code == 0
+    };
+    if !send(&mut tx, nix::sched::unshare(CloneFlags::CLONE_NEWUSER)) {
+        return 1;
+    }
+    let mut go = [0u8; 1];
+    if rx.read_exact(&mut go).is_err() || go[0] != 1 {
+        return 1;
+    }
+    if !inside.is_empty() && !send(&mut tx, nix::sched::unshare(inside)) {
+        return 1;
+    }
+    if inside.contains(CloneFlags::CLONE_NEWPID) {
+        // SAFETY: this process is single-threaded (a fork of a single-threaded caller).
+        match unsafe { fork() } {
+            Ok(ForkResult::Child) => hold(),
+            Ok(ForkResult::Parent { child }) => {
+                if tx.write_all(&child.as_raw().to_ne_bytes()).is_err() {
+                    return 1;
+                }
+            }
+            Err(e) => {
+                let _ = tx.write_all(&(-(e as i32)).to_ne_bytes());
+                return 1;
+            }
+        }
+    }
+    // Held until the parent has opened what it needs and kills us.
+    let _ = rx.read(&mut go);
+    0
+}
+
+/// The pid namespace holder: PID 1 of the pod's pid namespace, reaping what is reparented
+/// to it, holding nothing open.
+fn hold() -> ! {
+    // SAFETY: close_range(2) on every descriptor above stderr; nothing of ours uses them
+    // any more (this process only pauses from here on).
+    unsafe {
+        libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+    }
+    if let Ok(null) = crate::stdio::dev_null() {
+        for fd in 0..3 {
+            let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
+        }
+    }
+    // SAFETY: setting SIGCHLD's disposition to SIG_IGN (children are reaped by the kernel)
+    // and naming the process take no pointers but the static name.
+    unsafe {
+        libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+        libc::prctl(libc::PR_SET_NAME, c"vessel-pidns".as_ptr(), 0, 0, 0);
+    }
+    loop {
+        // SAFETY: pause(2) takes no arguments.
+        unsafe { libc::pause() };
+    }
+}
+
+fn drive(
+    child: Pid,
+    uid: IdMap,
+    gid: IdMap,
+    inside: CloneFlags,
+    from_child: OwnedFd,
+    to_child: OwnedFd,
+    holder_out: &mut Option<u32>,
+) -> Result<Created, UsernsError> {
+    let mut rx = std::fs::File::from(from_child);
+    let mut tx = std::fs::File::from(to_child);
+    let read_i32 = |rx: &mut std::fs::File, what: &str| -> Result<i32, UsernsError> {
+        let mut b = [0u8; 4];
+        rx.read_exact(&mut b)
+            .map_err(io(format!("{what}: the helper exited")))?;
+        Ok(i32::from_ne_bytes(b))
+    };
+    let step = |rx: &mut std::fs::File, what: &str| -> Result<(), UsernsError> {
+        match read_i32(rx, what)? {
+            0 => Ok(()),
+            e => Err(sys(what.to_string())(nix::errno::Errno::from_raw(e))),
+        }
+    };
+    step(&mut rx, "unshare(CLONE_NEWUSER)")?;
+    let proc = PathBuf::from(format!("/proc/{child}"));
+    for (file, m) in [("uid_map", uid), ("gid_map", gid)] {
+        let line = format!("{} {} {}\n", m.container, m.host, m.size);
+        std::fs::write(proc.join(file), line).map_err(io(format!("writing {file} ({m})")))?;
+    }
+    tx.write_all(&[1]).map_err(io("telling the helper"))?;
+    let open = |name: &str| {
+        std::fs::File::open(proc.join("ns").join(name))
+            .map(OwnedFd::from)
+            .map_err(io(format!("opening the helper's {name} namespace")))
+    };
+    let user = open("user")?;
+    let mut created = Created {
+        user,
+        pid_holder: None,
+    };
+    if inside.is_empty() {
+        return Ok(created);
+    }
+    step(
+        &mut rx,
+        &format!("unshare({inside:?}) in the user namespace"),
+    )?;
+    if inside.contains(CloneFlags::CLONE_NEWPID) {
+        let holder = read_i32(&mut rx, "forking the pid namespace's holder")?;
+        if holder <= 0 {
+            return Err(sys("forking the pid namespace's holder")(
+                nix::errno::Errno::from_raw(-holder),
+            ));
+        }
+        created.pid_holder = Some(holder as u32);
+        *holder_out = created.pid_holder;
+    }
+    for (flag, name) in [
+        (CloneFlags::CLONE_NEWNET, "net"),
+        (CloneFlags::CLONE_NEWUTS, "uts"),
+        (CloneFlags::CLONE_NEWIPC, "ipc"),
+    ] {
+        if inside.contains(flag) {
+            let ns = open(name)?;
+            nix::sched::setns(&ns, flag).map_err(sys(format!("joining the pod's {name}")))?;
+        }
+    }
+    Ok(created)
+}
+
+/// Makes the detached mount tree `tree` (from `open_tree(OPEN_TREE_CLONE)`) idmapped
+/// through the user namespace `userns`: a file whose owner on disk is `k` shows through the
+/// mount as owned by the host id that `userns` maps container id `k` to, so a process in
+/// `userns` sees the owners the files have on disk (root's files as its root's).
+pub fn idmap_tree(
+    tree: BorrowedFd<'_>,
+    userns: BorrowedFd<'_>,
+    recursive: bool,
+) -> std::io::Result<()> {
+    let attr = libc::mount_attr {
+        attr_set: libc::MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+    if recursive {
+        flags |= libc::AT_RECURSIVE as libc::c_uint;
+    }
+    // SAFETY: mount_setattr(2) reads `attr` (a live, initialised mount_attr whose size we
+    // pass) and the empty path string; it writes nothing of ours.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            flags,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// An idmapped clone of `src` (recursive for `rbind`), detached, ready to attach.
+pub fn idmapped_clone(
+    src: &Path,
+    userns: BorrowedFd<'_>,
+    recursive: bool,
+) -> std::io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags;
+    let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
+    if recursive {
+        flags |= OpenTreeFlags::AT_RECURSIVE;
+    }
+    let tree = rustix::mount::open_tree(rustix::fs::CWD, src, flags)?;
+    idmap_tree(tree.as_fd(), userns, recursive)?;
+    Ok(tree)
+}
+
+/// Attaches the detached tree `tree` at `target` (which must exist).
+pub fn attach(tree: BorrowedFd<'_>, target: &Path) -> std::io::Result<()> {
+    rustix::mount::move_mount(
+        tree,
+        "",
+        rustix::fs::CWD,
+        target,
+        rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_maps() {
+        let m: IdMap = "0:1000:100000".parse().unwrap();
+        assert_eq!(
+            m,
+            IdMap {
+                container: 0,
+                host: 1000,
+                size: 100000
+            }
+        );
+        assert_eq!(m.to_string(), "0:1000:100000");
+        assert_eq!(m.to_host(0), Some(1000));
+        assert_eq!(m.to_host(99_999), Some(100_999));
+        assert_eq!(m.to_host(100_000), None);
+        assert!("0:1000".parse::<IdMap>().is_err());
+        assert!("0:1000:0".parse::<IdMap>().is_err());
+        assert!("0:4294967295:2".parse::<IdMap>().is_err());
+        assert!("x:1:1".parse::<IdMap>().is_err());
+    }
+}
