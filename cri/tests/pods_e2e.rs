@@ -1222,6 +1222,89 @@ async fn agent_killed_marks_pod_not_ready() {
     );
 }
 
+/// The freezer dir of cgroup `name` somewhere under `/sys/fs/cgroup/<hierarchy>/vessel`: the
+/// v1 freezer's, or the unified hierarchy's.
+fn freezer_dir(name: &str) -> Option<(PathBuf, &'static str, &'static str)> {
+    let roots = [
+        ("/sys/fs/cgroup/freezer/vessel", "freezer.state", "FROZEN"),
+        ("/sys/fs/cgroup/vessel", "cgroup.freeze", "1"),
+    ];
+    for (root, file, frozen) in roots {
+        let mut stack = vec![PathBuf::from(root)];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                    continue;
+                }
+                if e.file_name() == name && e.path().join(file).exists() {
+                    return Some((e.path(), file, frozen));
+                }
+                stack.push(e.path());
+            }
+        }
+    }
+    None
+}
+
+/// A flat pod whose agent died while one of its containers was frozen (libcontainer freezes
+/// a cgroup while it kills it): the container's processes cannot die until thawed, so
+/// removing the pod thaws and kills them, and no cgroup or process is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_container_of_a_dead_agent_is_thawed_and_removed() {
+    if skip_unless(
+        false,
+        "a_frozen_container_of_a_dead_agent_is_thawed_and_removed",
+        "flat pods only (a VM pod's containers are in its guest)",
+    ) {
+        return;
+    }
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("frozen").await;
+    let id = h.run(&pod, &pcfg, "c", "exec sleep 1000").await;
+    let Some((dir, file, frozen)) = freezer_dir(&id) else {
+        println!("SKIP a_frozen_container_of_a_dead_agent_is_thawed_and_removed: no freezer cgroup for the container here");
+        h.remove_pod(&pod).await;
+        return;
+    };
+    let procs: Vec<i32> = std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert!(!procs.is_empty(), "no process in {}", dir.display());
+    std::fs::write(dir.join(file), frozen).unwrap();
+    let info = h.verbose_status(&pod).await.info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let agent = i32::try_from(v["pid"].as_u64().unwrap()).unwrap();
+    // SAFETY: kill(2) of the agent pid vesseld reported.
+    unsafe {
+        libc::kill(agent, libc::SIGKILL);
+    }
+    let start = Instant::now();
+    while h.pod_state(&pod).await != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(start.elapsed() < Duration::from_secs(10), "pod still ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+    assert!(!dir.exists(), "{} left", dir.display());
+    for p in procs {
+        let state = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+        // A zombie waits for a reaper this test environment may not have; anything else
+        // is a process left alive.
+        let st = state
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next();
+        assert!(
+            state.is_empty() || st == Some("Z"),
+            "container process {p} left: {state}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_are_refused_and_leave_nothing() {
     let mut h = harness().await;

@@ -217,7 +217,7 @@ impl Driver {
         if let Err(e) = sd.stop_unit(&rec.cgroup_unit).await {
             tracing::warn!(pod = %rec.id, unit = %rec.cgroup_unit, error = %e, "cannot stop the pod's scope");
         }
-        remove_cgroup(&rec.cgroup_parent);
+        remove_cgroup_patiently(&rec.cgroup_parent).await;
     }
 
     /// Stops pod scopes that no record owns (pods whose record is gone), except `kept`
@@ -365,6 +365,35 @@ pub async fn remove_cgroup_patiently(rel: &str) {
     }
 }
 
+/// Thaws the cgroup `d` if it is frozen (the v1 freezer's `freezer.state`, v2's
+/// `cgroup.freeze`) and kills what is still in it. Only for the cgroup of a pod or container
+/// being removed after its host process is gone: libcontainer freezes a container's cgroup
+/// while it kills it, and a process in a frozen cgroup cannot die, so an agent killed in
+/// between leaves processes that would keep the cgroup busy for ever.
+fn thaw_and_kill(d: &std::path::Path) {
+    let state = d.join("freezer.state");
+    if std::fs::read_to_string(&state).is_ok_and(|s| s.trim() != "THAWED") {
+        if let Err(e) = std::fs::write(&state, "THAWED") {
+            tracing::warn!(cgroup = %d.display(), error = %e, "cannot thaw cgroup");
+        }
+    }
+    let freeze = d.join("cgroup.freeze");
+    if std::fs::read_to_string(&freeze).is_ok_and(|s| s.trim() == "1") {
+        if let Err(e) = std::fs::write(&freeze, "0") {
+            tracing::warn!(cgroup = %d.display(), error = %e, "cannot thaw cgroup");
+        }
+    }
+    let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        if pid > 0 {
+            tracing::info!(cgroup = %d.display(), pid, "killing a process left in a removed pod's cgroup");
+            if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
 /// One pass of removing `rel` from every hierarchy: the directories left, with why.
 fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
     let mut left = Vec::new();
@@ -384,7 +413,12 @@ fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
             }
             dirs.push(d);
         }
-        dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+        // Top down: a v1 freezer child of a frozen parent stays frozen until both thaw.
+        dirs.sort_by_key(|d| d.components().count());
+        for d in &dirs {
+            thaw_and_kill(d);
+        }
+        dirs.reverse();
         for d in dirs {
             if let Err(e) = std::fs::remove_dir(&d) {
                 if e.kind() != std::io::ErrorKind::NotFound {
