@@ -2821,6 +2821,21 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
         "stdout {text:?} stderr {:?}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A restart of vesseld finds the pod as it was: exec'd processes still join its user
+    // namespace.
+    h.v.kill9();
+    h.v.restart().unwrap();
+    h.c = h.v.client().await;
+    let out = h
+        .exec(&c, &["cat", "/proc/self/uid_map"], 10)
+        .await
+        .expect("ExecSync after a restart");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .collect::<Vec<_>>(),
+        ["0", "300000", "65536"]
+    );
     // What the container's root wrote through the idmapped volume is root's on the host.
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(vol.path().join("from-ctr")).unwrap();
