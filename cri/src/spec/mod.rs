@@ -7,6 +7,7 @@
 //! pod shares with the node).
 
 pub mod apparmor;
+mod namespaces;
 mod resources;
 mod seccomp;
 mod security;
@@ -19,6 +20,7 @@ pub use security::{ALL_CAPS, DEFAULT_CAPS};
 pub use user::{image_has_command, read_image_file, resolve_user};
 
 use k8s_cri::v1 as cri;
+use namespaces::Namespaces;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -174,94 +176,12 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         )));
     }
 
-    // Namespaces.
-    // Without any NamespaceOption a container gets its own pid and ipc namespaces (and
-    // always its own uts and mount ones); an explicit option is followed as CRI defines it
-    // (POD, the proto default, shares the pod's).
-    let unshared = cri::NamespaceOption {
-        network: cri::NamespaceMode::Pod as i32,
-        pid: cri::NamespaceMode::Container as i32,
-        ipc: cri::NamespaceMode::Container as i32,
-        ..Default::default()
-    };
-    let pod_ns = input
-        .pod
-        .linux
-        .as_ref()
-        .and_then(|l| l.security_context.as_ref())
-        .and_then(|s| s.namespace_options.clone());
-    let ns = sc
-        .and_then(|s| s.namespace_options.clone())
-        .or_else(|| pod_ns.clone())
-        .unwrap_or_else(|| unshared.clone());
-    let pod_ns = pod_ns.unwrap_or(unshared);
-    let host_net = ns_mode(pod_ns.network) == cri::NamespaceMode::Node;
-    let mut namespaces = vec![json!({"type": "mount"})];
-    // The pod's own user namespace, which every container of the pod joins (kubelet sends
-    // the pod's options with each container; other ones are refused).
-    let userns = crate::userns::of_pod(input.pod).map_err(invalid)?;
-    if sc
-        .and_then(|s| s.namespace_options.as_ref())
-        .is_some_and(|n| n.userns_options.is_some())
-    {
-        let own = crate::userns::of_options(sc.and_then(|s| s.namespace_options.as_ref()))
-            .map_err(invalid)?;
-        if own != userns {
-            return Err(invalid(
-                "the container's user namespace options differ from its pod's".to_string(),
-            ));
-        }
-    }
-    if let Some(u) = &userns {
-        // Every id the process takes must be mapped, or setting it fails at start.
-        let mapped =
-            |m: &cri::IdMapping, id: u32| id >= m.container_id && id - m.container_id < m.length;
-        let gids = std::iter::once(user.gid).chain(user.additional_gids.iter().copied());
-        if !mapped(&u.uid, user.uid) {
-            return Err(invalid(format!(
-                "user {} is not mapped in the pod's user namespace ({} ids from {})",
-                user.uid, u.uid.length, u.uid.container_id
-            )));
-        }
-        if let Some(g) = gids.into_iter().find(|g| !mapped(&u.gid, *g)) {
-            return Err(invalid(format!(
-                "group {g} is not mapped in the pod's user namespace ({} ids from {})",
-                u.gid.length, u.gid.container_id
-            )));
-        }
-        if input.vm_guest {
-            return Err(invalid(
-                "user namespaces are not supported for VM pods yet".to_string(),
-            ));
-        }
-        namespaces.push(json!({"type": "user", "path": "agent"}));
-    }
-    if !host_net {
-        namespaces.push(json!({"type": "network", "path": "agent"}));
-        namespaces.push(json!({"type": "uts"}));
-    }
-    match ns_mode(ns.pid) {
-        cri::NamespaceMode::Container => namespaces.push(json!({"type": "pid"})),
-        cri::NamespaceMode::Pod => namespaces.push(json!({"type": "pid", "path": "agent"})),
-        cri::NamespaceMode::Node => {}
-        cri::NamespaceMode::Target => {
-            let pid = input.target_pid.ok_or_else(|| {
-                invalid(format!(
-                    "pid namespace target {:?} is not a running container of this pod",
-                    ns.target_id
-                ))
-            })?;
-            namespaces.push(json!({"type": "pid", "path": format!("/proc/{pid}/ns/pid")}));
-        }
-    }
-    match ns_mode(ns.ipc) {
-        cri::NamespaceMode::Container => namespaces.push(json!({"type": "ipc"})),
-        cri::NamespaceMode::Node => {}
-        _ => namespaces.push(json!({"type": "ipc", "path": "agent"})),
-    }
-    if input.cgroup_ns && !privileged {
-        namespaces.push(json!({"type": "cgroup"}));
-    }
+    let Namespaces {
+        list: namespaces,
+        userns,
+        pid: pid_mode,
+        host_net,
+    } = namespaces::build(input, sc, &user, privileged)?;
 
     // Mounts: the standard set, the pod's files, then the request's.
     let mut mounts = vec![
@@ -278,7 +198,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     // in the pod's pid namespace of a pod with its own user namespace (not the agent's), that
     // entry is not there. Such a container gets an empty read-only /sys/fs/cgroup on a v1
     // host (its own cgroup namespace on v2, where this does not arise).
-    if userns.is_some() && !input.cgroup_ns && ns_mode(ns.pid) == cri::NamespaceMode::Pod {
+    if userns.is_some() && !input.cgroup_ns && pid_mode == cri::NamespaceMode::Pod {
         mounts.pop();
         mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
     }
