@@ -235,6 +235,9 @@ impl StateDirs {
         let u = s.userns_root();
         fs::create_dir_all(&u).map_err(io("create", &u))?;
         fs::set_permissions(&u, fs::Permissions::from_mode(0o711)).map_err(io("chmod", &u))?;
+        if !s.userns_root_reachable() {
+            tracing::warn!(dir = %u.display(), "a directory above it is not traversable by other users: flat pods cannot have user namespaces (Status does not advertise them for flat pods)");
+        }
         for d in [s.pods_dir(), s.containers_dir()] {
             fsutil::clean_dead_temps(&d).map_err(io("clean", &d))?;
         }
@@ -265,11 +268,19 @@ impl StateDirs {
         self.run.join("vms").join(&id[..id.len().min(32)])
     }
 
-    /// Runtime files of a pod (agent state), cleared by a reboot.
+    /// Whether every host id can reach [`StateDirs::userns_root`] (each directory above it
+    /// traversable by others), as a flat pod's user-namespaced containers must.
+    pub fn userns_root_reachable(&self) -> bool {
+        use std::os::unix::fs::PermissionsExt;
+        let root = self.userns_root();
+        root.ancestors()
+            .all(|d| fs::metadata(d).is_ok_and(|m| m.permissions().mode() & 0o001 != 0))
+    }
     /// See [`StateDirs::new`]: the mount point of user-namespaced pods' container dirs.
     pub fn userns_root(&self) -> PathBuf {
         self.run.join("userns")
     }
+    /// Runtime files of a pod (agent state), cleared by a reboot.
     pub fn pod_run_dir(&self, id: &str) -> PathBuf {
         self.run.join("pods").join(id)
     }

@@ -5,8 +5,9 @@
 //! the pod's own, with exactly one uid and one gid mapping that map container root (what
 //! kubelet sends for `hostUsers: false`); it is refused with the host's network, pid or ipc
 //! namespace, as kubelet does. CONTAINER and TARGET are not defined for user namespaces by
-//! kubelet and are refused, as containerd and CRI-O do. Flat pods have them; a VM pod does
-//! not yet, and Status says so per runtime handler.
+//! kubelet and are refused, as containerd and CRI-O do. Flat pods and VM pods have them
+//! (the agent makes the namespace on the host, or in the guest at boot); a VM pod's volumes
+//! show their owners through the pod's mapping by its file server, not an idmapped mount.
 
 use k8s_cri::v1 as cri;
 

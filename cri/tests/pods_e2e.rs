@@ -2655,8 +2655,9 @@ fn id_map(container_id: u32, host_id: u32, length: u32) -> cri::IdMapping {
 /// and over their volumes, whose files show with their owners on disk (idmapped mounts), and
 /// what they write there is root's on the host. A container sharing the pod's pid namespace
 /// sees its holder as PID 1. What CRI leaves undefined or kubelet never sends is refused;
-/// NODE is the host's user namespace. Status advertises them for the handlers that run flat;
-/// VM pods refuse them. Nothing is left afterwards, the holder process included.
+/// NODE is the host's user namespace. Status advertises them for every handler. The same
+/// holds in a VM pod (its guest's namespaces; its volumes through its file server's id
+/// shift). Nothing is left afterwards, the holder process included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
     let mut h = harness().await;
@@ -2674,7 +2675,10 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
             .and_then(|r| r.features)
             .is_some_and(|f| f.user_namespaces)
     };
-    assert!(advertised("flat"), "{status:?}");
+    assert!(
+        advertised("flat") && advertised("vm") && advertised(""),
+        "{status:?}"
+    );
     let map = id_map(0, 300_000, 65536);
     for (name, mode, ids, why) in [
         (
@@ -2733,14 +2737,6 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
         cri::NamespaceMode::Pod,
         vec![map],
     );
-    if vm_mode() {
-        assert!(!advertised("vm"), "{status:?}");
-        let e = h.c.run_pod(&pcfg, &handler()).await.unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
-        assert!(e.message().contains("VM pods"), "{e}");
-        h.assert_clean();
-        return;
-    }
     let pod =
         h.c.run_pod(&pcfg, &handler())
             .await
@@ -2855,6 +2851,30 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
         .await
         .expect("ExecSync");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "vessel-pidns");
+    // ... which is the pod's root without a capability, and not a way to the host's files
+    // (its root is an empty directory of its own).
+    let script = "grep -E '^(Uid|CapEff|CapPrm|CapBnd):' /proc/1/status; \
+                  echo $(ls -A /proc/1/root/ | wc -l)-entries";
+    let out = h
+        .exec(&p, &["sh", "-c", script], 10)
+        .await
+        .expect("ExecSync");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let fields: Vec<Vec<&str>> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(fields.len(), 5, "{text}");
+    assert_eq!(fields[0], ["Uid:", "0", "0", "0", "0"], "{text}");
+    for f in &fields[1..4] {
+        assert_eq!(f[1], "0000000000000000", "{text}");
+    }
+    assert_eq!(fields[4], ["0-entries"], "{text}");
+    // The host's pid namespace is not for a container of such a pod.
+    let mut cfg = h.ctr_config("hostpid", "true");
+    cfg.linux = ns(cri::NamespaceMode::Node);
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     // A volume with other mappings than the pod's is refused.
     let mut cfg = h.ctr_config("bad", "true");
     cfg.linux = ns(cri::NamespaceMode::Container);
@@ -2878,14 +2898,18 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
     assert!(e.message().contains("not mapped"), "{e}");
     h.remove_pod(&pod).await;
     h.assert_clean();
-    let holders = std::process::Command::new("pgrep")
-        .args(["-x", "vessel-pidns"])
-        .output()
-        .unwrap();
+    // (In a VM pod the holder is in the guest, gone with it.)
+    let holders: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "vessel-pidns")
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
     assert!(
-        holders.stdout.is_empty(),
-        "pid namespace holders left: {}",
-        String::from_utf8_lossy(&holders.stdout)
+        holders.is_empty(),
+        "pid namespace holders left: {holders:?}"
     );
 }
 

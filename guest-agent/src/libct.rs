@@ -531,6 +531,19 @@ fn exec(
                 user: process.user().clone(),
                 caps: process.capabilities().clone(),
             };
+            // libcontainer gives a process without HOME the home of the user it sets up,
+            // which is root here: the process's own user's, from the image's passwd.
+            let env = process.env().clone().unwrap_or_default();
+            if !env.iter().any(|e| e.starts_with("HOME=")) {
+                let home = spec
+                    .root()
+                    .as_ref()
+                    .and_then(|r| home_of(&r.path().join("etc/passwd"), own.user.uid()))
+                    .unwrap_or_else(|| "/".into());
+                let mut env = env;
+                env.push(format!("HOME={home}"));
+                process.set_env(Some(env));
+            }
             process.set_user(oci_spec::runtime::User::default());
             process.set_capabilities(Some(all_capabilities()?));
             Some(Arc::new(own))
@@ -616,6 +629,9 @@ impl UsernsEntry {
     /// with its own capabilities, as libcontainer's init does for a container.
     fn enter(&self) -> Result<(), String> {
         use nix::unistd::{Gid, Uid};
+        // Until it is the process's own user, it is host root with every capability in the
+        // pod's user namespace: nothing there may attach to it meanwhile (exec resets this).
+        nix::sys::prctl::set_dumpable(false).map_err(|e| format!("PR_SET_DUMPABLE: {e}"))?;
         nix::sched::setns(&self.fd, nix::sched::CloneFlags::CLONE_NEWUSER)
             .map_err(|e| format!("joining the pod's user namespace: {e}"))?;
         let sys = libcontainer::syscall::syscall::create_syscall();
@@ -645,6 +661,14 @@ impl UsernsEntry {
         }
         Ok(())
     }
+}
+
+/// The home directory of `uid` in the passwd file `passwd`.
+fn home_of(passwd: &Path, uid: u32) -> Option<String> {
+    std::fs::read_to_string(passwd).ok()?.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() >= 6 && f[2].parse() == Ok(uid)).then(|| f[5].to_string())
+    })
 }
 
 /// The path of the user namespace the container joined, if it joined one.

@@ -107,6 +107,38 @@ pub fn new_route(index: u32, dst: &IpAddr, len: u8, gateway: Option<&IpAddr>) ->
     m.attr(RTA_OIF, &index.to_ne_bytes()).finish()
 }
 
+/// `RTM_NEWLINK` moving interface `index` into the network namespace open as `ns_fd`.
+pub fn move_link(index: u32, ns_fd: i32) -> Vec<u8> {
+    // struct ifinfomsg: family, pad, type (u16), index (i32), flags (u32), change (u32).
+    // AF_UNSPEC is 0.
+    let mut fixed = vec![0u8, 0, 0, 0];
+    fixed.extend_from_slice(&index.to_ne_bytes());
+    fixed.extend_from_slice(&0u32.to_ne_bytes());
+    fixed.extend_from_slice(&0u32.to_ne_bytes());
+    Msg::new(libc::RTM_NEWLINK, 0, &fixed)
+        .attr(libc::IFLA_NET_NS_FD, &ns_fd.to_ne_bytes())
+        .finish()
+}
+
+/// The device interfaces (a NIC, not loopback nor a per-namespace fallback tunnel like
+/// `sit0`, which cannot leave its namespace) of this thread's network namespace, by name,
+/// with their indexes (read from `sys_class_net`, the namespace's `/sys/class/net`).
+pub fn device_links(sys_class_net: &std::path::Path) -> std::io::Result<Vec<(String, u32)>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(sys_class_net)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !e.path().join("device").exists() {
+            continue;
+        }
+        let index = std::fs::read_to_string(e.path().join("ifindex"))?
+            .trim()
+            .parse::<u32>()
+            .map_err(|err| std::io::Error::other(format!("{name}/ifindex: {err}")))?;
+        out.push((name, index));
+    }
+    Ok(out)
+}
+
 /// Checks every address, route and gateway before anything is changed.
 pub fn validate(interfaces: &[GuestInterface], routes: &[GuestRoute]) -> Result<(), AgentError> {
     for a in interfaces.iter().flat_map(|i| &i.addresses) {

@@ -613,6 +613,9 @@ impl AgentState {
         req: &proto::ConfigureSandboxRequest,
     ) -> Result<(), AgentError> {
         let vm = self.vm("ConfigureSandbox")?;
+        if let Some(why) = crate::userns::failed() {
+            return Err(AgentError::FailedPrecondition(why.to_string()));
+        }
         if !req.hostname.is_empty() {
             crate::files::validate_hostname(&req.hostname)?;
         }

@@ -120,6 +120,18 @@ pub struct PodUserns {
 }
 
 static POD: OnceLock<PodUserns> = OnceLock::new();
+static FAILED: OnceLock<String> = OnceLock::new();
+
+/// Records why the pod's user namespace could not be made (a VM agent carries on, and says
+/// so to the first ConfigureSandbox).
+pub fn set_failed(why: String) {
+    let _ = FAILED.set(why);
+}
+
+/// Why the pod's user namespace could not be made, if it could not.
+pub fn failed() -> Option<&'static str> {
+    FAILED.get().map(String::as_str)
+}
 
 /// Records the pod's user namespace (once, when the agent starts).
 pub fn set_pod(u: PodUserns) {
@@ -233,17 +245,25 @@ fn helper(from_parent: OwnedFd, to_parent: OwnedFd, inside: CloneFlags) -> i32 {
 }
 
 /// The pid namespace holder: PID 1 of the pod's pid namespace, reaping what is reparented
-/// to it, holding nothing open.
+/// to it, holding nothing open. It is visible to a container sharing the pod's pid
+/// namespace (which may ptrace it with CAP_SYS_PTRACE: the containers open its namespaces
+/// after joining the user namespace, so it must stay dumpable to them), and it was forked
+/// in the agent's mount namespace (the host's files): so it moves into a mount namespace of
+/// its own, chroots into an empty read-only tmpfs there, becomes the pod's root (an
+/// unprivileged id on the host) and drops every capability: nothing a container could do
+/// through it is more than it can do itself. Any step failing ends it, and with it the
+/// pod's pid namespace: the pod's first container fails rather than run beside a
+/// privileged holder.
 fn hold() -> ! {
-    // SAFETY: close_range(2) on every descriptor above stderr; nothing of ours uses them
-    // any more (this process only pauses from here on).
-    unsafe {
-        libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
-    }
+    close_inherited();
     if let Ok(null) = crate::stdio::dev_null() {
         for fd in 0..3 {
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
         }
+    }
+    if drop_privileges().is_err() {
+        // SAFETY: _exit ends this forked child without running anyone's destructors.
+        unsafe { libc::_exit(1) }
     }
     // SAFETY: setting SIGCHLD's disposition to SIG_IGN (children are reaped by the kernel)
     // and naming the process take no pointers but the static name.
@@ -255,6 +275,74 @@ fn hold() -> ! {
         // SAFETY: pause(2) takes no arguments.
         unsafe { libc::pause() };
     }
+}
+
+/// Closes every descriptor above stderr (close_range(2), or one by one from `/proc/self/fd`
+/// on kernels before 5.9).
+fn close_inherited() {
+    // SAFETY: close_range(2) on descriptors this forked child no longer uses.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    if r == 0 {
+        return;
+    }
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|fd| *fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: closing a descriptor this process no longer uses (the directory's own,
+        // gone by now, fails harmlessly).
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// In the holder (root of the pod's user namespace, single-threaded): an empty root of its
+/// own, then the pod's root with no capability and no new privileges.
+fn drop_privileges() -> Result<(), nix::Error> {
+    use caps::{CapSet, Capability};
+    use nix::mount::{mount, MsFlags};
+    nix::sched::unshare(CloneFlags::CLONE_NEWNS)?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )?;
+    // Over /proc, which the holder does not use (the containers open its namespaces
+    // through their own /proc): in its own mount namespace only.
+    mount(
+        Some("vessel-pidns"),
+        "/proc",
+        Some("tmpfs"),
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("size=4k,mode=0555"),
+    )?;
+    nix::unistd::chroot("/proc")?;
+    nix::unistd::chdir("/")?;
+    let id = nix::unistd::Gid::from_raw(0);
+    nix::unistd::setresgid(id, id, id)?;
+    nix::unistd::setgroups(&[])?;
+    let id = nix::unistd::Uid::from_raw(0);
+    nix::unistd::setresuid(id, id, id)?;
+    let fail = |_| nix::Error::EPERM;
+    for c in caps::all() {
+        if caps::has_cap(None, CapSet::Bounding, c).unwrap_or(false) {
+            caps::drop(None, CapSet::Bounding, c).map_err(fail)?;
+        }
+    }
+    let none = std::collections::HashSet::<Capability>::new();
+    caps::clear(None, CapSet::Ambient).map_err(fail)?;
+    for set in [CapSet::Inheritable, CapSet::Effective, CapSet::Permitted] {
+        caps::set(None, set, &none).map_err(fail)?;
+    }
+    nix::sys::prctl::set_no_new_privs()?;
+    // The change of uid made it non-dumpable; the containers must open its namespaces.
+    nix::sys::prctl::set_dumpable(true)?;
+    Ok(())
 }
 
 fn drive(

@@ -11,7 +11,8 @@
 //! the console and the guest powers off.
 //!
 //! The kernel command line may carry `vessel.log=<tracing filter>` (default `warn`: every
-//! console byte is a VM exit).
+//! console byte is a VM exit), and `vessel.userns=<uid map>,<gid map>` for a pod with its
+//! own user namespace ([`pod_userns`]).
 
 use std::ffi::CString;
 use std::io::BufRead;
@@ -132,6 +133,13 @@ fn run() -> Result<(), VmError> {
     crate::flat::init_logging(&level);
     if pid1 {
         setup_system()?;
+        if let Some(maps) = kernel_param("vessel.userns") {
+            // Not fatal here: ConfigureSandbox reports it, so the host learns why.
+            if let Err(e) = pod_userns(&maps) {
+                tracing::error!(error = %e, "the pod's user namespace");
+                crate::userns::set_failed(format!("the pod's user namespace in the guest: {e}"));
+            }
+        }
     }
     for d in ["libcontainer", "containers", "layers", "files"] {
         let p = Path::new(STATE_DIR).join(d);
@@ -333,6 +341,52 @@ fn setup_system() -> Result<(), VmError> {
     if let Err(e) = crate::flat::loopback_up() {
         tracing::warn!(error = %e, "bringing up lo");
     }
+    Ok(())
+}
+
+/// `vessel.userns=<uid map>,<gid map>` (each `container:host:size`): the pod has a user
+/// namespace of its own. As in a flat pod (`crate::userns`), it is made with the pod's net,
+/// uts, ipc and pid namespaces owned by it, and the agent (still in the guest's initial user
+/// namespace) joins the first three; the guest's interfaces move into the pod's network
+/// namespace, where `ConfigureSandbox` then gives them their addresses.
+fn pod_userns(maps: &str) -> Result<(), VmError> {
+    use nix::sched::CloneFlags;
+    let bad = |e: String| VmError::Io {
+        what: format!("vessel.userns={maps}"),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+    };
+    let (u, g) = maps
+        .split_once(',')
+        .ok_or_else(|| bad("want <uid map>,<gid map>".into()))?;
+    let uid: crate::userns::IdMap = u.parse().map_err(bad)?;
+    let gid: crate::userns::IdMap = g.parse().map_err(bad)?;
+    // Read and opened here, in the guest's first network namespace, where they stay.
+    let links =
+        crate::net::device_links(Path::new("/sys/class/net")).map_err(io("listing interfaces"))?;
+    let nl = crate::netlink::Socket::open().map_err(io("netlink socket"))?;
+    let inside = CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWPID;
+    let made = crate::userns::create(uid, gid, inside).map_err(|e| VmError::Io {
+        what: "the pod's user namespace".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let pod_net =
+        std::fs::File::open("/proc/self/ns/net").map_err(io("opening the pod's netns"))?;
+    for (name, index) in links {
+        nl.request(&crate::net::move_link(index, pod_net.as_raw_fd()))
+            .map_err(io(format!(
+                "moving {name} into the pod's network namespace"
+            )))?;
+    }
+    crate::flat::loopback_up().map_err(io("bringing up the pod's lo"))?;
+    crate::userns::set_pod(crate::userns::PodUserns {
+        fd: made.user,
+        uid,
+        gid,
+        pid_holder: made.pid_holder,
+    });
     Ok(())
 }
 

@@ -143,6 +143,10 @@ pub struct VmConfig {
 pub struct SharedDirConfig {
     pub tag: String,
     pub path: PathBuf,
+    /// Owners as a pod's user namespace sees them through an idmapped mount (the guest
+    /// kernel cannot idmap a virtio-fs mount): see [`crate::virtio::share_fs::IdShift`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id_shift: Option<crate::virtio::share_fs::IdShift>,
 }
 
 /// A virtio-net interface on a tap: an existing tap interface by name, or an open tap fd
@@ -412,7 +416,7 @@ impl Vm {
             devices.push(Box::new(dev.with_mtu(n.mtu)));
         }
         for d in &cfg.shared_dirs {
-            devices.push(Box::new(Fs::new(&d.tag, &d.path)?));
+            devices.push(Box::new(Fs::new(&d.tag, &d.path, d.id_shift)?));
         }
         if let Some(v) = vsock {
             devices.push(Box::new(v));

@@ -256,10 +256,17 @@ impl Runtime {
         &self.opts.vm
     }
 
-    /// Whether pods of runtime `handler` can have their own user namespace: those that run
-    /// flat (a VM pod has none yet).
+    /// Whether pods of runtime `handler` can have their own user namespace: VM pods always;
+    /// flat pods where every host id can reach the state dir's `userns` (their containers'
+    /// roots are under it).
     pub fn handler_has_userns(&self, handler: &str) -> bool {
-        crate::sandbox::runs_flat(handler, &self.opts.default_handler, &self.opts.vm)
+        let vm = &self.opts.vm;
+        let runs_vm = match handler {
+            "vm" => vm.ready,
+            "" => self.opts.default_handler == "vm" && vm.ready,
+            _ => false,
+        };
+        runs_vm || self.dirs.userns_root_reachable()
     }
 
     /// The backend of a pod (by its record).

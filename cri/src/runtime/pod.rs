@@ -29,6 +29,7 @@ impl Runtime {
                 meta.name, meta.namespace, meta.uid
             )));
         }
+        // Checked here, before anything is made; the backends take it from the config.
         let userns = crate::userns::of_pod(&config).map_err(|e| {
             RuntimeError::InvalidArgument(format!("RunPodSandbox {:?}: {e}", meta.name))
         })?;
@@ -41,11 +42,12 @@ impl Runtime {
                 host_namespaces: self.opts.vm_cfg.host_namespaces,
             },
         )?;
-        if userns.is_some() && backend == BackendKind::Vm {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "RunPodSandbox {:?}: user namespaces are not supported for VM pods yet (the \
-                 runtime handler does not advertise them); use runtime handler \"flat\"",
-                meta.name
+        if userns.is_some() && backend == BackendKind::Flat && !self.dirs.userns_root_reachable() {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "RunPodSandbox {:?}: a flat pod's user namespace needs {} reachable by every \
+                 host id (a directory above it is not traversable by others)",
+                meta.name,
+                self.dirs.userns_root().display()
             )));
         }
         let id = state::new_id();

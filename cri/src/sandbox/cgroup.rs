@@ -204,7 +204,7 @@ impl Driver {
             Driver::Systemd(_) => return,
             Driver::Cgroupfs => {
                 if rec.cgroup_parent == format!("/vessel/{}", rec.id) {
-                    remove_cgroup_patiently(&rec.cgroup_parent).await;
+                    remove_dead_cgroup(&rec.cgroup_parent).await;
                 } else {
                     let parent = rec.cgroup_parent.trim_end_matches('/');
                     for leaf in [AGENT_LEAF, VMM_LEAF] {
@@ -217,7 +217,8 @@ impl Driver {
         if let Err(e) = sd.stop_unit(&rec.cgroup_unit).await {
             tracing::warn!(pod = %rec.id, unit = %rec.cgroup_unit, error = %e, "cannot stop the pod's scope");
         }
-        remove_cgroup_patiently(&rec.cgroup_parent).await;
+        // The pod's own scope.
+        remove_dead_cgroup(&rec.cgroup_parent).await;
     }
 
     /// Stops pod scopes that no record owns (pods whose record is gone), except `kept`
@@ -340,7 +341,7 @@ pub fn cgroup_dirs(rel: &str) -> Vec<PathBuf> {
 
 /// Removes the cgroup `rel` (and its empty children, deepest first) from every hierarchy.
 pub fn remove_cgroup(rel: &str) {
-    for (d, e) in try_remove_cgroup(rel) {
+    for (d, e) in try_remove_cgroup(rel, false) {
         tracing::warn!(cgroup = %d.display(), error = %e, "cannot remove cgroup");
     }
 }
@@ -349,9 +350,21 @@ pub fn remove_cgroup(rel: &str) {
 /// busy for a moment after its last process is killed (until it is gone for good), so a busy
 /// one is tried again for up to a second.
 pub async fn remove_cgroup_patiently(rel: &str) {
+    remove_patiently(rel, false).await;
+}
+
+/// Like [`remove_cgroup_patiently`], for a cgroup that belongs to one pod or container
+/// whose host process is gone (never one shared with another sandbox, as the leaves under a
+/// kubelet pod cgroup are between the sandboxes of one pod): each of its cgroups is thawed
+/// and emptied first ([`thaw_and_kill`]).
+pub async fn remove_dead_cgroup(rel: &str) {
+    remove_patiently(rel, true).await;
+}
+
+async fn remove_patiently(rel: &str, kill: bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
     loop {
-        let left = try_remove_cgroup(rel);
+        let left = try_remove_cgroup(rel, kill);
         let busy = left
             .iter()
             .all(|(_, e)| e.raw_os_error() == Some(libc::EBUSY));
@@ -383,6 +396,10 @@ fn thaw_and_kill(d: &std::path::Path) {
             tracing::warn!(cgroup = %d.display(), error = %e, "cannot thaw cgroup");
         }
     }
+    // cgroup v2 kills the whole cgroup without a race with pid reuse.
+    if std::fs::write(d.join("cgroup.kill"), "1").is_ok() {
+        return;
+    }
     let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
     for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
         if pid > 0 {
@@ -395,7 +412,7 @@ fn thaw_and_kill(d: &std::path::Path) {
 }
 
 /// One pass of removing `rel` from every hierarchy: the directories left, with why.
-fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
+fn try_remove_cgroup(rel: &str, kill: bool) -> Vec<(PathBuf, std::io::Error)> {
     let mut left = Vec::new();
     for dir in cgroup_dirs(rel) {
         if !dir.exists() {
@@ -415,8 +432,10 @@ fn try_remove_cgroup(rel: &str) -> Vec<(PathBuf, std::io::Error)> {
         }
         // Top down: a v1 freezer child of a frozen parent stays frozen until both thaw.
         dirs.sort_by_key(|d| d.components().count());
-        for d in &dirs {
-            thaw_and_kill(d);
+        if kill {
+            for d in &dirs {
+                thaw_and_kill(d);
+            }
         }
         dirs.reverse();
         for d in dirs {

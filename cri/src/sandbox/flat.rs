@@ -188,8 +188,7 @@ impl SandboxBackend for FlatBackend {
     async fn release_container(&self, pod: &Pod, rec: &ContainerRecord) {
         // The agent removes the cgroup of containers it deletes; one whose agent died is ours.
         let parent = pod.record().cgroup_parent;
-        cgroup::remove_cgroup_patiently(&format!("{}/{}", parent.trim_end_matches('/'), rec.id))
-            .await;
+        cgroup::remove_dead_cgroup(&format!("{}/{}", parent.trim_end_matches('/'), rec.id)).await;
     }
 
     async fn reopen_log(&self, pod: &Pod, rec: &ContainerRecord) -> Result<()> {

@@ -315,18 +315,6 @@ pub fn available(vm: &VmSupport) -> Vec<&'static str> {
 /// The runtime handlers a pod may name: the default (empty), `flat` and `vm`.
 pub const HANDLERS: &[&str] = &["", "flat", "vm"];
 
-/// Whether an ordinary pod (no host namespaces) of runtime `handler` runs flat on this node;
-/// an unknown handler's pods run nowhere.
-pub fn runs_flat(handler: &str, default_handler: &str, vm: &VmSupport) -> bool {
-    let wants_vm = match handler {
-        "flat" => false,
-        "vm" => true,
-        "" => default_handler == "vm",
-        _ => return false,
-    };
-    !wants_vm || (!vm.ready && (handler.is_empty() || vm.fallback))
-}
-
 /// The backend a pod runs on: its handler, the node's VM support and the policy for pods a
 /// VM cannot honour (host namespaces, privileges).
 pub fn choose(

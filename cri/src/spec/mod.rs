@@ -214,8 +214,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         }
         let src = input.pod_dir.join(file);
         let mut opts = vec!["rbind", "rprivate", if readonly_root { "ro" } else { "rw" }];
-        if userns.is_some() {
-            // Root's files show as the container root's, as without a user namespace.
+        if userns.is_some() && !input.vm_guest {
+            // Root's files show as the container root's, as without a user namespace. (A
+            // VM pod's files are written as its root's.)
             opts.push("idmap");
         }
         mounts.push(json!({
@@ -274,7 +275,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             }
             opts.push("rro".into());
         }
-        if idmap {
+        // A VM pod's volumes come through its share, whose file server shows every owner
+        // through the pod's mapping (the guest kernel cannot idmap virtio-fs).
+        if idmap && !input.vm_guest {
             opts.push("idmap".into());
         }
         mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));

@@ -61,6 +61,14 @@ pub(super) fn build(
             ));
         }
     }
+    if userns.is_some()
+        && (ns_mode(ns.pid) == cri::NamespaceMode::Node
+            || ns_mode(ns.ipc) == cri::NamespaceMode::Node)
+    {
+        return Err(invalid(
+            "a container of a pod with its own user namespace cannot use the host's pid or ipc namespace".to_string(),
+        ));
+    }
     if let Some(u) = &userns {
         // Every id the process takes must be mapped, or setting it fails at start.
         let mapped =
@@ -77,11 +85,6 @@ pub(super) fn build(
                 "group {g} is not mapped in the pod's user namespace ({} ids from {})",
                 u.gid.length, u.gid.container_id
             )));
-        }
-        if input.vm_guest {
-            return Err(invalid(
-                "user namespaces are not supported for VM pods yet".to_string(),
-            ));
         }
         namespaces.push(json!({"type": "user", "path": "agent"}));
     }

@@ -76,8 +76,12 @@ fn lock(m: &Mutex<Option<Active>>) -> std::sync::MutexGuard<'_, Option<Active>> 
 }
 
 impl Fs {
-    /// Shares `dir` (which must exist) as `tag`.
-    pub fn new(tag: &str, dir: &Path) -> Result<Self, FsError> {
+    /// Shares `dir` (which must exist) as `tag`, its owners shifted by `shift` if given.
+    pub fn new(
+        tag: &str,
+        dir: &Path,
+        shift: Option<super::share_fs::IdShift>,
+    ) -> Result<Self, FsError> {
         if tag.is_empty() || tag.len() > TAG_LEN || tag.contains('\0') {
             return Err(FsError::BadTag(tag.into()));
         }
@@ -102,7 +106,7 @@ impl Fs {
         let worker = {
             let (active, dir) = (active.clone(), dir.to_path_buf());
             Worker::spawn_privileged("virtio-fs", move |wake, stop| {
-                let server = match passthrough_server(&dir).and_then(|s| {
+                let server = match passthrough_server(&dir, shift).and_then(|s| {
                     crate::threads::confine(crate::threads::ThreadRole::FileServer)
                         .map_err(std::io::Error::other)?;
                     Ok(s)
@@ -180,7 +184,10 @@ fn passthrough_config(root: &str) -> Config {
 /// `/proc/self/fd` (which it needs to reopen files) before the old root goes, and its root,
 /// `/`, after. Where the thread cannot be confined (no privilege), it serves `dir` by path,
 /// with a warning.
-fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
+fn passthrough_server(
+    dir: &Path,
+    shift: Option<super::share_fs::IdShift>,
+) -> std::io::Result<FsServer> {
     let (fs, proc_fd) = match enter_namespace(dir) {
         Ok(()) => {
             let fs = Fs017::new(passthrough_config("/"))?;
@@ -225,7 +232,7 @@ fn passthrough_server(dir: &Path) -> std::io::Result<FsServer> {
         ..Default::default()
     });
     fs.import()?;
-    vfs.mount(Box::new(ShareFs::new(fs, proc_fd)), "/")
+    vfs.mount(Box::new(ShareFs::new(fs, proc_fd, shift)), "/")
         .map_err(|e| std::io::Error::other(format!("mounting the share in the VFS: {e:?}")))?;
     Ok(Server::new(Arc::new(vfs)))
 }
@@ -512,7 +519,7 @@ mod tests {
     /// A device sharing `dir`, its queues set up and a FUSE session begun (INIT 7.31, no
     /// flags).
     fn session(dir: &Path) -> Driver {
-        let mut drv = Driver::new(Box::new(Fs::new("vessel", dir).unwrap()), 0);
+        let mut drv = Driver::new(Box::new(Fs::new("vessel", dir, None).unwrap()), 0);
         drv.init(&[0, 1]);
         let mut init = Vec::new();
         for v in [7u32, 31, 1 << 20, 0] {
@@ -530,7 +537,7 @@ mod tests {
     fn the_guest_reads_and_writes_host_files_through_the_queue() {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("hello"), b"from the host").unwrap();
-        let mut drv = Driver::new(Box::new(Fs::new("vessel", d.path()).unwrap()), 0);
+        let mut drv = Driver::new(Box::new(Fs::new("vessel", d.path(), None).unwrap()), 0);
         assert_eq!(drv.read_reg(0x08), VIRTIO_ID_FS);
         drv.init(&[0, 1]);
 
@@ -746,17 +753,25 @@ mod tests {
     #[test]
     fn bad_tags_and_missing_dirs_are_clear_errors() {
         let d = tempfile::tempdir().unwrap();
-        assert!(matches!(Fs::new("", d.path()), Err(FsError::BadTag(_))));
+        assert!(matches!(
+            Fs::new("", d.path(), None),
+            Err(FsError::BadTag(_))
+        ));
         let long = "x".repeat(TAG_LEN + 1);
-        assert!(matches!(Fs::new(&long, d.path()), Err(FsError::BadTag(_))));
-        let e = Fs::new("vol", &d.path().join("absent")).err().unwrap();
+        assert!(matches!(
+            Fs::new(&long, d.path(), None),
+            Err(FsError::BadTag(_))
+        ));
+        let e = Fs::new("vol", &d.path().join("absent"), None)
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("absent"), "{e}");
     }
 
     #[test]
     fn config_space_carries_the_tag_and_one_request_queue() {
         let d = tempfile::tempdir().unwrap();
-        let fs = Fs::new("vessel", d.path()).unwrap();
+        let fs = Fs::new("vessel", d.path(), None).unwrap();
         let mut cfg = [0u8; TAG_LEN + 4];
         fs.read_config(0, &mut cfg);
         assert_eq!(&cfg[..6], b"vessel");

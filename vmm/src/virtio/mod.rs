@@ -8,7 +8,7 @@ pub mod block;
 pub mod fs;
 pub mod mmio;
 pub mod net;
-mod share_fs;
+pub mod share_fs;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod vsock;

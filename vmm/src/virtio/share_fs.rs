@@ -17,7 +17,7 @@
 //! directory (the thread has its own, CLONE_FS). A rename between reading the path and
 //! opening it, or an inode whose last name is gone (`... (deleted)`), fails the request with
 //! ENOENT rather than reaching another file. Every other request goes to the passthrough
-//! filesystem as is.
+//! filesystem as is, but for the owners an [`IdShift`] translates.
 
 use std::any::Any;
 use std::ffi::{CStr, CString};
@@ -52,6 +52,63 @@ const XATTR_MAX: u32 = 65536;
 pub struct ShareFs {
     inner: PassthroughFs<()>,
     proc_fd: Option<File>,
+    shift: Option<IdShift>,
+}
+
+/// One id range of an [`IdShift`]: `size` ids from `disk` on the host's filesystem are
+/// `guest` onwards in the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdRange {
+    pub disk: u32,
+    pub guest: u32,
+    pub size: u32,
+}
+
+/// What an idmapped mount through a pod's user namespace does, done by the file server for
+/// a guest whose kernel cannot idmap virtio-fs: a pod user namespace mapping container ids
+/// `c..c+n` to guest ids `h..h+n` sees a file owned by `k` on disk as its own `k`, that is
+/// guest id `h + (k - c)`; what a guest id in `h..h+n` creates or chowns is `c + (g - h)`
+/// on disk. Owners on disk outside the range show as the overflow id (65534), as through
+/// an idmapped mount; guest ids outside the range (the agent's root) are passed as they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdShift {
+    pub uid: IdRange,
+    pub gid: IdRange,
+}
+
+/// The overflow id an unmapped owner shows as.
+const OVERFLOW_ID: u32 = 65534;
+
+impl IdRange {
+    fn to_guest(self, disk: u32) -> u32 {
+        match disk.checked_sub(self.disk) {
+            Some(off) if off < self.size => self.guest + off,
+            _ => OVERFLOW_ID,
+        }
+    }
+
+    fn to_disk(self, guest: u32) -> u32 {
+        match guest.checked_sub(self.guest) {
+            Some(off) if off < self.size => self.disk + off,
+            _ => guest,
+        }
+    }
+}
+
+impl IdShift {
+    fn stat_out(&self, st: &mut stat64) {
+        st.st_uid = self.uid.to_guest(st.st_uid);
+        st.st_gid = self.gid.to_guest(st.st_gid);
+    }
+
+    fn ctx_in(&self, ctx: &Context) -> Context {
+        let mut c = *ctx;
+        c.uid = self.uid.to_disk(ctx.uid);
+        c.gid = self.gid.to_disk(ctx.gid);
+        c
+    }
 }
 
 /// The inode of a request, opened for naming in `/proc/self/fd`.
@@ -79,8 +136,34 @@ impl Named<'_> {
 
 impl ShareFs {
     /// `proc_fd` is `/proc/self/fd` for a confined server thread, `None` otherwise.
-    pub fn new(inner: PassthroughFs<()>, proc_fd: Option<File>) -> ShareFs {
-        ShareFs { inner, proc_fd }
+    pub fn new(inner: PassthroughFs<()>, proc_fd: Option<File>, shift: Option<IdShift>) -> ShareFs {
+        ShareFs {
+            inner,
+            proc_fd,
+            shift,
+        }
+    }
+
+    /// The guest's view of `st`'s owners.
+    fn out(&self, mut st: stat64) -> stat64 {
+        if let Some(s) = &self.shift {
+            s.stat_out(&mut st);
+        }
+        st
+    }
+
+    /// The guest's view of an entry's owners.
+    fn entry(&self, mut e: Entry) -> Entry {
+        e.attr = self.out(e.attr);
+        e
+    }
+
+    /// The caller as the host's filesystem knows it.
+    fn ctx(&self, ctx: &Context) -> Context {
+        match &self.shift {
+            Some(s) => s.ctx_in(ctx),
+            None => *ctx,
+        }
     }
 
     /// The inode opened anew (`O_PATH`, not following a last symlink) by its path from the
@@ -255,7 +338,7 @@ impl FileSystem for ShareFs {
     }
 
     fn lookup(&self, ctx: &Context, parent: Inode, name: &CStr) -> io::Result<Entry> {
-        self.inner.lookup(ctx, parent, name)
+        self.inner.lookup(ctx, parent, name).map(|e| self.entry(e))
     }
 
     fn forget(&self, ctx: &Context, inode: Inode, count: u64) {
@@ -272,7 +355,8 @@ impl FileSystem for ShareFs {
         inode: Inode,
         handle: Option<Handle>,
     ) -> io::Result<(stat64, Duration)> {
-        self.inner.getattr(ctx, inode, handle)
+        let (st, d) = self.inner.getattr(ctx, inode, handle)?;
+        Ok((self.out(st), d))
     }
 
     fn setattr(
@@ -283,7 +367,15 @@ impl FileSystem for ShareFs {
         handle: Option<Handle>,
         valid: SetattrValid,
     ) -> io::Result<(stat64, Duration)> {
-        self.inner.setattr(ctx, inode, attr, handle, valid)
+        let mut attr = attr;
+        if let Some(sh) = &self.shift {
+            attr.st_uid = sh.uid.to_disk(attr.st_uid);
+            attr.st_gid = sh.gid.to_disk(attr.st_gid);
+        }
+        let (st, d) = self
+            .inner
+            .setattr(&self.ctx(ctx), inode, attr, handle, valid)?;
+        Ok((self.out(st), d))
     }
 
     fn readlink(&self, ctx: &Context, inode: Inode) -> io::Result<Vec<u8>> {
@@ -297,7 +389,9 @@ impl FileSystem for ShareFs {
         parent: Inode,
         name: &CStr,
     ) -> io::Result<Entry> {
-        self.inner.symlink(ctx, linkname, parent, name)
+        self.inner
+            .symlink(&self.ctx(ctx), linkname, parent, name)
+            .map(|e| self.entry(e))
     }
 
     fn mknod(
@@ -309,7 +403,9 @@ impl FileSystem for ShareFs {
         rdev: u32,
         umask: u32,
     ) -> io::Result<Entry> {
-        self.inner.mknod(ctx, parent, name, mode, rdev, umask)
+        self.inner
+            .mknod(&self.ctx(ctx), parent, name, mode, rdev, umask)
+            .map(|e| self.entry(e))
     }
 
     fn mkdir(
@@ -320,7 +416,9 @@ impl FileSystem for ShareFs {
         mode: u32,
         umask: u32,
     ) -> io::Result<Entry> {
-        self.inner.mkdir(ctx, parent, name, mode, umask)
+        self.inner
+            .mkdir(&self.ctx(ctx), parent, name, mode, umask)
+            .map(|e| self.entry(e))
     }
 
     fn unlink(&self, ctx: &Context, parent: Inode, name: &CStr) -> io::Result<()> {
@@ -351,7 +449,9 @@ impl FileSystem for ShareFs {
         newparent: Inode,
         newname: &CStr,
     ) -> io::Result<Entry> {
-        self.inner.link(ctx, inode, newparent, newname)
+        self.inner
+            .link(ctx, inode, newparent, newname)
+            .map(|e| self.entry(e))
     }
 
     fn open(
@@ -371,7 +471,8 @@ impl FileSystem for ShareFs {
         name: &CStr,
         args: CreateIn,
     ) -> io::Result<(Entry, Option<Handle>, OpenOptions, Option<u32>)> {
-        self.inner.create(ctx, parent, name, args)
+        let (e, h, o, p) = self.inner.create(&self.ctx(ctx), parent, name, args)?;
+        Ok((self.entry(e), h, o, p))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -495,8 +596,15 @@ impl FileSystem for ShareFs {
         offset: u64,
         add_entry: &mut dyn FnMut(DirEntry, Entry) -> io::Result<usize>,
     ) -> io::Result<()> {
+        if self.shift.is_none() {
+            return self
+                .inner
+                .readdirplus(ctx, inode, handle, size, offset, add_entry);
+        }
         self.inner
-            .readdirplus(ctx, inode, handle, size, offset, add_entry)
+            .readdirplus(ctx, inode, handle, size, offset, &mut |d, e| {
+                add_entry(d, self.entry(e))
+            })
     }
 
     fn fsyncdir(
@@ -546,7 +654,7 @@ impl FileSystem for ShareFs {
     }
 
     fn access(&self, ctx: &Context, inode: Inode, mask: u32) -> io::Result<()> {
-        self.inner.access(ctx, inode, mask)
+        self.inner.access(&self.ctx(ctx), inode, mask)
     }
 
     fn lseek(
@@ -558,5 +666,51 @@ impl FileSystem for ShareFs {
         whence: u32,
     ) -> io::Result<u64> {
         self.inner.lseek(ctx, inode, handle, offset, whence)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// kubelet's mapping for a pod: container ids 0..65536 are guest ids 100000.. .
+    fn shift() -> IdShift {
+        let r = IdRange {
+            disk: 0,
+            guest: 100_000,
+            size: 65536,
+        };
+        IdShift { uid: r, gid: r }
+    }
+
+    #[test]
+    fn owners_show_as_through_an_idmapped_mount() {
+        let s = shift();
+        // SAFETY: stat64 is plain old data; all-zero is a valid value.
+        let mut st: stat64 = unsafe { std::mem::zeroed() };
+        st.st_uid = 0;
+        st.st_gid = 1000;
+        s.stat_out(&mut st);
+        assert_eq!((st.st_uid, st.st_gid), (100_000, 101_000));
+        // An owner the mapping does not cover shows as the overflow id.
+        st.st_uid = 70_000;
+        s.stat_out(&mut st);
+        assert_eq!(st.st_uid, OVERFLOW_ID);
+        // The pod's root creates as root on disk; the guest's own root stays itself.
+        let ctx = Context {
+            uid: 100_000,
+            gid: 100_005,
+            pid: 1,
+        };
+        let c = s.ctx_in(&ctx);
+        assert_eq!((c.uid, c.gid), (0, 5));
+        let c = s.ctx_in(&Context {
+            uid: 0,
+            gid: 0,
+            pid: 1,
+        });
+        assert_eq!((c.uid, c.gid), (0, 0));
+        assert_eq!(s.uid.to_disk(165_536), 165_536);
+        assert_eq!(s.uid.to_disk(165_535), 65_535);
     }
 }

@@ -145,6 +145,7 @@ impl SandboxBackend for VmBackend {
             tap: "vessel-tap0".into(),
         });
         let cfg = &self.cfg;
+        let userns = crate::userns::of_pod(config).map_err(RuntimeError::InvalidArgument)?;
         let launch = shim::LaunchSpec {
             shim_binary: &self.shim_binary,
             kernel: &cfg.kernel,
@@ -160,6 +161,7 @@ impl SandboxBackend for VmBackend {
             pod_net,
             shared_dir: Some(shared_dir),
             log_token: &v.log_token,
+            userns: userns.as_ref(),
         };
         let boot_started = std::time::Instant::now();
         let launched = shim::spawn(&launch).map_err(fail)?;
@@ -190,11 +192,15 @@ impl SandboxBackend for VmBackend {
         })
         .await
         .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        // In a pod with its own user namespace, the pod's files are its root's.
+        let (uid, gid) = userns
+            .as_ref()
+            .map_or((0, 0), |u| (u.uid.host_id, u.gid.host_id));
         let file = |name: &str, data: String| ap::FileEntry {
             path: format!("{GUEST_FILES}/pod/{name}"),
             mode: 0o644,
-            uid: 0,
-            gid: 0,
+            uid,
+            gid,
             kind: Some(ap::file_entry::Kind::Data(data.into_bytes())),
         };
         c.write_files(ap::WriteFilesRequest {

@@ -58,6 +58,9 @@ pub struct LaunchSpec<'a> {
     pub shared_dir: Option<PathBuf>,
     /// The secret of the shim's log port (empty: none).
     pub log_token: &'a str,
+    /// The pod's own user namespace, if it has one: made in the guest at boot
+    /// (`vessel.userns`), and the share's owners shown through it.
+    pub userns: Option<&'a crate::userns::PodUserns>,
 }
 
 /// Paths of a VM pod's files in its directory.
@@ -90,6 +93,7 @@ pub struct Launched {
 
 /// The shim spec for a pod (docs/vm-pods.md), as the shim's own types.
 pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
+    use vessel_vmm::virtio::share_fs::{IdRange, IdShift};
     use vessel_vmm::vm::{Console, DiskConfig, SharedDirConfig, VmConfig, VsockConfig};
     let p = VmPaths::new(spec.dir);
     let (initrd, disks, cmdline) = match spec.root {
@@ -105,11 +109,29 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
             "root=/dev/vda rootfstype=erofs ro init=/init",
         ),
     };
+    let mut cmdline = cmdline.to_string();
+    if let Some(u) = spec.userns {
+        let [uid, gid] = u.flags();
+        cmdline = format!("{cmdline} vessel.userns={uid},{gid}")
+            .trim()
+            .to_string();
+    }
+    let id_shift = spec.userns.map(|u| {
+        let range = |m: &k8s_cri::v1::IdMapping| IdRange {
+            disk: m.container_id,
+            guest: m.host_id,
+            size: m.length,
+        };
+        IdShift {
+            uid: range(&u.uid),
+            gid: range(&u.gid),
+        }
+    });
     vessel_shim::Spec {
         vm: VmConfig {
             kernel: spec.kernel.to_path_buf(),
             initrd,
-            cmdline: cmdline.into(),
+            cmdline,
             mem_mib: spec.mem_mib,
             vcpus: spec.vcpus,
             console: if spec.console_log {
@@ -133,6 +155,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
                 .map(|d| SharedDirConfig {
                     tag: super::volumes::SHARED_TAG.into(),
                     path: d.clone(),
+                    id_shift,
                 })
                 .collect(),
         },
@@ -374,6 +397,7 @@ mod tests {
                 tap: "vessel-tap0".into(),
             }),
             shared_dir: Some(d.path().join("shared")),
+            userns: None,
             log_token: "0123abcd",
         })
         .to_value()
