@@ -79,3 +79,33 @@ mod tests {
         assert!(validate_id(&"a".repeat(129)).is_err());
     }
 }
+
+/// A failed system call or I/O step, naming what was being done: start-up code (the flat
+/// launcher, the VM init, user namespaces) that runs before there is a request to fail.
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    #[error("{what}: {source}")]
+    Sys {
+        what: String,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A [`SysError::Sys`] maker for `map_err`.
+pub fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> SysError {
+    let what = what.into();
+    move |source| SysError::Sys { what, source }
+}
+
+/// A [`SysError::Io`] maker for `map_err`.
+pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SysError {
+    let what = what.into();
+    move |source| SysError::Io { what, source }
+}

@@ -25,6 +25,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::waitpid;
 use nix::unistd::{fork, setsid, ForkResult};
 
+use crate::error::{io, sys};
 use crate::libct::Libct;
 use crate::listener::AgentListener;
 use crate::reaper::Reaper;
@@ -96,30 +97,10 @@ impl FlatArgs {
 /// Why flat mode failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FlatError {
-    #[error("{what}: {source}")]
-    Sys {
-        what: String,
-        #[source]
-        source: nix::Error,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Sys(#[from] crate::error::SysError),
     #[error("the agent failed to start: {0}")]
     Agent(String),
-}
-
-fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> FlatError {
-    let what = what.into();
-    move |source| FlatError::Sys { what, source }
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> FlatError {
-    let what = what.into();
-    move |source| FlatError::Io { what, source }
 }
 
 /// Runs the launcher; returns only in the launcher (the agent child exits the process).
@@ -225,7 +206,7 @@ fn wait_ready(r: OwnedFd) -> Result<(), FlatError> {
         match poll(&mut fds, ms) {
             Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
             Ok(_) => {}
-            Err(e) => return Err(sys("poll")(e)),
+            Err(e) => return Err(sys("poll")(e).into()),
         }
         let mut chunk = [0u8; 4096];
         let n = file.read(&mut chunk).map_err(io("reading readiness"))?;
@@ -302,7 +283,7 @@ fn setup_pod(args: &FlatArgs) -> Result<AgentListener, FlatError> {
     if args.shares(HostNs::Pid) {
         // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
         if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
-            return Err(io("PR_SET_CHILD_SUBREAPER")(std::io::Error::last_os_error()));
+            return Err(io("PR_SET_CHILD_SUBREAPER")(std::io::Error::last_os_error()).into());
         }
     } else {
         mount(
@@ -352,7 +333,8 @@ fn setup_pod(args: &FlatArgs) -> Result<AgentListener, FlatError> {
         )))?;
     }
     std::fs::create_dir_all(args.containers_dir()).map_err(io("containers dir"))?;
-    AgentListener::bind_unix(&args.socket).map_err(io(format!("binding {}", args.socket.display())))
+    Ok(AgentListener::bind_unix(&args.socket)
+        .map_err(io(format!("binding {}", args.socket.display())))?)
 }
 
 /// `ip link set lo up`, by ioctl.

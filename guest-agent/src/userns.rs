@@ -82,31 +82,9 @@ impl FromStr for IdMap {
 }
 
 /// Why a user namespace could not be made or used.
-#[derive(Debug, thiserror::Error)]
-pub enum UsernsError {
-    #[error("{what}: {source}")]
-    Sys {
-        what: String,
-        #[source]
-        source: nix::Error,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
+pub type UsernsError = crate::error::SysError;
 
-fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> UsernsError {
-    let what = what.into();
-    move |source| UsernsError::Sys { what, source }
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> UsernsError {
-    let what = what.into();
-    move |source| UsernsError::Io { what, source }
-}
+use crate::error::{io, sys};
 
 /// The pod's user namespace and its mappings, as the agent holds them.
 #[derive(Debug)]

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use nix::mount::{mount, MsFlags};
 
+use crate::error::{io, sys};
 use crate::libct::Libct;
 use crate::listener::AgentListener;
 use crate::reaper::Reaper;
@@ -38,30 +39,10 @@ const NEW_ROOT: &str = "/.vessel-root";
 /// Why VM start-up failed.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
-    #[error("{what}: {source}")]
-    Sys {
-        what: String,
-        #[source]
-        source: nix::Error,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Sys(#[from] crate::error::SysError),
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
-}
-
-fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> VmError {
-    let what = what.into();
-    move |source| VmError::Sys { what, source }
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
-    let what = what.into();
-    move |source| VmError::Io { what, source }
 }
 
 /// Whether this process should run VM mode without being asked: PID 1 and no subcommand.
@@ -189,7 +170,7 @@ fn mount_fs(
     std::fs::create_dir_all(target).map_err(io(format!("creating {target}")))?;
     match mount(Some(src), target, Some(fstype), flags, data) {
         Ok(()) | Err(nix::errno::Errno::EBUSY) => Ok(()),
-        Err(e) => Err(sys(format!("mounting {fstype} on {target}"))(e)),
+        Err(e) => Err(sys(format!("mounting {fstype} on {target}"))(e).into()),
     }
 }
 
@@ -235,7 +216,7 @@ fn switch_root_and_reexec() -> Result<(), VmError> {
     let exe = CString::new("/init").expect("no NUL");
     let arg = CString::new("vm").expect("no NUL");
     let e = nix::unistd::execv(&exe, &[exe.clone(), arg]).unwrap_err();
-    Err(sys("re-executing /init")(e))
+    Err(sys("re-executing /init")(e).into())
 }
 
 fn copy_tree(from: &Path, to: &Path) -> Result<(), VmError> {
@@ -273,8 +254,10 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), VmError> {
         return Ok(());
     }
     let _ = std::os::unix::fs::lchown(to, Some(m.uid()), Some(m.gid()));
-    std::fs::set_permissions(to, std::fs::Permissions::from_mode(m.mode() & 0o7777))
-        .map_err(io(format!("chmod {}", to.display())))
+    Ok(
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(m.mode() & 0o7777))
+            .map_err(io(format!("chmod {}", to.display())))?,
+    )
 }
 
 /// The value of `name=value` on the kernel command line.
@@ -351,9 +334,11 @@ fn setup_system() -> Result<(), VmError> {
 /// namespace, where `ConfigureSandbox` then gives them their addresses.
 fn pod_userns(maps: &str) -> Result<(), VmError> {
     use nix::sched::CloneFlags;
-    let bad = |e: String| VmError::Io {
-        what: format!("vessel.userns={maps}"),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+    let bad = |e: String| {
+        VmError::from(io(format!("vessel.userns={maps}"))(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            e,
+        )))
     };
     let (u, g) = maps
         .split_once(',')
@@ -368,10 +353,7 @@ fn pod_userns(maps: &str) -> Result<(), VmError> {
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
         | CloneFlags::CLONE_NEWPID;
-    let made = crate::userns::create(uid, gid, inside).map_err(|e| VmError::Io {
-        what: "the pod's user namespace".into(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
+    let made = crate::userns::create(uid, gid, inside)?;
     let pod_net =
         std::fs::File::open("/proc/self/ns/net").map_err(io("opening the pod's netns"))?;
     for (name, index) in links {
