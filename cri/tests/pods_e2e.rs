@@ -2854,7 +2854,7 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
     // ... which is the pod's root without a capability, and not a way to the host's files
     // (its root is an empty directory of its own).
     let script = "grep -E '^(Uid|CapEff|CapPrm|CapBnd):' /proc/1/status; \
-                  echo $(ls -A /proc/1/root/ | wc -l)-entries";
+                  echo $(ls -A /proc/1/root/ | wc -l)-entries $(wc -l < /proc/1/mountinfo)-mounts";
     let out = h
         .exec(&p, &["sh", "-c", script], 10)
         .await
@@ -2869,7 +2869,7 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
     for f in &fields[1..4] {
         assert_eq!(f[1], "0000000000000000", "{text}");
     }
-    assert_eq!(fields[4], ["0-entries"], "{text}");
+    assert_eq!(fields[4], ["0-entries", "1-mounts"], "{text}");
     // The host's pid namespace is not for a container of such a pod.
     let mut cfg = h.ctr_config("hostpid", "true");
     cfg.linux = ns(cri::NamespaceMode::Node);

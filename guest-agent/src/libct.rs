@@ -538,7 +538,7 @@ fn exec(
                 let home = spec
                     .root()
                     .as_ref()
-                    .and_then(|r| home_of(&r.path().join("etc/passwd"), own.user.uid()))
+                    .and_then(|r| home_of(r.path(), own.user.uid()))
                     .unwrap_or_else(|| "/".into());
                 let mut env = env;
                 env.push(format!("HOME={home}"));
@@ -663,9 +663,36 @@ impl UsernsEntry {
     }
 }
 
-/// The home directory of `uid` in the passwd file `passwd`.
-fn home_of(passwd: &Path, uid: u32) -> Option<String> {
-    std::fs::read_to_string(passwd).ok()?.lines().find_map(|l| {
+/// The home directory of `uid` in the image's `/etc/passwd` under `rootfs`, resolved
+/// inside the rootfs (an image's symlink cannot lead out of it), a regular file, read up to
+/// 1 MiB.
+fn home_of(rootfs: &Path, uid: u32) -> Option<String> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    use std::io::Read;
+    let root = rustix::fs::open(
+        rootfs,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()?;
+    let fd = rustix::fs::openat2(
+        &root,
+        "etc/passwd",
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+    )
+    .ok()?;
+    let st = rustix::fs::fstat(&fd).ok()?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return None;
+    }
+    let mut text = String::new();
+    std::fs::File::from(fd)
+        .take(1 << 20)
+        .read_to_string(&mut text)
+        .ok()?;
+    text.lines().find_map(|l| {
         let f: Vec<&str> = l.split(':').collect();
         (f.len() >= 6 && f[2].parse() == Ok(uid)).then(|| f[5].to_string())
     })
@@ -992,6 +1019,27 @@ mod tests {
             Err(AgentError::FailedPrecondition(m)) if m.contains("container is running")
         ));
         assert!(matches!(parse_line("junk"), Err(AgentError::Internal(_))));
+    }
+}
+
+#[cfg(test)]
+mod home_tests {
+    #[test]
+    fn home_is_read_inside_the_rootfs_only() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("etc")).unwrap();
+        std::fs::write(
+            d.path().join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\nweb:x:1001:1001::/srv/web:/bin/sh\n",
+        )
+        .unwrap();
+        assert_eq!(super::home_of(d.path(), 1001).as_deref(), Some("/srv/web"));
+        assert_eq!(super::home_of(d.path(), 7), None);
+        // A link out of the image resolves inside it; a device is not read.
+        let e = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(e.path().join("etc")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", e.path().join("etc/passwd")).unwrap();
+        assert_eq!(super::home_of(e.path(), 0), None);
     }
 }
 

@@ -203,11 +203,21 @@ fn helper(from_parent: OwnedFd, to_parent: OwnedFd, inside: CloneFlags) -> i32 {
         return 1;
     }
     if inside.contains(CloneFlags::CLONE_NEWPID) {
+        let Ok((ok_r, ok_w)) = crate::stdio::pipe() else {
+            let _ = tx.write_all(&(-(libc::EMFILE)).to_ne_bytes());
+            return 1;
+        };
         // SAFETY: this process is single-threaded (a fork of a single-threaded caller).
         match unsafe { fork() } {
-            Ok(ForkResult::Child) => hold(),
+            Ok(ForkResult::Child) => hold(ok_w),
             Ok(ForkResult::Parent { child }) => {
-                if tx.write_all(&child.as_raw().to_ne_bytes()).is_err() {
+                drop(ok_w);
+                // The holder says it has dropped its privileges; one that could not is gone
+                // (and its pid namespace with it), which the parent hears as EPERM.
+                let mut ok = [0u8; 1];
+                let held = std::fs::File::from(ok_r).read_exact(&mut ok).is_ok() && ok[0] == 1;
+                let word = if held { child.as_raw() } else { -libc::EPERM };
+                if tx.write_all(&word.to_ne_bytes()).is_err() || !held {
                     return 1;
                 }
             }
@@ -227,13 +237,14 @@ fn helper(from_parent: OwnedFd, to_parent: OwnedFd, inside: CloneFlags) -> i32 {
 /// namespace (which may ptrace it with CAP_SYS_PTRACE: the containers open its namespaces
 /// after joining the user namespace, so it must stay dumpable to them), and it was forked
 /// in the agent's mount namespace (the host's files): so it moves into a mount namespace of
-/// its own, chroots into an empty read-only tmpfs there, becomes the pod's root (an
-/// unprivileged id on the host) and drops every capability: nothing a container could do
-/// through it is more than it can do itself. Any step failing ends it, and with it the
-/// pod's pid namespace: the pod's first container fails rather than run beside a
-/// privileged holder.
-fn hold() -> ! {
-    close_inherited();
+/// its own whose only mount is an empty read-only tmpfs (pivot_root, the old root
+/// detached: neither its root, its mount namespace nor its mountinfo shows a host file),
+/// becomes the pod's root (an unprivileged id on the host) and drops every capability:
+/// nothing a container could do through it is more than it can do itself. It says so on
+/// `ok`; any step failing ends it, and with it the pod's pid namespace, which the caller
+/// then hears.
+fn hold(ok: OwnedFd) -> ! {
+    // /dev/null while there is a /dev.
     if let Ok(null) = crate::stdio::dev_null() {
         for fd in 0..3 {
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
@@ -243,6 +254,8 @@ fn hold() -> ! {
         // SAFETY: _exit ends this forked child without running anyone's destructors.
         unsafe { libc::_exit(1) }
     }
+    let _ = std::fs::File::from(ok).write_all(&[1]);
+    close_inherited();
     // SAFETY: setting SIGCHLD's disposition to SIG_IGN (children are reaped by the kernel)
     // and naming the process take no pointers but the static name.
     unsafe {
@@ -277,11 +290,12 @@ fn close_inherited() {
     }
 }
 
-/// In the holder (root of the pod's user namespace, single-threaded): an empty root of its
-/// own, then the pod's root with no capability and no new privileges.
+/// In the holder (root of the pod's user namespace, single-threaded): a mount namespace
+/// whose only mount is an empty tmpfs, then the pod's root with no capability and no new
+/// privileges.
 fn drop_privileges() -> Result<(), nix::Error> {
     use caps::{CapSet, Capability};
-    use nix::mount::{mount, MsFlags};
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
     nix::sched::unshare(CloneFlags::CLONE_NEWNS)?;
     mount(
         None::<&str>,
@@ -290,8 +304,9 @@ fn drop_privileges() -> Result<(), nix::Error> {
         MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None::<&str>,
     )?;
-    // Over /proc, which the holder does not use (the containers open its namespaces
-    // through their own /proc): in its own mount namespace only.
+    // Over /proc (any directory that is there would do), in its own mount namespace only;
+    // then it becomes the root and the old root, stacked on it, is detached with every
+    // mount under it (pivot_root takes the old root's lock off).
     mount(
         Some("vessel-pidns"),
         "/proc",
@@ -299,7 +314,9 @@ fn drop_privileges() -> Result<(), nix::Error> {
         MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         Some("size=4k,mode=0555"),
     )?;
-    nix::unistd::chroot("/proc")?;
+    nix::unistd::chdir("/proc")?;
+    nix::unistd::pivot_root(".", ".")?;
+    umount2(".", MntFlags::MNT_DETACH)?;
     nix::unistd::chdir("/")?;
     let id = nix::unistd::Gid::from_raw(0);
     nix::unistd::setresgid(id, id, id)?;

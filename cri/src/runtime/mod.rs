@@ -261,12 +261,18 @@ impl Runtime {
     /// roots are under it).
     pub fn handler_has_userns(&self, handler: &str) -> bool {
         let vm = &self.opts.vm;
-        let runs_vm = match handler {
-            "vm" => vm.ready,
-            "" => self.opts.default_handler == "vm" && vm.ready,
-            _ => false,
+        let wants_vm = match handler {
+            "flat" => false,
+            "vm" => true,
+            "" => self.opts.default_handler == "vm",
+            _ => return false,
         };
-        runs_vm || self.dirs.userns_root_reachable()
+        if wants_vm && vm.ready {
+            return true;
+        }
+        // Refused pods have nothing; the others run flat.
+        let refused = wants_vm && handler == "vm" && !vm.fallback;
+        !refused && self.dirs.userns_root_reachable()
     }
 
     /// The backend of a pod (by its record).

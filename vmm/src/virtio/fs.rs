@@ -85,6 +85,12 @@ impl Fs {
         if tag.is_empty() || tag.len() > TAG_LEN || tag.contains('\0') {
             return Err(FsError::BadTag(tag.into()));
         }
+        if let Some(Err(e)) = shift.map(|s| s.check()) {
+            return Err(FsError::Shared {
+                dir: dir.display().to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+            });
+        }
         let shared = |source| FsError::Shared {
             dir: dir.display().to_string(),
             source,

@@ -69,8 +69,10 @@ pub struct IdRange {
 /// a guest whose kernel cannot idmap virtio-fs: a pod user namespace mapping container ids
 /// `c..c+n` to guest ids `h..h+n` sees a file owned by `k` on disk as its own `k`, that is
 /// guest id `h + (k - c)`; what a guest id in `h..h+n` creates or chowns is `c + (g - h)`
-/// on disk. Owners on disk outside the range show as the overflow id (65534), as through
-/// an idmapped mount; guest ids outside the range (the agent's root) are passed as they are.
+/// on disk. Owners on disk outside the range show as a guest id outside it (the overflow
+/// id in the pod, as through an idmapped mount); guest ids outside the range (the agent's
+/// root) are passed as they are. File capabilities follow (`security.capability`'s root
+/// id); POSIX ACLs, whose entries name ids too, are refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IdShift {
@@ -78,14 +80,27 @@ pub struct IdShift {
     pub gid: IdRange,
 }
 
-/// The overflow id an unmapped owner shows as.
-const OVERFLOW_ID: u32 = 65534;
-
 impl IdRange {
+    /// Whether the range is one the kernel could have taken (non-empty, no wrap-around).
+    pub fn check(self) -> Result<(), String> {
+        let end = |start: u32| start.checked_add(self.size);
+        if self.size == 0 || end(self.disk).is_none() || end(self.guest).is_none() {
+            return Err(format!("id range {self:?}: empty or past 2^32"));
+        }
+        Ok(())
+    }
+
+    /// A guest id outside the range, for owners the mapping does not cover: shown as the
+    /// overflow id (65534) in the pod's user namespace, and never one of its users (65534
+    /// itself may be in the range).
+    fn outside(self) -> u32 {
+        self.guest.checked_sub(1).unwrap_or(self.guest + self.size)
+    }
+
     fn to_guest(self, disk: u32) -> u32 {
         match disk.checked_sub(self.disk) {
             Some(off) if off < self.size => self.guest + off,
-            _ => OVERFLOW_ID,
+            _ => self.outside(),
         }
     }
 
@@ -97,7 +112,61 @@ impl IdRange {
     }
 }
 
+/// `security.capability` revisions: v2 (20 bytes) has no root id, v3 (24 bytes) ends with
+/// the host id of the root its capabilities are for.
+const VFS_CAP_REVISION_MASK: u32 = 0xff00_0000;
+const VFS_CAP_REVISION_2: u32 = 0x0200_0000;
+const VFS_CAP_REVISION_3: u32 = 0x0300_0000;
+const XATTR_CAPS_SZ_2: usize = 20;
+const XATTR_CAPS_SZ_3: usize = 24;
+
 impl IdShift {
+    /// Checks both ranges ([`IdRange::check`]).
+    pub fn check(&self) -> Result<(), String> {
+        self.uid.check()?;
+        self.gid.check()
+    }
+
+    /// A file capability as the guest sees it: a v2 one is for the disk's root, so for the
+    /// pod's root (v3 with that root id), as an idmapped mount shows it.
+    fn caps_out(&self, v: &[u8]) -> Option<Vec<u8>> {
+        let magic = u32::from_le_bytes(v.get(..4)?.try_into().ok()?);
+        let (rev, root) = match (magic & VFS_CAP_REVISION_MASK, v.len()) {
+            (VFS_CAP_REVISION_2, XATTR_CAPS_SZ_2) => (VFS_CAP_REVISION_2, 0),
+            (VFS_CAP_REVISION_3, XATTR_CAPS_SZ_3) => (
+                VFS_CAP_REVISION_3,
+                u32::from_le_bytes(v[20..24].try_into().ok()?),
+            ),
+            _ => return None,
+        };
+        let mut out = v[..XATTR_CAPS_SZ_2].to_vec();
+        let flags = magic & !VFS_CAP_REVISION_MASK;
+        debug_assert!(rev == VFS_CAP_REVISION_2 || rev == VFS_CAP_REVISION_3);
+        out[..4].copy_from_slice(&(VFS_CAP_REVISION_3 | flags).to_le_bytes());
+        out.extend_from_slice(&self.uid.to_guest(root).to_le_bytes());
+        Some(out)
+    }
+
+    /// A file capability as the disk keeps it: a v3 one's root id shifted back, and one for
+    /// the disk's root written as v2 (what the host's kernel writes for its own root).
+    fn caps_in(&self, v: &[u8]) -> Option<Vec<u8>> {
+        let magic = u32::from_le_bytes(v.get(..4)?.try_into().ok()?);
+        if magic & VFS_CAP_REVISION_MASK != VFS_CAP_REVISION_3 || v.len() != XATTR_CAPS_SZ_3 {
+            return Some(v.to_vec());
+        }
+        let root = self
+            .uid
+            .to_disk(u32::from_le_bytes(v[20..24].try_into().ok()?));
+        let mut out = v[..XATTR_CAPS_SZ_2].to_vec();
+        if root == 0 {
+            let flags = magic & !VFS_CAP_REVISION_MASK;
+            out[..4].copy_from_slice(&(VFS_CAP_REVISION_2 | flags).to_le_bytes());
+        } else {
+            out.extend_from_slice(&root.to_le_bytes());
+        }
+        Some(out)
+    }
+
     fn stat_out(&self, st: &mut stat64) {
         st.st_uid = self.uid.to_guest(st.st_uid);
         st.st_gid = self.gid.to_guest(st.st_gid);
@@ -228,7 +297,8 @@ fn byte_count(r: libc::ssize_t) -> io::Result<u32> {
 
 impl BackendFileSystem for ShareFs {
     fn mount(&self) -> io::Result<(Entry, u64)> {
-        self.inner.mount()
+        let (e, n) = self.inner.mount()?;
+        Ok((self.entry(e), n))
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -248,6 +318,19 @@ impl FileSystem for ShareFs {
         value: &[u8],
         flags: u32,
     ) -> io::Result<()> {
+        let shifted;
+        let value = match (&self.shift, xattr_kind(name)) {
+            (None, _) | (_, XattrKind::Other) => value,
+            (Some(_), XattrKind::Acl) => {
+                return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+            }
+            (Some(sh), XattrKind::Caps) => {
+                shifted = sh
+                    .caps_in(value)
+                    .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+                &shifted[..]
+            }
+        };
         let Some(n) = self.named(ctx, inode)? else {
             return self.inner.setxattr(ctx, inode, name, value, flags);
         };
@@ -275,48 +358,33 @@ impl FileSystem for ShareFs {
         name: &CStr,
         size: u32,
     ) -> io::Result<GetxattrReply> {
-        let Some(n) = self.named(ctx, inode)? else {
-            return self.inner.getxattr(ctx, inode, name, size);
-        };
-        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
-        let len = n.with(|file| {
-            // SAFETY: `file` and `name` are NUL-terminated strings alive for the call; the
-            // kernel writes at most `buf.len()` bytes into `buf` (nothing when it is empty).
-            byte_count(unsafe {
-                libc::getxattr(
-                    file.as_ptr(),
-                    name.as_ptr(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                )
-            })
-        })??;
-        if size == 0 {
-            return Ok(GetxattrReply::Count(len));
+        match (&self.shift, xattr_kind(name)) {
+            (None, _) | (_, XattrKind::Other) => self.getxattr_raw(ctx, inode, name, size),
+            (Some(_), XattrKind::Acl) => Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
+            (Some(sh), XattrKind::Caps) => {
+                // The whole value (a v2 one grows by the root id), then sized as asked.
+                let v = match self.getxattr_raw(ctx, inode, name, XATTR_MAX)? {
+                    GetxattrReply::Value(v) => v,
+                    GetxattrReply::Count(_) => Vec::new(),
+                };
+                let v = sh
+                    .caps_out(&v)
+                    .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+                let len = u32::try_from(v.len()).unwrap_or(u32::MAX);
+                if size == 0 {
+                    Ok(GetxattrReply::Count(len))
+                } else if len > size {
+                    Err(io::Error::from_raw_os_error(libc::ERANGE))
+                } else {
+                    Ok(GetxattrReply::Value(v))
+                }
+            }
         }
-        buf.truncate(len as usize);
-        Ok(GetxattrReply::Value(buf))
     }
 
     fn listxattr(&self, ctx: &Context, inode: Inode, size: u32) -> io::Result<ListxattrReply> {
-        let Some(n) = self.named(ctx, inode)? else {
-            return self.inner.listxattr(ctx, inode, size);
-        };
-        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
-        let len = n.with(|file| {
-            // SAFETY: `file` is a NUL-terminated string alive for the call; the kernel writes
-            // at most `buf.len()` bytes into `buf` (nothing when it is empty).
-            byte_count(unsafe {
-                libc::listxattr(file.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
-            })
-        })??;
-        if size == 0 {
-            return Ok(ListxattrReply::Count(len));
-        }
-        buf.truncate(len as usize);
-        Ok(ListxattrReply::Names(buf))
+        self.listxattr_raw(ctx, inode, size)
     }
-
     fn removexattr(&self, ctx: &Context, inode: Inode, name: &CStr) -> io::Result<()> {
         let Some(n) = self.named(ctx, inode)? else {
             return self.inner.removexattr(ctx, inode, name);
@@ -669,6 +737,72 @@ impl FileSystem for ShareFs {
     }
 }
 
+/// The extended attributes whose values name ids.
+enum XattrKind {
+    Caps,
+    Acl,
+    Other,
+}
+
+fn xattr_kind(name: &CStr) -> XattrKind {
+    match name.to_bytes() {
+        b"security.capability" => XattrKind::Caps,
+        b"system.posix_acl_access" | b"system.posix_acl_default" => XattrKind::Acl,
+        _ => XattrKind::Other,
+    }
+}
+
+impl ShareFs {
+    fn getxattr_raw(
+        &self,
+        ctx: &Context,
+        inode: Inode,
+        name: &CStr,
+        size: u32,
+    ) -> io::Result<GetxattrReply> {
+        let Some(n) = self.named(ctx, inode)? else {
+            return self.inner.getxattr(ctx, inode, name, size);
+        };
+        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
+        let len = n.with(|file| {
+            // SAFETY: `file` and `name` are NUL-terminated strings alive for the call; the
+            // kernel writes at most `buf.len()` bytes into `buf` (nothing when it is empty).
+            byte_count(unsafe {
+                libc::getxattr(
+                    file.as_ptr(),
+                    name.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            })
+        })??;
+        if size == 0 {
+            return Ok(GetxattrReply::Count(len));
+        }
+        buf.truncate(len as usize);
+        Ok(GetxattrReply::Value(buf))
+    }
+
+    fn listxattr_raw(&self, ctx: &Context, inode: Inode, size: u32) -> io::Result<ListxattrReply> {
+        let Some(n) = self.named(ctx, inode)? else {
+            return self.inner.listxattr(ctx, inode, size);
+        };
+        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
+        let len = n.with(|file| {
+            // SAFETY: `file` is a NUL-terminated string alive for the call; the kernel writes
+            // at most `buf.len()` bytes into `buf` (nothing when it is empty).
+            byte_count(unsafe {
+                libc::listxattr(file.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+            })
+        })??;
+        if size == 0 {
+            return Ok(ListxattrReply::Count(len));
+        }
+        buf.truncate(len as usize);
+        Ok(ListxattrReply::Names(buf))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -692,10 +826,35 @@ mod tests {
         st.st_gid = 1000;
         s.stat_out(&mut st);
         assert_eq!((st.st_uid, st.st_gid), (100_000, 101_000));
-        // An owner the mapping does not cover shows as the overflow id.
+        // An owner the mapping does not cover shows as a guest id outside it (so, in the
+        // pod, as the overflow id), never as one of the pod's users.
         st.st_uid = 70_000;
         s.stat_out(&mut st);
-        assert_eq!(st.st_uid, OVERFLOW_ID);
+        assert_eq!(st.st_uid, 99_999);
+        assert!(
+            IdRange {
+                disk: 0,
+                guest: 0,
+                size: 10
+            }
+            .outside()
+                == 10
+        );
+        assert!(s.check().is_ok());
+        assert!(IdRange {
+            disk: 0,
+            guest: u32::MAX,
+            size: 2
+        }
+        .check()
+        .is_err());
+        assert!(IdRange {
+            disk: 0,
+            guest: 1,
+            size: 0
+        }
+        .check()
+        .is_err());
         // The pod's root creates as root on disk; the guest's own root stays itself.
         let ctx = Context {
             uid: 100_000,
@@ -712,5 +871,24 @@ mod tests {
         assert_eq!((c.uid, c.gid), (0, 0));
         assert_eq!(s.uid.to_disk(165_536), 165_536);
         assert_eq!(s.uid.to_disk(165_535), 65_535);
+    }
+
+    #[test]
+    fn file_capabilities_follow_the_root_id() {
+        let s = shift();
+        // v2 (the disk's root): the pod's root in the guest, as v3.
+        let mut v2 = 0x0200_0001u32.to_le_bytes().to_vec();
+        v2.extend_from_slice(&[7u8; 16]);
+        let out = s.caps_out(&v2).unwrap();
+        assert_eq!(out.len(), 24);
+        assert_eq!(&out[..4], &0x0300_0001u32.to_le_bytes());
+        assert_eq!(&out[4..20], &[7u8; 16]);
+        assert_eq!(&out[20..], &100_000u32.to_le_bytes());
+        // And back: for the disk's root, v2 again; for another root, v3 with its disk id.
+        assert_eq!(s.caps_in(&out).unwrap(), v2);
+        let mut other = out.clone();
+        other[20..].copy_from_slice(&100_005u32.to_le_bytes());
+        assert_eq!(&s.caps_in(&other).unwrap()[20..], &5u32.to_le_bytes());
+        assert!(s.caps_out(&[1, 2, 3]).is_none());
     }
 }
