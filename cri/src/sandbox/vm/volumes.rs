@@ -280,7 +280,12 @@ pub fn unshare_container(vm_dir: &Path, id: &str) {
 fn remove_mount_points(share: &Path, id: &str) -> io::Result<()> {
     use rustix::fs::{openat, unlinkat, AtFlags, Dir, FileType, Mode, OFlags, CWD};
     let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let share = openat(CWD, share, dir_flags, Mode::empty())?;
+    let share = match openat(CWD, share, dir_flags, Mode::empty()) {
+        Ok(fd) => fd,
+        // The pod's VM directory went first (its containers are forgotten after it).
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
     let sub = match openat(&share, id, dir_flags, Mode::empty()) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => return Ok(()),
