@@ -72,7 +72,7 @@ pub struct IdRange {
 /// on disk. Owners on disk outside the range show as a guest id outside it (the overflow
 /// id in the pod, as through an idmapped mount); guest ids outside the range (the agent's
 /// root) are passed as they are. File capabilities follow (`security.capability`'s root
-/// id); POSIX ACLs, whose entries name ids too, are refused.
+/// id), and so do POSIX ACLs' named user and group entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IdShift {
@@ -167,6 +167,16 @@ impl IdShift {
         Some(out)
     }
 
+    /// A POSIX ACL as the guest sees it: its named users and groups shifted as owners are.
+    fn acl_out(&self, v: &[u8]) -> Option<Vec<u8>> {
+        acl_map(v, |u| self.uid.to_guest(u), |g| self.gid.to_guest(g))
+    }
+
+    /// A POSIX ACL as the disk keeps it.
+    fn acl_in(&self, v: &[u8]) -> Option<Vec<u8>> {
+        acl_map(v, |u| self.uid.to_disk(u), |g| self.gid.to_disk(g))
+    }
+
     fn stat_out(&self, st: &mut stat64) {
         st.st_uid = self.uid.to_guest(st.st_uid);
         st.st_gid = self.gid.to_guest(st.st_gid);
@@ -178,6 +188,32 @@ impl IdShift {
         c.gid = self.gid.to_disk(ctx.gid);
         c
     }
+}
+
+/// The POSIX ACL xattr (`system.posix_acl_*`): a version, then (tag, permissions, id)
+/// entries, of which the named user and group ones carry an id.
+const POSIX_ACL_XATTR_VERSION: u32 = 2;
+const ACL_USER: u16 = 0x02;
+const ACL_GROUP: u16 = 0x08;
+
+/// `v` with the ids of its named user entries mapped by `uid` and of its named group entries
+/// by `gid`; `None` if it is not a POSIX ACL xattr.
+fn acl_map(v: &[u8], uid: impl Fn(u32) -> u32, gid: impl Fn(u32) -> u32) -> Option<Vec<u8>> {
+    let version = u32::from_le_bytes(v.get(..4)?.try_into().ok()?);
+    if version != POSIX_ACL_XATTR_VERSION || (v.len() - 4) % 8 != 0 {
+        return None;
+    }
+    let mut out = v.to_vec();
+    for e in out[4..].chunks_exact_mut(8) {
+        let id = u32::from_le_bytes(e[4..8].try_into().ok()?);
+        let id = match u16::from_le_bytes([e[0], e[1]]) {
+            ACL_USER => uid(id),
+            ACL_GROUP => gid(id),
+            _ => continue,
+        };
+        e[4..8].copy_from_slice(&id.to_le_bytes());
+    }
+    Some(out)
 }
 
 /// The inode of a request, opened for naming in `/proc/self/fd`.
@@ -321,12 +357,12 @@ impl FileSystem for ShareFs {
         let shifted;
         let value = match (&self.shift, xattr_kind(name)) {
             (None, _) | (_, XattrKind::Other) => value,
-            (Some(_), XattrKind::Acl) => {
-                return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
-            }
-            (Some(sh), XattrKind::Caps) => {
-                shifted = sh
-                    .caps_in(value)
+            (Some(sh), kind) => {
+                let shift_in = match kind {
+                    XattrKind::Acl => IdShift::acl_in,
+                    _ => IdShift::caps_in,
+                };
+                shifted = shift_in(sh, value)
                     .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
                 &shifted[..]
             }
@@ -360,16 +396,18 @@ impl FileSystem for ShareFs {
     ) -> io::Result<GetxattrReply> {
         match (&self.shift, xattr_kind(name)) {
             (None, _) | (_, XattrKind::Other) => self.getxattr_raw(ctx, inode, name, size),
-            (Some(_), XattrKind::Acl) => Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
-            (Some(sh), XattrKind::Caps) => {
-                // The whole value (a v2 one grows by the root id), then sized as asked.
+            (Some(sh), kind) => {
+                // The whole value (a v2 capability grows by the root id), then sized as asked.
                 let v = match self.getxattr_raw(ctx, inode, name, XATTR_MAX)? {
                     GetxattrReply::Value(v) => v,
                     GetxattrReply::Count(_) => Vec::new(),
                 };
-                let v = sh
-                    .caps_out(&v)
-                    .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+                let shift_out = match kind {
+                    XattrKind::Acl => IdShift::acl_out,
+                    _ => IdShift::caps_out,
+                };
+                let v =
+                    shift_out(sh, &v).ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
                 let len = u32::try_from(v.len()).unwrap_or(u32::MAX);
                 if size == 0 {
                     Ok(GetxattrReply::Count(len))
@@ -383,8 +421,24 @@ impl FileSystem for ShareFs {
     }
 
     fn listxattr(&self, ctx: &Context, inode: Inode, size: u32) -> io::Result<ListxattrReply> {
-        self.listxattr_raw(ctx, inode, size)
+        let Some(n) = self.named(ctx, inode)? else {
+            return self.inner.listxattr(ctx, inode, size);
+        };
+        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
+        let len = n.with(|file| {
+            // SAFETY: `file` is a NUL-terminated string alive for the call; the kernel writes
+            // at most `buf.len()` bytes into `buf` (nothing when it is empty).
+            byte_count(unsafe {
+                libc::listxattr(file.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+            })
+        })??;
+        if size == 0 {
+            return Ok(ListxattrReply::Count(len));
+        }
+        buf.truncate(len as usize);
+        Ok(ListxattrReply::Names(buf))
     }
+
     fn removexattr(&self, ctx: &Context, inode: Inode, name: &CStr) -> io::Result<()> {
         let Some(n) = self.named(ctx, inode)? else {
             return self.inner.removexattr(ctx, inode, name);
@@ -782,25 +836,6 @@ impl ShareFs {
         buf.truncate(len as usize);
         Ok(GetxattrReply::Value(buf))
     }
-
-    fn listxattr_raw(&self, ctx: &Context, inode: Inode, size: u32) -> io::Result<ListxattrReply> {
-        let Some(n) = self.named(ctx, inode)? else {
-            return self.inner.listxattr(ctx, inode, size);
-        };
-        let mut buf = vec![0u8; size.min(XATTR_MAX) as usize];
-        let len = n.with(|file| {
-            // SAFETY: `file` is a NUL-terminated string alive for the call; the kernel writes
-            // at most `buf.len()` bytes into `buf` (nothing when it is empty).
-            byte_count(unsafe {
-                libc::listxattr(file.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
-            })
-        })??;
-        if size == 0 {
-            return Ok(ListxattrReply::Count(len));
-        }
-        buf.truncate(len as usize);
-        Ok(ListxattrReply::Names(buf))
-    }
 }
 
 #[cfg(test)]
@@ -890,5 +925,51 @@ mod tests {
         other[20..].copy_from_slice(&100_005u32.to_le_bytes());
         assert_eq!(&s.caps_in(&other).unwrap()[20..], &5u32.to_le_bytes());
         assert!(s.caps_out(&[1, 2, 3]).is_none());
+    }
+
+    #[test]
+    fn posix_acls_name_users_and_groups_through_the_mapping() {
+        let s = shift();
+        let acl = |entries: &[(u16, u16, u32)]| {
+            let mut v = POSIX_ACL_XATTR_VERSION.to_le_bytes().to_vec();
+            for (tag, perm, id) in entries {
+                v.extend_from_slice(&tag.to_le_bytes());
+                v.extend_from_slice(&perm.to_le_bytes());
+                v.extend_from_slice(&id.to_le_bytes());
+            }
+            v
+        };
+        const ACL_USER_OBJ: u16 = 0x01;
+        const ACL_MASK: u16 = 0x10;
+        let undefined = u32::MAX;
+        // user::rwx, user:1000:r-x, group:33:rw-, mask::rwx, user:70000 (not in the mapping).
+        let on_disk = acl(&[
+            (ACL_USER_OBJ, 7, undefined),
+            (ACL_USER, 5, 1000),
+            (ACL_GROUP, 6, 33),
+            (ACL_MASK, 7, undefined),
+            (ACL_USER, 4, 70_000),
+        ]);
+        let seen = s.acl_out(&on_disk).unwrap();
+        assert_eq!(
+            seen,
+            acl(&[
+                (ACL_USER_OBJ, 7, undefined),
+                (ACL_USER, 5, 101_000),
+                (ACL_GROUP, 6, 100_033),
+                (ACL_MASK, 7, undefined),
+                (ACL_USER, 4, 99_999),
+            ])
+        );
+        // What the pod writes is the disk's ids again.
+        let written = acl(&[(ACL_USER, 5, 101_000), (ACL_GROUP, 6, 100_033)]);
+        assert_eq!(
+            s.acl_in(&written).unwrap(),
+            acl(&[(ACL_USER, 5, 1000), (ACL_GROUP, 6, 33)])
+        );
+        // Not an ACL: refused, not passed on.
+        assert!(s.acl_in(&[2, 0, 0, 0, 1]).is_none());
+        assert!(s.acl_in(&[1, 0, 0, 0]).is_none());
+        assert!(s.acl_out(&[]).is_none());
     }
 }
