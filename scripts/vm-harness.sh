@@ -65,7 +65,7 @@ fi
 
 # --- dependencies
 need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod gcc libc6-dev iproute2)
-[ "$mode" = pods ] && need+=(docker-registry erofs-utils binutils)
+[ "$mode" = pods ] && need+=(docker-registry erofs-utils binutils apparmor)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -235,6 +235,14 @@ EOC
   else
     log "no CNI plugins in /usr/lib/cni (containernetworking-plugins): L1's pods get loopback only"
   fi
+  # L1's Debian kernel has AppArmor: critest's AppArmor specs load their profiles with
+  # `sudo apparmor_parser -r -W`, which needs the parser, its includes, the feature ABI that
+  # parser.conf pins and a cache dir. L1 runs everything as root and has no sudo: its
+  # `sudo CMD` runs CMD.
+  mkdir -p "$L/usr/sbin"; cp /sbin/apparmor_parser "$L/usr/sbin/"; bins+=(/sbin/apparmor_parser)
+  cp -a /etc/apparmor /etc/apparmor.d "$L/etc/"; mkdir -p "$L/usr/share"; cp -a /usr/share/apparmor-features "$L/usr/share/"
+  mkdir -p "$L/var/cache/apparmor"
+  printf '#!/bin/sh\nexec "$@"\n' >"$L/usr/bin/sudo"; chmod 0755 "$L/usr/bin/sudo"
   printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$L/etc/passwd"
   printf 'root:x:0:\nnogroup:x:65534:\n' >"$L/etc/group"
   printf '127.0.0.1 localhost\n::1 localhost\n' >"$L/etc/hosts"
@@ -284,6 +292,7 @@ mount -t tmpfs tmp /tmp
 if [ -f /vessel/pods-env ]; then
   mkdir -p /dev/pts /dev/shm /run; mount -t devpts devpts /dev/pts; mount -t tmpfs shm /dev/shm; mount -t tmpfs run /run
   hostname -F /etc/hostname
+  [ -d /sys/kernel/security ] && mount -t securityfs securityfs /sys/kernel/security
   # As on a systemd host: / shared, so Bidirectional container mounts propagate back.
   mount --make-rshared / 2>/dev/null || mount -o rshared /
 fi

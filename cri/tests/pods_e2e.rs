@@ -2517,13 +2517,47 @@ devices:
     h.assert_clean();
 }
 
-/// AppArmor is applied or refused, never ignored. Where the container's kernel has no
-/// AppArmor (this host; a VM guest), RuntimeDefault and Unconfined run and a Localhost
-/// profile (either field) is InvalidArgument naming it; a malformed deprecated value too.
+/// AppArmor is applied or refused, never ignored. Where the host has no AppArmor (this
+/// machine), RuntimeDefault and Unconfined run and a Localhost profile (either field) is
+/// InvalidArgument naming it; a malformed deprecated value too. Where it has AppArmor and its
+/// parser (L1 of the nested harness, for flat and VM pods alike: a VM pod's guest kernel is
+/// given the host's compiled policy), a profile the test loads confines the container and its
+/// exec'd processes (writes denied), RuntimeDefault confines with `vessel-default`, and an
+/// unloaded profile is InvalidArgument.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[allow(deprecated)]
 async fn apparmor_profiles_are_applied_or_refused() {
     let host_has_apparmor = vessel_cri::spec::apparmor::host_profiles().is_some();
+    let parser = host_has_apparmor
+        && std::process::Command::new("apparmor_parser")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+    if host_has_apparmor && !parser {
+        println!("SKIP apparmor_profiles_are_applied_or_refused: AppArmor without apparmor_parser");
+        return;
+    }
+    const DENY_WRITE: &str = "vessel-test-deny-write";
+    if parser {
+        use std::io::Write as _;
+        let mut child = std::process::Command::new("apparmor_parser")
+            .args(["--replace"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("apparmor_parser");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(
+                format!(
+                    "profile {DENY_WRITE} flags=(attach_disconnected) {{\n  file,\n  capability,\n  signal,\n  deny /** w,\n}}\n"
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+        assert!(child.wait().unwrap().success(), "loading {DENY_WRITE}");
+    }
     let mut h = harness().await;
     let (pod, pcfg) = h.run_pod("apparmor").await;
     let with = |h: &H, name: &str, field: Option<(i32, &str)>, old: &str| {
@@ -2542,31 +2576,85 @@ async fn apparmor_profiles_are_applied_or_refused() {
         cfg
     };
     use cri::security_profile::ProfileType as P;
-    for (name, field, old) in [
-        ("local", Some((P::Localhost as i32, "vessel-test-deny")), ""),
-        ("local-old", None, "localhost/vessel-test-deny"),
+    let mut refused = vec![
+        (
+            "local-unloaded",
+            Some((P::Localhost as i32, "vessel-test-absent")),
+            "",
+        ),
+        ("local-unloaded-old", None, "localhost/vessel-test-absent"),
         ("bogus", None, "sometimes"),
-    ] {
+    ];
+    if !parser {
+        refused.push(("local", Some((P::Localhost as i32, DENY_WRITE)), ""));
+    }
+    for (name, field, old) in refused {
         let e = h
             .create(&pod, &pcfg, with(&h, name, field, old))
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{name}: {e}");
         if name != "bogus" {
-            assert!(e.message().contains("vessel-test-deny"), "{e}");
+            assert!(e.message().contains("vessel-test-"), "{e}");
         }
     }
-    let mut fine = vec![("unconfined", Some((P::Unconfined as i32, "")), "")];
-    if !host_has_apparmor || vm_mode() {
-        fine.push(("default", Some((P::RuntimeDefault as i32, "")), ""));
-        fine.push(("default-old", None, "runtime/default"));
+    // Each container, and what it sees as its confinement.
+    let (deny_old, deny_label) = (
+        format!("localhost/{DENY_WRITE}"),
+        format!("{DENY_WRITE} (enforce)"),
+    );
+    let mut fine = vec![
+        (
+            "unconfined",
+            Some((P::Unconfined as i32, "")),
+            "",
+            "unconfined",
+        ),
+        (
+            "default",
+            Some((P::RuntimeDefault as i32, "")),
+            "",
+            "vessel-default (enforce)",
+        ),
+        (
+            "default-old",
+            None,
+            "runtime/default",
+            "vessel-default (enforce)",
+        ),
+    ];
+    if parser {
+        fine.push((
+            "local",
+            Some((P::Localhost as i32, DENY_WRITE)),
+            "",
+            &deny_label,
+        ));
+        fine.push(("local-old", None, &deny_old, &deny_label));
     }
-    for (name, field, old) in fine {
+    for (name, field, old, label) in fine {
         let id = h
             .create(&pod, &pcfg, with(&h, name, field, old))
             .await
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         h.start(&id).await;
+        if !parser {
+            continue;
+        }
+        let r = h
+            .exec(&id, &["cat", "/proc/self/attr/current"], 10)
+            .await
+            .unwrap();
+        let seen = String::from_utf8_lossy(&r.stdout)
+            .trim_end_matches(['\n', '\0'])
+            .to_string();
+        assert_eq!(seen, label, "{name}: the exec'd process's confinement");
+        let w = h.exec(&id, &["touch", "/tmp/written"], 10).await.unwrap();
+        assert_eq!(
+            w.exit_code != 0,
+            name.starts_with("local"),
+            "{name}: a write under {label}: {w:?}"
+        );
     }
     h.remove_pod(&pod).await;
     h.assert_clean();

@@ -43,6 +43,7 @@ pub mod proto {
     tonic::include_proto!("vessel.agent.v1");
 }
 
+pub mod apparmor;
 pub mod cgroups;
 pub mod client;
 pub mod container;

@@ -273,6 +273,12 @@ impl AgentState {
         dir: &Path,
     ) -> Result<Arc<Container>, AgentError> {
         let id = req.id.as_str();
+        if !req.apparmor_policy.is_empty() {
+            let policy = req.apparmor_policy.clone();
+            tokio::task::spawn_blocking(move || crate::apparmor::load(&policy))
+                .await
+                .map_err(|e| AgentError::internal("loading AppArmor policy", e))??;
+        }
         // An overlay rootfs is checked and its directories made here; it is mounted when the
         // container starts (`launch`), as containerd mounts a snapshot at task creation.
         let (rootfs, overlay, upperdir) = match req.rootfs.as_ref().and_then(|r| r.kind.as_ref()) {

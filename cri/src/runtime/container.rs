@@ -288,15 +288,17 @@ impl Runtime {
             .unwrap_or_default();
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
-        // AppArmor confines only where the container's kernel has it: the host, for flat pods.
-        // Its loaded profiles are read only for a container that asks for one.
+        // AppArmor confines where the host has it: a flat pod's containers with the host's
+        // kernel, a VM pod's with its guest kernel, which is given the host's compiled policy.
+        // The loaded profiles are read only for a container that asks for one.
         let sc = config
             .linux
             .as_ref()
             .and_then(|l| l.security_context.as_ref());
         let wanted = spec::apparmor::wanted(sc)
             .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}")))?;
-        let apparmor = (wanted.is_some() && backend.kind() == crate::state::BackendKind::Flat)
+        let apparmor = wanted
+            .is_some()
             .then(spec::apparmor::host_profiles)
             .flatten();
         if let (Some(loaded), Some(sc)) = (&apparmor, sc) {
@@ -324,11 +326,24 @@ impl Runtime {
             // HugeTLB limits need the hugetlb controller: the host's, for flat pods; a VM
             // guest has no huge pages.
             hugetlb: backend.kind() == crate::state::BackendKind::Flat && host_has_hugetlb(),
-            // Like AppArmor, the host's, for flat pods; the guest kernel has no SELinux.
+            // The host's, for flat pods; the guest kernel has no SELinux.
             selinux: backend.kind() == crate::state::BackendKind::Flat && crate::selinux::enabled(),
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        let profile = spec["process"]["apparmorProfile"].as_str();
+        let apparmor_policy = match profile {
+            Some(name) if backend.kind() == crate::state::BackendKind::Vm => {
+                let name = name.to_string();
+                tokio::task::spawn_blocking(move || spec::apparmor::host_policy(&name))
+                    .await
+                    .map_err(internal("AppArmor"))?
+                    .map_err(|e| {
+                        RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {e}"))
+                    })?
+            }
+            _ => Vec::new(),
+        };
         self.relabel_mounts(key, sc, &volumes.mounts).await?;
         let cdi = crate::cdi::requested(&config.cdi_devices, &config.annotations);
         if !cdi.is_empty() {
@@ -441,6 +456,7 @@ impl Runtime {
                 stdin_once: config.stdin_once,
                 log_vsock_port: prepared.log_vsock_port,
                 log_vsock_token: prepared.log_vsock_token,
+                apparmor_policy,
             };
             let mut c = pod.client().await?;
             let resp = c

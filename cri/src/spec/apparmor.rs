@@ -1,17 +1,21 @@
 //! AppArmor: the profile a container asks for (CRI `apparmor`, else the deprecated
 //! `apparmor_profile` string), checked against where the container runs.
 //!
-//! - Where AppArmor confines processes (a flat pod on a host with AppArmor enabled), a
-//!   Localhost profile must be loaded and is applied by name; RuntimeDefault applies
-//!   vessel's default profile, `vessel-default`, loaded with `apparmor_parser` the first time
-//!   it is needed; Unconfined applies none.
-//! - Where it does not (a host without AppArmor, a VM guest: vessel's guest kernel has no
-//!   AppArmor), RuntimeDefault and Unconfined are accepted and there is nothing to apply,
-//!   while a Localhost profile is refused, naming it, as containerd and CRI-O do.
+//! - On a host with AppArmor enabled, a Localhost profile must be loaded and is applied by
+//!   name; RuntimeDefault applies vessel's default profile, `vessel-default`, loaded with
+//!   `apparmor_parser` the first time it is needed; Unconfined applies none.
+//! - A VM pod's containers run on its guest kernel, which has AppArmor and no parser: they
+//!   can have what the host has. The policy the host's kernel compiled for the profile
+//!   ([`host_policy`], securityfs `raw_data`) goes to the agent, which loads it into the guest
+//!   kernel before it makes the container.
+//! - On a host without AppArmor, RuntimeDefault and Unconfined are accepted and there is
+//!   nothing to apply, while a Localhost profile is refused, naming it, as containerd and
+//!   CRI-O do.
 
 use super::{invalid, SpecError};
 use k8s_cri::v1 as cri;
 use std::collections::HashSet;
+use std::path::Path;
 
 /// The profile RuntimeDefault applies.
 pub const DEFAULT_PROFILE: &str = "vessel-default";
@@ -109,6 +113,38 @@ pub fn host_profiles() -> Option<HashSet<String>> {
     )
 }
 
+/// Where the host's kernel shows its loaded profiles.
+const PROFILES_DIR: &str = "/sys/kernel/security/apparmor/policy/profiles";
+
+/// The compiled policy that holds the loaded profile `name`: what `apparmor_parser` handed the
+/// host's kernel for it (with the other profiles of the same load), as the kernel keeps it
+/// (securityfs `policy/profiles/<profile>/raw_data`, kernels built with
+/// `CONFIG_SECURITY_APPARMOR_EXPORT_BINARY`, Debian's and Ubuntu's among them).
+pub fn host_policy(name: &str) -> Result<Vec<u8>, String> {
+    host_policy_in(Path::new(PROFILES_DIR), name)
+}
+
+fn host_policy_in(dir: &Path, name: &str) -> Result<Vec<u8>, String> {
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| format!("AppArmor profile {name:?}: reading {}: {e}", dir.display()))?;
+    for entry in entries.flatten() {
+        let p = entry.path();
+        // Names are mangled in directory names: the `name` file has the real one.
+        if std::fs::read_to_string(p.join("name")).is_ok_and(|n| n.trim_end() == name) {
+            return std::fs::read(p.join("raw_data")).map_err(|e| {
+                format!(
+                    "AppArmor profile {name:?}: the host's kernel does not give its compiled policy ({}: {e}; \
+                     it needs CONFIG_SECURITY_APPARMOR_EXPORT_BINARY and apparmor.export_binary=1), so a VM pod cannot load it",
+                    p.join("raw_data").display()
+                )
+            });
+        }
+    }
+    Err(format!(
+        "AppArmor profile {name:?} is not loaded on this host (apparmor_parser -r <file> loads it)"
+    ))
+}
+
 /// The OCI `process.apparmorProfile` for `wanted`, where `loaded` is what the container's
 /// kernel has (`None`: no AppArmor there).
 pub fn profile(
@@ -197,6 +233,39 @@ mod tests {
         );
         assert!(wanted(Some(&sc(None, "bogus"))).is_err());
         assert!(wanted(Some(&sc(Some((P::Localhost as i32, "")), ""))).is_err());
+    }
+
+    #[test]
+    fn a_profiles_compiled_policy_is_found_by_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let profile = |dirname: &str, name: &str, raw: Option<&[u8]>| {
+            let p = dir.path().join(dirname);
+            std::fs::create_dir(&p).unwrap();
+            std::fs::write(p.join("name"), format!("{name}\n")).unwrap();
+            if let Some(raw) = raw {
+                std::fs::write(p.join("raw_data"), raw).unwrap();
+            }
+        };
+        profile(
+            "cri-validate-apparmor-test-deny-write.3",
+            "cri-validate-apparmor-test-deny-write",
+            Some(b"policy A"),
+        );
+        // Mangled: the directory name is not the profile's name.
+        profile("usr.bin.man.1", "/usr/bin/man", Some(b"policy B"));
+        profile("no-export.2", "no-export", None);
+        assert_eq!(
+            host_policy_in(dir.path(), "cri-validate-apparmor-test-deny-write").unwrap(),
+            b"policy A"
+        );
+        assert_eq!(
+            host_policy_in(dir.path(), "/usr/bin/man").unwrap(),
+            b"policy B"
+        );
+        let e = host_policy_in(dir.path(), "absent").unwrap_err();
+        assert!(e.contains("\"absent\" is not loaded"), "{e}");
+        let e = host_policy_in(dir.path(), "no-export").unwrap_err();
+        assert!(e.contains("EXPORT_BINARY"), "{e}");
     }
 
     #[test]

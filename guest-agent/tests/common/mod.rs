@@ -161,6 +161,7 @@ impl TestAgent {
             stdin_once: false,
             log_vsock_port: 0,
             log_vsock_token: String::new(),
+            apparmor_policy: Vec::new(),
         }
     }
 
