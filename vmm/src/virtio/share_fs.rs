@@ -200,7 +200,7 @@ const ACL_GROUP: u16 = 0x08;
 /// by `gid`; `None` if it is not a POSIX ACL xattr.
 fn acl_map(v: &[u8], uid: impl Fn(u32) -> u32, gid: impl Fn(u32) -> u32) -> Option<Vec<u8>> {
     let version = u32::from_le_bytes(v.get(..4)?.try_into().ok()?);
-    if version != POSIX_ACL_XATTR_VERSION || (v.len() - 4) % 8 != 0 {
+    if version != POSIX_ACL_XATTR_VERSION || !(v.len() - 4).is_multiple_of(8) {
         return None;
     }
     let mut out = v.to_vec();
