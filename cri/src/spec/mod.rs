@@ -7,6 +7,8 @@
 //! pod shares with the node).
 
 pub mod apparmor;
+mod devices;
+mod mounts;
 mod namespaces;
 mod resources;
 mod seccomp;
@@ -95,14 +97,6 @@ pub fn environment(
     env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
-fn propagation(p: i32) -> &'static str {
-    match cri::MountPropagation::try_from(p).unwrap_or(cri::MountPropagation::PropagationPrivate) {
-        cri::MountPropagation::PropagationPrivate => "rprivate",
-        cri::MountPropagation::PropagationHostToContainer => "rslave",
-        cri::MountPropagation::PropagationBidirectional => "rshared",
-    }
-}
-
 /// Everything a spec needs besides the CRI request.
 pub struct SpecInput<'a> {
     pub pod: &'a cri::PodSandboxConfig,
@@ -183,162 +177,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         host_net,
     } = namespaces::build(input, sc, &user, privileged)?;
 
-    // Mounts: the standard set, the pod's files, then the request's.
-    let mut mounts = vec![
-        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
-        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
-        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
-        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
-        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
-        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", if privileged { "rw" } else { "ro" }]}),
-        json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", if privileged { "rw" } else { "ro" }]}),
-    ];
-    // libcontainer 0.7 emulates cgroup v1's /sys/fs/cgroup from the /proc entry of the
-    // container's pid as its own pid namespace numbers it, looked up in the agent's /proc:
-    // in the pod's pid namespace of a pod with its own user namespace (not the agent's), that
-    // entry is not there. Such a container gets an empty read-only /sys/fs/cgroup on a v1
-    // host (its own cgroup namespace on v2, where this does not arise).
-    if userns.is_some() && !input.cgroup_ns && pid_mode == cri::NamespaceMode::Pod {
-        mounts.pop();
-        mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
-    }
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
-    let dests: Vec<&str> = c.mounts.iter().map(|m| m.container_path.as_str()).collect();
-    for (file, dest) in [
-        ("hostname", "/etc/hostname"),
-        ("hosts", "/etc/hosts"),
-        ("resolv.conf", "/etc/resolv.conf"),
-    ] {
-        if dests.contains(&dest) {
-            continue; // kubelet mounts its own /etc/hosts
-        }
-        let src = input.pod_dir.join(file);
-        let mut opts = vec!["rbind", "rprivate", if readonly_root { "ro" } else { "rw" }];
-        if userns.is_some() && !input.vm_guest {
-            // Root's files show as the container root's, as without a user namespace. (A
-            // VM pod's files are written as its root's.)
-            opts.push("idmap");
-        }
-        mounts.push(json!({
-            "destination": dest, "type": "bind", "source": src, "options": opts
-        }));
-    }
-    for m in &c.mounts {
-        if m.container_path.is_empty() || !m.container_path.starts_with('/') {
-            return Err(invalid(format!(
-                "mount container path {:?} must be absolute",
-                m.container_path
-            )));
-        }
-        if m.host_path.is_empty() {
-            return Err(invalid(format!(
-                "mount at {:?} has no host path",
-                m.container_path
-            )));
-        }
-        // kubelet gives a pod without host users its volumes with the pod's mappings: the
-        // agent idmaps them through the pod's user namespace. Other mappings are refused.
-        let idmap = !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty();
-        if idmap
-            && !userns
-                .as_ref()
-                .is_some_and(|u| crate::userns::mount_matches(u, m))
-        {
-            return Err(invalid(format!(
-                "mount at {:?}: its ID mappings are not the pod's user namespace's (only \
-                 those are supported, and only in a pod with its own user namespace)",
-                m.container_path
-            )));
-        }
-        if std::fs::symlink_metadata(&m.host_path).is_err() {
-            return Err(invalid(format!(
-                "mount source {:?} (for {:?}) does not exist",
-                m.host_path, m.container_path
-            )));
-        }
-        let mut opts = vec!["rbind".to_string(), propagation(m.propagation).to_string()];
-        opts.push(if m.readonly { "ro" } else { "rw" }.into());
-        if m.recursive_read_only {
-            // Read-only all the way down (mount_setattr AT_RECURSIVE): only for a read-only,
-            // private mount, as the CRI defines it (kubelet asks only where Status says so).
-            if !m.readonly {
-                return Err(invalid(format!(
-                    "mount at {:?}: recursive_read_only needs readonly",
-                    m.container_path
-                )));
-            }
-            if m.propagation != cri::MountPropagation::PropagationPrivate as i32 {
-                return Err(invalid(format!(
-                    "mount at {:?}: recursive_read_only needs private propagation",
-                    m.container_path
-                )));
-            }
-            opts.push("rro".into());
-        }
-        // A VM pod's volumes come through its share, whose file server shows every owner
-        // through the pod's mapping (the guest kernel cannot idmap virtio-fs).
-        if idmap && !input.vm_guest {
-            opts.push("idmap".into());
-        }
-        mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));
-    }
-
-    // Devices.
-    let mut devices = Vec::new();
-    let mut dev_rules = vec![json!({"allow": false, "access": "rwm"})];
-    for (t, maj, min) in [
-        ("c", 1, 3),
-        ("c", 1, 5),
-        ("c", 1, 7),
-        ("c", 1, 8),
-        ("c", 1, 9),
-        ("c", 5, 0),
-        ("c", 5, 1),
-        ("c", 5, 2),
-        ("c", 10, 200),
-    ] {
-        dev_rules
-            .push(json!({"allow": true, "type": t, "major": maj, "minor": min, "access": "rwm"}));
-    }
-    dev_rules.push(json!({"allow": true, "type": "c", "major": 136, "access": "rwm"}));
-    if privileged {
-        dev_rules = vec![json!({"allow": true, "access": "rwm"})];
-    }
-    for d in &c.devices {
-        use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let m = std::fs::metadata(&d.host_path)
-            .map_err(|e| invalid(format!("device {:?}: {e}", d.host_path)))?;
-        let t = if m.file_type().is_char_device() {
-            "c"
-        } else if m.file_type().is_block_device() {
-            "b"
-        } else {
-            return Err(invalid(format!(
-                "device {:?} is not a device node",
-                d.host_path
-            )));
-        };
-        let rdev = m.rdev();
-        let (maj, min) = (libc::major(rdev), libc::minor(rdev));
-        let perms = if d.permissions.is_empty() {
-            "rwm"
-        } else {
-            d.permissions.as_str()
-        };
-        if !perms.chars().all(|c| "rwm".contains(c)) {
-            return Err(invalid(format!(
-                "device {:?}: bad permissions {perms:?}",
-                d.host_path
-            )));
-        }
-        devices.push(json!({
-            "path": if d.container_path.is_empty() { &d.host_path } else { &d.container_path },
-            "type": t, "major": maj, "minor": min,
-            "fileMode": m.mode() & 0o7777, "uid": m.uid(), "gid": m.gid()
-        }));
-        dev_rules
-            .push(json!({"allow": true, "type": t, "major": maj, "minor": min, "access": perms}));
-    }
+    let mounts = mounts::build(input, sc, userns.as_ref(), pid_mode, privileged)?;
+    let (devices, dev_rules) = devices::build(c, privileged)?;
 
     // Resources.
     let mut resources = json!({"devices": dev_rules});

@@ -1,0 +1,125 @@
+//! The container's mounts: the standard set, the pod's files, then the request's.
+
+use super::{invalid, SpecError, SpecInput};
+use crate::userns::PodUserns;
+use k8s_cri::v1 as cri;
+use serde_json::{json, Value};
+
+/// The spec's `mounts`; a request's mount without an absolute container path, without a
+/// host path that exists, or with options that do not go together is refused.
+pub(super) fn build(
+    input: &SpecInput<'_>,
+    sc: Option<&cri::LinuxContainerSecurityContext>,
+    userns: Option<&PodUserns>,
+    pid_mode: cri::NamespaceMode,
+    privileged: bool,
+) -> Result<Vec<Value>, SpecError> {
+    let c = input.config;
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", if privileged { "rw" } else { "ro" }]}),
+        json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", if privileged { "rw" } else { "ro" }]}),
+    ];
+    // libcontainer 0.7 emulates cgroup v1's /sys/fs/cgroup from the /proc entry of the
+    // container's pid as its own pid namespace numbers it, looked up in the agent's /proc:
+    // in the pod's pid namespace of a pod with its own user namespace (not the agent's), that
+    // entry is not there. Such a container gets an empty read-only /sys/fs/cgroup on a v1
+    // host (its own cgroup namespace on v2, where this does not arise).
+    if userns.is_some() && !input.cgroup_ns && pid_mode == cri::NamespaceMode::Pod {
+        mounts.pop();
+        mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
+    }
+    let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
+    let dests: Vec<&str> = c.mounts.iter().map(|m| m.container_path.as_str()).collect();
+    for (file, dest) in [
+        ("hostname", "/etc/hostname"),
+        ("hosts", "/etc/hosts"),
+        ("resolv.conf", "/etc/resolv.conf"),
+    ] {
+        if dests.contains(&dest) {
+            continue; // kubelet mounts its own /etc/hosts
+        }
+        let src = input.pod_dir.join(file);
+        let mut opts = vec!["rbind", "rprivate", if readonly_root { "ro" } else { "rw" }];
+        if userns.is_some() && !input.vm_guest {
+            // Root's files show as the container root's, as without a user namespace. (A
+            // VM pod's files are written as its root's.)
+            opts.push("idmap");
+        }
+        mounts.push(json!({
+            "destination": dest, "type": "bind", "source": src, "options": opts
+        }));
+    }
+    for m in &c.mounts {
+        if m.container_path.is_empty() || !m.container_path.starts_with('/') {
+            return Err(invalid(format!(
+                "mount container path {:?} must be absolute",
+                m.container_path
+            )));
+        }
+        if m.host_path.is_empty() {
+            return Err(invalid(format!(
+                "mount at {:?} has no host path",
+                m.container_path
+            )));
+        }
+        // kubelet gives a pod without host users its volumes with the pod's mappings: the
+        // agent idmaps them through the pod's user namespace. Other mappings are refused.
+        let idmap = !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty();
+        if idmap
+            && !userns
+                .as_ref()
+                .is_some_and(|u| crate::userns::mount_matches(u, m))
+        {
+            return Err(invalid(format!(
+                "mount at {:?}: its ID mappings are not the pod's user namespace's (only \
+                 those are supported, and only in a pod with its own user namespace)",
+                m.container_path
+            )));
+        }
+        if std::fs::symlink_metadata(&m.host_path).is_err() {
+            return Err(invalid(format!(
+                "mount source {:?} (for {:?}) does not exist",
+                m.host_path, m.container_path
+            )));
+        }
+        let mut opts = vec!["rbind".to_string(), propagation(m.propagation).to_string()];
+        opts.push(if m.readonly { "ro" } else { "rw" }.into());
+        if m.recursive_read_only {
+            // Read-only all the way down (mount_setattr AT_RECURSIVE): only for a read-only,
+            // private mount, as the CRI defines it (kubelet asks only where Status says so).
+            if !m.readonly {
+                return Err(invalid(format!(
+                    "mount at {:?}: recursive_read_only needs readonly",
+                    m.container_path
+                )));
+            }
+            if m.propagation != cri::MountPropagation::PropagationPrivate as i32 {
+                return Err(invalid(format!(
+                    "mount at {:?}: recursive_read_only needs private propagation",
+                    m.container_path
+                )));
+            }
+            opts.push("rro".into());
+        }
+        // A VM pod's volumes come through its share, whose file server shows every owner
+        // through the pod's mapping (the guest kernel cannot idmap virtio-fs).
+        if idmap && !input.vm_guest {
+            opts.push("idmap".into());
+        }
+        mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));
+    }
+    Ok(mounts)
+}
+
+fn propagation(p: i32) -> &'static str {
+    match cri::MountPropagation::try_from(p).unwrap_or(cri::MountPropagation::PropagationPrivate) {
+        cri::MountPropagation::PropagationPrivate => "rprivate",
+        cri::MountPropagation::PropagationHostToContainer => "rslave",
+        cri::MountPropagation::PropagationBidirectional => "rshared",
+    }
+}
