@@ -18,6 +18,7 @@
 # default 300) is the watchdog of one L1 run; a run that hangs or crashes (no end marker) is
 # retried once. VESSEL_PROFILE=release|debug (default release) picks the shim build.
 # pods: VESSEL_PODS_HANDLER=flat|vm (default flat), VESSEL_PODS_FOCUS=REGEX (critest --focus),
+# VESSEL_PODS_SUITE=0 (no vessel-critest: only VESSEL_PODS_EXTRA runs),
 # VESSEL_PODS_ADD="FILE..." (copied into /vessel/bin, on PATH in L1),
 # VESSEL_PODS_ADD_DIRS="SRC:DEST..." (directories copied to DEST in L1),
 # VESSEL_PODS_EXTRA="CMD" (run in L1 after the suite), VESSEL_PODS_CONFIG="TOML" (appended to
@@ -65,7 +66,7 @@ fi
 
 # --- dependencies
 need=(qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio kmod gcc libc6-dev iproute2)
-[ "$mode" = pods ] && need+=(docker-registry erofs-utils binutils apparmor)
+[ "$mode" = pods ] && need+=(docker-registry erofs-utils binutils apparmor socat)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -250,8 +251,8 @@ EOC
   echo vessel-l1 >"$L/etc/hostname"
   : >"$L/vessel/pods-args"
   if [ ${#pods_args[@]} -gt 0 ]; then printf '%s\n' "${pods_args[@]}" >"$L/vessel/pods-args"; fi
-  printf 'export VESSEL_PODS_HANDLER=%q VESSEL_PODS_FOCUS=%q VESSEL_PODS_EXTRA=%q VESSEL_PODS_CONFIG=%q\n' \
-    "${VESSEL_PODS_HANDLER:-flat}" "${VESSEL_PODS_FOCUS:-}" "${VESSEL_PODS_EXTRA:-}" "${VESSEL_PODS_CONFIG:-}" >"$L/vessel/pods-env"
+  printf 'export VESSEL_PODS_HANDLER=%q VESSEL_PODS_FOCUS=%q VESSEL_PODS_SUITE=%q VESSEL_PODS_EXTRA=%q VESSEL_PODS_CONFIG=%q\n' \
+    "${VESSEL_PODS_HANDLER:-flat}" "${VESSEL_PODS_FOCUS:-}" "${VESSEL_PODS_SUITE:-1}" "${VESSEL_PODS_EXTRA:-}" "${VESSEL_PODS_CONFIG:-}" >"$L/vessel/pods-env"
 fi
 if [ "$mode" = bench ]; then
   bins+=(/usr/bin/qemu-system-x86_64)
@@ -309,13 +310,41 @@ chmod +x "$L/init"
 log "L1 initrd $(du -h "$WORK/l1-initrd.cpio" | cut -f1), L1 kernel $KVER"
 
 # --- boot L1 under a watchdog; retry once if it hangs or crashes
+MON="$WORK/l1-monitor.sock"
 run_l1() {
+  rm -f "$MON"
   timeout --foreground -k 5 "$TIMEOUT" qemu-system-x86_64 -accel tcg -cpu EPYC -smp 1 -m "$MEM" \
-    -nographic -no-reboot -nodefaults -serial stdio -monitor none \
+    -nographic -no-reboot -nodefaults -serial stdio -monitor "unix:$MON,server=on,wait=off" \
     -kernel "$L1K" -initrd "$WORK/l1-initrd.cpio" \
     -append "console=ttyS0 quiet panic=-1 kvm_amd.nested=1 rdinit=/init" </dev/null 2>&1 |
     tee "$WORK/l1-console.log" | grep --line-buffered -v '^\s*$' | sed -u 's/\r$//'
 }
+# An emulated L1 running nested guests now and then stops for good: its vCPU halted, QEMU
+# idle, no timer interrupt coming (a TCG nested-SVM bug, seen ~1 run in 3 in a 20-minute
+# pods run). The pods harness prints a heartbeat every 120 s, so a console silent for 200 s
+# is such a stop: an NMI through QEMU's monitor wakes the vCPU. Silent 200 s more, L1 is
+# given up at once (and retried) instead of at the watchdog.
+watch_l1() {
+  local nmi_at=0 now age
+  while sleep 20; do
+    [ -S "$MON" ] && [ -f "$WORK/l1-console.log" ] || continue
+    now=$(date +%s); age=$(( now - $(stat -c %Y "$WORK/l1-console.log") ))
+    if [ "$age" -ge 400 ]; then
+      log "L1 silent for ${age}s after an NMI: stopping it"
+      printf 'quit\n' | timeout 5 socat - "UNIX-CONNECT:$MON" >/dev/null 2>&1
+      nmi_at=0
+    elif [ "$age" -ge 200 ] && [ $(( now - nmi_at )) -ge 200 ]; then
+      log "L1 silent for ${age}s (its vCPU stopped?): sending it an NMI"
+      printf 'nmi\n' | timeout 5 socat - "UNIX-CONNECT:$MON" >/dev/null 2>&1
+      nmi_at=$now
+    fi
+  done
+}
+watcher=
+if [ "$mode" = pods ] && command -v socat >/dev/null; then
+  watch_l1 & watcher=$!
+  trap '[ -n "$watcher" ] && kill "$watcher" 2>/dev/null' EXIT
+fi
 for attempt in 1 2; do
   t0=$(date +%s.%N)
   run_l1 || true
