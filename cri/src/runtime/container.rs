@@ -304,12 +304,7 @@ impl Runtime {
         if let (Some(loaded), Some(sc)) = (&apparmor, sc) {
             if wanted == Some(spec::apparmor::Wanted::RuntimeDefault) && !sc.privileged {
                 let loaded = loaded.clone();
-                tokio::task::spawn_blocking(move || spec::apparmor::ensure_default(&loaded))
-                    .await
-                    .map_err(internal("AppArmor"))?
-                    .map_err(|e| {
-                        RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {e}"))
-                    })?;
+                apparmor_task(key, move || spec::apparmor::ensure_default(&loaded)).await?;
             }
         }
         let (mut spec, user) = spec::build(&SpecInput {
@@ -331,16 +326,11 @@ impl Runtime {
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
-        let profile = spec["process"]["apparmorProfile"].as_str();
-        let apparmor_policy = match profile {
+        // A VM guest is given the host's compiled policy for the profile it is to apply.
+        let apparmor_policy = match spec["process"]["apparmorProfile"].as_str() {
             Some(name) if backend.kind() == crate::state::BackendKind::Vm => {
                 let name = name.to_string();
-                tokio::task::spawn_blocking(move || spec::apparmor::host_policy(&name))
-                    .await
-                    .map_err(internal("AppArmor"))?
-                    .map_err(|e| {
-                        RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {e}"))
-                    })?
+                apparmor_task(key, move || spec::apparmor::host_policy(&name)).await?
             }
             _ => Vec::new(),
         };
@@ -730,6 +720,18 @@ impl Runtime {
         tracing::info!(container = %rec.id, "container resources updated");
         Ok(())
     }
+}
+
+/// Runs blocking AppArmor work (`apparmor_parser`, securityfs) off the runtime's threads; its
+/// failure fails CreateContainer `key` with FailedPrecondition.
+async fn apparmor_task<T: Send + 'static>(
+    key: &str,
+    f: impl FnOnce() -> std::result::Result<T, String> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(internal("AppArmor"))?
+        .map_err(|e| RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {e}")))
 }
 
 /// Where a container's log goes: kubelet's `log_path` is relative to the pod's
