@@ -1248,7 +1248,10 @@ fn freezer_dir(name: &str) -> Option<(PathBuf, &'static str, &'static str)> {
 
 /// A flat pod whose agent died while one of its containers was frozen (libcontainer freezes
 /// a cgroup while it kills it): the container's processes cannot die until thawed, so
-/// removing the pod thaws and kills them, and no cgroup or process is left.
+/// removing the pod thaws and kills them, and no cgroup or process is left. The agent, PID 1
+/// of the pod's pid namespace, cannot finish exiting before they die either: the pod must
+/// still become NotReady (vesseld takes an exiting agent as dead; it used to wait for ever,
+/// about one run in five, when the freeze had taken before the kill).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_container_of_a_dead_agent_is_thawed_and_removed() {
     if skip_unless(

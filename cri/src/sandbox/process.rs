@@ -33,7 +33,7 @@ pub fn log_tail(p: &Path, n: usize) -> String {
 
 /// Start time (clock ticks after boot) of a process, from /proc/<pid>/stat field 22.
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    proc_stat(pid).map(|(_, start)| start)
+    proc_stat(pid).map(|(_, _, start)| start)
 }
 
 /// The fields of /proc/<pid>/stat from field 3 (the state) on.
@@ -45,11 +45,15 @@ fn stat_fields(pid: u32) -> Option<Vec<String>> {
 }
 
 /// State letter (field 3) and start time (field 22) from /proc/<pid>/stat.
-fn proc_stat(pid: u32) -> Option<(char, u64)> {
+/// The state, the kernel's flags and the start time of `pid` (fields 3, 9 and 22 of its stat).
+fn proc_stat(pid: u32) -> Option<(char, u32, u64)> {
     let f = stat_fields(pid)?;
     let state = f.first()?.chars().next()?;
-    Some((state, f.get(19)?.parse().ok()?))
+    Some((state, f.get(6)?.parse().ok()?, f.get(19)?.parse().ok()?))
 }
+
+/// The kernel's `PF_EXITING`: the process has begun to exit and cannot go back.
+const PF_EXITING: u32 = 0x4;
 
 /// The children of a process (a VM pod's shim has one: its jailed VMM): from
 /// `/proc/<pid>/task/<tid>/children`, or where the kernel lacks it (CONFIG_PROC_CHILDREN),
@@ -86,11 +90,15 @@ fn children_by_parent(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Whether `pid` is still the process that started at `start_time`, and not a zombie (an
-/// agent that exited is reparented to init, which on some hosts never reaps it).
+/// Whether `pid` is still the process that started at `start_time`, and neither a zombie (an
+/// agent that exited is reparented to init, which on some hosts never reaps it) nor exiting.
+/// An agent is PID 1 of its pod's pid namespace, and its exit waits for every process in that
+/// namespace to die: for ever, if a container's cgroup is frozen, until the pod's teardown
+/// thaws it. Such an agent has closed its files and is dead to us.
 pub fn is_alive(pid: u32, start_time: u64) -> bool {
     pid != 0
-        && matches!(proc_stat(pid), Some((state, start)) if state != 'Z' && state != 'X' && start == start_time)
+        && matches!(proc_stat(pid), Some((state, flags, start))
+            if state != 'Z' && state != 'X' && flags & PF_EXITING == 0 && start == start_time)
 }
 
 fn pid_of(pid: u32) -> Option<Pid> {
