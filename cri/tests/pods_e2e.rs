@@ -2541,10 +2541,11 @@ async fn apparmor_profiles_are_applied_or_refused() {
         return;
     }
     const DENY_WRITE: &str = "vessel-test-deny-write";
-    if parser {
+    // Loads (`--replace`) or unloads (`--remove`) the test's profile.
+    let deny_write = |action: &str| {
         use std::io::Write as _;
         let mut child = std::process::Command::new("apparmor_parser")
-            .args(["--replace"])
+            .arg(action)
             .stdin(std::process::Stdio::piped())
             .spawn()
             .expect("apparmor_parser");
@@ -2559,7 +2560,13 @@ async fn apparmor_profiles_are_applied_or_refused() {
                 .as_bytes(),
             )
             .unwrap();
-        assert!(child.wait().unwrap().success(), "loading {DENY_WRITE}");
+        assert!(
+            child.wait().unwrap().success(),
+            "apparmor_parser {action} {DENY_WRITE}"
+        );
+    };
+    if parser {
+        deny_write("--replace");
     }
     let mut h = harness().await;
     let (pod, pcfg) = h.run_pod("apparmor").await;
@@ -2661,6 +2668,9 @@ async fn apparmor_profiles_are_applied_or_refused() {
     }
     h.remove_pod(&pod).await;
     h.assert_clean();
+    if parser {
+        deny_write("--remove");
+    }
 }
 
 /// Hugepage limits are applied where the hugetlb controller is (a flat pod on a host with
