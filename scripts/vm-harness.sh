@@ -320,8 +320,8 @@ run_l1() {
     tee "$WORK/l1-console.log" | grep --line-buffered -v '^\s*$' | sed -u 's/\r$//'
 }
 # An emulated L1 running nested guests now and then stops for good: its vCPU halted, QEMU
-# idle, no timer interrupt coming (a TCG nested-SVM bug, seen ~1 run in 3 in a 20-minute
-# pods run). The pods harness prints a heartbeat every 120 s, so a console silent for 200 s
+# idle, no timer interrupt coming (a TCG nested-SVM problem, by all signs; seen in a few of
+# the 20-minute pods runs). The pods harness prints a heartbeat every 120 s, so a console silent for 200 s
 # is such a stop: an NMI through QEMU's monitor wakes the vCPU. Silent 200 s more, L1 is
 # given up at once (and retried) instead of at the watchdog.
 watch_l1() {

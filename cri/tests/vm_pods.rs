@@ -68,6 +68,26 @@ fn newest_source(dir: &Path) -> Option<(PathBuf, std::time::SystemTime)> {
     newest
 }
 
+/// The guest image (`cpio` initrd or `erofs` root) of the agent in `bindir`, built by
+/// `scripts/build-guest-initrd.sh` (cached by content).
+fn guest_image(root: &Path, bindir: &Path, format: &str) -> PathBuf {
+    let o = Command::new("bash")
+        .arg(root.join("scripts/build-guest-initrd.sh"))
+        .arg(bindir.join("vessel-agent"))
+        .env("FORMAT", format)
+        .output()
+        .expect("scripts/build-guest-initrd.sh");
+    let p = PathBuf::from(
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim(),
+    );
+    assert!(p.is_file(), "no guest {format} image: {}", p.display());
+    p
+}
+
 fn vm_config(kernel: &Path, initrd: &Path, rootfs: &Path) -> String {
     format!(
         "[runtime]\nvm_fallback = \"refuse\"\n[vm]\nkernel = \"{}\"\ninitrd = \"{}\"\nrootfs = \"{}\"\nboot_timeout_secs = 60\n",
@@ -261,13 +281,7 @@ fn run_nested(
     }
     // The guest images both harness runs stage, built (and cached) once, before either.
     for format in ["cpio", "erofs"] {
-        let built = Command::new("bash")
-            .arg(root.join("scripts/build-guest-initrd.sh"))
-            .arg(bindir.join("vessel-agent"))
-            .env("FORMAT", format)
-            .status()
-            .expect("scripts/build-guest-initrd.sh");
-        assert!(built.success(), "building the guest {format} image failed");
+        guest_image(root, bindir, format);
     }
     let work = std::env::var("VESSEL_HARNESS_WORK").unwrap_or("/var/tmp/vessel-harness".into());
     let harness = |work: String, suite: bool, add: &str, add_dirs: &str, extra: &str| {
@@ -338,24 +352,11 @@ fn run_direct(
     e2e_filter: &str,
 ) -> (String, bool) {
     let kernel = Path::new(kdir.expect("guest kernel")).join("vmlinux");
-    let build = |format: &str| {
-        let o = Command::new("bash")
-            .arg(root.join("scripts/build-guest-initrd.sh"))
-            .arg(bindir.join("vessel-agent"))
-            .env("FORMAT", format)
-            .output()
-            .expect("scripts/build-guest-initrd.sh");
-        let p = PathBuf::from(
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .last()
-                .unwrap_or_default()
-                .trim(),
-        );
-        assert!(p.is_file(), "no guest {format} image: {}", p.display());
-        p
-    };
-    let config = vm_config(&kernel, &build("cpio"), &build("erofs"));
+    let config = vm_config(
+        &kernel,
+        &guest_image(root, bindir, "cpio"),
+        &guest_image(root, bindir, "erofs"),
+    );
     let mut out = String::new();
     let v =
         vessel_critest::daemon::Vesseld::start(Path::new(env!("CARGO_BIN_EXE_vesseld")), &config)

@@ -44,7 +44,6 @@ fn stat_fields(pid: u32) -> Option<Vec<String>> {
     Some(rest.split_whitespace().map(str::to_string).collect())
 }
 
-/// State letter (field 3) and start time (field 22) from /proc/<pid>/stat.
 /// The state, the kernel's flags and the start time of `pid` (fields 3, 9 and 22 of its stat).
 fn proc_stat(pid: u32) -> Option<(char, u32, u64)> {
     let f = stat_fields(pid)?;

@@ -167,6 +167,24 @@ impl IdShift {
         Some(out)
     }
 
+    /// An id-naming xattr's value (`kind`) as the guest sees it; `None` if it is malformed.
+    fn xattr_out(&self, kind: XattrKind, v: &[u8]) -> Option<Vec<u8>> {
+        match kind {
+            XattrKind::Caps => self.caps_out(v),
+            XattrKind::Acl => self.acl_out(v),
+            XattrKind::Other => Some(v.to_vec()),
+        }
+    }
+
+    /// An id-naming xattr's value (`kind`) as the disk keeps it; `None` if it is malformed.
+    fn xattr_in(&self, kind: XattrKind, v: &[u8]) -> Option<Vec<u8>> {
+        match kind {
+            XattrKind::Caps => self.caps_in(v),
+            XattrKind::Acl => self.acl_in(v),
+            XattrKind::Other => Some(v.to_vec()),
+        }
+    }
+
     /// A POSIX ACL as the guest sees it: its named users and groups shifted as owners are.
     fn acl_out(&self, v: &[u8]) -> Option<Vec<u8>> {
         acl_map(v, |u| self.uid.to_guest(u), |g| self.gid.to_guest(g))
@@ -358,11 +376,8 @@ impl FileSystem for ShareFs {
         let value = match (&self.shift, xattr_kind(name)) {
             (None, _) | (_, XattrKind::Other) => value,
             (Some(sh), kind) => {
-                let shift_in = match kind {
-                    XattrKind::Acl => IdShift::acl_in,
-                    _ => IdShift::caps_in,
-                };
-                shifted = shift_in(sh, value)
+                shifted = sh
+                    .xattr_in(kind, value)
                     .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
                 &shifted[..]
             }
@@ -402,12 +417,9 @@ impl FileSystem for ShareFs {
                     GetxattrReply::Value(v) => v,
                     GetxattrReply::Count(_) => Vec::new(),
                 };
-                let shift_out = match kind {
-                    XattrKind::Acl => IdShift::acl_out,
-                    _ => IdShift::caps_out,
-                };
-                let v =
-                    shift_out(sh, &v).ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+                let v = sh
+                    .xattr_out(kind, &v)
+                    .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
                 let len = u32::try_from(v.len()).unwrap_or(u32::MAX);
                 if size == 0 {
                     Ok(GetxattrReply::Count(len))
