@@ -1,11 +1,12 @@
 //! CRI ImageService over vessel's image store.
 
 use crate::errors::image_status;
+use crate::grpc::rpcs;
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 use vessel_images::store::ImageRecord;
 use vessel_images::{Credentials, ImageStore, Puller};
 
@@ -71,15 +72,12 @@ fn image_name(spec: Option<&cri::ImageSpec>) -> Result<String, Status> {
     Ok(name.to_string())
 }
 
-#[tonic::async_trait]
-impl cri::image_service_server::ImageService for ImageService {
-    async fn list_images(
+impl ImageService {
+    async fn list(
         &self,
-        req: Request<cri::ListImagesRequest>,
-    ) -> Result<Response<cri::ListImagesResponse>, Status> {
-        let filter = req
-            .into_inner()
-            .filter
+        filter: Option<cri::ImageFilter>,
+    ) -> Result<cri::ListImagesResponse, Status> {
+        let filter = filter
             .and_then(|f| f.image)
             .map(|s| s.image)
             .filter(|s| !s.trim().is_empty());
@@ -92,26 +90,25 @@ impl cri::image_service_server::ImageService for ImageService {
             None => store.list().map_err(|e| image_status(&e)),
         })
         .await?;
-        Ok(Response::new(cri::ListImagesResponse {
+        Ok(cri::ListImagesResponse {
             images: images.iter().map(to_cri_image).collect(),
-        }))
+        })
     }
 
-    async fn image_status(
+    async fn status(
         &self,
-        req: Request<cri::ImageStatusRequest>,
-    ) -> Result<Response<cri::ImageStatusResponse>, Status> {
-        let req = req.into_inner();
-        let name = image_name(req.image.as_ref())?;
+        name: String,
+        verbose: bool,
+    ) -> Result<cri::ImageStatusResponse, Status> {
         let store = self.store();
         let rec = blocking(move || store.find(&name).map_err(|e| image_status(&e))).await?;
         // The CRI contract: an image that is not present is a nil image, not an error
         // (kubelet asks this before every pull).
         let Some(rec) = rec else {
-            return Ok(Response::new(cri::ImageStatusResponse::default()));
+            return Ok(cri::ImageStatusResponse::default());
         };
         let mut info = HashMap::new();
-        if req.verbose {
+        if verbose {
             let store = self.store();
             let cfg = rec.config.digest.clone();
             let config = blocking(move || store.read_blob(&cfg).map_err(|e| image_status(&e)))
@@ -127,20 +124,18 @@ impl cri::image_service_server::ImageService for ImageService {
             });
             info.insert("info".to_string(), v.to_string());
         }
-        Ok(Response::new(cri::ImageStatusResponse {
+        Ok(cri::ImageStatusResponse {
             image: Some(to_cri_image(&rec)),
             info,
-        }))
+        })
     }
 
-    async fn pull_image(
+    async fn pull(
         &self,
-        req: Request<cri::PullImageRequest>,
-    ) -> Result<Response<cri::PullImageResponse>, Status> {
-        let req = req.into_inner();
-        let name = image_name(req.image.as_ref())?;
-        let creds = req
-            .auth
+        name: String,
+        auth: Option<cri::AuthConfig>,
+    ) -> Result<cri::PullImageResponse, Status> {
+        let creds = auth
             .map(|a| {
                 let mut c = Credentials::from_cri(
                     &a.username,
@@ -159,9 +154,9 @@ impl cri::image_service_server::ImageService for ImageService {
         match res {
             Ok(rep) => {
                 crate::metrics::get().add_pulled_bytes(rep.bytes_downloaded);
-                Ok(Response::new(cri::PullImageResponse {
+                Ok(cri::PullImageResponse {
                     image_ref: rep.image.id.to_string(),
-                }))
+                })
             }
             Err(e) => {
                 tracing::warn!(image = %name, error = %e, "PullImage failed");
@@ -170,11 +165,7 @@ impl cri::image_service_server::ImageService for ImageService {
         }
     }
 
-    async fn remove_image(
-        &self,
-        req: Request<cri::RemoveImageRequest>,
-    ) -> Result<Response<cri::RemoveImageResponse>, Status> {
-        let name = image_name(req.into_inner().image.as_ref())?;
+    async fn remove(&self, name: String) -> Result<cri::RemoveImageResponse, Status> {
         let store = self.store();
         let deleted = blocking(move || {
             let users = store.clone();
@@ -189,13 +180,10 @@ impl cri::image_service_server::ImageService for ImageService {
         for id in deleted {
             tracing::info!(image = %id, "image removed");
         }
-        Ok(Response::new(cri::RemoveImageResponse {}))
+        Ok(cri::RemoveImageResponse {})
     }
 
-    async fn image_fs_info(
-        &self,
-        _req: Request<cri::ImageFsInfoRequest>,
-    ) -> Result<Response<cri::ImageFsInfoResponse>, Status> {
+    async fn fs_info(&self) -> Result<cri::ImageFsInfoResponse, Status> {
         let store = self.store();
         let (root, all, ctrs) = blocking(move || {
             let all = store.usage().map_err(|e| image_status(&e))?;
@@ -216,10 +204,23 @@ impl cri::image_service_server::ImageService for ImageService {
         // one mountpoint for both, so kubelet sees no split image filesystem (a different
         // mountpoint would make it apply split-disk eviction and GC to one disk). The image
         // filesystem's usage includes the writable layers, as before.
-        Ok(Response::new(cri::ImageFsInfoResponse {
+        Ok(cri::ImageFsInfoResponse {
             image_filesystems: vec![usage(all)],
             container_filesystems: vec![usage(ctrs)],
-        }))
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl cri::image_service_server::ImageService for ImageService {
+    // One line per RPC, as in the RuntimeService.
+    #[rustfmt::skip]
+    rpcs! { |s, r|
+        list_images(ListImagesRequest) -> ListImagesResponse = s.list(r.filter).await;
+        image_status(ImageStatusRequest) -> ImageStatusResponse = s.status(image_name(r.image.as_ref())?, r.verbose).await;
+        pull_image(PullImageRequest) -> PullImageResponse = s.pull(image_name(r.image.as_ref())?, r.auth).await;
+        remove_image(RemoveImageRequest) -> RemoveImageResponse = s.remove(image_name(r.image.as_ref())?).await;
+        image_fs_info(ImageFsInfoRequest) -> ImageFsInfoResponse = s.fs_info().await;
     }
 }
 

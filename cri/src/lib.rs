@@ -10,6 +10,7 @@ pub mod cni;
 pub mod config;
 pub mod doctor;
 pub mod errors;
+pub mod grpc;
 pub mod image_service;
 pub mod metrics;
 pub mod notify;

@@ -1,6 +1,7 @@
 //! CRI RuntimeService over [`crate::runtime::Runtime`].
 
 use crate::errors::not_built;
+use crate::grpc::{done, rpcs};
 use crate::runtime::Runtime;
 use crate::streaming::ExecTarget;
 use k8s_cri::v1 as cri;
@@ -60,7 +61,7 @@ impl RuntimeService {
             )));
         }
         let srv = self.streaming(rpc)?;
-        let c = self.rt.streaming_container(container_id).map_err(st)?;
+        let c = self.rt.streaming_container(container_id)?;
         if c.state != crate::state::ContainerState::Running {
             return Err(Status::failed_precondition(format!(
                 "{rpc}: container {} is not running ({:?})",
@@ -160,30 +161,10 @@ impl RuntimeService {
     }
 }
 
-fn st(e: crate::runtime::RuntimeError) -> Status {
-    e.to_status()
-}
-
-#[tonic::async_trait]
-impl cri::runtime_service_server::RuntimeService for RuntimeService {
-    async fn version(
-        &self,
-        _req: Request<cri::VersionRequest>,
-    ) -> Result<Response<cri::VersionResponse>, Status> {
-        Ok(Response::new(cri::VersionResponse {
-            version: KUBE_API_VERSION.into(),
-            runtime_name: RUNTIME_NAME.into(),
-            runtime_version: env!("CARGO_PKG_VERSION").into(),
-            runtime_api_version: RUNTIME_API_VERSION.into(),
-        }))
-    }
-
-    async fn status(
-        &self,
-        req: Request<cri::StatusRequest>,
-    ) -> Result<Response<cri::StatusResponse>, Status> {
+impl RuntimeService {
+    fn status_reply(&self, verbose: bool) -> cri::StatusResponse {
         let mut info = HashMap::new();
-        if req.into_inner().verbose {
+        if verbose {
             info.insert(
                 "config".to_string(),
                 serde_json::json!({
@@ -201,7 +182,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                 .to_string(),
             );
         }
-        Ok(Response::new(cri::StatusResponse {
+        cri::StatusResponse {
             status: Some(cri::RuntimeStatus {
                 conditions: self.conditions(),
             }),
@@ -220,178 +201,10 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
             features: Some(cri::RuntimeFeatures {
                 supplemental_groups_policy: true,
             }),
-        }))
+        }
     }
 
-    async fn run_pod_sandbox(
-        &self,
-        req: Request<cri::RunPodSandboxRequest>,
-    ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
-        let r = req.into_inner();
-        let id = self
-            .rt
-            .run_pod_sandbox(r.config, &r.runtime_handler)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::RunPodSandboxResponse {
-            pod_sandbox_id: id,
-        }))
-    }
-
-    async fn stop_pod_sandbox(
-        &self,
-        req: Request<cri::StopPodSandboxRequest>,
-    ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
-        self.rt
-            .stop_pod_sandbox(&req.into_inner().pod_sandbox_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::StopPodSandboxResponse {}))
-    }
-
-    async fn remove_pod_sandbox(
-        &self,
-        req: Request<cri::RemovePodSandboxRequest>,
-    ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
-        self.rt
-            .remove_pod_sandbox(&req.into_inner().pod_sandbox_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::RemovePodSandboxResponse {}))
-    }
-
-    async fn pod_sandbox_status(
-        &self,
-        req: Request<cri::PodSandboxStatusRequest>,
-    ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
-        let r = req.into_inner();
-        Ok(Response::new(
-            self.rt
-                .pod_sandbox_status(&r.pod_sandbox_id, r.verbose)
-                .map_err(st)?,
-        ))
-    }
-
-    async fn list_pod_sandbox(
-        &self,
-        req: Request<cri::ListPodSandboxRequest>,
-    ) -> Result<Response<cri::ListPodSandboxResponse>, Status> {
-        Ok(Response::new(cri::ListPodSandboxResponse {
-            items: self.rt.list_pod_sandbox(req.into_inner().filter),
-        }))
-    }
-
-    async fn create_container(
-        &self,
-        req: Request<cri::CreateContainerRequest>,
-    ) -> Result<Response<cri::CreateContainerResponse>, Status> {
-        let r = req.into_inner();
-        let id = self
-            .rt
-            .create_container(&r.pod_sandbox_id, r.config)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::CreateContainerResponse {
-            container_id: id,
-        }))
-    }
-
-    async fn start_container(
-        &self,
-        req: Request<cri::StartContainerRequest>,
-    ) -> Result<Response<cri::StartContainerResponse>, Status> {
-        self.rt
-            .start_container(&req.into_inner().container_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::StartContainerResponse {}))
-    }
-
-    async fn stop_container(
-        &self,
-        req: Request<cri::StopContainerRequest>,
-    ) -> Result<Response<cri::StopContainerResponse>, Status> {
-        let r = req.into_inner();
-        self.rt
-            .stop_container(&r.container_id, r.timeout)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::StopContainerResponse {}))
-    }
-
-    async fn remove_container(
-        &self,
-        req: Request<cri::RemoveContainerRequest>,
-    ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
-        self.rt
-            .remove_container(&req.into_inner().container_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::RemoveContainerResponse {}))
-    }
-
-    async fn list_containers(
-        &self,
-        req: Request<cri::ListContainersRequest>,
-    ) -> Result<Response<cri::ListContainersResponse>, Status> {
-        Ok(Response::new(cri::ListContainersResponse {
-            containers: self.rt.list_containers(req.into_inner().filter),
-        }))
-    }
-
-    async fn container_status(
-        &self,
-        req: Request<cri::ContainerStatusRequest>,
-    ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
-        let r = req.into_inner();
-        Ok(Response::new(
-            self.rt
-                .container_status(&r.container_id, r.verbose)
-                .map_err(st)?,
-        ))
-    }
-
-    async fn update_container_resources(
-        &self,
-        req: Request<cri::UpdateContainerResourcesRequest>,
-    ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
-        let r = req.into_inner();
-        self.rt
-            .update_container_resources(&r.container_id, r.linux)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::UpdateContainerResourcesResponse {}))
-    }
-
-    async fn reopen_container_log(
-        &self,
-        req: Request<cri::ReopenContainerLogRequest>,
-    ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
-        self.rt
-            .reopen_log(&req.into_inner().container_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::ReopenContainerLogResponse {}))
-    }
-
-    async fn exec_sync(
-        &self,
-        req: Request<cri::ExecSyncRequest>,
-    ) -> Result<Response<cri::ExecSyncResponse>, Status> {
-        let r = req.into_inner();
-        Ok(Response::new(
-            self.rt
-                .exec_sync(&r.container_id, r.cmd, r.timeout)
-                .await
-                .map_err(st)?,
-        ))
-    }
-
-    async fn exec(
-        &self,
-        req: Request<cri::ExecRequest>,
-    ) -> Result<Response<cri::ExecResponse>, Status> {
-        let r = req.into_inner();
+    fn exec_url(&self, r: cri::ExecRequest) -> Result<cri::ExecResponse, Status> {
         if r.cmd.is_empty() || r.cmd[0].is_empty() {
             return Err(Status::invalid_argument("Exec: empty command"));
         }
@@ -406,14 +219,10 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
             // With a tty, stderr is the terminal: kubelet and crictl never ask for both.
             stderr: r.stderr && !r.tty,
         });
-        Ok(Response::new(cri::ExecResponse { url }))
+        Ok(cri::ExecResponse { url })
     }
 
-    async fn attach(
-        &self,
-        req: Request<cri::AttachRequest>,
-    ) -> Result<Response<cri::AttachResponse>, Status> {
-        let r = req.into_inner();
+    fn attach_url(&self, r: cri::AttachRequest) -> Result<cri::AttachResponse, Status> {
         let any = r.stdin || r.stdout || r.stderr;
         let (srv, c) = self.stream_target("Attach", &r.container_id, any)?;
         if r.stdin && !c.config.stdin {
@@ -432,16 +241,15 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
             stdout: r.stdout,
             stderr: r.stderr && !tty,
         });
-        Ok(Response::new(cri::AttachResponse { url }))
+        Ok(cri::AttachResponse { url })
     }
 
-    async fn port_forward(
+    fn port_forward_url(
         &self,
-        req: Request<cri::PortForwardRequest>,
-    ) -> Result<Response<cri::PortForwardResponse>, Status> {
-        let r = req.into_inner();
+        r: cri::PortForwardRequest,
+    ) -> Result<cri::PortForwardResponse, Status> {
         let srv = self.streaming("PortForward")?;
-        let (pod, target) = self.rt.forward_target(&r.pod_sandbox_id).map_err(st)?;
+        let (pod, target) = self.rt.forward_target(&r.pod_sandbox_id)?;
         if let Some(p) = r.port.iter().find(|p| **p <= 0 || **p > 65535) {
             return Err(Status::invalid_argument(format!(
                 "PortForward: invalid port {p}"
@@ -451,80 +259,74 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
             pod_id: pod.id,
             target,
         });
-        Ok(Response::new(cri::PortForwardResponse { url }))
+        Ok(cri::PortForwardResponse { url })
     }
+}
 
-    async fn container_stats(
-        &self,
-        req: Request<cri::ContainerStatsRequest>,
-    ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
-        let s = self
-            .rt
-            .container_stats(&req.into_inner().container_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::ContainerStatsResponse {
-            stats: Some(s),
-        }))
+fn version() -> cri::VersionResponse {
+    cri::VersionResponse {
+        version: KUBE_API_VERSION.into(),
+        runtime_name: RUNTIME_NAME.into(),
+        runtime_version: env!("CARGO_PKG_VERSION").into(),
+        runtime_api_version: RUNTIME_API_VERSION.into(),
     }
+}
 
-    async fn list_container_stats(
-        &self,
-        req: Request<cri::ListContainerStatsRequest>,
-    ) -> Result<Response<cri::ListContainerStatsResponse>, Status> {
-        let s = self
-            .rt
-            .list_container_stats(req.into_inner().filter)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::ListContainerStatsResponse { stats: s }))
-    }
+/// The pod CIDR kubelet sends, or "" for none.
+fn pod_cidr(r: cri::UpdateRuntimeConfigRequest) -> String {
+    r.runtime_config
+        .and_then(|c| c.network_config)
+        .map(|n| n.pod_cidr)
+        .unwrap_or_default()
+}
 
-    async fn pod_sandbox_stats(
-        &self,
-        req: Request<cri::PodSandboxStatsRequest>,
-    ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
-        let s = self
-            .rt
-            .pod_sandbox_stats(&req.into_inner().pod_sandbox_id)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::PodSandboxStatsResponse {
-            stats: Some(s),
-        }))
-    }
-
-    async fn list_pod_sandbox_stats(
-        &self,
-        req: Request<cri::ListPodSandboxStatsRequest>,
-    ) -> Result<Response<cri::ListPodSandboxStatsResponse>, Status> {
-        let s = self
-            .rt
-            .list_pod_sandbox_stats(req.into_inner().filter)
-            .await
-            .map_err(st)?;
-        Ok(Response::new(cri::ListPodSandboxStatsResponse { stats: s }))
-    }
-
-    async fn update_runtime_config(
-        &self,
-        req: Request<cri::UpdateRuntimeConfigRequest>,
-    ) -> Result<Response<cri::UpdateRuntimeConfigResponse>, Status> {
-        let cidr = req
-            .into_inner()
-            .runtime_config
-            .and_then(|c| c.network_config)
-            .map(|n| n.pod_cidr)
-            .unwrap_or_default();
-        self.rt.set_pod_cidr(&cidr);
-        Ok(Response::new(cri::UpdateRuntimeConfigResponse {}))
-    }
-
-    async fn checkpoint_container(
-        &self,
-        _req: Request<cri::CheckpointContainerRequest>,
-    ) -> Result<Response<cri::CheckpointContainerResponse>, Status> {
-        Err(not_built("CheckpointContainer"))
+#[tonic::async_trait]
+impl cri::runtime_service_server::RuntimeService for RuntimeService {
+    // One line per RPC: the runtime call, and the reply made of its result.
+    #[rustfmt::skip]
+    rpcs! { |s, r|
+        version(VersionRequest) -> VersionResponse = Ok(version());
+        status(StatusRequest) -> StatusResponse = Ok(s.status_reply(r.verbose));
+        run_pod_sandbox(RunPodSandboxRequest) -> RunPodSandboxResponse =
+            Ok(cri::RunPodSandboxResponse { pod_sandbox_id: s.rt.run_pod_sandbox(r.config, &r.runtime_handler).await? });
+        stop_pod_sandbox(StopPodSandboxRequest) -> StopPodSandboxResponse = done(s.rt.stop_pod_sandbox(&r.pod_sandbox_id).await);
+        remove_pod_sandbox(RemovePodSandboxRequest) -> RemovePodSandboxResponse = done(s.rt.remove_pod_sandbox(&r.pod_sandbox_id).await);
+        pod_sandbox_status(PodSandboxStatusRequest) -> PodSandboxStatusResponse = Ok(s.rt.pod_sandbox_status(&r.pod_sandbox_id, r.verbose)?);
+        list_pod_sandbox(ListPodSandboxRequest) -> ListPodSandboxResponse = Ok(cri::ListPodSandboxResponse { items: s.rt.list_pod_sandbox(r.filter) });
+        create_container(CreateContainerRequest) -> CreateContainerResponse =
+            Ok(cri::CreateContainerResponse { container_id: s.rt.create_container(&r.pod_sandbox_id, r.config).await? });
+        start_container(StartContainerRequest) -> StartContainerResponse = done(s.rt.start_container(&r.container_id).await);
+        stop_container(StopContainerRequest) -> StopContainerResponse = done(s.rt.stop_container(&r.container_id, r.timeout).await);
+        remove_container(RemoveContainerRequest) -> RemoveContainerResponse = done(s.rt.remove_container(&r.container_id).await);
+        list_containers(ListContainersRequest) -> ListContainersResponse = Ok(cri::ListContainersResponse { containers: s.rt.list_containers(r.filter) });
+        container_status(ContainerStatusRequest) -> ContainerStatusResponse = Ok(s.rt.container_status(&r.container_id, r.verbose)?);
+        update_container_resources(UpdateContainerResourcesRequest) -> UpdateContainerResourcesResponse =
+            done(s.rt.update_container_resources(&r.container_id, r.linux).await);
+        reopen_container_log(ReopenContainerLogRequest) -> ReopenContainerLogResponse = done(s.rt.reopen_log(&r.container_id).await);
+        exec_sync(ExecSyncRequest) -> ExecSyncResponse = Ok(s.rt.exec_sync(&r.container_id, r.cmd, r.timeout).await?);
+        exec(ExecRequest) -> ExecResponse = s.exec_url(r);
+        attach(AttachRequest) -> AttachResponse = s.attach_url(r);
+        port_forward(PortForwardRequest) -> PortForwardResponse = s.port_forward_url(r);
+        container_stats(ContainerStatsRequest) -> ContainerStatsResponse =
+            Ok(cri::ContainerStatsResponse { stats: Some(s.rt.container_stats(&r.container_id).await?) });
+        list_container_stats(ListContainerStatsRequest) -> ListContainerStatsResponse =
+            Ok(cri::ListContainerStatsResponse { stats: s.rt.list_container_stats(r.filter).await? });
+        pod_sandbox_stats(PodSandboxStatsRequest) -> PodSandboxStatsResponse =
+            Ok(cri::PodSandboxStatsResponse { stats: Some(s.rt.pod_sandbox_stats(&r.pod_sandbox_id).await?) });
+        list_pod_sandbox_stats(ListPodSandboxStatsRequest) -> ListPodSandboxStatsResponse =
+            Ok(cri::ListPodSandboxStatsResponse { stats: s.rt.list_pod_sandbox_stats(r.filter).await? });
+        update_runtime_config(UpdateRuntimeConfigRequest) -> UpdateRuntimeConfigResponse = {
+            s.rt.set_pod_cidr(&pod_cidr(r));
+            Ok(cri::UpdateRuntimeConfigResponse {})
+        };
+        checkpoint_container(CheckpointContainerRequest) -> CheckpointContainerResponse = Err(not_built("CheckpointContainer"));
+        list_metric_descriptors(ListMetricDescriptorsRequest) -> ListMetricDescriptorsResponse =
+            Ok(cri::ListMetricDescriptorsResponse { descriptors: crate::runtime::cri_metrics::descriptors() });
+        list_pod_sandbox_metrics(ListPodSandboxMetricsRequest) -> ListPodSandboxMetricsResponse =
+            Ok(cri::ListPodSandboxMetricsResponse { pod_metrics: s.rt.list_pod_sandbox_metrics().await? });
+        runtime_config(RuntimeConfigRequest) -> RuntimeConfigResponse = Ok(cri::RuntimeConfigResponse {
+            linux: Some(cri::LinuxRuntimeConfiguration { cgroup_driver: s.rt.cgroup_driver().cri() as i32 }),
+        });
     }
 
     type GetContainerEventsStream = std::pin::Pin<
@@ -562,34 +364,5 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
                 std::future::ready(next)
             });
         Ok(Response::new(Box::pin(events)))
-    }
-
-    async fn list_metric_descriptors(
-        &self,
-        _req: Request<cri::ListMetricDescriptorsRequest>,
-    ) -> Result<Response<cri::ListMetricDescriptorsResponse>, Status> {
-        Ok(Response::new(cri::ListMetricDescriptorsResponse {
-            descriptors: crate::runtime::cri_metrics::descriptors(),
-        }))
-    }
-
-    async fn list_pod_sandbox_metrics(
-        &self,
-        _req: Request<cri::ListPodSandboxMetricsRequest>,
-    ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
-        Ok(Response::new(cri::ListPodSandboxMetricsResponse {
-            pod_metrics: self.rt.list_pod_sandbox_metrics().await.map_err(st)?,
-        }))
-    }
-
-    async fn runtime_config(
-        &self,
-        _req: Request<cri::RuntimeConfigRequest>,
-    ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
-        Ok(Response::new(cri::RuntimeConfigResponse {
-            linux: Some(cri::LinuxRuntimeConfiguration {
-                cgroup_driver: self.rt.cgroup_driver().cri() as i32,
-            }),
-        }))
     }
 }
