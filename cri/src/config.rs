@@ -518,28 +518,15 @@ impl Config {
                 self.daemon.log_level
             )));
         }
-        if !self.daemon.metrics_address.is_empty()
-            && self
-                .daemon
-                .metrics_address
-                .parse::<std::net::SocketAddr>()
-                .is_err()
-        {
-            return Err(invalid(format!(
-                "daemon.metrics_address {:?} is not host:port",
-                self.daemon.metrics_address
-            )));
-        }
-        if self
-            .daemon
-            .streaming_address
-            .parse::<std::net::SocketAddr>()
-            .is_err()
-        {
-            return Err(invalid(format!(
-                "daemon.streaming_address {:?} is not host:port",
-                self.daemon.streaming_address
-            )));
+        // The metrics endpoint is off where its address is empty.
+        let addrs = [
+            ("metrics_address", &self.daemon.metrics_address, true),
+            ("streaming_address", &self.daemon.streaming_address, false),
+        ];
+        for (what, addr, may_be_empty) in addrs {
+            if !(may_be_empty && addr.is_empty()) && addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(invalid(format!("daemon.{what} {addr:?} is not host:port")));
+            }
         }
         if !matches!(self.runtime.default_handler.as_str(), "vm" | "flat") {
             return Err(invalid(format!(
@@ -628,14 +615,7 @@ impl Config {
 
     /// The pod agent binary to run.
     pub fn agent_binary(&self) -> PathBuf {
-        if !self.runtime.agent_binary.is_empty() {
-            return PathBuf::from(&self.runtime.agent_binary);
-        }
-        std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.join("vessel-agent")))
-            .filter(|p| p.exists())
-            .unwrap_or_else(|| PathBuf::from("/usr/local/bin/vessel-agent"))
+        binary(&self.runtime.agent_binary, "vessel-agent")
     }
 
     /// The guest's root: the EROFS root filesystem if configured and present, else the initrd.
@@ -649,14 +629,7 @@ impl Config {
 
     /// The VM shim binary to run.
     pub fn shim_binary(&self) -> PathBuf {
-        if !self.vm.shim_binary.is_empty() {
-            return PathBuf::from(&self.vm.shim_binary);
-        }
-        std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.join("vessel-shim")))
-            .filter(|p| p.exists())
-            .unwrap_or_else(|| PathBuf::from("/usr/local/bin/vessel-shim"))
+        binary(&self.vm.shim_binary, "vessel-shim")
     }
 
     /// The node's CNI setup, with the cache dir resolved.
@@ -710,14 +683,26 @@ impl Config {
     }
 }
 
+/// The binary `name` to run: `configured` where it is set, else the one beside vesseld's
+/// own executable, else the one in /usr/local/bin.
+fn binary(configured: &str, name: &str) -> PathBuf {
+    if !configured.is_empty() {
+        return PathBuf::from(configured);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join(name)))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| Path::new("/usr/local/bin").join(name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn dropins_merge_over_the_file_in_name_order() {
-        let d = tempfile::tempdir().unwrap();
-        let main = d.path().join("config.toml");
+        let (d, main) = crate::testing::temp_path("config.toml");
         std::fs::write(
             &main,
             "[daemon]\nlog_level = \"info\"\n[images]\nmax_concurrent_downloads = 3\n",

@@ -4,7 +4,7 @@
 //! only) or `fail` (vessel cannot run pods as configured).
 
 use crate::config::Config;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -280,43 +280,27 @@ fn kvm() -> Check {
 /// answers a TCP connection (the registries themselves are checked at pull time).
 fn registries(c: &Config) -> Vec<Check> {
     let mut out = Vec::new();
-    let pem =
-        |host: &str, what: &str, p: &Path, out: &mut Vec<Check>| match std::fs::read_to_string(p) {
-            Ok(t) if t.contains("-----BEGIN ") => {}
-            Ok(_) => out.push(check(
-                "registry TLS",
-                Level::Fail,
+    let pem = |host: &str, what: &str, p: &Path, out: &mut Vec<Check>| {
+        let (found, fix) = match std::fs::read_to_string(p) {
+            Ok(t) if t.contains("-----BEGIN ") => return,
+            Ok(_) => (
                 format!("{host}: {what} {} holds no PEM block", p.display()),
                 "give a PEM file",
-            )),
-            Err(e) => out.push(check(
-                "registry TLS",
-                Level::Fail,
+            ),
+            Err(e) => (
                 format!("{host}: {what} {}: {e}", p.display()),
                 "pulls from this registry fail until the file is there",
-            )),
+            ),
         };
+        out.push(check("registry TLS", Level::Fail, found, fix));
+    };
     for (host, r) in &c.images.registries {
-        let files = [
-            ("ca_file", &r.ca_file),
-            ("client_cert", &r.client_cert),
-            ("client_key", &r.client_key),
-        ];
-        for (what, p) in files {
-            if let Some(p) = p {
-                pem(host, what, p, &mut out);
-            }
+        for (what, p) in tls_files(&r.ca_file, &r.client_cert, &r.client_key) {
+            pem(host, what, p, &mut out);
         }
         for m in &r.mirrors {
-            let files = [
-                ("ca_file", &m.ca_file),
-                ("client_cert", &m.client_cert),
-                ("client_key", &m.client_key),
-            ];
-            for (what, p) in files {
-                if let Some(p) = p {
-                    pem(host, &format!("mirror {} {what}", m.url), p, &mut out);
-                }
+            for (what, p) in tls_files(&m.ca_file, &m.client_cert, &m.client_key) {
+                pem(host, &format!("mirror {} {what}", m.url), p, &mut out);
             }
             let Some(addr) = vessel_images::hosts::mirror_addr(&m.url) else {
                 out.push(check(
@@ -391,6 +375,21 @@ fn registries(c: &Config) -> Vec<Check> {
         }
     }
     out
+}
+
+/// The TLS files that a registry or mirror section names, by their setting's name.
+fn tls_files<'a>(
+    ca_file: &'a Option<PathBuf>,
+    client_cert: &'a Option<PathBuf>,
+    client_key: &'a Option<PathBuf>,
+) -> impl Iterator<Item = (&'static str, &'a Path)> {
+    [
+        ("ca_file", ca_file),
+        ("client_cert", client_cert),
+        ("client_key", client_key),
+    ]
+    .into_iter()
+    .filter_map(|(what, p)| Some((what, p.as_deref()?)))
 }
 
 /// The report as printed, and whether vessel can run pods as configured (no `FAIL`).

@@ -75,6 +75,16 @@ impl From<RuntimeError> for Status {
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
+/// A lookup's object, or `None` where it is not there (NotFound): for the calls that are done
+/// when their object is gone (CRI's stop and remove).
+pub fn if_found<T>(r: Result<T>) -> Result<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(RuntimeError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// An internal failure with its context, the cause kept as its source:
 /// `.map_err(internal("saving pod record"))`.
 pub fn internal<E>(context: impl Into<String>) -> impl FnOnce(E) -> RuntimeError

@@ -22,4 +22,6 @@ pub mod server;
 pub mod spec;
 pub mod state;
 pub mod streaming;
+#[cfg(test)]
+mod testing;
 pub mod userns;

@@ -11,12 +11,13 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -62,6 +63,31 @@ fn rpc_histogram() -> Histogram {
 fn cni_histogram() -> Histogram {
     // 1 ms .. ~8 s
     Histogram::new(exponential_buckets(0.001, 2.0, 14))
+}
+
+/// A metric of any type, so that one table registers metrics of several types.
+#[derive(Debug)]
+struct AnyMetric(Box<dyn Metric>);
+
+impl AnyMetric {
+    /// A handle on `m` (a clone of a metric records into the same values).
+    fn of(m: &(impl Metric + Clone)) -> AnyMetric {
+        AnyMetric(Box::new(m.clone()))
+    }
+}
+
+impl EncodeMetric for AnyMetric {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// (state, backend, count) rows.
@@ -131,52 +157,22 @@ impl Metrics {
             source: Arc::new(OnceLock::new()),
             registry,
         };
+        #[rustfmt::skip]
+        let families = [
+            ("vessel_cri_requests", "CRI calls by method and gRPC status code", AnyMetric::of(&m.rpcs)),
+            ("vessel_cri_request_duration_seconds", "CRI call latency by method (to the response headers: the whole call for unary ones)", AnyMetric::of(&m.rpc_seconds)),
+            ("vessel_image_pulls", "PullImage calls by result", AnyMetric::of(&m.pulls)),
+            ("vessel_image_pull_duration_seconds", "PullImage duration", AnyMetric::of(&m.pull_seconds)),
+            ("vessel_image_pulled_bytes", "Bytes downloaded from registries", AnyMetric::of(&m.pulled_bytes)),
+            ("vessel_vm_boot_duration_seconds", "From starting a VM pod's shim until its guest agent answers", AnyMetric::of(&m.vm_boot_seconds)),
+            ("vessel_kvm_usable", "The KVM probe's verdict at start: 1 for the verdict found", AnyMetric::of(&m.kvm)),
+            ("vessel_cni_duration_seconds", "CNI ADD and DEL of a pod (its whole plugin chain) by result", AnyMetric::of(&m.cni_seconds)),
+            ("vessel_container_oom_kills", "Containers whose init the kernel's OOM killer ended", AnyMetric::of(&m.oom_kills)),
+        ];
         let r = &mut m.registry;
-        r.register(
-            "vessel_cri_requests",
-            "CRI calls by method and gRPC status code",
-            m.rpcs.clone(),
-        );
-        r.register(
-            "vessel_cri_request_duration_seconds",
-            "CRI call latency by method (to the response headers: the whole call for unary ones)",
-            m.rpc_seconds.clone(),
-        );
-        r.register(
-            "vessel_image_pulls",
-            "PullImage calls by result",
-            m.pulls.clone(),
-        );
-        r.register(
-            "vessel_image_pull_duration_seconds",
-            "PullImage duration",
-            m.pull_seconds.clone(),
-        );
-        r.register(
-            "vessel_image_pulled_bytes",
-            "Bytes downloaded from registries",
-            m.pulled_bytes.clone(),
-        );
-        r.register(
-            "vessel_vm_boot_duration_seconds",
-            "From starting a VM pod's shim until its guest agent answers",
-            m.vm_boot_seconds.clone(),
-        );
-        r.register(
-            "vessel_kvm_usable",
-            "The KVM probe's verdict at start: 1 for the verdict found",
-            m.kvm.clone(),
-        );
-        r.register(
-            "vessel_cni_duration_seconds",
-            "CNI ADD and DEL of a pod (its whole plugin chain) by result",
-            m.cni_seconds.clone(),
-        );
-        r.register(
-            "vessel_container_oom_kills",
-            "Containers whose init the kernel's OOM killer ended",
-            m.oom_kills.clone(),
-        );
+        for (name, help, metric) in families {
+            r.register(name, help, metric);
+        }
         r.register_collector(Box::new(ScrapeCollector {
             source: m.source.clone(),
         }));

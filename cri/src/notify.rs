@@ -46,8 +46,7 @@ mod tests {
 
     #[test]
     fn a_path_and_an_abstract_socket_get_the_message() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("notify");
+        let (_d, p) = crate::testing::temp_path("notify");
         let rx = UnixDatagram::bind(&p).unwrap();
         notify_to(p.as_os_str(), "READY=1\nSTATUS=serving").unwrap();
         let mut buf = [0u8; 64];

@@ -83,11 +83,7 @@ pub fn of_options(ns: Option<&cri::NamespaceOption>) -> Result<Option<PodUserns>
 /// The pod's own user namespace, if its config asks for one, checked against the pod's
 /// other namespaces.
 pub fn of_pod(config: &cri::PodSandboxConfig) -> Result<Option<PodUserns>, String> {
-    let ns = config
-        .linux
-        .as_ref()
-        .and_then(|l| l.security_context.as_ref())
-        .and_then(|s| s.namespace_options.as_ref());
+    let ns = crate::spec::pod_namespace_options(config);
     let Some(u) = of_options(ns)? else {
         return Ok(None);
     };

@@ -19,19 +19,14 @@ use k8s_cri::v1 as cri;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use vessel_critest::client::{pod_metadata, sh_container};
+use vessel_critest::client::{pod_config, sh_container};
 use vessel_critest::daemon::TestCni;
 
 vessel_critest::e2e_harness!(H);
 
 impl H {
     fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
-        cri::PodSandboxConfig {
-            metadata: pod_metadata(name, "cni"),
-            hostname: name.into(),
-            log_directory: self.logs.path().join(name).display().to_string(),
-            ..Default::default()
-        }
+        pod_config(name, "cni", self.logs.path())
     }
     async fn run_pod(&mut self, cfg: &cri::PodSandboxConfig) -> Result<String, tonic::Status> {
         self.c.run_pod(cfg, &handler()).await
@@ -338,17 +333,7 @@ async fn pods_get_ips_talk_and_leave_nothing() {
 
     // The server's host process (its agent, or its VM's shim) dies: the pod goes NotReady and
     // its removal still takes everything down.
-    let info =
-        h.c.runtime
-            .pod_sandbox_status(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: a.clone(),
-                verbose: true,
-            })
-            .await
-            .expect("PodSandboxStatus")
-            .into_inner()
-            .info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let v = h.c.pod_info(&a).await.expect("PodSandboxStatus");
     let pid = i32::try_from(v["pid"].as_u64().unwrap()).unwrap();
     // SAFETY: kill(2) of the host process pid vesseld reported.
     unsafe {

@@ -62,8 +62,17 @@ async fn status(c: &mut vessel_critest::client::CriClient, image: &str) -> Optio
 }
 
 async fn list(c: &mut vessel_critest::client::CriClient) -> Vec<cri::Image> {
+    list_filtered(c, None).await
+}
+
+/// ListImages, with a filter of `image` where one is given.
+async fn list_filtered(
+    c: &mut vessel_critest::client::CriClient,
+    image: Option<&str>,
+) -> Vec<cri::Image> {
+    let filter = image.map(|i| cri::ImageFilter { image: spec(i) });
     c.images
-        .list_images(cri::ListImagesRequest { filter: None })
+        .list_images(cri::ListImagesRequest { filter })
         .await
         .expect("ListImages")
         .into_inner()
@@ -334,29 +343,9 @@ async fn pull_by_tag_digest_and_without_tag() {
     assert_eq!(dir_entries(&v.root_dir().join("images/layers")).len(), 1);
 
     // ListImages with a filter.
-    let filtered = c
-        .images
-        .list_images(cri::ListImagesRequest {
-            filter: Some(cri::ImageFilter {
-                image: spec(&format!("{host}/library/busybox:1.35")),
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .images;
+    let filtered = list_filtered(&mut c, Some(&format!("{host}/library/busybox:1.35"))).await;
     assert_eq!(filtered.len(), 1);
-    let none = c
-        .images
-        .list_images(cri::ListImagesRequest {
-            filter: Some(cri::ImageFilter {
-                image: spec(&format!("{host}/library/other")),
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .images;
+    let none = list_filtered(&mut c, Some(&format!("{host}/library/other"))).await;
     assert!(none.is_empty());
 }
 

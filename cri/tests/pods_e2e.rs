@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tonic::Code;
-use vessel_critest::client::{pod_metadata, sh_container};
+use vessel_critest::client::{pod_config, pod_metadata, pod_namespaces, sh_container};
 use vessel_critest::daemon::{mounts_under, Vesseld};
 use vessel_images::push::{push_image, PushTarget};
 use vessel_images::testimages;
@@ -62,16 +62,13 @@ async fn harness_with(more: &str) -> H {
 impl H {
     fn pod_config(&self, name: &str) -> cri::PodSandboxConfig {
         cri::PodSandboxConfig {
-            metadata: pod_metadata(name, "e2e"),
-            hostname: name.into(),
-            log_directory: self.logs.path().join(name).display().to_string(),
             labels: HashMap::from([("app".to_string(), name.to_string())]),
             dns_config: Some(cri::DnsConfig {
                 servers: vec!["10.96.0.10".into()],
                 searches: vec!["e2e.svc.cluster.local".into()],
                 options: vec!["ndots:5".into()],
             }),
-            ..Default::default()
+            ..pod_config(name, "e2e", self.logs.path())
         }
     }
     async fn run_pod(&mut self, name: &str) -> (String, cri::PodSandboxConfig) {
@@ -1566,16 +1563,7 @@ async fn vm_host_network_pod_runs_flat_by_policy() {
     }
     let mut h = harness().await;
     let mut cfg = h.pod_config("hostnet");
-    cfg.linux = Some(cri::LinuxPodSandboxConfig {
-        security_context: Some(cri::LinuxSandboxSecurityContext {
-            namespace_options: Some(cri::NamespaceOption {
-                network: cri::NamespaceMode::Node as i32,
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    pod_namespaces(&mut cfg).network = cri::NamespaceMode::Node as i32;
     let id =
         h.c.runtime
             .run_pod_sandbox(cri::RunPodSandboxRequest {

@@ -225,6 +225,27 @@ pub fn sh_container(name: &str, image: &str, script: &str) -> cri::ContainerConf
     }
 }
 
+/// A pod config named `name` in `namespace`, with its name as hostname, logging in the
+/// directory `name` under `logs`.
+pub fn pod_config(name: &str, namespace: &str, logs: &Path) -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
+        metadata: pod_metadata(name, namespace),
+        hostname: name.into(),
+        log_directory: logs.join(name).display().to_string(),
+        ..Default::default()
+    }
+}
+
+/// A pod config's namespace options, made (empty) where it has none.
+pub fn pod_namespaces(cfg: &mut cri::PodSandboxConfig) -> &mut cri::NamespaceOption {
+    cfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options
+        .get_or_insert_with(Default::default)
+}
+
 /// A pod's metadata with a uid made from its name.
 pub fn pod_metadata(name: &str, namespace: &str) -> Option<cri::PodSandboxMetadata> {
     Some(cri::PodSandboxMetadata {

@@ -2,8 +2,8 @@
 //! UpdateContainerResources. The backend gives a container its root and log
 //! (`SandboxBackend::prepare_container`); the pod agent runs it.
 
-use super::{Ctr, Runtime};
-use crate::errors::{agent_err, internal, Result, RuntimeError};
+use super::{config_with_metadata, Ctr, Runtime};
+use crate::errors::{agent_err, if_found, internal, Result, RuntimeError};
 use crate::sandbox::{ContainerRequest, Pod};
 use crate::spec::{self, SpecInput};
 use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState};
@@ -16,8 +16,9 @@ use vessel_agent::proto::{self as ap, agent_client::AgentClient};
 
 /// What CreateContainer settled before it makes anything of the container's own.
 struct Made {
+    /// The container's config as asked (its image volumes still naming images).
+    config: cri::ContainerConfig,
     image: vessel_images::ImageRecord,
-    layer_dirs: Vec<std::path::PathBuf>,
     /// The TARGET container's pid, for NamespaceMode TARGET.
     target_pid: Option<u32>,
     /// The config with image volumes as read-only host paths.
@@ -31,11 +32,8 @@ impl Runtime {
         pod_id: &str,
         config: Option<cri::ContainerConfig>,
     ) -> Result<String> {
-        let config = config
-            .ok_or_else(|| RuntimeError::InvalidArgument("CreateContainer: no config".into()))?;
-        let meta = config.metadata.clone().ok_or_else(|| {
-            RuntimeError::InvalidArgument("CreateContainer: config has no metadata".into())
-        })?;
+        let (config, meta) =
+            config_with_metadata("CreateContainer", config, |c| c.metadata.as_ref())?;
         if meta.name.is_empty() {
             return Err(RuntimeError::InvalidArgument(
                 "CreateContainer: metadata has no name".into(),
@@ -76,11 +74,7 @@ impl Runtime {
         key: &str,
         config: cri::ContainerConfig,
     ) -> Result<()> {
-        let image_name = config
-            .image
-            .as_ref()
-            .map(|i| i.image.clone())
-            .unwrap_or_default();
+        let image_name = image_name(&config);
         if image_name.is_empty() {
             return Err(RuntimeError::InvalidArgument(
                 "CreateContainer: no image".into(),
@@ -100,7 +94,6 @@ impl Runtime {
             .ok_or_else(|| {
                 RuntimeError::NotFound(format!("image {image_name:?} not found; pull it first"))
             })?;
-        let layer_dirs = self.store.layer_dirs(&image);
         // TARGET pid namespace: the target container's pid in the agent's namespace.
         let ns_target = config
             .linux
@@ -125,14 +118,14 @@ impl Runtime {
         // plain bind mounts (a VM pod shares them into its guest like any host path).
         let (volumes, volume_snapshots) = self.image_volumes(id, &config).await?;
         let made = Made {
+            config,
             image,
-            layer_dirs,
             target_pid,
             volumes,
             volume_snapshots,
         };
         let snaps = made.volume_snapshots.clone();
-        let res = self.create_made(pod, prec, id, key, config, made).await;
+        let res = self.create_made(pod, prec, id, key, made).await;
         if res.is_err() {
             for s in &snaps {
                 let _ = self.store.remove_snapshot(s);
@@ -271,21 +264,16 @@ impl Runtime {
         prec: &PodRecord,
         id: &str,
         key: &str,
-        config: cri::ContainerConfig,
         made: Made,
     ) -> Result<()> {
         let Made {
+            config,
             image,
-            layer_dirs,
             target_pid,
             volumes,
             volume_snapshots,
         } = made;
-        let image_name = config
-            .image
-            .as_ref()
-            .map(|i| i.image.clone())
-            .unwrap_or_default();
+        let image_name = image_name(&config);
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
         // AppArmor confines where the host has it: a flat pod's containers with the host's
@@ -311,7 +299,7 @@ impl Runtime {
             pod: &prec.config,
             config: &volumes,
             image: &image.run_config,
-            layer_dirs: &layer_dirs,
+            layer_dirs: &self.store.layer_dirs(&image),
             hostname: &prec.hostname,
             pod_dir: &backend.pod_files_dir(prec),
             cgroups_path: format!("{}/{}", prec.cgroup_parent.trim_end_matches('/'), id),
@@ -579,10 +567,8 @@ impl Runtime {
     }
 
     pub async fn stop_container(self: &Arc<Self>, id: &str, timeout_secs: i64) -> Result<()> {
-        let ctr = match self.ctr(id) {
-            Ok(c) => c,
-            Err(RuntimeError::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
+        let Some(ctr) = if_found(self.ctr(id))? else {
+            return Ok(());
         };
         let _op = ctr.op.lock().await;
         let rec = ctr.record();
@@ -664,10 +650,8 @@ impl Runtime {
     }
 
     pub async fn remove_container(self: &Arc<Self>, id: &str) -> Result<()> {
-        let ctr = match self.ctr(id) {
-            Ok(c) => c,
-            Err(RuntimeError::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
+        let Some(ctr) = if_found(self.ctr(id))? else {
+            return Ok(());
         };
         self.forget_container(&ctr).await
     }
@@ -760,6 +744,15 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
         .map_err(internal(format!("log directory {log_directory:?}")))
 }
 
+/// The image a container config asks for, by the name it gives.
+fn image_name(config: &cri::ContainerConfig) -> String {
+    config
+        .image
+        .as_ref()
+        .map(|i| i.image.clone())
+        .unwrap_or_default()
+}
+
 /// Whether this host has the hugetlb cgroup controller (a v1 hierarchy, or v2's list).
 /// Whether the host has the hugetlb cgroup controller (a fact of the boot: read once).
 fn host_has_hugetlb() -> bool {
@@ -777,8 +770,7 @@ mod tests {
 
     #[test]
     fn log_path_stays_inside_the_log_directory() {
-        let t = tempfile::tempdir().unwrap();
-        let d = t.path().join("pod");
+        let (t, d) = crate::testing::temp_path("pod");
         let ds = d.to_str().unwrap();
         for bad in [
             "../../../../../../etc/x.log",

@@ -74,7 +74,8 @@ impl SandboxBackend for Double {
         PathBuf::from("/pod")
     }
     fn cgroup_ns(&self) -> bool {
-        false
+        // A VM's guest always has them; the flat double's host is taken to have none.
+        self.kind() == BackendKind::Vm
     }
     async fn prepare_container(
         &self,
@@ -162,6 +163,15 @@ async fn fixture(default_handler: &str, vm_ready: bool) -> Fixture {
     }
 }
 
+impl Fixture {
+    /// RunPodSandbox of the pod [`pod_config`] names `name`, with runtime handler `handler`.
+    async fn run(&self, name: &str, handler: &str) -> Result<String> {
+        self.rt
+            .run_pod_sandbox(Some(pod_config(name)), handler)
+            .await
+    }
+}
+
 fn pod_config(name: &str) -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata {
@@ -177,10 +187,7 @@ fn pod_config(name: &str) -> cri::PodSandboxConfig {
 #[tokio::test]
 async fn a_pod_runs_stops_and_is_removed_through_its_backend() {
     let f = fixture("flat", false).await;
-    let id =
-        f.rt.run_pod_sandbox(Some(pod_config("web")), "")
-            .await
-            .unwrap();
+    let id = f.run("web", "").await.unwrap();
     let st = f.rt.pod_sandbox_status(&id, true).unwrap();
     let status = st.status.unwrap();
     assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32);
@@ -192,10 +199,7 @@ async fn a_pod_runs_stops_and_is_removed_through_its_backend() {
     assert_eq!(saved[0].state, PodState::Ready);
 
     // The same metadata again is refused while the pod exists.
-    let e =
-        f.rt.run_pod_sandbox(Some(pod_config("web")), "")
-            .await
-            .unwrap_err();
+    let e = f.run("web", "").await.unwrap_err();
     assert!(matches!(e, RuntimeError::AlreadyExists(_)), "{e}");
 
     f.rt.stop_pod_sandbox(&id).await.unwrap();
@@ -222,19 +226,14 @@ async fn a_pod_runs_stops_and_is_removed_through_its_backend() {
     );
     assert!(f.vm.calls().is_empty());
     // Removed: the name is free again.
-    f.rt.run_pod_sandbox(Some(pod_config("web")), "")
-        .await
-        .unwrap();
+    f.run("web", "").await.unwrap();
 }
 
 #[tokio::test]
 async fn a_failed_start_is_torn_down_and_leaves_no_record_or_name() {
     let f = fixture("flat", false).await;
     f.flat.fail_start.store(true, Ordering::SeqCst);
-    let e =
-        f.rt.run_pod_sandbox(Some(pod_config("bad")), "")
-            .await
-            .unwrap_err();
+    let e = f.run("bad", "").await.unwrap_err();
     assert!(matches!(e, RuntimeError::Internal(_)), "{e}");
     let calls = f.flat.calls();
     assert_eq!(calls.len(), 2, "{calls:?}");
@@ -242,9 +241,7 @@ async fn a_failed_start_is_torn_down_and_leaves_no_record_or_name() {
     assert!(f.rt.dirs.load_pods().is_empty());
     assert!(f.rt.list_pod_sandbox(None).is_empty());
     f.flat.fail_start.store(false, Ordering::SeqCst);
-    f.rt.run_pod_sandbox(Some(pod_config("bad")), "")
-        .await
-        .unwrap();
+    f.run("bad", "").await.unwrap();
 }
 
 #[tokio::test]
@@ -252,37 +249,19 @@ async fn handlers_pick_the_backend() {
     // KVM ready: the default handler "vm" gives a VM; "flat" gives flat; a host-network
     // pod runs flat by policy.
     let f = fixture("vm", true).await;
-    f.rt.run_pod_sandbox(Some(pod_config("a")), "")
-        .await
-        .unwrap();
-    f.rt.run_pod_sandbox(Some(pod_config("b")), "flat")
-        .await
-        .unwrap();
+    f.run("a", "").await.unwrap();
+    f.run("b", "flat").await.unwrap();
     let mut host = pod_config("c");
-    host.linux = Some(cri::LinuxPodSandboxConfig {
-        security_context: Some(cri::LinuxSandboxSecurityContext {
-            namespace_options: Some(cri::NamespaceOption {
-                network: cri::NamespaceMode::Node as i32,
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    vessel_critest::client::pod_namespaces(&mut host).network = cri::NamespaceMode::Node as i32;
     f.rt.run_pod_sandbox(Some(host), "vm").await.unwrap();
     assert_eq!(f.vm.calls().len(), 1, "{:?}", f.vm.calls());
     assert_eq!(f.flat.calls().len(), 2, "{:?}", f.flat.calls());
-    let e =
-        f.rt.run_pod_sandbox(Some(pod_config("d")), "kata")
-            .await
-            .unwrap_err();
+    let e = f.run("d", "kata").await.unwrap_err();
     assert!(matches!(e, RuntimeError::InvalidArgument(_)), "{e}");
 
     // No KVM: vm falls back to flat (vm_fallback), and says why in the log.
     let f = fixture("vm", false).await;
-    f.rt.run_pod_sandbox(Some(pod_config("a")), "vm")
-        .await
-        .unwrap();
+    f.run("a", "vm").await.unwrap();
     assert!(f.vm.calls().is_empty());
     assert_eq!(f.flat.calls().len(), 1);
 }
@@ -290,10 +269,7 @@ async fn handlers_pick_the_backend() {
 #[tokio::test]
 async fn container_requests_are_checked_before_the_backend_is_asked() {
     let f = fixture("flat", false).await;
-    let id =
-        f.rt.run_pod_sandbox(Some(pod_config("p")), "")
-            .await
-            .unwrap();
+    let id = f.run("p", "").await.unwrap();
     let ctr = |name: &str, image: &str| vessel_critest::client::sh_container(name, image, "true");
     let e =
         f.rt.create_container(&id, Some(ctr("c", "busybox:none")))

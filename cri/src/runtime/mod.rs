@@ -110,6 +110,21 @@ pub struct Runtime {
     shutting_down: tokio::sync::watch::Sender<bool>,
 }
 
+/// A request's config and the metadata in it, both of which CRI requires: InvalidArgument
+/// (`{rpc}: no config`, `{rpc}: config has no metadata`) where one is missing.
+fn config_with_metadata<C, M: Clone>(
+    rpc: &str,
+    config: Option<C>,
+    metadata: impl FnOnce(&C) -> Option<&M>,
+) -> Result<(C, M)> {
+    let missing = |what: &str| RuntimeError::InvalidArgument(format!("{rpc}: {what}"));
+    let config = config.ok_or_else(|| missing("no config"))?;
+    let meta = metadata(&config)
+        .cloned()
+        .ok_or_else(|| missing("config has no metadata"))?;
+    Ok((config, meta))
+}
+
 fn pod_name_key(m: &cri::PodSandboxMetadata) -> String {
     format!("{}_{}_{}_{}", m.name, m.namespace, m.uid, m.attempt)
 }
@@ -135,6 +150,21 @@ fn exit_reason(exit: &ap::ExitInfo) -> (i32, String) {
         "Error"
     };
     (code, reason.to_string())
+}
+
+/// The records of `objects` (the runtime's pods or containers) as they are now, read under
+/// one lock.
+fn records<T, R>(
+    objects: &Mutex<HashMap<String, Arc<T>>>,
+    record: impl Fn(&T) -> R,
+) -> impl Iterator<Item = R> {
+    let records: Vec<R> = objects
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .map(|o| record(o))
+        .collect();
+    records.into_iter()
 }
 
 /// An object by full id or by a unique id prefix, as crictl users type them.
@@ -223,16 +253,14 @@ impl Runtime {
         use std::collections::BTreeMap;
         let mut pods: BTreeMap<(String, String), i64> = BTreeMap::new();
         let mut backends: HashMap<String, &'static str> = HashMap::new();
-        for p in self.pods.lock().unwrap_or_else(|p| p.into_inner()).values() {
-            let r = p.record();
+        for r in records(&self.pods, Pod::record) {
             let backend = r.backend.kind().as_str();
             backends.insert(r.id.clone(), backend);
             let state = format!("{:?}", r.state).to_ascii_lowercase();
             *pods.entry((state, backend.into())).or_default() += 1;
         }
         let mut ctrs: BTreeMap<(String, String), i64> = BTreeMap::new();
-        for c in self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).values() {
-            let r = c.record();
+        for r in records(&self.ctrs, Ctr::record) {
             let backend = backends.get(&r.pod_id).copied().unwrap_or("unknown");
             let state = format!("{:?}", r.state).to_ascii_lowercase();
             *ctrs.entry((state, backend.into())).or_default() += 1;

@@ -2,9 +2,11 @@
 //! What differs between flat and VM pods is the backend's (`crate::sandbox`).
 
 use super::translate::pod_state;
-use super::{matches_labels, pod_name_key, valid_dns_label, Runtime};
-use crate::errors::{internal, Result, RuntimeError};
-use crate::sandbox::{self, HostShare};
+use super::{
+    config_with_metadata, matches_labels, pod_name_key, records, valid_dns_label, Runtime,
+};
+use crate::errors::{if_found, internal, Result, RuntimeError};
+use crate::sandbox::{self, HostShare, Pod};
 use crate::state::{self, BackendKind, ContainerState, PodRecord, PodState};
 use k8s_cri::v1 as cri;
 use std::collections::HashMap;
@@ -18,11 +20,8 @@ impl Runtime {
         config: Option<cri::PodSandboxConfig>,
         handler: &str,
     ) -> Result<String> {
-        let config = config
-            .ok_or_else(|| RuntimeError::InvalidArgument("RunPodSandbox: no config".into()))?;
-        let meta = config.metadata.clone().ok_or_else(|| {
-            RuntimeError::InvalidArgument("RunPodSandbox: config has no metadata".into())
-        })?;
+        let (config, meta) =
+            config_with_metadata("RunPodSandbox", config, |c| c.metadata.as_ref())?;
         if meta.name.is_empty() || meta.namespace.is_empty() || meta.uid.is_empty() {
             return Err(RuntimeError::InvalidArgument(format!(
                 "RunPodSandbox: metadata needs name, namespace and uid (got name={:?} namespace={:?} uid={:?})",
@@ -162,11 +161,9 @@ impl Runtime {
     }
 
     pub async fn stop_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
-        let pod = match self.pod(id) {
-            Ok(p) => p,
-            // CRI: stopping what is gone is fine.
-            Err(RuntimeError::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
+        // CRI: stopping what is gone is fine.
+        let Some(pod) = if_found(self.pod(id))? else {
+            return Ok(());
         };
         let _op = pod.op.lock().await;
         let mut rec = pod.record();
@@ -221,10 +218,8 @@ impl Runtime {
     }
 
     pub async fn remove_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
-        let pod = match self.pod(id) {
-            Ok(p) => p,
-            Err(RuntimeError::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
+        let Some(pod) = if_found(self.pod(id))? else {
+            return Ok(());
         };
         if pod.record().state == PodState::Ready {
             self.stop_pod_sandbox(id).await?;
@@ -274,14 +269,8 @@ impl Runtime {
         id: &str,
         verbose: bool,
     ) -> Result<cri::PodSandboxStatusResponse> {
-        let pod = self.pod(id)?;
-        let rec = pod.record();
-        let ns = rec
-            .config
-            .linux
-            .as_ref()
-            .and_then(|l| l.security_context.as_ref())
-            .and_then(|s| s.namespace_options.clone());
+        let rec = self.pod(id)?.record();
+        let ns = crate::spec::pod_namespace_options(&rec.config).cloned();
         let status = cri::PodSandboxStatus {
             id: rec.id.clone(),
             metadata: rec.config.metadata.clone(),
@@ -331,12 +320,7 @@ impl Runtime {
 
     pub fn list_pod_sandbox(&self, filter: Option<cri::PodSandboxFilter>) -> Vec<cri::PodSandbox> {
         let f = filter.unwrap_or_default();
-        let mut out: Vec<cri::PodSandbox> = self
-            .pods
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .map(|p| p.record())
+        let mut out: Vec<cri::PodSandbox> = records(&self.pods, Pod::record)
             .filter(|r| r.state != PodState::Creating)
             .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
             .filter(|r| {

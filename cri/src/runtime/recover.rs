@@ -9,7 +9,7 @@ use crate::state::{self, BackendState, ContainerState, PodRecord, PodState, VmPo
 use k8s_cri::v1 as cri;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use vessel_agent::proto as ap;
 
@@ -43,15 +43,8 @@ impl Runtime {
                 let _ = self.dirs.delete_pod(&rec.id);
                 continue;
             }
-            self.names
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(rec.name_key.clone(), rec.id.clone());
             let pod = self.pod_object(rec.clone());
-            self.pods
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(rec.id.clone(), pod.clone());
+            self.relist(&self.pods, &rec.name_key, &rec.id, pod.clone());
             if rec.state == PodState::Ready {
                 let alive = process::is_alive(rec.agent_pid, rec.agent_start_time)
                     && matches!(
@@ -98,15 +91,8 @@ impl Runtime {
             }
             let rec = self.unreadable_pod(&id, p);
             tracing::warn!(pod = %id, record = %p.display(), "pod with an unreadable record listed as not ready; RemovePodSandbox cleans it up");
-            self.names
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(rec.name_key.clone(), rec.id.clone());
-            let pod = self.pod_object(rec);
-            self.pods
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(id, pod);
+            let (key, pod) = (rec.name_key.clone(), self.pod_object(rec));
+            self.relist(&self.pods, &key, &id, pod);
         }
         let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
             HashMap::new();
@@ -166,15 +152,8 @@ impl Runtime {
                 let _ = self.dirs.delete_container(&rec.id);
                 continue;
             }
-            self.names
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(rec.name_key.clone(), rec.id.clone());
             let ctr = Arc::new(Ctr::new(rec.clone()));
-            self.ctrs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(rec.id.clone(), ctr.clone());
+            self.relist(&self.ctrs, &rec.name_key, &rec.id, ctr.clone());
             if rec.state == ContainerState::Exited {
                 continue;
             }
@@ -273,6 +252,25 @@ impl Runtime {
             self.ctrs.lock().unwrap_or_else(|p| p.into_inner()).len(),
         );
         tracing::info!(pods = np, containers = nc, "state recovered");
+    }
+
+    /// Lists a recovered pod or container in `objects` (the runtime's pods or containers) by
+    /// its id, with its name reserved for it.
+    fn relist<T>(
+        &self,
+        objects: &Mutex<HashMap<String, Arc<T>>>,
+        name_key: &str,
+        id: &str,
+        object: Arc<T>,
+    ) {
+        self.names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name_key.to_string(), id.to_string());
+        objects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string(), object);
     }
 
     /// A stand-in record for pod `id`, whose record at `path` could not be read: what vesseld

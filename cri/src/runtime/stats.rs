@@ -66,26 +66,34 @@ impl Runtime {
         &self,
         filter: Option<cri::ContainerStatsFilter>,
     ) -> Result<Vec<cri::ContainerStats>> {
-        let f = filter.unwrap_or_default();
-        let ids: Vec<String> = self
+        let cri::ContainerStatsFilter {
+            id,
+            pod_sandbox_id,
+            label_selector,
+        } = filter.unwrap_or_default();
+        let ids = self
             .list_containers(Some(cri::ContainerFilter {
-                id: f.id,
-                pod_sandbox_id: f.pod_sandbox_id,
-                label_selector: f.label_selector,
+                id,
+                pod_sandbox_id,
+                label_selector,
                 state: None,
             }))
             .into_iter()
-            .map(|c| c.id)
-            .collect();
-        let mut out = Vec::new();
-        for id in ids {
-            match self.container_stats(&id).await {
-                Ok(s) => out.push(s),
-                Err(RuntimeError::NotFound(_)) => {}
-                Err(e) => tracing::debug!(container = %id, error = %e, "stats unavailable"),
-            }
-        }
-        Ok(out)
+            .map(|c| c.id);
+        Ok(self.containers_stats(ids).await)
+    }
+
+    /// The stats of the containers `ids` that have them (see [`stats_of`]).
+    async fn containers_stats(
+        &self,
+        ids: impl IntoIterator<Item = String>,
+    ) -> Vec<cri::ContainerStats> {
+        stats_of(
+            ids,
+            |id| async move { self.container_stats(&id).await },
+            |id, e| tracing::debug!(container = %id, error = %e, "stats unavailable"),
+        )
+        .await
     }
 
     /// Pod-level stats: the sum of its running containers' (flat pods have no pause process,
@@ -93,52 +101,27 @@ impl Runtime {
     pub async fn pod_sandbox_stats(&self, id: &str) -> Result<cri::PodSandboxStats> {
         let pod = self.pod(id)?;
         let rec = pod.record();
-        let mut containers = Vec::new();
-        for ctr in self.ctrs_of(&rec.id) {
-            let cid = ctr.record().id;
-            match self.container_stats(&cid).await {
-                Ok(s) => containers.push(s),
-                Err(RuntimeError::NotFound(_)) => {}
-                Err(e) => tracing::debug!(container = %cid, error = %e, "stats unavailable"),
-            }
-        }
+        let ids = self.ctrs_of(&rec.id).into_iter().map(|c| c.record().id);
+        let containers = self.containers_stats(ids).await;
         let ts = state::now_nanos();
-        let sum = |f: &dyn Fn(&cri::ContainerStats) -> Option<u64>| -> Option<cri::UInt64Value> {
-            let v: Vec<u64> = containers.iter().filter_map(f).collect();
+        let sum = |f: &dyn Fn(&cri::ContainerStats) -> Option<&cri::UInt64Value>| {
+            let v: Vec<u64> = containers.iter().filter_map(f).map(|v| v.value).collect();
             (!v.is_empty()).then(|| cri::UInt64Value {
                 value: v.iter().sum(),
             })
         };
         let cpu = cri::CpuUsage {
             timestamp: ts,
-            usage_core_nano_seconds: sum(&|c| {
-                c.cpu
-                    .as_ref()?
-                    .usage_core_nano_seconds
-                    .as_ref()
-                    .map(|v| v.value)
-            }),
+            usage_core_nano_seconds: sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref()),
             ..Default::default()
         };
         let memory = cri::MemoryUsage {
             timestamp: ts,
-            working_set_bytes: sum(&|c| {
-                c.memory
-                    .as_ref()?
-                    .working_set_bytes
-                    .as_ref()
-                    .map(|v| v.value)
-            }),
-            usage_bytes: sum(&|c| c.memory.as_ref()?.usage_bytes.as_ref().map(|v| v.value)),
-            rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref().map(|v| v.value)),
-            page_faults: sum(&|c| c.memory.as_ref()?.page_faults.as_ref().map(|v| v.value)),
-            major_page_faults: sum(&|c| {
-                c.memory
-                    .as_ref()?
-                    .major_page_faults
-                    .as_ref()
-                    .map(|v| v.value)
-            }),
+            working_set_bytes: sum(&|c| c.memory.as_ref()?.working_set_bytes.as_ref()),
+            usage_bytes: sum(&|c| c.memory.as_ref()?.usage_bytes.as_ref()),
+            rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref()),
+            page_faults: sum(&|c| c.memory.as_ref()?.page_faults.as_ref()),
+            major_page_faults: sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref()),
             ..Default::default()
         };
         Ok(cri::PodSandboxStats {
@@ -163,26 +146,44 @@ impl Runtime {
         &self,
         filter: Option<cri::PodSandboxStatsFilter>,
     ) -> Result<Vec<cri::PodSandboxStats>> {
-        let f = filter.unwrap_or_default();
-        let ids: Vec<String> = self
+        let cri::PodSandboxStatsFilter { id, label_selector } = filter.unwrap_or_default();
+        let ids = self
             .list_pod_sandbox(Some(cri::PodSandboxFilter {
-                id: f.id,
-                label_selector: f.label_selector,
+                id,
+                label_selector,
                 state: Some(cri::PodSandboxStateValue {
                     state: cri::PodSandboxState::SandboxReady as i32,
                 }),
             }))
             .into_iter()
-            .map(|p| p.id)
-            .collect();
-        let mut out = Vec::new();
-        for id in ids {
-            match self.pod_sandbox_stats(&id).await {
-                Ok(s) => out.push(s),
-                Err(RuntimeError::NotFound(_)) => {}
-                Err(e) => tracing::debug!(pod = %id, error = %e, "pod stats unavailable"),
-            }
-        }
-        Ok(out)
+            .map(|p| p.id);
+        Ok(stats_of(
+            ids,
+            |id| async move { self.pod_sandbox_stats(&id).await },
+            |id, e| tracing::debug!(pod = %id, error = %e, "pod stats unavailable"),
+        )
+        .await)
     }
+}
+
+/// What `stats` gives for each of `ids`, in order. One gone since it was listed (NotFound)
+/// is left out, and so is one whose stats fail otherwise, with `unavailable` told why: a
+/// list does not fail for one of its members.
+async fn stats_of<T, F>(
+    ids: impl IntoIterator<Item = String>,
+    stats: impl Fn(String) -> F,
+    unavailable: impl Fn(&str, &RuntimeError),
+) -> Vec<T>
+where
+    F: std::future::Future<Output = Result<T>>,
+{
+    let mut out = Vec::new();
+    for id in ids {
+        match stats(id.clone()).await {
+            Ok(s) => out.push(s),
+            Err(RuntimeError::NotFound(_)) => {}
+            Err(e) => unavailable(&id, &e),
+        }
+    }
+    out
 }

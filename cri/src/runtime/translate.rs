@@ -1,7 +1,7 @@
 //! Records to CRI messages: container and pod status, list entries, states and exit
 //! reasons.
 
-use super::{matches_labels, Runtime};
+use super::{matches_labels, records, Ctr, Runtime};
 use crate::errors::{Result, RuntimeError};
 use crate::state::{ContainerRecord, ContainerState};
 use k8s_cri::v1 as cri;
@@ -81,12 +81,7 @@ impl Runtime {
 
     pub fn list_containers(&self, filter: Option<cri::ContainerFilter>) -> Vec<cri::Container> {
         let f = filter.unwrap_or_default();
-        let mut out: Vec<(i64, cri::Container)> = self
-            .ctrs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .map(|c| c.record())
+        let mut out: Vec<(i64, cri::Container)> = records(&self.ctrs, Ctr::record)
             .filter(|r| r.state != ContainerState::Creating)
             .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
             .filter(|r| f.pod_sandbox_id.is_empty() || r.pod_id.starts_with(&f.pod_sandbox_id))

@@ -104,25 +104,11 @@ impl Driver {
             Driver::Systemd(sd) if !rec.cgroup_unit.is_empty() => sd,
             Driver::Systemd(_) => return Ok(()),
             Driver::Cgroupfs => {
+                let what = if flat { "agent" } else { "VMM" };
                 for dir in cgroup_dirs(&rec.cgroup_parent) {
                     make_cgroup(&dir)
-                        .and_then(|()| join_leaf(&dir, leaf, rec.agent_pid))
-                        .and_then(|()| {
-                            // The jailed VMM, forked by the shim, maybe before the shim
-                            // moved, or a flat pod's pid namespace holder: read after the
-                            // move, so a later fork inherits it.
-                            super::process::children(rec.agent_pid)
-                                .into_iter()
-                                .try_for_each(|c| ignore_gone(join_leaf(&dir, leaf, c)))
-                        })
-                        .map_err(|e| {
-                            RuntimeError::Internal(format!(
-                                "pod {}: moving its {} into {}/{leaf}: {e}",
-                                rec.id,
-                                if flat { "agent" } else { "VMM" },
-                                dir.display()
-                            ))
-                        })?;
+                        .and_then(|()| join_with_children(&dir, leaf, rec.agent_pid))
+                        .map_err(|e| moving_err(rec, what, &dir, leaf, e))?;
                 }
                 tracing::debug!(pod = %rec.id, cgroup = %rec.cgroup_parent, leaf, "pod host process in the pod's cgroup");
                 return Ok(());
@@ -175,19 +161,8 @@ impl Driver {
                 if scope.is_dir() {
                     // With the agent, its children: a pod with its own user namespace has
                     // its pid namespace's holder there from the start.
-                    join_leaf(&scope, leaf, rec.agent_pid)
-                        .and_then(|()| {
-                            super::process::children(rec.agent_pid)
-                                .into_iter()
-                                .try_for_each(|c| ignore_gone(join_leaf(&scope, leaf, c)))
-                        })
-                        .map_err(|e| {
-                            RuntimeError::Internal(format!(
-                                "pod {}: moving its agent into {}/{leaf}: {e}",
-                                rec.id,
-                                scope.display()
-                            ))
-                        })?;
+                    join_with_children(&scope, leaf, rec.agent_pid)
+                        .map_err(|e| moving_err(rec, "agent", &scope, leaf, e))?;
                 }
             }
         }
@@ -292,6 +267,32 @@ fn ignore_gone(r: std::io::Result<()>) -> std::io::Result<()> {
         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(()),
         r => r,
     }
+}
+
+/// Moves process `pid` into the leaf `leaf` under the cgroup directory `dir`, then its
+/// children: a shim's jailed VMM (forked maybe before the shim moved), a flat pod's pid
+/// namespace holder. They are read after the move, so a later fork inherits the leaf; one
+/// gone by then is passed over.
+fn join_with_children(dir: &std::path::Path, leaf: &str, pid: u32) -> std::io::Result<()> {
+    join_leaf(dir, leaf, pid)?;
+    super::process::children(pid)
+        .into_iter()
+        .try_for_each(|c| ignore_gone(join_leaf(dir, leaf, c)))
+}
+
+/// The error of moving a pod's `what` (its agent or VMM) into the leaf `leaf` under `dir`.
+fn moving_err(
+    rec: &PodRecord,
+    what: &str,
+    dir: &std::path::Path,
+    leaf: &str,
+    e: std::io::Error,
+) -> RuntimeError {
+    RuntimeError::Internal(format!(
+        "pod {}: moving its {what} into {}/{leaf}: {e}",
+        rec.id,
+        dir.display()
+    ))
 }
 
 /// Moves process `pid` (all its threads) into the leaf `leaf` under the cgroup directory `dir`.

@@ -460,8 +460,7 @@ mod tests {
     /// `org.freedesktop.systemd1`, not a unique name) with an error, then a return.
     #[test]
     fn calls_match_replies_and_errors_by_serial() {
-        let d = tempfile::tempdir().unwrap();
-        let path = d.path().join("bus");
+        let (_d, path) = crate::testing::temp_path("bus");
         let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
         let server = std::thread::spawn(move || {
             let (s, _) = l.accept().unwrap();

@@ -54,11 +54,8 @@ pub struct HostShare {
 impl HostShare {
     /// What a pod config asks to share with the node.
     pub fn of(config: &cri::PodSandboxConfig) -> HostShare {
-        let ns = config
-            .linux
-            .as_ref()
-            .and_then(|l| l.security_context.as_ref())
-            .and_then(|s| s.namespace_options.clone())
+        let ns = crate::spec::pod_namespace_options(config)
+            .cloned()
             .unwrap_or_default();
         let node = cri::NamespaceMode::Node as i32;
         HostShare {

@@ -266,8 +266,7 @@ mod tests {
 
     #[test]
     fn a_log_tail_is_the_last_lines_and_never_through_a_link() {
-        let d = tempfile::tempdir().unwrap();
-        let log = d.path().join("shim.log");
+        let (d, log) = crate::testing::temp_path("shim.log");
         std::fs::write(&log, "a\n\nb\nc\n").unwrap();
         assert_eq!(log_tail(&log, 2), "b | c");
         let secret = d.path().join("secret");

@@ -130,6 +130,14 @@ fn ns_mode(m: i32) -> cri::NamespaceMode {
     cri::NamespaceMode::try_from(m).unwrap_or(cri::NamespaceMode::Pod)
 }
 
+/// The namespace options of a pod's config, where it has them.
+pub fn pod_namespace_options(pod: &cri::PodSandboxConfig) -> Option<&cri::NamespaceOption> {
+    pod.linux
+        .as_ref()
+        .and_then(|l| l.security_context.as_ref())
+        .and_then(|s| s.namespace_options.as_ref())
+}
+
 /// Builds the OCI runtime spec JSON and returns it with the resolved user.
 pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> {
     let c = input.config;
@@ -301,22 +309,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         process["oomScoreAdj"] = json!(adj);
     }
 
-    let masked: Vec<String> = if privileged {
-        vec![]
-    } else {
-        match sc.map(|s| &s.masked_paths) {
-            Some(m) if !m.is_empty() => m.clone(),
-            _ => DEFAULT_MASKED.iter().map(|s| s.to_string()).collect(),
-        }
-    };
-    let readonly_paths: Vec<String> = if privileged {
-        vec![]
-    } else {
-        match sc.map(|s| &s.readonly_paths) {
-            Some(m) if !m.is_empty() => m.clone(),
-            _ => DEFAULT_READONLY.iter().map(|s| s.to_string()).collect(),
-        }
-    };
+    let masked = protected_paths(privileged, sc.map(|s| &s.masked_paths), DEFAULT_MASKED);
+    let readonly_paths =
+        protected_paths(privileged, sc.map(|s| &s.readonly_paths), DEFAULT_READONLY);
     // net.* sysctls are the pod network namespace's, set once by vesseld at RunPodSandbox.
     let sysctl: HashMap<String, String> = input
         .pod
@@ -373,6 +368,18 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     Ok((spec, user))
 }
 
+/// The masked or read-only paths of a container: none for a privileged one, else those its
+/// security context asks for (`asked`), or `default` where it asks for none.
+fn protected_paths(privileged: bool, asked: Option<&Vec<String>>, default: &[&str]) -> Vec<String> {
+    if privileged {
+        return vec![];
+    }
+    match asked {
+        Some(m) if !m.is_empty() => m.clone(),
+        _ => default.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
 /// The signal number for an image's StopSignal ("SIGQUIT", "QUIT", "3").
 pub fn parse_signal(s: &str) -> Option<i32> {
     let s = s.trim();
@@ -414,8 +421,7 @@ mod tests {
     use std::fs;
 
     fn layers_with(files: &[(&str, &str)]) -> (tempfile::TempDir, Vec<PathBuf>) {
-        let d = tempfile::tempdir().unwrap();
-        let l = d.path().join("l0");
+        let (d, l) = crate::testing::temp_path("l0");
         for (p, content) in files {
             let full = l.join(p);
             fs::create_dir_all(full.parent().unwrap()).unwrap();

@@ -1,7 +1,7 @@
 //! The container's namespaces: what CRI's NamespaceOption asks for, in the agent's
 //! convention (`"agent"`: the pod's), with the pod's user namespace where it has one.
 
-use super::{invalid, ns_mode, ResolvedUser, SpecError, SpecInput};
+use super::{invalid, ns_mode, pod_namespace_options, ResolvedUser, SpecError, SpecInput};
 use crate::userns::PodUserns;
 use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
@@ -33,12 +33,7 @@ pub(super) fn build(
         ipc: cri::NamespaceMode::Container as i32,
         ..Default::default()
     };
-    let pod_ns = input
-        .pod
-        .linux
-        .as_ref()
-        .and_then(|l| l.security_context.as_ref())
-        .and_then(|s| s.namespace_options.clone());
+    let pod_ns = pod_namespace_options(input.pod).cloned();
     let ns = sc
         .and_then(|s| s.namespace_options.clone())
         .or_else(|| pod_ns.clone())

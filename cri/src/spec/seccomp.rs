@@ -493,8 +493,7 @@ mod tests {
     #[test]
     fn a_bad_localhost_profile_is_refused_naming_it() {
         use cri::security_profile::ProfileType;
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("bad.json");
+        let (_d, p) = crate::testing::temp_path("bad.json");
         std::fs::write(&p, r#"{"syscalls":[]}"#).unwrap();
         let l = sc(ProfileType::Localhost, p.to_str().unwrap());
         let e = profile(Some(&l), false, &[], false)

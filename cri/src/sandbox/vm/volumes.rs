@@ -363,8 +363,7 @@ mod tests {
 
     #[test]
     fn mount_points_are_removed_without_following_a_link_the_guest_made() {
-        let d = tempfile::tempdir().unwrap();
-        let share = d.path().join("shared");
+        let (d, share) = crate::testing::temp_path("shared");
         std::fs::create_dir_all(share.join("c1/0")).unwrap();
         std::fs::write(share.join("c1/1"), "").unwrap();
         remove_mount_points(&share, "c1").unwrap();
@@ -396,24 +395,26 @@ mod tests {
         }
     }
 
-    fn root() -> bool {
+    /// Where this runs as root (mounting needs it): a temporary directory, a VM directory in
+    /// it (not made) and the host directory `host` in it (made).
+    fn as_root(host: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
         // SAFETY: geteuid has no preconditions.
-        let ok = unsafe { libc::geteuid() } == 0;
-        if !ok {
+        if unsafe { libc::geteuid() } != 0 {
             println!("SKIP: mounting needs root");
+            return None;
         }
-        ok
+        let d = tempfile::tempdir().unwrap();
+        let (vm, host) = (d.path().join("vm"), d.path().join(host));
+        std::fs::create_dir(&host).unwrap();
+        Some((d, vm, host))
     }
 
     #[test]
     fn volumes_are_bound_into_the_share_and_removed_without_touching_the_host() {
-        if !root() {
+        let Some((d, vm, vol)) = as_root("vol") else {
             return;
-        }
-        let d = tempfile::tempdir().unwrap();
-        let vm = d.path().join("vm");
-        let vol = d.path().join("vol");
-        std::fs::create_dir_all(vol.join("sub")).unwrap();
+        };
+        std::fs::create_dir(vol.join("sub")).unwrap();
         std::fs::write(vol.join("sub/a"), "hello").unwrap();
         let file = d.path().join("hosts");
         std::fs::write(&file, "127.0.0.1 x\n").unwrap();
@@ -457,13 +458,9 @@ mod tests {
 
     #[test]
     fn a_failed_share_leaves_nothing_and_non_files_are_invalid() {
-        if !root() {
+        let Some((d, vm, vol)) = as_root("vol") else {
             return;
-        }
-        let d = tempfile::tempdir().unwrap();
-        let vm = d.path().join("vm");
-        let vol = d.path().join("vol");
-        std::fs::create_dir_all(&vol).unwrap();
+        };
         let sock = d.path().join("s.sock");
         let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         create_share(&vm).unwrap();
@@ -496,13 +493,10 @@ mod tests {
 
     #[test]
     fn host_mounts_reach_a_host_to_container_volume_only() {
-        if !root() {
+        let Some((d, vm, src)) = as_root("src") else {
             return;
-        }
-        let d = tempfile::tempdir().unwrap();
-        let vm = d.path().join("vm");
-        let src = d.path().join("src");
-        std::fs::create_dir_all(src.join("mnt")).unwrap();
+        };
+        std::fs::create_dir(src.join("mnt")).unwrap();
         std::fs::create_dir_all(d.path().join("flag")).unwrap();
         std::fs::write(d.path().join("flag/flagFile"), "").unwrap();
         // The source is a shared mount, as kubelet makes mount-propagation host paths.
