@@ -19,7 +19,7 @@ use k8s_cri::v1 as cri;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use vessel_critest::client::{pod_config, sh_container};
+use vessel_critest::client::{self, pod_config, sh_container};
 use vessel_critest::daemon::TestCni;
 
 vessel_critest::e2e_harness!(H);
@@ -215,18 +215,9 @@ async fn pods_get_ips_talk_and_leave_nothing() {
     assert!(ready.message.contains(&cni.network), "{ready:?}");
     let vm = handler() == "vm";
 
-    let host_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let host_port = client::free_port().unwrap();
     let mut acfg = h.pod_config("server");
-    acfg.port_mappings = vec![cri::PortMapping {
-        protocol: cri::Protocol::Tcp as i32,
-        container_port: 8080,
-        host_port: host_port as i32,
-        host_ip: String::new(),
-    }];
+    acfg.port_mappings = vec![client::tcp_host_port(8080, host_port)];
     let a = h.run_pod(&acfg).await.expect("RunPodSandbox server");
     let bcfg = h.pod_config("client");
     let b = h.run_pod(&bcfg).await.expect("RunPodSandbox client");

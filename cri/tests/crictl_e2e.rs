@@ -13,6 +13,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use vessel_critest::upstream;
 
+/// The vesseld this test crate was built with.
+const VESSELD: &str = env!("CARGO_BIN_EXE_vesseld");
+
 const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
 
 struct Crictl {
@@ -87,10 +90,7 @@ fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn crictl_every_verb() {
-    let Some(f) = upstream::Fixture::start(
-        "crictl_every_verb",
-        Path::new(env!("CARGO_BIN_EXE_vesseld")),
-    ) else {
+    let Some(f) = upstream::Fixture::start("crictl_every_verb", VESSELD.as_ref()) else {
         return;
     };
     let (bin, v, cni) = (&f.bin, &f.vesseld, &f.cni);

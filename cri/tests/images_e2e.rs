@@ -245,12 +245,7 @@ async fn version_status_and_unbuilt_rpcs() {
     assert_eq!(ver.version, "0.1.0");
     assert!(!ver.runtime_version.is_empty());
 
-    let st = c
-        .runtime
-        .status(cri::StatusRequest { verbose: true })
-        .await
-        .unwrap()
-        .into_inner();
+    let st = c.status(true).await.unwrap();
     let conds = st.status.unwrap().conditions;
     let types: Vec<_> = conds.iter().map(|c| c.r#type.as_str()).collect();
     assert!(types.contains(&"RuntimeReady") && types.contains(&"NetworkReady"));

@@ -1064,14 +1064,11 @@ async fn an_interrupted_stop_is_finished_after_a_restart() {
 impl H {
     /// Status's StateRecordsReadable condition.
     async fn records_condition(&mut self) -> cri::RuntimeCondition {
-        let st = self
-            .c
-            .runtime
-            .status(cri::StatusRequest { verbose: false })
+        self.c
+            .status(false)
             .await
             .unwrap()
-            .into_inner();
-        st.status
+            .status
             .unwrap()
             .conditions
             .into_iter()

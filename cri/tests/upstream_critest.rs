@@ -21,12 +21,12 @@ use std::time::Instant;
 use vessel_critest::daemon;
 use vessel_critest::upstream;
 
+/// The vesseld this test crate was built with.
+const VESSELD: &str = env!("CARGO_BIN_EXE_vesseld");
+
 #[test]
 fn upstream_critest_flat() {
-    let Some(f) = upstream::Fixture::start(
-        "upstream_critest_flat",
-        Path::new(env!("CARGO_BIN_EXE_vesseld")),
-    ) else {
+    let Some(f) = upstream::Fixture::start("upstream_critest_flat", VESSELD.as_ref()) else {
         return;
     };
     let expected = Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/flat.expected");
@@ -43,7 +43,7 @@ fn upstream_critest_vm() {
     }
     let vesseld = std::env::var_os("VESSEL_E2E_VESSELD")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_vesseld")));
+        .unwrap_or_else(|| PathBuf::from(VESSELD));
     let config = std::env::var("VESSEL_E2E_CONFIG").unwrap_or_default();
     let Some(f) = upstream::Fixture::start_with("upstream_critest_vm", &vesseld, &config) else {
         return;

@@ -95,6 +95,15 @@ impl CriClient {
             .ok_or_else(|| tonic::Status::internal(format!("ContainerStatus of {id}: no status")))
     }
 
+    pub async fn status(&self, verbose: bool) -> CriResult<cri::StatusResponse> {
+        Ok(self
+            .runtime
+            .clone()
+            .status(cri::StatusRequest { verbose })
+            .await?
+            .into_inner())
+    }
+
     pub async fn pod_status(&self, id: &str) -> CriResult<cri::PodSandboxStatus> {
         self.runtime
             .clone()
@@ -227,6 +236,23 @@ pub fn sh_container(name: &str, image: &str, script: &str) -> cri::ContainerConf
 
 /// A pod config named `name` in `namespace`, with its name as hostname, logging in the
 /// directory `name` under `logs`.
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a test's hostPort.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A TCP hostPort mapping on every host address, as kubelet sends one.
+pub fn tcp_host_port(container_port: i32, host_port: u16) -> cri::PortMapping {
+    cri::PortMapping {
+        protocol: cri::Protocol::Tcp as i32,
+        container_port,
+        host_port: i32::from(host_port),
+        host_ip: String::new(),
+    }
+}
+
 pub fn pod_config(name: &str, namespace: &str, logs: &Path) -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {
         metadata: pod_metadata(name, namespace),

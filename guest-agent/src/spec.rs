@@ -20,6 +20,25 @@ use oci_spec::runtime::{
     RootBuilder, Spec,
 };
 
+/// Capabilities a container gets by default (containerd's and Docker's set): what vesseld
+/// gives a container whose request adds or drops none, and what the agent's tests give theirs.
+pub const DEFAULT_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
 use crate::error::AgentError;
 
 /// The `/proc/<pid>/ns/<name>` name of a namespace type.

@@ -3,22 +3,7 @@
 use k8s_cri::v1 as cri;
 
 /// Capabilities a container gets by default (containerd's and Docker's set).
-pub const DEFAULT_CAPS: &[&str] = &[
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE",
-];
+pub use vessel_agent::spec::DEFAULT_CAPS;
 
 /// Every capability Linux 5.9+ knows, for privileged containers and "ALL".
 pub const ALL_CAPS: &[&str] = &[

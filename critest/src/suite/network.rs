@@ -95,17 +95,9 @@ async fn pod_ip(c: Ctx) -> SpecResult {
 }
 
 async fn host_port(c: Ctx) -> SpecResult {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| Stop::Fail(e.to_string()))?
-        .port();
+    let port = crate::client::free_port().map_err(|e| Stop::Fail(e.to_string()))?;
     let mut pcfg = c.pod_config("hostport");
-    pcfg.port_mappings = vec![cri::PortMapping {
-        protocol: cri::Protocol::Tcp as i32,
-        container_port: 8080,
-        host_port: port as i32,
-        host_ip: String::new(),
-    }];
+    pcfg.port_mappings = vec![crate::client::tcp_host_port(8080, port)];
     let pod = c.run_pod_with(&pcfg).await?;
     c.run(
         &pod,

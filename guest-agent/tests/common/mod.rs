@@ -402,22 +402,7 @@ impl SpecBuilder {
     }
 
     pub fn build(&self, cgroups_path: &str) -> Vec<u8> {
-        let caps = [
-            "CAP_CHOWN",
-            "CAP_DAC_OVERRIDE",
-            "CAP_FSETID",
-            "CAP_FOWNER",
-            "CAP_MKNOD",
-            "CAP_NET_RAW",
-            "CAP_SETGID",
-            "CAP_SETUID",
-            "CAP_SETFCAP",
-            "CAP_SETPCAP",
-            "CAP_NET_BIND_SERVICE",
-            "CAP_SYS_CHROOT",
-            "CAP_KILL",
-            "CAP_AUDIT_WRITE",
-        ];
+        let caps = vessel_agent::spec::DEFAULT_CAPS;
         let mut resources = json!({
             "devices": [{"allow": false, "access": "rwm"}],
         });
