@@ -274,7 +274,7 @@ if [ "$mode" = run ]; then
 elif [ "$mode" = pods ]; then
   echo '. /vessel/pods-env; set --; while IFS= read -r a; do set -- "$@" "$a"; done </vessel/pods-args; sh /vessel/bin/l1-pods.sh "$@"' >"$L/vessel/cmd"
 elif [ "$mode" = bench ]; then
-  echo "/vessel/bin/vessel-shim bench --kernel /vessel/guest/bzImage --initrd /vessel/guest/initrd.cpio --runs $BENCH_RUNS --qemu /usr/bin/qemu-system-x86_64 --work /tmp/bench" >"$L/vessel/cmd"
+  echo "/vessel/bin/vessel-shim bench --kernel /vessel/guest/bzImage --vmlinux /vessel/guest/vmlinux --initrd /vessel/guest/initrd.cpio --runs $BENCH_RUNS --qemu /usr/bin/qemu-system-x86_64 --work /tmp/bench" >"$L/vessel/cmd"
 else
   echo "VESSEL_TESTS='${VESSEL_TESTS:-}' VERBOSE=${VERBOSE:-false} sh /vessel/bin/l1-tests.sh" >"$L/vessel/cmd"
 fi

@@ -6,6 +6,13 @@
 //! measure, from spawning the VMM process: the time to the `init` line on the console, the
 //! time to the first vsock answer (connect, send, echo back), and, while the guest idles
 //! between the two connections, the VMM's RSS and PSS minus those of its guest-memory mapping.
+//!
+//! For vessel-shim, the boot is also split into phases, from the VMM side: `vmm` (spawn to the
+//! first vCPU entry: exec, KVM set-up, loading the kernel; the shim's `built_ms` plus its
+//! exec), `kernel` (first vCPU entry to the guest's `init` line) and `user` (`init` to the
+//! first vsock answer). With `--vmlinux`, vessel-shim also boots the uncompressed ELF kernel,
+//! as VM pods do (QEMU `-M microvm` boots the bzImage: it cannot direct-boot this ELF).
+//! The last line is `BENCH-JSON {...}`: the medians of each variant.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -17,6 +24,8 @@ use anyhow::{bail, Context, Result};
 
 pub struct BenchArgs {
     pub kernel: PathBuf,
+    /// The same kernel as an ELF vmlinux, for a second vessel-shim variant.
+    pub vmlinux: Option<PathBuf>,
     pub initrd: PathBuf,
     pub mem_mib: u64,
     pub runs: usize,
@@ -24,12 +33,16 @@ pub struct BenchArgs {
     pub work: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Sample {
     init_ms: f64,
     vsock_ms: f64,
     rss_kib: u64,
     pss_kib: u64,
+    /// Spawn to the first vCPU entry (vessel-shim only; 0 for QEMU).
+    vmm_ms: f64,
+    /// Its parts: `exec` (spawn to the shim's start), then the shim's `build_phases_ms`.
+    phases: Vec<(String, f64)>,
 }
 
 /// (total RSS, total PSS) minus the guest-memory mapping(s): mappings of exactly `mem_kib`.
@@ -151,14 +164,14 @@ fn watch_init(out: impl Read + Send + 'static, t0: Instant) -> mpsc::Receiver<f6
     rx
 }
 
-fn run_ours(a: &BenchArgs, i: usize) -> Result<Sample> {
+fn run_ours(a: &BenchArgs, kernel: &Path, i: usize) -> Result<Sample> {
     let sock = a.work.join(format!("bench-{i}.sock"));
     let _ = std::fs::remove_file(&sock);
     let spec = a.work.join(format!("bench-{i}.json"));
     std::fs::write(
         &spec,
         serde_json::to_string(&serde_json::json!({
-            "kernel": a.kernel, "initrd": a.initrd, "mem_mib": a.mem_mib, "vcpus": 1,
+            "kernel": kernel, "initrd": a.initrd, "mem_mib": a.mem_mib, "vcpus": 1,
             "console": "stderr", "cmdline": "vessel.test=bench",
             "vsock": {"guest_cid": 3, "uds_path": sock},
         }))?,
@@ -169,15 +182,34 @@ fn run_ours(a: &BenchArgs, i: usize) -> Result<Sample> {
         .args(["run", "--spec"])
         .arg(&spec)
         .args(["--timeout", "60"])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
     let init = watch_init(child.stderr.take().expect("piped"), t0);
+    let mut out = child.stdout.take().expect("piped");
     let r = measure(&mut child, t0, &init, a.mem_mib, |port, dl, c| {
         vsock_echo_hybrid(&sock, port, dl, c)
     });
     let _ = child.wait();
-    r
+    let mut s = r?;
+    // The shim's report: `built_ms` (its start to the first vCPU entry) and the init event,
+    // both on its own clock; the difference of the init times is its exec.
+    let mut report = String::new();
+    out.read_to_string(&mut report)?;
+    let v: serde_json::Value =
+        serde_json::from_str(report.trim()).context("the shim's report is not JSON")?;
+    let (Some(built), Some(init)) = (v["built_ms"].as_f64(), v["events"]["init"].as_f64()) else {
+        bail!("the shim's report has no built_ms or init event: {report}");
+    };
+    s.vmm_ms = s.init_ms - init + built;
+    s.phases.push(("exec".into(), s.init_ms - init));
+    if let Some(p) = v["build_phases_ms"].as_object() {
+        s.phases.extend(
+            p.iter()
+                .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(0.0))),
+        );
+    }
+    Ok(s)
 }
 
 fn run_qemu(a: &BenchArgs, qemu: &Path) -> Result<Sample> {
@@ -245,6 +277,7 @@ fn measure(
         vsock_ms,
         rss_kib,
         pss_kib,
+        ..Sample::default()
     })
 }
 
@@ -256,55 +289,94 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn summary(name: &str, s: &[Sample]) -> [f64; 4] {
-    let m = [
-        median(s.iter().map(|x| x.init_ms).collect()),
-        median(s.iter().map(|x| x.vsock_ms).collect()),
-        median(s.iter().map(|x| x.rss_kib as f64).collect()),
-        median(s.iter().map(|x| x.pss_kib as f64).collect()),
-    ];
+/// The medians of one variant's samples, printed, and as JSON for the last line.
+fn summary(name: &str, s: &[Sample]) -> serde_json::Value {
+    let med = |f: fn(&Sample) -> f64| median(s.iter().map(f).collect());
+    let (init, vsock, vmm) = (med(|x| x.init_ms), med(|x| x.vsock_ms), med(|x| x.vmm_ms));
+    let (rss, pss) = (med(|x| x.rss_kib as f64), med(|x| x.pss_kib as f64));
+    // The VMM's steps, by the order of the first run (medians, like the rest).
+    let steps: serde_json::Map<String, serde_json::Value> = s
+        .first()
+        .map(|f| f.phases.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|k| {
+            let m = median(
+                s.iter()
+                    .filter_map(|x| x.phases.iter().find(|(n, _)| *n == k).map(|p| p.1))
+                    .collect(),
+            );
+            (k, serde_json::json!(m))
+        })
+        .collect();
+    let phases = if vmm > 0.0 {
+        // Phases from each run's own split (their medians need not add up to the totals').
+        let kernel = med(|x| x.init_ms - x.vmm_ms);
+        let user = med(|x| x.vsock_ms - x.init_ms);
+        let list: Vec<String> = steps
+            .iter()
+            .map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0)))
+            .collect();
+        format!(
+            " (vmm {vmm:.1} [{}] + kernel {kernel:.1}; init to vsock {user:.1})",
+            list.join(", ")
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "BENCH {name:5} runs={} init_ms={:.1} first_vsock_ms={:.1} vmm_rss_kib={:.0} vmm_pss_kib={:.0} (medians; memory beyond guest RAM)",
+        "BENCH {name:9} runs={} init_ms={init:.1}{phases} first_vsock_ms={vsock:.1} vmm_rss_kib={rss:.0} vmm_pss_kib={pss:.0} (medians; memory beyond guest RAM)",
         s.len(),
-        m[0],
-        m[1],
-        m[2],
-        m[3]
     );
-    m
+    serde_json::json!({
+        "runs": s.len(), "init_ms": init, "first_vsock_ms": vsock, "vmm_ms": vmm,
+        "kernel_ms": (vmm > 0.0).then(|| med(|x| x.init_ms - x.vmm_ms)), "vmm_steps_ms": steps,
+        "vmm_rss_kib": rss, "vmm_pss_kib": pss,
+    })
 }
 
 pub fn bench(a: &BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&a.work)?;
-    let mut ours = Vec::new();
-    let mut qemu = Vec::new();
-    // Interleave the two so drifts in the host affect both alike.
+    let mut variants: Vec<(&str, Option<&Path>, Vec<Sample>)> =
+        vec![("ours", Some(&a.kernel), vec![])];
+    if let Some(v) = &a.vmlinux {
+        variants.push(("ours-elf", Some(v), vec![]));
+    }
+    if a.qemu.is_some() {
+        variants.push(("qemu", None, vec![]));
+    }
+    // Interleave the variants so drifts in the host affect all alike.
     for i in 0..a.runs {
-        let s = run_ours(a, i).with_context(|| format!("vessel-shim run {i}"))?;
-        println!(
-            "run {i} vessel: init {:.1} ms, first vsock answer {:.1} ms, rss {} KiB, pss {} KiB",
-            s.init_ms, s.vsock_ms, s.rss_kib, s.pss_kib
-        );
-        ours.push(s);
-        if let Some(q) = &a.qemu {
-            let s = run_qemu(a, q).with_context(|| format!("qemu run {i}"))?;
+        for (name, kernel, samples) in &mut variants {
+            let s = match (kernel, &a.qemu) {
+                (Some(k), _) => run_ours(a, k, i),
+                (None, Some(q)) => run_qemu(a, q),
+                (None, None) => continue,
+            }
+            .with_context(|| format!("{name} run {i}"))?;
             println!(
-                "run {i} qemu:   init {:.1} ms, first vsock answer {:.1} ms, rss {} KiB, pss {} KiB",
+                "run {i} {name}: init {:.1} ms, first vsock answer {:.1} ms, rss {} KiB, pss {} KiB",
                 s.init_ms, s.vsock_ms, s.rss_kib, s.pss_kib
             );
-            qemu.push(s);
+            samples.push(s);
         }
     }
-    let o = summary("ours", &ours);
-    if !qemu.is_empty() {
-        let q = summary("qemu", &qemu);
-        println!(
-            "BENCH ratio ours/qemu: init {:.2} first_vsock {:.2} rss {:.2} pss {:.2}",
-            o[0] / q[0],
-            o[1] / q[1],
-            o[2] / q[2],
-            o[3] / q[3]
-        );
+    let mut json = serde_json::Map::new();
+    for (name, _, samples) in &variants {
+        json.insert(name.to_string(), summary(name, samples));
     }
+    if let Some(q) = json.get("qemu") {
+        for (name, o) in json.iter().filter(|(n, _)| *n != "qemu") {
+            let r = |k: &str| o[k].as_f64().unwrap_or(f64::NAN) / q[k].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "BENCH ratio {name}/qemu: init {:.2} first_vsock {:.2} rss {:.2} pss {:.2}",
+                r("init_ms"),
+                r("first_vsock_ms"),
+                r("vmm_rss_kib"),
+                r("vmm_pss_kib")
+            );
+        }
+    }
+    println!("BENCH-JSON {}", serde_json::Value::Object(json));
     Ok(())
 }

@@ -281,11 +281,42 @@ pub struct Vm {
     disk_slots: Vec<DiskSlot>,
     entry: u64,
     stop_timeout: Duration,
+    phases: BuildPhases,
+}
+
+/// How long each step of [`Vm::new`] took, in order: the VMM's side of a boot-time
+/// breakdown (`vessel-shim run` reports them, `vessel-shim bench` takes their medians).
+#[derive(Debug, Clone)]
+pub struct BuildPhases {
+    last: Instant,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl BuildPhases {
+    fn start() -> BuildPhases {
+        BuildPhases {
+            last: Instant::now(),
+            steps: Vec::new(),
+        }
+    }
+
+    /// Ends step `name`, begun where the last one ended.
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.steps.push((name, now - self.last));
+        self.last = now;
+    }
+
+    /// The steps and their durations, in order.
+    pub fn steps(&self) -> &[(&'static str, Duration)] {
+        &self.steps
+    }
 }
 
 impl Vm {
     /// Builds the VM: memory, kernel, initrd, boot tables, irqchip, devices and vCPUs.
     pub fn new(cfg: &VmConfig) -> Result<Vm, VmError> {
+        let mut phases = BuildPhases::start();
         if cfg.vcpus == 0 || cfg.vcpus > 254 {
             return Err(VmError::Config(format!(
                 "vcpus must be 1..=254, not {}",
@@ -326,6 +357,7 @@ impl Vm {
             ..Default::default()
         };
         vm.create_pit2(pit).map_err(ioctl("create_pit2"))?;
+        phases.mark("kvm");
 
         let mem = GuestMemoryMmap::<()>::from_ranges(&boot::ram_ranges(cfg.mem_mib << 20))
             .map_err(|e| VmError::Memory(e.to_string()))?;
@@ -360,11 +392,14 @@ impl Vm {
             }
         }
 
+        phases.mark("memory");
         let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
+        phases.mark("kernel");
         let initrd = match &cfg.initrd {
             Some(p) => Some(boot::load_initrd(&mem, p, boot::initrd_addr_max(&kernel))?),
             None => None,
         };
+        phases.mark("initrd");
         let mut mmio = MmioBus::default();
         let mut device_args = Vec::new();
         let max_devices = (mptable::IOAPIC_PINS as u32 - VIRTIO_IRQ_BASE) as usize;
@@ -433,6 +468,7 @@ impl Vm {
             device_args.push(MmioTransport::cmdline_arg(base, irq));
         }
         let mmio = Arc::new(mmio);
+        phases.mark("devices");
 
         let mut cmdline = String::from(
             "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.dumbkbd nomodule",
@@ -497,6 +533,7 @@ impl Vm {
             }
             vcpus.push(vcpu);
         }
+        phases.mark("vcpus");
         Ok(Vm {
             _kvm: kvm,
             vm,
@@ -508,7 +545,13 @@ impl Vm {
             disk_slots,
             entry: kernel.entry,
             stop_timeout: Duration::from_millis(cfg.stop_timeout_ms),
+            phases,
         })
+    }
+
+    /// How long each step of building this VM took.
+    pub fn build_phases(&self) -> &BuildPhases {
+        &self.phases
     }
 
     /// The kernel entry point.
