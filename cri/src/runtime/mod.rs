@@ -288,19 +288,20 @@ impl Runtime {
     /// flat pods where every host id can reach the state dir's `userns` (their containers'
     /// roots are under it).
     pub fn handler_has_userns(&self, handler: &str) -> bool {
-        let vm = &self.opts.vm;
-        let wants_vm = match handler {
-            "flat" => false,
-            "vm" => true,
-            "" => self.opts.default_handler == "vm",
-            _ => return false,
-        };
-        if wants_vm && vm.ready {
-            return true;
+        match self.admission().handler_backend(handler) {
+            Some(BackendKind::Vm) => true,
+            Some(BackendKind::Flat) => self.dirs.userns_root_reachable(),
+            None => false,
         }
-        // Refused pods have nothing; the others run flat.
-        let refused = wants_vm && handler == "vm" && !vm.fallback;
-        !refused && self.dirs.userns_root_reachable()
+    }
+
+    /// The node's policy for choosing a pod's backend.
+    fn admission(&self) -> crate::sandbox::Admission<'_> {
+        crate::sandbox::Admission {
+            default_handler: &self.opts.default_handler,
+            vm: &self.opts.vm,
+            host_namespaces: self.opts.vm_cfg.host_namespaces,
+        }
     }
 
     /// The backend of a pod (by its record).

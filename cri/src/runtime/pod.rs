@@ -32,15 +32,7 @@ impl Runtime {
         let userns = crate::userns::of_pod(&config).map_err(|e| {
             RuntimeError::InvalidArgument(format!("RunPodSandbox {:?}: {e}", meta.name))
         })?;
-        let backend = sandbox::choose(
-            &config,
-            handler,
-            &sandbox::Admission {
-                default_handler: &self.opts.default_handler,
-                vm: &self.opts.vm,
-                host_namespaces: self.opts.vm_cfg.host_namespaces,
-            },
-        )?;
+        let backend = sandbox::choose(&config, handler, &self.admission())?;
         if userns.is_some() && backend == BackendKind::Flat && !self.dirs.userns_root_reachable() {
             return Err(RuntimeError::FailedPrecondition(format!(
                 "RunPodSandbox {:?}: a flat pod's user namespace needs {} reachable by every \

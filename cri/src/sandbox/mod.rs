@@ -300,6 +300,29 @@ pub struct Admission<'a> {
     pub host_namespaces: crate::config::HostNamespacesPolicy,
 }
 
+impl Admission<'_> {
+    /// Whether pods of runtime `handler` ask for a VM; `None` for an unknown handler.
+    fn wants_vm(&self, handler: &str) -> Option<bool> {
+        match handler {
+            "flat" => Some(false),
+            "vm" => Some(true),
+            "" => Some(self.default_handler == "vm"),
+            _ => None,
+        }
+    }
+
+    /// The backend pods of runtime `handler` get when they ask for no host namespace or
+    /// privilege (those run flat); `None` for an unknown handler, or one this node refuses
+    /// (`vm` without a usable VM and without fallback). What [`choose`] decides, for `Status`.
+    pub fn handler_backend(&self, handler: &str) -> Option<BackendKind> {
+        match self.wants_vm(handler)? {
+            true if self.vm.ready => Some(BackendKind::Vm),
+            true if handler == "vm" && !self.vm.fallback => None,
+            _ => Some(BackendKind::Flat),
+        }
+    }
+}
+
 /// The backends pods can get on this node.
 pub fn available(vm: &VmSupport) -> Vec<&'static str> {
     let mut b = vec![BackendKind::Flat.as_str()];
@@ -320,15 +343,10 @@ pub fn choose(
     policy: &Admission<'_>,
 ) -> Result<BackendKind> {
     let meta = config.metadata.clone().unwrap_or_default();
-    let wants_vm = match handler {
-        "flat" => false,
-        "vm" => true,
-        "" => policy.default_handler == "vm",
-        other => {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "unknown runtime handler {other:?} (known: flat, vm)"
-            )))
-        }
+    let Some(wants_vm) = policy.wants_vm(handler) else {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "unknown runtime handler {handler:?} (known: flat, vm)"
+        )));
     };
     if !wants_vm {
         return Ok(BackendKind::Flat);
