@@ -319,25 +319,32 @@ run_l1() {
     -append "console=ttyS0 quiet panic=-1 kvm_amd.nested=1 rdinit=/init" </dev/null 2>&1 |
     tee "$WORK/l1-console.log" | grep --line-buffered -v '^\s*$' | sed -u 's/\r$//'
 }
-# An emulated L1 running nested guests now and then stops for good: its vCPU halted, QEMU
-# idle, no timer interrupt coming (a TCG nested-SVM problem, by all signs; seen in a few of
-# the 20-minute pods runs). The pods harness prints a heartbeat every 120 s, so a console silent for 200 s
-# is such a stop: an NMI through QEMU's monitor wakes the vCPU. Silent 200 s more, L1 is
-# given up at once (and retried) instead of at the watchdog.
+# An emulated L1 running nested guests now and then stops for good (seen in a few of the
+# 10-20 minute pods runs): QEMU idle, L1's vCPU halted with interrupts enabled, and its local
+# APIC holding the timer interrupt in IRR, never delivered (a lost wake-up in QEMU 7.2's TCG
+# with nested SVM; neither an NMI nor the monitor's stop/cont wakes it). The pods harness
+# prints a heartbeat every 120 s, so after 150 s of silence the watcher asks QEMU's monitor:
+# halted with an interrupt pending, twice 10 s apart, is that stop, and L1 is given up at
+# once (the retry below starts). Silent for 400 s, L1 is given up whatever its state.
+stuck_l1() {
+  local out
+  out=$( (printf 'info registers\n'; sleep 1; printf 'info lapic\n'; sleep 1) |
+    timeout 10 socat - "UNIX-CONNECT:$MON" 2>/dev/null | tr -d '\r')
+  echo "$out" | grep -q 'HLT=1' && echo "$out" | grep -Eq '^IRR[[:space:]]+[0-9]'
+}
 watch_l1() {
-  local nmi_at=0 now age
+  local now age
   while sleep 20; do
     [ -S "$MON" ] && [ -f "$WORK/l1-console.log" ] || continue
     now=$(date +%s); age=$(( now - $(stat -c %Y "$WORK/l1-console.log") ))
     if [ "$age" -ge 400 ]; then
-      log "L1 silent for ${age}s after an NMI: stopping it"
-      printf 'quit\n' | timeout 5 socat - "UNIX-CONNECT:$MON" >/dev/null 2>&1
-      nmi_at=0
-    elif [ "$age" -ge 200 ] && [ $(( now - nmi_at )) -ge 200 ]; then
-      log "L1 silent for ${age}s (its vCPU stopped?): sending it an NMI"
-      printf 'nmi\n' | timeout 5 socat - "UNIX-CONNECT:$MON" >/dev/null 2>&1
-      nmi_at=$now
+      log "L1 silent for ${age}s: stopping it"
+    elif [ "$age" -ge 150 ] && stuck_l1 && sleep 10 && stuck_l1; then
+      log "L1 silent for ${age}s, its vCPU halted with an interrupt pending (QEMU lost the wake-up): stopping it"
+    else
+      continue
     fi
+    printf 'quit\n' | timeout 5 socat - "UNIX-CONNECT:$MON" >/dev/null 2>&1
   done
 }
 watcher=
