@@ -339,7 +339,8 @@ watch_l1() {
     now=$(date +%s); age=$(( now - $(stat -c %Y "$WORK/l1-console.log") ))
     if [ "$age" -ge 400 ]; then
       log "L1 silent for ${age}s: stopping it"
-    elif [ "$age" -ge 150 ] && stuck_l1 && sleep 10 && stuck_l1; then
+    elif [ "$age" -ge 150 ] && stuck_l1 && sleep 10 && stuck_l1 &&
+      [ $(( $(date +%s) - $(stat -c %Y "$WORK/l1-console.log") )) -ge 150 ]; then
       log "L1 silent for ${age}s, its vCPU halted with an interrupt pending (QEMU lost the wake-up): stopping it"
     else
       continue

@@ -234,8 +234,6 @@ pub fn sh_container(name: &str, image: &str, script: &str) -> cri::ContainerConf
     }
 }
 
-/// A pod config named `name` in `namespace`, with its name as hostname, logging in the
-/// directory `name` under `logs`.
 /// A TCP port on 127.0.0.1 that was free a moment ago, for a test's hostPort.
 pub fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -253,6 +251,8 @@ pub fn tcp_host_port(container_port: i32, host_port: u16) -> cri::PortMapping {
     }
 }
 
+/// A pod config named `name` in `namespace`, with its name as hostname, logging in the
+/// directory `name` under `logs`.
 pub fn pod_config(name: &str, namespace: &str, logs: &Path) -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {
         metadata: pod_metadata(name, namespace),

@@ -11,8 +11,9 @@
 //! first vCPU entry: its `exec`, measured from the spawn time we pass in `VESSEL_BENCH_SPAWN_NS`,
 //! then the shim's `built_ms`, whose steps it reports as `build_phases_ms`), `kernel` (first
 //! vCPU entry to the guest's `init` line, on the shim's clock) and init to the first vsock
-//! answer; `console_lag` is how much later than the shim we read the `init` line. With `--vmlinux`, vessel-shim also boots the uncompressed ELF kernel,
-//! as VM pods do (QEMU `-M microvm` boots the bzImage: it cannot direct-boot this ELF).
+//! answer; `console_lag` is how much later than the shim we read the `init` line. With
+//! `--vmlinux`, vessel-shim also boots the uncompressed ELF kernel, as VM pods do (QEMU
+//! `-M microvm` boots the bzImage: it cannot direct-boot this ELF).
 //! The last line is `BENCH-JSON {...}`: the medians of each variant.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -44,8 +45,10 @@ struct Sample {
     vmm_ms: f64,
     /// First vCPU entry to the guest's `init` line, on the shim's clock (vessel-shim only).
     kernel_ms: f64,
-    /// The steps of `vmm_ms` (the shim's `build_phases_ms`), and `console_lag`.
+    /// The steps of `vmm_ms` (the shim's `build_phases_ms`), in order.
     phases: Vec<(String, f64)>,
+    /// How much later than the shim we read the `init` line (vessel-shim only).
+    console_lag_ms: f64,
 }
 
 /// (total RSS, total PSS) minus the guest-memory mapping(s): mappings of exactly `mem_kib`.
@@ -209,10 +212,10 @@ fn run_ours(a: &BenchArgs, kernel: &Path, i: usize) -> Result<Sample> {
     // clocks' init times is the console line's way to us through the pipe (`console_lag`):
     // with one CPU, this reader waits for the busy vCPU thread to yield.
     let phases: Vec<(String, f64)> = v["build_phases_ms"]
-        .as_object()
+        .as_array()
         .map(|p| {
             p.iter()
-                .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(0.0)))
+                .filter_map(|pair| Some((pair[0].as_str()?.to_string(), pair[1].as_f64()?)))
                 .collect()
         })
         .unwrap_or_default();
@@ -223,8 +226,7 @@ fn run_ours(a: &BenchArgs, kernel: &Path, i: usize) -> Result<Sample> {
     s.vmm_ms = exec + built;
     s.kernel_ms = init - built;
     s.phases = phases;
-    s.phases
-        .push(("console_lag".into(), s.init_ms - init - exec));
+    s.console_lag_ms = s.init_ms - init - exec;
     Ok(s)
 }
 
@@ -310,8 +312,8 @@ fn summary(name: &str, s: &[Sample]) -> serde_json::Value {
     let med = |f: fn(&Sample) -> f64| median(s.iter().map(f).collect());
     let (init, vsock, vmm) = (med(|x| x.init_ms), med(|x| x.vsock_ms), med(|x| x.vmm_ms));
     let (rss, pss) = (med(|x| x.rss_kib as f64), med(|x| x.pss_kib as f64));
-    // The VMM's steps, by the order of the first run (medians, like the rest).
-    let steps: serde_json::Map<String, serde_json::Value> = s
+    // The VMM's steps in the order of the first run, each the median over the runs.
+    let steps: Vec<(String, f64)> = s
         .first()
         .map(|f| f.phases.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>())
         .unwrap_or_default()
@@ -322,7 +324,7 @@ fn summary(name: &str, s: &[Sample]) -> serde_json::Value {
                     .filter_map(|x| x.phases.iter().find(|(n, _)| *n == k).map(|p| p.1))
                     .collect(),
             );
-            (k, serde_json::json!(m))
+            (k, m)
         })
         .collect();
     let phases = if vmm > 0.0 {
@@ -330,12 +332,10 @@ fn summary(name: &str, s: &[Sample]) -> serde_json::Value {
         // totals (measured here, as for QEMU) include `console_lag`.
         let kernel = med(|x| x.kernel_ms);
         let user = med(|x| x.vsock_ms - x.init_ms);
-        let list: Vec<String> = steps
-            .iter()
-            .map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0)))
-            .collect();
+        let list: Vec<String> = steps.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
+        let lag = med(|x| x.console_lag_ms);
         format!(
-            " (vmm {vmm:.1} [{}] + kernel {kernel:.1}; init to vsock {user:.1})",
+            " (vmm {vmm:.1} [{}] + kernel {kernel:.1}; init to vsock {user:.1}; console lag {lag:.1})",
             list.join(", ")
         )
     } else {
@@ -347,7 +347,10 @@ fn summary(name: &str, s: &[Sample]) -> serde_json::Value {
     );
     serde_json::json!({
         "runs": s.len(), "init_ms": init, "first_vsock_ms": vsock, "vmm_ms": vmm,
-        "kernel_ms": (vmm > 0.0).then(|| med(|x| x.kernel_ms)), "vmm_steps_ms": steps,
+        "kernel_ms": (vmm > 0.0).then(|| med(|x| x.kernel_ms)),
+        "console_lag_ms": (vmm > 0.0).then(|| med(|x| x.console_lag_ms)),
+        // [name, ms] pairs, in the order the VMM takes the steps.
+        "vmm_steps_ms": steps,
         "vmm_rss_kib": rss, "vmm_pss_kib": pss,
     })
 }

@@ -343,13 +343,14 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     };
     // Where the time to the first vCPU entry went: the shim's own set-up (spec, network,
     // jail), each step of building the VM, and the rest (sockets, threads) in `built_ms`.
-    let mut phases = serde_json::Map::new();
+    // In order, as [name, ms] pairs.
+    let mut phases = Vec::new();
     if let Some(ms) = exec_ms {
-        phases.insert("exec".into(), serde_json::json!(ms));
+        phases.push(serde_json::json!(["exec", ms]));
     }
-    phases.insert("shim".into(), serde_json::json!(before_vm_ms));
+    phases.push(serde_json::json!(["shim", before_vm_ms]));
     for (name, d) in vm.build_phases().steps() {
-        phases.insert((*name).into(), serde_json::json!(d.as_secs_f64() * 1e3));
+        phases.push(serde_json::json!([name, d.as_secs_f64() * 1e3]));
     }
     // The virtio-fs servers have confined themselves: this thread, and every thread it
     // starts from now on (control, logs, vCPUs, signals), needs no capability.
@@ -426,7 +427,7 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     let total_ms = start.elapsed().as_secs_f64() * 1e3;
     let mut out = serde_json::to_value(&outcome)?;
     out["built_ms"] = serde_json::json!(built_ms);
-    out["build_phases_ms"] = serde_json::Value::Object(phases);
+    out["build_phases_ms"] = serde_json::Value::Array(phases);
     out["total_ms"] = serde_json::json!(total_ms);
     out["events"] = serde_json::Value::Object(events);
     println!("{out}");

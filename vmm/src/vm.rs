@@ -284,7 +284,8 @@ pub struct Vm {
     phases: BuildPhases,
 }
 
-/// How long each step of [`Vm::new`] took, in order: the VMM's side of a boot-time
+/// How long each step of [`Vm::new`] took, in order (`kvm`, `memory`, `kernel_load`, `initrd`,
+/// `devices`, `vcpus`): the VMM's side of a boot-time
 /// breakdown (`vessel-shim run` reports them, `vessel-shim bench` takes their medians).
 #[derive(Debug, Clone)]
 pub struct BuildPhases {
@@ -394,7 +395,7 @@ impl Vm {
 
         phases.mark("memory");
         let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
-        phases.mark("kernel");
+        phases.mark("kernel_load");
         let initrd = match &cfg.initrd {
             Some(p) => Some(boot::load_initrd(&mem, p, boot::initrd_addr_max(&kernel))?),
             None => None,
