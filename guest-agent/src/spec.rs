@@ -20,6 +20,8 @@ use oci_spec::runtime::{
     RootBuilder, Spec,
 };
 
+use crate::error::AgentError;
+
 /// Capabilities a container gets by default (containerd's and Docker's set): what vesseld
 /// gives a container whose request adds or drops none, and what the agent's tests give theirs.
 pub const DEFAULT_CAPS: &[&str] = &[
@@ -38,8 +40,6 @@ pub const DEFAULT_CAPS: &[&str] = &[
     "CAP_KILL",
     "CAP_AUDIT_WRITE",
 ];
-
-use crate::error::AgentError;
 
 /// The `/proc/<pid>/ns/<name>` name of a namespace type.
 pub fn ns_file_name(t: LinuxNamespaceType) -> &'static str {

@@ -199,8 +199,8 @@ fn run_ours(a: &BenchArgs, kernel: &Path, i: usize) -> Result<Sample> {
     });
     let _ = child.wait();
     let mut s = r?;
-    // The shim's report: `built_ms` (its start to the first vCPU entry) and the init event,
-    // both on its own clock; the difference of the init times is its exec.
+    // The shim's report: `built_ms` (its start to the first vCPU entry), the init event on
+    // its own clock, and its build phases (`exec` first).
     let mut report = String::new();
     out.read_to_string(&mut report)?;
     let v: serde_json::Value =

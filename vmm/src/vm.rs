@@ -284,9 +284,10 @@ pub struct Vm {
     phases: BuildPhases,
 }
 
-/// How long each step of [`Vm::new`] took, in order (`kvm`, `memory`, `kernel_load`, `initrd`,
-/// `devices`, `vcpus`): the VMM's side of a boot-time
-/// breakdown (`vessel-shim run` reports them, `vessel-shim bench` takes their medians).
+/// How long each step of [`Vm::new`] took, in order: `kvm`, `memory`, `kernel_load`, `initrd`,
+/// `devices`, and `vcpus` (which also writes the boot parameters and tables and sets up the
+/// console). The VMM's side of a boot-time breakdown: `vessel-shim run` reports them,
+/// `vessel-shim bench` takes their medians.
 #[derive(Debug, Clone)]
 pub struct BuildPhases {
     last: Instant,

@@ -753,8 +753,8 @@ fn image_name(config: &cri::ContainerConfig) -> String {
         .unwrap_or_default()
 }
 
-/// Whether this host has the hugetlb cgroup controller (a v1 hierarchy, or v2's list).
-/// Whether the host has the hugetlb cgroup controller (a fact of the boot: read once).
+/// Whether this host has the hugetlb cgroup controller, a v1 hierarchy or in v2's list (a
+/// fact of the boot: read once).
 fn host_has_hugetlb() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
