@@ -159,7 +159,7 @@ fi
 G="$WORK/guest-initrd"
 rm -rf "$G"; mkdir -p "$G"/{bin,sbin,proc,sys,dev,tmp}
 cp /bin/busybox "$G/bin/busybox"
-for a in sh mount sed grep cat echo head poweroff reboot sleep dd ip ifconfig ping dmesg; do ln -sf busybox "$G/bin/$a"; done
+for a in sh mount sed grep cat echo head poweroff reboot sleep dd ip ifconfig ping dmesg taskset; do ln -sf busybox "$G/bin/$a"; done
 install -m 0755 images/guest/harness/guest-init.sh "$G/init"
 gcc -static -O2 -Wall -o "$G/bin/vsock-echo" images/guest/harness/vsock-echo.c
 # Also in L1's PATH: the pods suite bind-mounts it into containers to try AF_VSOCK from there.
@@ -185,11 +185,12 @@ add_mod() { # name, with dependencies first
   case " ${mods[*]:-} " in *" $f "*) ;; *) mods+=("$f") ;; esac
 }
 for m in kvm_amd tun vhost_vsock; do add_mod "$m"; done
-# Pods: overlayfs for flat pods' root filesystems, erofs and loop for layer images; veth and
-# bridge for the CNI bridge plugin; ingress qdisc, u32 filter and mirred action for a VM pod's
-# tap joined to its CNI interface.
+# The net_mq test's pod network: a veth into a netns, joined to the shim's tap by tc.
+for m in veth sch_ingress cls_u32 act_mirred; do add_mod "$m"; done
+# Pods: overlayfs for flat pods' root filesystems, erofs and loop for layer images; the
+# bridge (with the veths above) for the CNI bridge plugin.
 if [ "$mode" = pods ]; then
-  for m in overlay erofs loop veth bridge sch_ingress cls_u32 act_mirred; do add_mod "$m"; done
+  for m in overlay erofs loop bridge; do add_mod "$m"; done
   # iptables (nft) for the portmap CNI plugin's host-port rules.
   for m in nf_tables nft_compat nft_chain_nat nft_nat nft_masq nft_ct xt_comment xt_multiport \
     xt_nat xt_MASQUERADE xt_mark xt_addrtype xt_conntrack xt_tcpudp; do add_mod "$m"; done

@@ -265,17 +265,21 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         }
     }
     if let Some(net) = &cfg.shim.pod_net {
-        match vessel_shim::podnet::plug(net) {
+        // A queue pair per vCPU (multiqueue virtio-net), up to the device's most.
+        let queues = usize::from(cfg.vm.vcpus).clamp(1, vessel_vmm::virtio::net::MAX_QUEUE_PAIRS);
+        match vessel_shim::podnet::plug(net, queues) {
             Ok(p) => {
-                tracing::info!(netns = %net.netns.display(), tap = %net.tap, mac = %p.mac_string(), mtu = p.mtu, "pod network plugged");
+                tracing::info!(netns = %net.netns.display(), tap = %net.tap, mac = %p.mac_string(), mtu = p.mtu, queues, "pod network plugged");
                 let mac = p.mac_string();
-                // The VM takes the tap fd over (spec `tap_fd`); it is the first interface.
-                let fd = std::os::fd::IntoRawFd::into_raw_fd(p.tap);
+                // The VM takes the tap fds over (spec `tap_fd`, `queue_fds`); it is the first
+                // interface.
+                let mut fds = p.taps.into_iter().map(std::os::fd::IntoRawFd::into_raw_fd);
                 cfg.vm.nets.insert(
                     0,
                     vessel_vmm::vm::NetConfig {
                         tap: None,
-                        tap_fd: Some(fd),
+                        tap_fd: fds.next(),
+                        queue_fds: fds.collect(),
                         mac: Some(mac),
                         mtu: Some(p.mtu),
                     },

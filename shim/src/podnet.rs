@@ -44,7 +44,8 @@ fn default_tap() -> String {
 /// The guest's side, ready for a virtio-net device.
 #[derive(Debug)]
 pub struct Plugged {
-    pub tap: OwnedFd,
+    /// The tap's queues: one, or one per queue pair of a multiqueue device.
+    pub taps: Vec<OwnedFd>,
     /// The CNI interface's MAC, for the guest's eth0.
     pub mac: [u8; 6],
     pub mtu: u16,
@@ -78,13 +79,14 @@ pub enum PodNetError {
     Tc { op: String, source: std::io::Error },
 }
 
-/// Creates the tap in `net.netns` and connects it to `net.peer`. Runs on a thread of its own
-/// that joins the namespace; the rest of the shim stays where it is.
-pub fn plug(net: &PodNet) -> Result<Plugged, PodNetError> {
+/// Creates the tap in `net.netns`, with `queues` queues (`IFF_MULTI_QUEUE` for more than
+/// one), and connects it to `net.peer`. Runs on a thread of its own that joins the namespace;
+/// the rest of the shim stays where it is.
+pub fn plug(net: &PodNet, queues: usize) -> Result<Plugged, PodNetError> {
     let net = net.clone();
     let t = std::thread::Builder::new()
         .name("pod-net".into())
-        .spawn(move || plug_here(&net))
+        .spawn(move || plug_here(&net, queues))
         .map_err(|source| PodNetError::Tap {
             name: String::new(),
             detail: format!("thread: {source}"),
@@ -97,7 +99,7 @@ pub fn plug(net: &PodNet) -> Result<Plugged, PodNetError> {
     })
 }
 
-fn plug_here(net: &PodNet) -> Result<Plugged, PodNetError> {
+fn plug_here(net: &PodNet, queues: usize) -> Result<Plugged, PodNetError> {
     enter_netns(&net.netns)?;
     let iface = |name: &str| {
         let name = name.to_string();
@@ -107,9 +109,11 @@ fn plug_here(net: &PodNet) -> Result<Plugged, PodNetError> {
     let peer = index_of(&net.peer).map_err(iface(&net.peer))?;
     let mac = hwaddr(&ctl, &net.peer).map_err(iface(&net.peer))?;
     let mtu = get_mtu(&ctl, &net.peer).map_err(iface(&net.peer))?;
-    let tap = vessel_vmm::virtio::net::create_tap(&net.tap).map_err(|e| PodNetError::Tap {
-        name: net.tap.clone(),
-        detail: e.to_string(),
+    let taps = vessel_vmm::virtio::net::create_tap_queues(&net.tap, queues).map_err(|e| {
+        PodNetError::Tap {
+            name: net.tap.clone(),
+            detail: e.to_string(),
+        }
     })?;
     set_mtu(&ctl, &net.tap, mtu).map_err(iface(&net.tap))?;
     set_up(&ctl, &net.tap).map_err(iface(&net.tap))?;
@@ -137,8 +141,7 @@ fn plug_here(net: &PodNet) -> Result<Plugged, PodNetError> {
             .map_err(op(&format!("add u32 redirect to {to_name}")))?;
     }
     Ok(Plugged {
-        // SAFETY: the File is consumed into its raw fd, which the OwnedFd now owns alone.
-        tap: unsafe { OwnedFd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(tap)) },
+        taps: taps.into_iter().map(OwnedFd::from).collect(),
         mac,
         mtu,
     })

@@ -87,23 +87,30 @@ fn packet_socket(ifname: &str) -> OwnedFd {
     fd
 }
 
-/// Reads frames from `fd` (after a `skip`-byte header) until one has our ethertype and
+/// Reads frames from `fds` (after a `skip`-byte header) until one has our ethertype and
 /// `payload`, or 5 s pass.
-fn expect_frame(fd: &OwnedFd, skip: usize, payload: &[u8]) -> bool {
+fn expect_frame(fds: &[OwnedFd], skip: usize, payload: &[u8]) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut buf = [0u8; 2048];
     while Instant::now() < deadline {
-        // SAFETY: read(2) writes at most buf.len() bytes into buf.
-        let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n <= 0 {
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
+        let mut got_any = false;
+        for fd in fds {
+            // SAFETY: read(2) writes at most buf.len() bytes into buf.
+            let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                continue;
+            }
+            got_any = true;
+            let Some(f) = buf[..usize::try_from(n).unwrap()].get(skip..) else {
+                continue;
+            };
+            if f.len() >= 14 && f[12..14] == ETHERTYPE.to_be_bytes() && f[14..].starts_with(payload)
+            {
+                return true;
+            }
         }
-        let Some(f) = buf[..usize::try_from(n).unwrap()].get(skip..) else {
-            continue;
-        };
-        if f.len() >= 14 && f[12..14] == ETHERTYPE.to_be_bytes() && f[14..].starts_with(payload) {
-            return true;
+        if !got_any {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
     false
@@ -164,7 +171,8 @@ fn podnet() {
         peer: "eth0".into(),
         tap: "vessel-tap0".into(),
     };
-    let plugged = plug(&net).expect("plugging the tap");
+    let plugged = plug(&net, 1).expect("plugging the tap");
+    assert_eq!(plugged.taps.len(), 1);
     assert_eq!(plugged.mtu, 1400);
     assert_eq!(plugged.mac_string(), mac);
     let filters = Command::new("ip")
@@ -181,25 +189,38 @@ fn podnet() {
 
     // Guest -> network: a frame written to the tap (after its all-zero virtio-net header)
     // leaves through the veth.
-    let host = packet_socket(&pod.host_if);
+    let host = [packet_socket(&pod.host_if)];
     let mut out = vec![0u8; NET_HDR_LEN];
     out.extend(frame([2, 0, 0, 0, 0, 1], b"from-the-guest"));
-    write_all(&plugged.tap, &out);
+    write_all(&plugged.taps[0], &out);
     assert!(
         expect_frame(&host, 0, b"from-the-guest"),
         "the guest's frame did not reach the veth"
     );
     // Network -> guest: a frame arriving on eth0 is read from the tap, after its header.
-    write_all(&host, &frame([2, 0, 0, 0, 0, 2], b"to-the-guest"));
+    write_all(&host[0], &frame([2, 0, 0, 0, 0, 2], b"to-the-guest"));
     assert!(
-        expect_frame(&plugged.tap, NET_HDR_LEN, b"to-the-guest"),
+        expect_frame(&plugged.taps, NET_HDR_LEN, b"to-the-guest"),
         "the network's frame did not reach the tap"
     );
 
-    // Plugging again (a new shim for the same pod) replaces the filters; closing the tap
-    // removes it.
+    // Plugging again (a new shim for the same pod, here with two vCPUs: a multiqueue tap)
+    // replaces the filters; both queues carry frames; closing the tap removes it.
     drop(plugged);
-    let again = plug(&net).expect("plugging a second time");
+    let again = plug(&net, 2).expect("plugging a second time, with two queues");
+    assert_eq!(again.taps.len(), 2);
+    let mut out = vec![0u8; NET_HDR_LEN];
+    out.extend(frame([2, 0, 0, 0, 0, 1], b"from-queue-1"));
+    write_all(&again.taps[1], &out);
+    assert!(
+        expect_frame(&host, 0, b"from-queue-1"),
+        "a frame written to the second queue did not reach the veth"
+    );
+    write_all(&host[0], &frame([2, 0, 0, 0, 0, 2], b"to-some-queue"));
+    assert!(
+        expect_frame(&again.taps, NET_HDR_LEN, b"to-some-queue"),
+        "the network's frame reached neither queue"
+    );
     drop(again);
     let links = ip(&["-n", &pod.ns, "link", "show"]);
     assert!(

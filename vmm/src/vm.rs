@@ -3,6 +3,7 @@
 
 use std::fs::OpenOptions;
 use std::io::Write;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::thread::JoinHandleExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -158,6 +159,10 @@ pub struct NetConfig {
     pub tap: Option<String>,
     #[serde(default)]
     pub tap_fd: Option<i32>,
+    /// With `tap_fd`: the further queues of the same multi-queue tap, one per extra queue
+    /// pair the guest is offered (VIRTIO_NET_F_MQ). Owned like `tap_fd`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queue_fds: Vec<i32>,
     /// `aa:bb:cc:dd:ee:ff`; the guest picks a random one if absent.
     #[serde(default)]
     pub mac: Option<String>,
@@ -432,21 +437,31 @@ impl Vm {
         for n in &cfg.nets {
             let mac = n.mac.as_deref().map(net::parse_mac).transpose()?;
             let dev = match (&n.tap, n.tap_fd) {
-                (Some(name), None) => Net::new(net::open_tap(name)?.into(), mac)?,
+                (Some(name), None) if n.queue_fds.is_empty() => {
+                    Net::new(net::open_tap(name)?.into(), mac)?
+                }
                 (None, Some(fd)) => {
-                    // SAFETY: F_GETFD only queries the descriptor table.
-                    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-                        return Err(VmError::Config(format!(
-                            "tap_fd {fd} is not an open descriptor"
-                        )));
+                    let fds: Vec<i32> = std::iter::once(fd).chain(n.queue_fds.clone()).collect();
+                    for (i, fd) in fds.iter().enumerate() {
+                        // SAFETY: F_GETFD only queries the descriptor table.
+                        let open = unsafe { libc::fcntl(*fd, libc::F_GETFD) } >= 0;
+                        if *fd < 3 || fds[..i].contains(fd) || !open {
+                            return Err(VmError::Config(format!(
+                                "tap fd {fd} is not an open descriptor of its own"
+                            )));
+                        }
                     }
-                    // SAFETY: the spec hands this process the (open, checked above) fd; nothing
-                    // else in the process uses that number.
-                    unsafe { Net::from_raw_fd(fd, mac)? }
+                    let owned = fds
+                        .into_iter()
+                        // SAFETY: the spec hands this process these (open, distinct, checked
+                        // above) fds; nothing else in the process uses those numbers.
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+                        .collect();
+                    Net::with_queues(owned, mac)?
                 }
                 _ => {
                     return Err(VmError::Config(
-                        "a net needs exactly one of tap, tap_fd".into(),
+                        "a net needs exactly one of tap, tap_fd (queue_fds go with tap_fd)".into(),
                     ))
                 }
             };

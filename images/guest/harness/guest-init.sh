@@ -27,6 +27,17 @@ case "$t" in
     echo "vessel-event: net-mac-$(cat /sys/class/net/eth0/address)"
     if ping -c 1 -W 5 10.0.2.1 >/dev/null 2>&1; then echo "vessel-event: net-ping-ok"; fi
     poweroff -f ;;
+  net_mq)
+    # A pod network with a multiqueue tap and two vCPUs: the driver enabled both queue
+    # pairs, and each CPU's TX queue reaches the host (XPS maps tx-N to CPU N).
+    ip link set lo up
+    ip addr add 10.0.3.2/24 dev eth0 && ip link set eth0 up
+    set -- /sys/class/net/eth0/queues/rx-*
+    echo "vessel-event: net-queues-$#"
+    ok=yes
+    for cpu in 1 2; do taskset "$cpu" ping -c 2 -W 5 10.0.3.1 >/dev/null 2>&1 || ok=no; done
+    [ $ok = yes ] && echo "vessel-event: net-ping-ok"
+    poweroff -f ;;
   bench)
     /bin/vsock-echo listen 1234 >/dev/null
     /bin/vsock-echo listen 1235 >/dev/null

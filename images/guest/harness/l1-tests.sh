@@ -83,6 +83,23 @@ t_net() {
   "$IP" link del vtap0
   rc_is net 0 && out_has net '"net-mac-52:54:00:12:34:56":' && out_has net '"net-ping-ok":' && [ "$rx" -gt 0 ] && [ "$tx" -gt 0 ]
 }
+t_net_mq() {
+  # The pod network as CNI leaves it (a netns holding eth0, one end of a veth) and a guest
+  # with two vCPUs: the shim plugs a two-queue tap, the guest enables both pairs and reaches
+  # the veth's other end from each CPU.
+  ns=vessel-mq
+  "$IP" netns add $ns || return 1
+  if ! { "$IP" link add vmq-host type veth peer name eth0 netns $ns &&
+    "$IP" addr add 10.0.3.1/24 dev vmq-host && "$IP" link set vmq-host up &&
+    "$IP" -n $ns link set eth0 up; }; then
+    "$IP" netns del $ns; return 1
+  fi
+  spec net_mq net_mq 2 128 "" "\"pod_net\":{\"netns\":\"/run/netns/$ns\"},"
+  shim_run net_mq; cat "$W/net_mq.out"
+  grep -o 'pod network plugged.*' "$W/net_mq.err" | head -n1
+  "$IP" netns del $ns; "$IP" link del vmq-host 2>/dev/null
+  rc_is net_mq 0 && out_has net_mq '"net-queues-2":' && out_has net_mq '"net-ping-ok":'
+}
 t_bad_tap() {
   spec bad_tap init 1 128 "" '"nets":[{"tap":"no-such-tap"}],'; shim_run bad_tap
   rc_is bad_tap 1 && grep -q "tap no-such-tap: no such interface" "$W/bad_tap.err" && ! "$IP" link show no-such-tap >/dev/null 2>&1
@@ -235,7 +252,7 @@ t_agent_stop() {
 }
 # --- end of agent_* tests
 
-TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net sigterm sigterm_deadline sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
+TESTS=${VESSEL_TESTS:-"probe boot_to_init boot_elf smp reboot panic two_vms blk vsock net net_mq sigterm sigterm_deadline sigkill_cleanup bad_kernel corrupt_kernel memory_too_large bad_disk bad_tap"}
 [ -n "${VESSEL_TESTS:-}" ] || TESTS="$TESTS shim_hotplug shim_logs agent_boot agent_stop"
 for t in $TESTS; do check "$t" "t_$t"; done
 echo "$pass passed, $fail failed"

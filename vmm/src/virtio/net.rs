@@ -9,10 +9,18 @@
 //! Any other fd (no vnet header) gets no offloads: the header is stripped from frames the guest
 //! sends and prepended (all zeros, `num_buffers = 1`) to frames it receives. A thread polls the
 //! tap; the vCPU thread sends on TX notifications and refills RX when the driver adds buffers.
+//!
+//! Multiqueue: given N > 1 fds on one `IFF_MULTI_QUEUE` tap ([`create_tap_queues`]), the
+//! device offers N queue pairs (VIRTIO_NET_F_MQ, with the control queue it needs), each pair
+//! served by its own thread on its own tap queue. Only the pairs the driver enabled
+//! (`VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET` on the control queue; one until it says more) are
+//! attached to the tap, so that the tap never steers a frame to a queue the guest does not
+//! read. The guest's TX queues follow its CPUs, so a guest with several vCPUs sends from each
+//! without sharing one queue, and the host side copies frames on N threads.
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -25,6 +33,7 @@ use super::{read_config_bytes, DeviceError, Interrupt, VirtioDevice, Worker};
 pub const VIRTIO_ID_NET: u32 = 1;
 const QUEUE_SIZE: u16 = 256;
 const RXQ: usize = 0;
+#[cfg(test)]
 const TXQ: usize = 1;
 const VIRTIO_NET_F_CSUM: u64 = 1 << 0;
 const VIRTIO_NET_F_GUEST_CSUM: u64 = 1 << 1;
@@ -34,6 +43,15 @@ const VIRTIO_NET_F_GUEST_TSO4: u64 = 1 << 7;
 const VIRTIO_NET_F_GUEST_TSO6: u64 = 1 << 8;
 const VIRTIO_NET_F_HOST_TSO4: u64 = 1 << 11;
 const VIRTIO_NET_F_HOST_TSO6: u64 = 1 << 12;
+const VIRTIO_NET_F_CTRL_VQ: u64 = 1 << 17;
+const VIRTIO_NET_F_MQ: u64 = 1 << 22;
+/// The most queue pairs a device offers (one per vCPU up to this).
+pub const MAX_QUEUE_PAIRS: usize = 8;
+/// `virtio_net_ctrl` classes and commands, and the ack values.
+const CTRL_MQ: u8 = 4;
+const CTRL_MQ_VQ_PAIRS_SET: u8 = 0;
+const CTRL_OK: u8 = 0;
+const CTRL_ERR: u8 = 1;
 /// What a tap with a vnet header can do for the guest.
 const OFFLOADS: u64 = VIRTIO_NET_F_CSUM
     | VIRTIO_NET_F_GUEST_CSUM
@@ -41,6 +59,8 @@ const OFFLOADS: u64 = VIRTIO_NET_F_CSUM
     | VIRTIO_NET_F_GUEST_TSO6
     | VIRTIO_NET_F_HOST_TSO4
     | VIRTIO_NET_F_HOST_TSO6;
+/// `virtio_net_config.max_virtqueue_pairs`: after mac[6] and status.
+const CONFIG_PAIRS_OFFSET: usize = 8;
 /// `virtio_net_config.mtu`: after mac[6], status and max_virtqueue_pairs.
 const CONFIG_MTU_OFFSET: usize = 10;
 /// `virtio_net_hdr_v1`: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers.
@@ -101,7 +121,7 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
             "no such interface",
         )));
     }
-    tun_set_iff(name).map_err(err)
+    tun_set_iff(name, false).map_err(err)
 }
 
 /// Creates tap interface `name` in the calling thread's network namespace (or attaches to it
@@ -110,10 +130,22 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
 pub fn create_tap(name: &str) -> Result<File, NetError> {
     let err = tap_error(name);
     valid_tap_name(name).map_err(&err)?;
-    tun_set_iff(name).map_err(err)
+    tun_set_iff(name, false).map_err(err)
 }
 
-fn tun_set_iff(name: &str) -> std::io::Result<File> {
+/// [`create_tap`] with `queues` queues: for more than one, the tap is created
+/// `IFF_MULTI_QUEUE` and each returned fd is one of its queues (a [`Net`] on them offers as
+/// many queue pairs). One queue is a plain tap, as [`create_tap`] makes.
+pub fn create_tap_queues(name: &str, queues: usize) -> Result<Vec<File>, NetError> {
+    let err = tap_error(name);
+    valid_tap_name(name).map_err(&err)?;
+    let multi = queues > 1;
+    (0..queues.max(1))
+        .map(|_| tun_set_iff(name, multi).map_err(&err))
+        .collect()
+}
+
+fn tun_set_iff(name: &str, multi_queue: bool) -> std::io::Result<File> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -122,9 +154,13 @@ fn tun_set_iff(name: &str) -> std::io::Result<File> {
     // struct ifreq: 16 bytes of name, then a union whose first member is the flags (short).
     let mut ifr = [0u8; 40];
     ifr[..name.len()].copy_from_slice(name.as_bytes());
-    // IFF_TAP | IFF_NO_PI | IFF_VNET_HDR is 0x5002: it fits the short flags.
+    let mut flags = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR;
+    if multi_queue {
+        flags |= libc::IFF_MULTI_QUEUE;
+    }
+    // IFF_TAP | IFF_NO_PI | IFF_VNET_HDR | IFF_MULTI_QUEUE is 0x5102: it fits the short flags.
     #[allow(clippy::cast_possible_truncation)]
-    let flags = (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as i16;
+    let flags = flags as i16;
     ifr[16..18].copy_from_slice(&flags.to_ne_bytes());
     // SAFETY: TUNSETIFF reads and writes a struct ifreq, for which `ifr` is a large enough,
     // properly initialised buffer that lives across the call.
@@ -159,6 +195,27 @@ fn vnet_tap(fd: &File) -> bool {
 
 use std::os::unix::fs::OpenOptionsExt;
 
+/// Attaches (`on`) or detaches one queue of a multi-queue tap (TUNSETQUEUE): a detached
+/// queue gets no frames from the tap and takes none.
+fn set_tap_queue(tap: &File, on: bool) -> std::io::Result<()> {
+    let mut ifr = [0u8; 40];
+    let flags = if on {
+        libc::IFF_ATTACH_QUEUE
+    } else {
+        libc::IFF_DETACH_QUEUE
+    };
+    // IFF_ATTACH_QUEUE and IFF_DETACH_QUEUE fit the short flags.
+    #[allow(clippy::cast_possible_truncation)]
+    ifr[16..18].copy_from_slice(&(flags as i16).to_ne_bytes());
+    // SAFETY: TUNSETQUEUE reads a struct ifreq, for which `ifr` is a large enough,
+    // initialised buffer that lives across the call.
+    if unsafe { libc::ioctl(tap.as_raw_fd(), libc::TUNSETQUEUE as _, ifr.as_ptr()) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// One queue pair: its tap queue, and its queues once the driver is ready.
 struct Inner {
     tap: File,
     /// The tap carries a vnet header per frame (offloads possible).
@@ -170,11 +227,22 @@ struct Inner {
     held: Option<Vec<u8>>,
 }
 
-/// The virtio-net device.
-pub struct Net {
+/// A queue pair and the thread that moves its tap's frames into its RX queue.
+struct Pair {
     inner: Arc<Mutex<Inner>>,
     worker: Worker,
-    queue_sizes: [u16; 2],
+}
+
+/// The virtio-net device.
+pub struct Net {
+    pairs: Vec<Pair>,
+    /// The control queue, where the driver enables queue pairs (multiqueue only).
+    ctrl: Option<(GuestMemoryMmap, Queue, Arc<Interrupt>)>,
+    /// Its index: after the pairs the driver uses (2 without VIRTIO_NET_F_MQ).
+    ctrl_index: usize,
+    /// Queue pairs attached to the tap (the driver's choice).
+    enabled: usize,
+    queue_sizes: Vec<u16>,
     mac: Option<[u8; 6]>,
     mtu: Option<u16>,
     vnet: bool,
@@ -187,30 +255,64 @@ fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
 impl Net {
     /// A device on `tap` (an open tap or any frame-per-message fd; set non-blocking here).
     pub fn new(tap: OwnedFd, mac: Option<[u8; 6]>) -> Result<Self, NetError> {
-        let tap = File::from(tap);
-        let vnet = vnet_tap(&tap);
-        // SAFETY: F_GETFL/F_SETFL on a valid, owned fd.
-        unsafe {
-            let fl = libc::fcntl(tap.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(tap.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+        Self::with_queues(vec![tap], mac)
+    }
+
+    /// A device with one queue pair per fd in `taps`: the queues of one multi-queue tap
+    /// ([`create_tap_queues`]); more than [`MAX_QUEUE_PAIRS`] is an error.
+    pub fn with_queues(taps: Vec<OwnedFd>, mac: Option<[u8; 6]>) -> Result<Self, NetError> {
+        if taps.is_empty() || taps.len() > MAX_QUEUE_PAIRS {
+            return Err(NetError::Io(std::io::Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "a net device takes 1 to {MAX_QUEUE_PAIRS} tap queues, not {}",
+                    taps.len()
+                ),
+            )));
         }
-        let inner = Arc::new(Mutex::new(Inner {
-            tap,
-            vnet,
-            active: None,
-            rx_blocked: false,
-            held: None,
-        }));
-        let worker = {
-            let inner = inner.clone();
-            Worker::spawn("virtio-net", move |wake, stop| {
-                event_loop(&inner, wake, stop)
-            })?
-        };
+        let n = taps.len();
+        let mut vnet = true;
+        let mut pairs = Vec::with_capacity(n);
+        for (i, tap) in taps.into_iter().enumerate() {
+            let tap = File::from(tap);
+            vnet &= vnet_tap(&tap);
+            // SAFETY: F_GETFL/F_SETFL on a valid, owned fd.
+            unsafe {
+                let fl = libc::fcntl(tap.as_raw_fd(), libc::F_GETFL);
+                libc::fcntl(tap.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+            }
+            let inner = Arc::new(Mutex::new(Inner {
+                tap,
+                vnet: false,
+                active: None,
+                rx_blocked: false,
+                held: None,
+            }));
+            let worker = {
+                let inner = inner.clone();
+                let name = if n == 1 {
+                    "virtio-net".to_string()
+                } else {
+                    format!("virtio-net-q{i}")
+                };
+                Worker::spawn(&name, move |wake, stop| event_loop(&inner, wake, stop))?
+            };
+            pairs.push(Pair { inner, worker });
+        }
+        // Offloads only where every queue carries the vnet header.
+        for p in &pairs {
+            lock(&p.inner).vnet = vnet;
+        }
+        let mut queue_sizes = vec![QUEUE_SIZE; 2 * n];
+        if n > 1 {
+            queue_sizes.push(QUEUE_SIZE);
+        }
         Ok(Net {
-            inner,
-            worker,
-            queue_sizes: [QUEUE_SIZE; 2],
+            pairs,
+            ctrl: None,
+            ctrl_index: 2,
+            enabled: n,
+            queue_sizes,
             mac,
             mtu: None,
             vnet,
@@ -224,13 +326,82 @@ impl Net {
         self
     }
 
-    /// A device on an fd the caller passes by number (e.g. inherited from a parent).
-    ///
-    /// # Safety
-    /// `fd` must be an open file descriptor that nothing else owns or closes.
-    pub unsafe fn from_raw_fd(fd: i32, mac: Option<[u8; 6]>) -> Result<Self, NetError> {
-        // SAFETY: the caller guarantees `fd` is open and owned by no one else.
-        Self::new(unsafe { OwnedFd::from_raw_fd(fd) }, mac)
+    /// Attaches the first `n` queue pairs' tap queues and detaches the rest (a no-op with one
+    /// pair). Fails, changing nothing the driver sees, if the tap refuses.
+    fn enable_pairs(&mut self, n: usize) -> std::io::Result<()> {
+        // Without a tap (a test's sockets) there is nothing to steer.
+        if self.pairs.len() == 1 || n == self.enabled || !self.vnet {
+            self.enabled = n;
+            return Ok(());
+        }
+        // Attach before detaching, so that the tap always has a queue.
+        for (i, p) in self.pairs.iter().enumerate().filter(|(i, _)| *i < n) {
+            if i >= self.enabled {
+                set_tap_queue(&lock(&p.inner).tap, true)?;
+            }
+        }
+        for p in self
+            .pairs
+            .iter()
+            .skip(n)
+            .take(self.enabled.saturating_sub(n))
+        {
+            set_tap_queue(&lock(&p.inner).tap, false)?;
+        }
+        self.enabled = n;
+        Ok(())
+    }
+
+    /// Answers the driver's commands on the control queue (on the vCPU thread: Linux waits
+    /// for each answer spinning).
+    fn process_ctrl(&mut self) {
+        let Some((mem, mut q, irq)) = self.ctrl.take() else {
+            return;
+        };
+        let mut used = false;
+        while let Some(chain) = q.pop_descriptor_chain(&mem) {
+            let head = chain.head_index();
+            let (Ok(mut r), Ok(mut w)) = (chain.clone().reader(&mem), chain.writer(&mem)) else {
+                tracing::warn!("virtio-net: bad control chain");
+                let _ = q.add_used(&mem, head, 0);
+                used = true;
+                continue;
+            };
+            let mut cmd = Vec::new();
+            let _ = r.read_to_end(&mut cmd);
+            let ack = match cmd.as_slice() {
+                [CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, lo, hi, ..] => {
+                    let n = usize::from(u16::from_le_bytes([*lo, *hi]));
+                    if (1..=self.pairs.len()).contains(&n) {
+                        match self.enable_pairs(n) {
+                            Ok(()) => {
+                                tracing::debug!(pairs = n, "virtio-net: queue pairs enabled");
+                                CTRL_OK
+                            }
+                            Err(e) => {
+                                tracing::warn!("virtio-net: enabling {n} queue pairs: {e}");
+                                CTRL_ERR
+                            }
+                        }
+                    } else {
+                        CTRL_ERR
+                    }
+                }
+                [class, command, ..] => {
+                    tracing::debug!(class, command, "virtio-net: control command refused");
+                    CTRL_ERR
+                }
+                _ => CTRL_ERR,
+            };
+            // The ack is the chain's device-writable part (one byte).
+            let len = u32::from(w.write_all(&[ack]).is_ok());
+            let _ = q.add_used(&mem, head, len);
+            used = true;
+        }
+        if used && q.needs_notification(&mem).unwrap_or(true) {
+            irq.signal_used();
+        }
+        self.ctrl = Some((mem, q, irq));
     }
 }
 
@@ -254,12 +425,19 @@ impl VirtioDevice for Net {
         if self.vnet {
             f |= OFFLOADS;
         }
+        if self.pairs.len() > 1 {
+            f |= VIRTIO_NET_F_CTRL_VQ | VIRTIO_NET_F_MQ;
+        }
         f
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut config = [0u8; CONFIG_MTU_OFFSET + 2];
         config[..6].copy_from_slice(&self.mac.unwrap_or_default());
+        // At most MAX_QUEUE_PAIRS.
+        #[allow(clippy::cast_possible_truncation)]
+        let pairs = self.pairs.len() as u16;
+        config[CONFIG_PAIRS_OFFSET..CONFIG_MTU_OFFSET].copy_from_slice(&pairs.to_le_bytes());
         config[CONFIG_MTU_OFFSET..].copy_from_slice(&self.mtu.unwrap_or_default().to_le_bytes());
         read_config_bytes(&config, offset, data);
     }
@@ -267,15 +445,39 @@ impl VirtioDevice for Net {
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
-        mut queues: Vec<Queue>,
+        queues: Vec<Queue>,
         acked: u64,
         interrupt: Arc<Interrupt>,
     ) -> Result<(), DeviceError> {
-        let tx = queues.pop().ok_or(DeviceError::BadQueue(TXQ))?;
-        let rx = queues.pop().ok_or(DeviceError::BadQueue(RXQ))?;
-        let mut g = lock(&self.inner);
-        if g.vnet {
-            // What the tap may hand us (and so the guest) unsegmented and unchecksummed.
+        // The driver uses every pair with VIRTIO_NET_F_MQ, else the first; the control queue
+        // comes after them.
+        let used_pairs = if acked & VIRTIO_NET_F_MQ != 0 {
+            self.pairs.len()
+        } else {
+            1
+        };
+        self.ctrl_index = 2 * used_pairs;
+        let mut queues: Vec<Option<Queue>> = queues.into_iter().map(Some).collect();
+        let mut take = |i: usize| {
+            queues
+                .get_mut(i)
+                .and_then(Option::take)
+                .ok_or(DeviceError::BadQueue(i))
+        };
+        let mut pair_queues = Vec::with_capacity(used_pairs);
+        for i in 0..used_pairs {
+            pair_queues.push((take(2 * i)?, take(2 * i + 1)?));
+        }
+        self.ctrl = if acked & VIRTIO_NET_F_CTRL_VQ != 0 {
+            Some((mem.clone(), take(self.ctrl_index)?, interrupt.clone()))
+        } else {
+            None
+        };
+        // Until the driver says otherwise, one pair takes the tap's frames.
+        self.enable_pairs(1).map_err(DeviceError::Io)?;
+        if self.vnet {
+            // What the tap may hand us (and so the guest) unsegmented and unchecksummed: a
+            // setting of the tap, made through its first queue.
             let mut tun = 0;
             if acked & VIRTIO_NET_F_GUEST_CSUM != 0 {
                 tun |= libc::TUN_F_CSUM;
@@ -286,6 +488,7 @@ impl VirtioDevice for Net {
                     tun |= libc::TUN_F_TSO6;
                 }
             }
+            let g = lock(&self.pairs[0].inner);
             // SAFETY: TUNSETOFFLOAD takes its flags by value on a tap fd we own.
             if unsafe {
                 libc::ioctl(
@@ -301,28 +504,40 @@ impl VirtioDevice for Net {
                 );
             }
         }
-        g.active = Some((mem, rx, tx, interrupt));
-        drop(g);
-        self.worker.wake();
+        for (p, (rx, tx)) in self.pairs.iter().zip(pair_queues) {
+            lock(&p.inner).active = Some((mem.clone(), rx, tx, interrupt.clone()));
+            p.worker.wake();
+        }
         Ok(())
     }
 
     fn process_queue(&mut self, index: usize) {
-        let mut g = lock(&self.inner);
-        if index == TXQ {
-            g.process_tx();
-        } else {
+        if self.ctrl.is_some() && index == self.ctrl_index {
+            self.process_ctrl();
+            return;
+        }
+        let Some(p) = self.pairs.get(index / 2) else {
+            return;
+        };
+        let mut g = lock(&p.inner);
+        if index % 2 == RXQ {
             g.rx_blocked = false;
             g.fill_rx();
+        } else {
+            g.process_tx();
         }
         drop(g);
-        self.worker.wake();
+        p.worker.wake();
     }
 
     fn reset(&mut self) {
-        let mut g = lock(&self.inner);
-        g.active = None;
-        g.held = None;
+        for p in &self.pairs {
+            let mut g = lock(&p.inner);
+            g.active = None;
+            g.held = None;
+            g.rx_blocked = false;
+        }
+        self.ctrl = None;
     }
 }
 
@@ -541,6 +756,136 @@ mod tests {
         let mut mtu = [0u8; 2];
         d.t.read(0x100 + CONFIG_MTU_OFFSET as u64, &mut mtu);
         assert_eq!(u16::from_le_bytes(mtu), 1450);
+    }
+
+    /// Sends a control command on queue `ctrl`; returns the device's ack.
+    fn ctrl(d: &mut Driver, ctrl: usize, cmd: &[u8]) -> u8 {
+        let c = d.buf(cmd);
+        let ack = d.buf(&[0xee]);
+        // A command is a few bytes.
+        #[allow(clippy::cast_possible_truncation)]
+        d.submit(ctrl, &[(c, cmd.len() as u32, F_READ), (ack, 1, F_WRITE)]);
+        assert_eq!(
+            d.used(ctrl),
+            vec![1],
+            "the control command was not answered"
+        );
+        d.read(ack, 1)[0]
+    }
+
+    #[test]
+    // The test frames' lengths are about 100 bytes.
+    #[allow(clippy::cast_possible_truncation)]
+    fn several_queue_pairs_and_the_control_queue() {
+        let (a, theirs_a) = UnixDatagram::pair().unwrap();
+        let (b, theirs_b) = UnixDatagram::pair().unwrap();
+        for t in [&theirs_a, &theirs_b] {
+            t.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        }
+        let dev = Net::with_queues(vec![OwnedFd::from(a), OwnedFd::from(b)], None).unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        let f = d.device_features();
+        assert_ne!(f & VIRTIO_NET_F_MQ, 0);
+        assert_ne!(f & VIRTIO_NET_F_CTRL_VQ, 0);
+        let mut pairs = [0u8; 2];
+        d.t.read(0x100 + CONFIG_PAIRS_OFFSET as u64, &mut pairs);
+        assert_eq!(u16::from_le_bytes(pairs), 2);
+        // rx0 tx0 rx1 tx1 ctrl
+        d.init(&[0, 1, 2, 3, 4]);
+        assert_eq!(
+            ctrl(&mut d, 4, &[CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, 2, 0]),
+            CTRL_OK
+        );
+        assert_eq!(
+            ctrl(&mut d, 4, &[CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, 3, 0]),
+            CTRL_ERR
+        );
+        assert_eq!(
+            ctrl(&mut d, 4, &[CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, 0, 0]),
+            CTRL_ERR
+        );
+        assert_eq!(
+            ctrl(&mut d, 4, &[0, 0, 1]),
+            CTRL_ERR,
+            "rx mode is not offered"
+        );
+        assert_eq!(ctrl(&mut d, 4, &[CTRL_MQ]), CTRL_ERR, "a truncated command");
+
+        // Each pair has its own fd: the second pair's TX leaves through the second.
+        let mut pkt = vec![0u8; NET_HDR_LEN];
+        pkt.extend(frame(3, 70));
+        let buf = d.buf(&pkt);
+        d.submit(3, &[(buf, pkt.len() as u32, F_READ)]);
+        assert_eq!(d.used(3).len(), 1);
+        let mut got = [0u8; 2048];
+        let n = theirs_b.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], frame(3, 70).as_slice());
+
+        // ... and what arrives on the second fd fills the second pair's RX queue.
+        let rxb = d.buf(&[0u8; 1526]);
+        d.submit(2, &[(rxb, 1526, F_WRITE)]);
+        theirs_b.send(&frame(5, 90)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let used = loop {
+            let u = d.used(2);
+            if !u.is_empty() || Instant::now() > deadline {
+                break u;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        assert_eq!(used, vec![(NET_HDR_LEN + 90) as u32]);
+        assert_eq!(&d.read(rxb, NET_HDR_LEN + 90)[NET_HDR_LEN..], frame(5, 90));
+        assert!(
+            d.used(0).is_empty(),
+            "the first pair got the second's frame"
+        );
+        drop(theirs_a);
+    }
+
+    #[test]
+    fn a_multiqueue_tap_has_only_the_enabled_pairs_attached() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !std::path::Path::new("/dev/net/tun").exists() {
+            println!("SKIP a_multiqueue_tap_has_only_the_enabled_pairs_attached: needs root and /dev/net/tun");
+            return;
+        }
+        let name = format!("vmq{}", std::process::id() % 1_000_000);
+        let taps = create_tap_queues(&name, 3).unwrap();
+        // The tap's real TX queue count is the number of attached queues.
+        let attached = || {
+            std::fs::read_dir(format!("/sys/class/net/{name}/queues"))
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("tx-"))
+                })
+                .count()
+        };
+        assert_eq!(attached(), 3);
+        let dev = Net::with_queues(taps.into_iter().map(OwnedFd::from).collect(), None).unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        assert_ne!(d.device_features() & OFFLOADS, 0, "a tap offers offloads");
+        d.init(&[0, 1, 2, 3, 4, 5, 6]);
+        // Activated: the driver uses one pair until it enables more.
+        assert_eq!(attached(), 1);
+        assert_eq!(
+            ctrl(&mut d, 6, &[CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, 3, 0]),
+            CTRL_OK
+        );
+        assert_eq!(attached(), 3);
+        assert_eq!(
+            ctrl(&mut d, 6, &[CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, 2, 0]),
+            CTRL_OK
+        );
+        assert_eq!(attached(), 2);
+        // A reset and a new driver start from one pair again.
+        d.init(&[0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(attached(), 1);
+        drop(d);
+        assert!(
+            !std::path::Path::new("/sys/class/net").join(&name).exists(),
+            "the tap outlived its queues"
+        );
     }
 
     #[test]

@@ -59,7 +59,8 @@ impl Driver {
         u64::from(lo) | (u64::from(hi) << 32)
     }
 
-    /// Status handshake, accept all offered features, set up `queues`, DRIVER_OK.
+    /// Status handshake (from a reset), accept all offered features, set up `queues`,
+    /// DRIVER_OK.
     // Writes the low half of the feature word (the high half follows), and the low halves of
     // the queue addresses, all below 4 GiB (their high halves are written as 0).
     #[allow(clippy::cast_possible_truncation)]
@@ -67,6 +68,7 @@ impl Driver {
         assert_eq!(self.read_reg(0), 0x7472_6976);
         assert_eq!(self.read_reg(4), 2);
         self.write_reg(0x70, 0);
+        self.queues.clear();
         self.write_reg(0x70, 1);
         self.write_reg(0x70, 1 | 2);
         let f = self.device_features();
