@@ -291,7 +291,8 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
     // Taps named in the spec are the host's: opened now, the jail has its own network.
     if jail.is_some() {
         for n in cfg.vm.nets.iter_mut() {
-            if let (Some(name), None) = (&n.tap, n.tap_fd) {
+            // (With queue_fds, the VM refuses the net: they go with tap_fd.)
+            if let (Some(name), None, true) = (&n.tap, n.tap_fd, n.queue_fds.is_empty()) {
                 match vessel_vmm::virtio::net::open_tap(name) {
                     Ok(f) => {
                         n.tap_fd = Some(std::os::fd::IntoRawFd::into_raw_fd(f));

@@ -100,6 +100,12 @@ fn corrupt_kernel_bad_disk_bad_tap_leave_no_socket() {
             r#""nets":[{"tap":"vessel-none0"}]"#.to_string(),
             "tap vessel-none0: no such interface",
         ),
+        (
+            "tap fd not its own",
+            String::new(),
+            r#""nets":[{"tap_fd":1,"queue_fds":[1]}]"#.to_string(),
+            "tap fd 1 is not an open descriptor of its own",
+        ),
     ];
     // A real kernel for the cases that get past the kernel check: any file in /boot that is one.
     let real = std::fs::read_dir("/boot").ok().and_then(|r| {

@@ -434,35 +434,40 @@ impl Vm {
             disk_slots.push(b.slot());
             devices.push(Box::new(b));
         }
+        // Every inherited tap fd, across all nets, checked before any is taken over: each
+        // must be open and named once, so that each has exactly one owner.
+        let mut seen = std::collections::HashSet::new();
+        for n in &cfg.nets {
+            for fd in n.tap_fd.iter().chain(&n.queue_fds) {
+                // SAFETY: F_GETFD only queries the descriptor table.
+                let open = unsafe { libc::fcntl(*fd, libc::F_GETFD) } >= 0;
+                if *fd < 3 || !open || !seen.insert(*fd) {
+                    return Err(VmError::Config(format!(
+                        "tap fd {fd} is not an open descriptor of its own"
+                    )));
+                }
+            }
+            if n.tap.is_some() == n.tap_fd.is_some() || (n.tap.is_some() && !n.queue_fds.is_empty())
+            {
+                return Err(VmError::Config(
+                    "a net needs exactly one of tap, tap_fd (queue_fds go with tap_fd)".into(),
+                ));
+            }
+        }
         for n in &cfg.nets {
             let mac = n.mac.as_deref().map(net::parse_mac).transpose()?;
             let dev = match (&n.tap, n.tap_fd) {
-                (Some(name), None) if n.queue_fds.is_empty() => {
-                    Net::new(net::open_tap(name)?.into(), mac)?
-                }
-                (None, Some(fd)) => {
-                    let fds: Vec<i32> = std::iter::once(fd).chain(n.queue_fds.clone()).collect();
-                    for (i, fd) in fds.iter().enumerate() {
-                        // SAFETY: F_GETFD only queries the descriptor table.
-                        let open = unsafe { libc::fcntl(*fd, libc::F_GETFD) } >= 0;
-                        if *fd < 3 || fds[..i].contains(fd) || !open {
-                            return Err(VmError::Config(format!(
-                                "tap fd {fd} is not an open descriptor of its own"
-                            )));
-                        }
-                    }
-                    let owned = fds
+                (Some(name), _) => Net::new(net::open_tap(name)?.into(), mac)?,
+                (None, fd) => {
+                    let owned = fd
                         .into_iter()
-                        // SAFETY: the spec hands this process these (open, distinct, checked
-                        // above) fds; nothing else in the process uses those numbers.
+                        .chain(n.queue_fds.iter().copied())
+                        // SAFETY: the spec hands this process these fds, checked above to be
+                        // open and each named once across all nets; nothing else in the
+                        // process uses those numbers.
                         .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
                         .collect();
                     Net::with_queues(owned, mac)?
-                }
-                _ => {
-                    return Err(VmError::Config(
-                        "a net needs exactly one of tap, tap_fd (queue_fds go with tap_fd)".into(),
-                    ))
                 }
             };
             devices.push(Box::new(dev.with_mtu(n.mtu)));

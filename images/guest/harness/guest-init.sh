@@ -34,6 +34,9 @@ case "$t" in
     ip addr add 10.0.3.2/24 dev eth0 && ip link set eth0 up
     set -- /sys/class/net/eth0/queues/rx-*
     echo "vessel-event: net-queues-$#"
+    # The driver sets its queue counts before the device answers VQ_PAIRS_SET, and only
+    # complains if the answer is an error.
+    dmesg | grep -q "Fail to set num of queue pairs" && echo "vessel-event: net-mq-refused"
     ok=yes
     for cpu in 1 2; do taskset "$cpu" ping -c 2 -W 5 10.0.3.1 >/dev/null 2>&1 || ok=no; done
     [ $ok = yes ] && echo "vessel-event: net-ping-ok"

@@ -98,7 +98,8 @@ t_net_mq() {
   shim_run net_mq; cat "$W/net_mq.out"
   grep -o 'pod network plugged.*' "$W/net_mq.err" | head -n1
   "$IP" netns del $ns; "$IP" link del vmq-host 2>/dev/null
-  rc_is net_mq 0 && out_has net_mq '"net-queues-2":' && out_has net_mq '"net-ping-ok":'
+  rc_is net_mq 0 && out_has net_mq '"net-queues-2":' && ! out_has net_mq '"net-mq-refused":' &&
+    out_has net_mq '"net-ping-ok":'
 }
 t_bad_tap() {
   spec bad_tap init 1 128 "" '"nets":[{"tap":"no-such-tap"}],'; shim_run bad_tap

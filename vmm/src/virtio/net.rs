@@ -16,7 +16,9 @@
 //! (`VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET` on the control queue; one until it says more) are
 //! attached to the tap, so that the tap never steers a frame to a queue the guest does not
 //! read. The guest's TX queues follow its CPUs, so a guest with several vCPUs sends from each
-//! without sharing one queue, and the host side copies frames on N threads.
+//! without sharing one queue; on the host, each pair's thread moves its queue's frames into
+//! the guest, while what the guest sends is written to the tap on the notifying vCPU's thread
+//! (one at a time: the transport serialises a device's notifications).
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
@@ -52,6 +54,8 @@ const CTRL_MQ: u8 = 4;
 const CTRL_MQ_VQ_PAIRS_SET: u8 = 0;
 const CTRL_OK: u8 = 0;
 const CTRL_ERR: u8 = 1;
+/// The longest control command we read (class, command and a le16 take 4 bytes).
+const MAX_CTRL_COMMAND: usize = 64;
 /// What a tap with a vnet header can do for the guest.
 const OFFLOADS: u64 = VIRTIO_NET_F_CSUM
     | VIRTIO_NET_F_GUEST_CSUM
@@ -176,16 +180,21 @@ fn tun_set_iff(name: &str, multi_queue: bool) -> std::io::Result<File> {
     Ok(f)
 }
 
-/// Whether `fd` is a tap with `IFF_VNET_HDR`; if so, sets its header size to ours.
-fn vnet_tap(fd: &File) -> bool {
+/// The tun flags of `fd` (TUNGETIFF; `IFF_DETACH_QUEUE` set for a detached queue), or None
+/// if it is not a tun/tap fd.
+fn tun_flags(fd: &File) -> Option<i32> {
     let mut ifr = [0u8; 40];
     // SAFETY: TUNGETIFF writes a struct ifreq into `ifr`, which is large enough and lives
     // across the call; on anything but a tun fd it fails and writes nothing.
     if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNGETIFF as _, ifr.as_mut_ptr()) } < 0 {
-        return false;
+        return None;
     }
-    let flags = i32::from(i16::from_ne_bytes([ifr[16], ifr[17]]));
-    if flags & libc::IFF_VNET_HDR == 0 {
+    Some(i32::from(i16::from_ne_bytes([ifr[16], ifr[17]])))
+}
+
+/// Whether `fd` is a tap with `IFF_VNET_HDR`; if so, sets its header size to ours.
+fn vnet_tap(fd: &File) -> bool {
+    if tun_flags(fd).is_none_or(|f| f & libc::IFF_VNET_HDR == 0) {
         return false;
     }
     let size: libc::c_int = 12; // NET_HDR_LEN
@@ -231,6 +240,8 @@ struct Inner {
 struct Pair {
     inner: Arc<Mutex<Inner>>,
     worker: Worker,
+    /// Its tap queue is attached (gets frames from the tap).
+    attached: bool,
 }
 
 /// The virtio-net device.
@@ -240,8 +251,11 @@ pub struct Net {
     ctrl: Option<(GuestMemoryMmap, Queue, Arc<Interrupt>)>,
     /// Its index: after the pairs the driver uses (2 without VIRTIO_NET_F_MQ).
     ctrl_index: usize,
-    /// Queue pairs attached to the tap (the driver's choice).
-    enabled: usize,
+    /// The queue pairs the driver has (all with VIRTIO_NET_F_MQ, else one).
+    driver_pairs: usize,
+    /// The fds are queues of one multi-queue tap, attached and detached as the driver
+    /// enables pairs (not so for a single queue, or for fds that are not taps).
+    steer: bool,
     queue_sizes: Vec<u16>,
     mac: Option<[u8; 6]>,
     mtu: Option<u16>,
@@ -272,9 +286,13 @@ impl Net {
         }
         let n = taps.len();
         let mut vnet = true;
+        let mut steer = n > 1;
         let mut pairs = Vec::with_capacity(n);
         for (i, tap) in taps.into_iter().enumerate() {
             let tap = File::from(tap);
+            let flags = tun_flags(&tap);
+            steer &= flags.is_some_and(|f| f & libc::IFF_MULTI_QUEUE != 0);
+            let attached = flags.is_some_and(|f| f & libc::IFF_DETACH_QUEUE == 0);
             vnet &= vnet_tap(&tap);
             // SAFETY: F_GETFL/F_SETFL on a valid, owned fd.
             unsafe {
@@ -297,7 +315,11 @@ impl Net {
                 };
                 Worker::spawn(&name, move |wake, stop| event_loop(&inner, wake, stop))?
             };
-            pairs.push(Pair { inner, worker });
+            pairs.push(Pair {
+                inner,
+                worker,
+                attached,
+            });
         }
         // Offloads only where every queue carries the vnet header.
         for p in &pairs {
@@ -311,7 +333,8 @@ impl Net {
             pairs,
             ctrl: None,
             ctrl_index: 2,
-            enabled: n,
+            driver_pairs: 1,
+            steer,
             queue_sizes,
             mac,
             mtu: None,
@@ -326,29 +349,37 @@ impl Net {
         self
     }
 
-    /// Attaches the first `n` queue pairs' tap queues and detaches the rest (a no-op with one
-    /// pair). Fails, changing nothing the driver sees, if the tap refuses.
+    /// Attaches the first `n` queue pairs' tap queues and detaches the rest (nothing to do
+    /// unless the queues are a multi-queue tap's). Attaches before it detaches, so that the
+    /// tap always has a queue; if the tap refuses, what this call changed is undone.
     fn enable_pairs(&mut self, n: usize) -> std::io::Result<()> {
-        // Without a tap (a test's sockets) there is nothing to steer.
-        if self.pairs.len() == 1 || n == self.enabled || !self.vnet {
-            self.enabled = n;
+        if !self.steer {
             return Ok(());
         }
-        // Attach before detaching, so that the tap always has a queue.
-        for (i, p) in self.pairs.iter().enumerate().filter(|(i, _)| *i < n) {
-            if i >= self.enabled {
-                set_tap_queue(&lock(&p.inner).tap, true)?;
+        let order: Vec<usize> = (0..self.pairs.len())
+            .filter(|i| *i < n)
+            .chain((0..self.pairs.len()).filter(|i| *i >= n))
+            .collect();
+        let mut changed = Vec::new();
+        for i in order {
+            let want = i < n;
+            let p = &mut self.pairs[i];
+            if p.attached == want {
+                continue;
             }
+            let r = set_tap_queue(&lock(&p.inner).tap, want);
+            if let Err(e) = r {
+                for j in changed.into_iter().rev() {
+                    let p: &mut Pair = &mut self.pairs[j];
+                    if set_tap_queue(&lock(&p.inner).tap, !p.attached).is_ok() {
+                        p.attached = !p.attached;
+                    }
+                }
+                return Err(e);
+            }
+            p.attached = want;
+            changed.push(i);
         }
-        for p in self
-            .pairs
-            .iter()
-            .skip(n)
-            .take(self.enabled.saturating_sub(n))
-        {
-            set_tap_queue(&lock(&p.inner).tap, false)?;
-        }
-        self.enabled = n;
         Ok(())
     }
 
@@ -367,12 +398,17 @@ impl Net {
                 used = true;
                 continue;
             };
+            // Every command we take is a few bytes; a larger chain is refused unread (its
+            // descriptors could name all of guest memory, many times over).
             let mut cmd = Vec::new();
-            let _ = r.read_to_end(&mut cmd);
+            if r.available_bytes() <= MAX_CTRL_COMMAND {
+                let _ = r.read_to_end(&mut cmd);
+            }
             let ack = match cmd.as_slice() {
                 [CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, lo, hi, ..] => {
                     let n = usize::from(u16::from_le_bytes([*lo, *hi]));
-                    if (1..=self.pairs.len()).contains(&n) {
+                    // Only with VIRTIO_NET_F_MQ, which gives the driver every pair.
+                    if (1..=self.driver_pairs).contains(&n) && self.driver_pairs > 1 {
                         match self.enable_pairs(n) {
                             Ok(()) => {
                                 tracing::debug!(pairs = n, "virtio-net: queue pairs enabled");
@@ -457,6 +493,7 @@ impl VirtioDevice for Net {
             1
         };
         self.ctrl_index = 2 * used_pairs;
+        self.driver_pairs = used_pairs;
         let mut queues: Vec<Option<Queue>> = queues.into_iter().map(Some).collect();
         let mut take = |i: usize| {
             queues
@@ -650,6 +687,10 @@ impl Inner {
 }
 
 fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
+    // A tap whose interface went away (deleted under the VM) reports an error at once on
+    // every poll: after one, the tap is left out until the next wake-up or a second passes,
+    // rather than spun on.
+    let mut skip_tap = false;
     while !stop.load(Ordering::SeqCst) {
         let (tap_fd, want_rx) = {
             let g = lock(inner);
@@ -662,20 +703,31 @@ fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
                 revents: 0,
             },
             libc::pollfd {
-                fd: tap_fd,
+                // poll ignores a negative fd.
+                fd: if skip_tap { -1 } else { tap_fd },
                 events: if want_rx { libc::POLLIN } else { 0 },
                 revents: 0,
             },
         ];
         // SAFETY: `fds` is a valid array of two pollfd structures that outlives the call.
         let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+        if r == 0 {
+            skip_tap = false;
+        }
         if r <= 0 {
             continue;
         }
         if fds[0].revents != 0 {
             let _ = wake.read();
+            skip_tap = false;
         }
-        if fds[1].revents & libc::POLLIN != 0 {
+        if fds[1].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            tracing::debug!(
+                revents = fds[1].revents,
+                "virtio-net: the tap reports an error"
+            );
+            skip_tap = true;
+        } else if fds[1].revents & libc::POLLIN != 0 {
             lock(inner).fill_rx();
         }
     }
@@ -810,6 +862,13 @@ mod tests {
             "rx mode is not offered"
         );
         assert_eq!(ctrl(&mut d, 4, &[CTRL_MQ]), CTRL_ERR, "a truncated command");
+        let mut long = vec![CTRL_MQ, CTRL_MQ_VQ_PAIRS_SET, 2, 0];
+        long.resize(MAX_CTRL_COMMAND + 1, 0);
+        assert_eq!(
+            ctrl(&mut d, 4, &long),
+            CTRL_ERR,
+            "a command too long to read"
+        );
 
         // Each pair has its own fd: the second pair's TX leaves through the second.
         let mut pkt = vec![0u8; NET_HDR_LEN];
