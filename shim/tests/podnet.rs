@@ -127,6 +127,27 @@ fn write_all(fd: &OwnedFd, data: &[u8]) {
     );
 }
 
+/// Guest -> network: a frame written to tap queue `queue` (after its all-zero virtio-net
+/// header) leaves through the veth (`host`). Network -> guest: a frame arriving on eth0 is
+/// read from one of `taps`, after its header.
+fn frames_both_ways(taps: &[OwnedFd], queue: usize, host: &OwnedFd) {
+    let out_tag = format!("from-queue-{queue}");
+    let mut out = vec![0u8; NET_HDR_LEN];
+    out.extend(frame([2, 0, 0, 0, 0, 1], out_tag.as_bytes()));
+    write_all(&taps[queue], &out);
+    assert!(
+        expect_frame(std::slice::from_ref(host), 0, out_tag.as_bytes()),
+        "a frame written to tap queue {queue} did not reach the veth"
+    );
+    let in_tag = format!("to-the-guest-{}", taps.len());
+    write_all(host, &frame([2, 0, 0, 0, 0, 2], in_tag.as_bytes()));
+    assert!(
+        expect_frame(taps, NET_HDR_LEN, in_tag.as_bytes()),
+        "the network's frame reached none of the {} tap queues",
+        taps.len()
+    );
+}
+
 #[test]
 fn podnet() {
     // SAFETY: geteuid has no preconditions.
@@ -187,40 +208,15 @@ fn podnet() {
         "eth0's ingress filter: {filters}"
     );
 
-    // Guest -> network: a frame written to the tap (after its all-zero virtio-net header)
-    // leaves through the veth.
-    let host = [packet_socket(&pod.host_if)];
-    let mut out = vec![0u8; NET_HDR_LEN];
-    out.extend(frame([2, 0, 0, 0, 0, 1], b"from-the-guest"));
-    write_all(&plugged.taps[0], &out);
-    assert!(
-        expect_frame(&host, 0, b"from-the-guest"),
-        "the guest's frame did not reach the veth"
-    );
-    // Network -> guest: a frame arriving on eth0 is read from the tap, after its header.
-    write_all(&host[0], &frame([2, 0, 0, 0, 0, 2], b"to-the-guest"));
-    assert!(
-        expect_frame(&plugged.taps, NET_HDR_LEN, b"to-the-guest"),
-        "the network's frame did not reach the tap"
-    );
+    let host = packet_socket(&pod.host_if);
+    frames_both_ways(&plugged.taps, 0, &host);
 
     // Plugging again (a new shim for the same pod, here with two vCPUs: a multiqueue tap)
     // replaces the filters; both queues carry frames; closing the tap removes it.
     drop(plugged);
     let again = plug(&net, 2).expect("plugging a second time, with two queues");
     assert_eq!(again.taps.len(), 2);
-    let mut out = vec![0u8; NET_HDR_LEN];
-    out.extend(frame([2, 0, 0, 0, 0, 1], b"from-queue-1"));
-    write_all(&again.taps[1], &out);
-    assert!(
-        expect_frame(&host, 0, b"from-queue-1"),
-        "a frame written to the second queue did not reach the veth"
-    );
-    write_all(&host[0], &frame([2, 0, 0, 0, 0, 2], b"to-some-queue"));
-    assert!(
-        expect_frame(&again.taps, NET_HDR_LEN, b"to-some-queue"),
-        "the network's frame reached neither queue"
-    );
+    frames_both_ways(&again.taps, 1, &host);
     drop(again);
     let links = ip(&["-n", &pod.ns, "link", "show"]);
     assert!(

@@ -130,16 +130,10 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
 
 /// Creates tap interface `name` in the calling thread's network namespace (or attaches to it
 /// if it exists), non-blocking, with a [`NET_HDR_LEN`]-byte vnet header before every frame
-/// read or written. Not persistent: it goes when the last fd on it closes.
-pub fn create_tap(name: &str) -> Result<File, NetError> {
-    let err = tap_error(name);
-    valid_tap_name(name).map_err(&err)?;
-    tun_set_iff(name, false).map_err(err)
-}
-
-/// [`create_tap`] with `queues` queues: for more than one, the tap is created
+/// read or written, and `queues` queues: for more than one, the tap is created
 /// `IFF_MULTI_QUEUE` and each returned fd is one of its queues (a [`Net`] on them offers as
-/// many queue pairs). One queue is a plain tap, as [`create_tap`] makes.
+/// many queue pairs); one queue is a plain tap. Not persistent: it goes when the last fd on
+/// it closes.
 pub fn create_tap_queues(name: &str, queues: usize) -> Result<Vec<File>, NetError> {
     let err = tap_error(name);
     valid_tap_name(name).map_err(&err)?;
@@ -285,15 +279,27 @@ impl Net {
             )));
         }
         let n = taps.len();
-        let mut vnet = true;
-        let mut steer = n > 1;
+        let taps: Vec<(File, Option<i32>)> = taps
+            .into_iter()
+            .map(|t| {
+                let tap = File::from(t);
+                let flags = tun_flags(&tap);
+                (tap, flags)
+            })
+            .collect();
+        let steer = n > 1
+            && taps
+                .iter()
+                .all(|(_, f)| f.is_some_and(|f| f & libc::IFF_MULTI_QUEUE != 0));
+        // Offloads only where every queue carries the vnet header; its size is set on each
+        // queue that has one.
+        let vnet = taps
+            .iter()
+            .map(|(tap, _)| vnet_tap(tap))
+            .fold(true, |all, this| all & this);
         let mut pairs = Vec::with_capacity(n);
-        for (i, tap) in taps.into_iter().enumerate() {
-            let tap = File::from(tap);
-            let flags = tun_flags(&tap);
-            steer &= flags.is_some_and(|f| f & libc::IFF_MULTI_QUEUE != 0);
+        for (i, (tap, flags)) in taps.into_iter().enumerate() {
             let attached = flags.is_some_and(|f| f & libc::IFF_DETACH_QUEUE == 0);
-            vnet &= vnet_tap(&tap);
             // SAFETY: F_GETFL/F_SETFL on a valid, owned fd.
             unsafe {
                 let fl = libc::fcntl(tap.as_raw_fd(), libc::F_GETFL);
@@ -301,7 +307,7 @@ impl Net {
             }
             let inner = Arc::new(Mutex::new(Inner {
                 tap,
-                vnet: false,
+                vnet,
                 active: None,
                 rx_blocked: false,
                 held: None,
@@ -320,10 +326,6 @@ impl Net {
                 worker,
                 attached,
             });
-        }
-        // Offloads only where every queue carries the vnet header.
-        for p in &pairs {
-            lock(&p.inner).vnet = vnet;
         }
         let mut queue_sizes = vec![QUEUE_SIZE; 2 * n];
         if n > 1 {
