@@ -92,7 +92,18 @@ pub enum Request {
     DropLog {
         id: String,
     },
+    /// Answers once the guest has printed `vessel-event: <name>` on its console (already or
+    /// within `timeout_ms`, at most [`MAX_WAIT`]), or fails when the guest ended or the time
+    /// ran out. vesseld waits for `agent-serving` this way instead of knocking on the
+    /// agent's vsock port while the guest boots (each knock interrupts the guest).
+    WaitEvent {
+        name: String,
+        timeout_ms: u64,
+    },
 }
+
+/// The longest [`Request::WaitEvent`] wait.
+pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// A control answer: `{"ok": true, ...}` or `{"ok": false, "error": "..."}`, with the
 /// fields some requests add (`ping`: the shim's pid; `drop_log`: whether the id was known).
@@ -120,6 +131,8 @@ impl Reply {
 pub struct Server {
     pub disks: Arc<dyn DiskSlots>,
     pub logs: Arc<LogRouter>,
+    /// The VM's run state, for [`Request::WaitEvent`] (none: it is refused).
+    pub run: Option<Arc<vessel_vmm::vm::Control>>,
 }
 
 fn err(e: impl std::fmt::Display) -> Value {
@@ -185,6 +198,16 @@ impl Server {
                     known: Some(known),
                     ..Reply::ok()
                 })
+            }
+            Request::WaitEvent { name, timeout_ms } => {
+                let Some(run) = &self.run else {
+                    return err("wait_event: this shim runs no VM");
+                };
+                let timeout = std::time::Duration::from_millis(timeout_ms).min(MAX_WAIT);
+                match run.wait_event(&name, timeout) {
+                    Ok(()) => reply(Reply::ok()),
+                    Err(e) => err(format!("wait_event {name:?}: {e}")),
+                }
             }
         }
     }
@@ -348,6 +371,13 @@ impl Client {
             s,
             pending: Vec::new(),
         })
+    }
+
+    /// Replaces [`CLIENT_TIMEOUT`] for this connection's reads and writes (a
+    /// [`Request::WaitEvent`] waits longer).
+    pub fn set_timeout(&self, t: std::time::Duration) -> std::io::Result<()> {
+        self.s.set_read_timeout(Some(t))?;
+        self.s.set_write_timeout(Some(t))
     }
 
     /// Sends one request (with `fd` in the same message) and returns the answer.

@@ -386,6 +386,7 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
             let server = std::sync::Arc::new(vessel_shim::control::Server {
                 disks: std::sync::Arc::new(vessel_shim::control::Slots(vm.disk_slots())),
                 logs: logs.clone(),
+                run: Some(vm.control()),
             });
             server.serve(l)?;
             Some(guard)

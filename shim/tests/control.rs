@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use vessel_shim::control::{Client, DiskSlots, Server, Slots};
 use vessel_shim::logs::{self, LogRouter, SocketPath};
+use vessel_vmm::vm::{Control, Outcome};
 
 #[derive(Default)]
 struct FakeDisks {
@@ -65,6 +66,7 @@ struct Fixture {
     ctl: PathBuf,
     log_sock: PathBuf,
     disks: Arc<FakeDisks>,
+    run: Arc<Control>,
     _guards: Vec<SocketPath>,
 }
 
@@ -77,9 +79,11 @@ fn start() -> Fixture {
     let (l, g1) = logs::bind_private(&log_sock).unwrap();
     logs::serve(l, router.clone(), None).unwrap();
     let (l, g2) = logs::bind_private(&ctl).unwrap();
+    let run = Arc::new(Control::default());
     Arc::new(Server {
         disks: disks.clone(),
         logs: router,
+        run: Some(run.clone()),
     })
     .serve(l)
     .unwrap();
@@ -88,6 +92,7 @@ fn start() -> Fixture {
         ctl,
         log_sock,
         disks,
+        run,
         _guards: vec![g1, g2],
     }
 }
@@ -269,6 +274,7 @@ fn real_slot_backend_leaves_a_slot_alone_on_a_bad_path() {
     let s = Server {
         disks: Arc::new(Slots(vec![slot.clone()])),
         logs: Arc::new(LogRouter::default()),
+        run: None,
     };
     let d = tempfile::tempdir().unwrap();
     let img = d.path().join("x.img");
@@ -430,5 +436,77 @@ fn typed_spec_round_trips() {
     assert_eq!(
         again.log_socket(),
         Some(std::path::PathBuf::from("/d/v.sock_1025"))
+    );
+}
+
+#[test]
+fn wait_event_answers_when_the_guest_reports_it() {
+    let f = start();
+    // Other requests are answered on their own connections meanwhile.
+    let mut c = Client::connect(&f.ctl).unwrap();
+    let run = f.run.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        run.event("agent-serving".into(), Instant::now());
+    });
+    let started = Instant::now();
+    let waiting = {
+        let ctl = f.ctl.clone();
+        std::thread::spawn(move || {
+            let mut c = Client::connect(&ctl).unwrap();
+            c.request(
+                &json!({"op":"wait_event","name":"agent-serving","timeout_ms":10000}),
+                None,
+            )
+            .unwrap()
+        })
+    };
+    assert!(ok(&c.request(&json!({"op":"ping"}), None).unwrap()));
+    let a = waiting.join().unwrap();
+    assert!(ok(&a), "{a}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    t.join().unwrap();
+    // Seen already: at once; another name times out, and names the event.
+    let a = c
+        .request(
+            &json!({"op":"wait_event","name":"agent-serving","timeout_ms":0}),
+            None,
+        )
+        .unwrap();
+    assert!(ok(&a), "{a}");
+    let a = c
+        .request(
+            &json!({"op":"wait_event","name":"never","timeout_ms":30}),
+            None,
+        )
+        .unwrap();
+    let e = a["error"].as_str().unwrap_or_default();
+    assert!(
+        !ok(&a) && e.contains("\"never\"") && e.contains("in time"),
+        "{a}"
+    );
+    // A guest that ended will not report it.
+    f.run.finish(Outcome::Panic);
+    let a = c
+        .request(
+            &json!({"op":"wait_event","name":"never","timeout_ms":10000}),
+            None,
+        )
+        .unwrap();
+    let e = a["error"].as_str().unwrap_or_default();
+    assert!(!ok(&a) && e.contains("ended"), "{a}");
+}
+
+#[test]
+fn wait_event_without_a_vm_is_refused() {
+    let s = Server {
+        disks: Arc::new(FakeDisks::default()),
+        logs: Arc::new(LogRouter::default()),
+        run: None,
+    };
+    let a = s.handle(br#"{"op":"wait_event","name":"x","timeout_ms":10}"#, None);
+    assert!(
+        !ok(&a) && a["error"].as_str().unwrap().contains("no VM"),
+        "{a}"
     );
 }

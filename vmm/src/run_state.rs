@@ -80,13 +80,20 @@ impl Control {
         g.clone()
     }
 
-    /// Records a `vessel-event: NAME` line from the guest console.
+    /// Records a `vessel-event: NAME` line from the guest console (the first
+    /// [`MAX_EVENTS`]: the guest writes these lines, and must not grow the VMM's memory).
     pub fn event(&self, name: String, at: Instant) {
         tracing::debug!(%name, "guest event");
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((name, at));
+        {
+            let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+            if ev.len() >= MAX_EVENTS {
+                return;
+            }
+            ev.push((name, at));
+        }
+        // Through the outcome's lock, which [`Control::wait_event`] holds from its look at
+        // the events to its wait: the wake-up cannot fall between the two.
+        drop(self.outcome.lock().unwrap_or_else(|p| p.into_inner()));
         self.cv.notify_all();
     }
 
@@ -95,5 +102,84 @@ impl Control {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Waits until the guest has reported event `name` (already or within `timeout`).
+    pub fn wait_event(&self, name: &str, timeout: Duration) -> Result<(), EventWait> {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let seen = self
+                .events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|(n, _)| n == name);
+            if seen {
+                return Ok(());
+            }
+            if let Some(o) = g.as_ref() {
+                return Err(EventWait::Ended(o.clone()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(EventWait::TimedOut);
+            }
+            g = self
+                .cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// The most guest events kept (boot milestones; a handful in practice).
+pub const MAX_EVENTS: usize = 64;
+
+/// Why [`Control::wait_event`] returned without the event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventWait {
+    #[error("the guest ended ({0:?}) before reporting it")]
+    Ended(Outcome),
+    #[error("the guest did not report it in time")]
+    TimedOut,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn wait_event_sees_past_and_later_events_and_the_end() {
+        let c = Arc::new(Control::default());
+        assert_eq!(
+            c.wait_event("ready", Duration::from_millis(20)),
+            Err(EventWait::TimedOut)
+        );
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            c2.event("ready".into(), Instant::now());
+        });
+        assert_eq!(c.wait_event("ready", Duration::from_secs(10)), Ok(()));
+        t.join().unwrap();
+        // Already seen: at once.
+        assert_eq!(c.wait_event("ready", Duration::ZERO), Ok(()));
+        c.finish(Outcome::Poweroff);
+        assert_eq!(
+            c.wait_event("other", Duration::from_secs(10)),
+            Err(EventWait::Ended(Outcome::Poweroff))
+        );
+    }
+
+    #[test]
+    fn events_are_bounded() {
+        let c = Control::default();
+        for i in 0..MAX_EVENTS + 10 {
+            c.event(format!("e{i}"), Instant::now());
+        }
+        assert_eq!(c.events().len(), MAX_EVENTS);
     }
 }
