@@ -377,7 +377,9 @@ where
                     .unwrap_or(tonic::Code::Ok),
                 Err(_) => tonic::Code::Unknown,
             };
-            get().record_rpc(&method, code, t.elapsed());
+            let took = t.elapsed();
+            tracing::debug!(%method, ?code, took_us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX), "CRI call done");
+            get().record_rpc(&method, code, took);
             res
         })
     }

@@ -84,7 +84,7 @@ fn run(mode: &str, f: &upstream::Fixture, expected_path: &Path, args: &[String])
         // Against VM pods, well inside the nested harness's watchdog: a spec that hangs is
         // then reported by name (interrupted), not lost with L1.
         .arg(if mode == "vm" {
-            "-ginkgo.timeout=12m"
+            "-ginkgo.timeout=20m"
         } else {
             "-ginkgo.timeout=30m"
         })

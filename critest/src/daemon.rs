@@ -362,6 +362,20 @@ pub fn kill_pods_under(dir: &Path) {
 impl Drop for Vesseld {
     fn drop(&mut self) {
         self.kill9();
+        // `VESSEL_TEST_KEEP_LOGS=DIR` keeps the daemon's log past the test (e.g. to read a
+        // nested harness run's timings): copied to DIR/vesseld-<test dir>.log.
+        if let Some(keep) = std::env::var_os("VESSEL_TEST_KEEP_LOGS") {
+            let name = self
+                .dir
+                .path()
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy();
+            let to = Path::new(&keep).join(format!("vesseld-{name}.log"));
+            if let Err(e) = fs::create_dir_all(&keep).and_then(|_| fs::copy(self.log_path(), &to)) {
+                eprintln!("VESSEL_TEST_KEEP_LOGS: {}: {e}", to.display());
+            }
+        }
         kill_pods_under(self.dir.path());
         // Never follow a mount into the host: unmount whatever is left under our dir first.
         let mut mps = mounts_under(self.dir.path());
