@@ -24,11 +24,9 @@ step "guest kernel for the VM suite (built once, then cached by content hash)"
 # a fresh machine builds it here (5-20 minutes), later runs hit the cache.
 bash scripts/build-guest-kernel.sh | tail -1
 step "cargo build --bins (the VM pod suite stages vesseld, vessel-agent, vessel-shim, vessel-critest)"
+# The nested suites' harness builds the same way (a no-op after this), so that no compile
+# runs inside a timed test.
 cargo build --workspace --bins --locked
-# The nested suites' harness builds with `-p`, whose feature set can differ from the
-# workspace build above: build exactly that here, so no compile runs inside a timed test.
-cargo build --locked -p vessel-shim
-cargo build --locked -p vessel-agent
 step "upstream critest and crictl (cri-tools v1.36.0, built once, then cached) and their stand-in images"
 # upstream_critest runs them against vesseld; without ../shared/cri-tools it prints SKIP.
 SHARED_CRI_TOOLS=${VESSEL_CRI_TOOLS_SRC:-$(cd .. && pwd)/shared/cri-tools}
