@@ -159,6 +159,9 @@ impl Runtime {
         };
         let _op = pod.op.lock().await;
         let mut rec = pod.record();
+        // Each step's end at debug level, with the time since the stop began.
+        let (t, id) = (std::time::Instant::now(), rec.id.clone());
+        let step = |what: &str| tracing::debug!(pod = %id, step = what, ms = t.elapsed().as_secs_f64() * 1e3, "stopping the pod sandbox");
         if rec.state == PodState::Ready {
             // Said on disk first: a restart in the middle finishes the stop (recovery).
             rec = pod.update(|r| r.stopping = true);
@@ -174,16 +177,23 @@ impl Runtime {
                             .await;
                     }
                 }
+                step("containers stopped");
                 let _ = tokio::time::timeout(
                     Duration::from_secs(15),
                     c.shutdown(ap::ShutdownRequest {}),
                 )
                 .await;
+                step("agent shut down");
             }
+            // Nothing more to ask the agent: our connection goes now, so that the agent's
+            // wait for idle connections before it exits does not wait for us.
+            pod.set_client(None).await;
             self.backend(&rec).after_shutdown(&rec).await;
+            step("host process gone");
         }
         pod.set_client(None).await;
         self.teardown_pod_resources(&rec).await;
+        step("resources released");
         let was_ready = rec.state == PodState::Ready;
         // NotReady first: the containers' stopped events carry the pod's state as it is.
         let rec = pod.update(|r| {

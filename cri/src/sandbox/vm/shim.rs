@@ -239,10 +239,11 @@ pub async fn wait_for_agent(
 ) -> Result<AgentClient<Channel>, VmError> {
     let p = VmPaths::new(dir);
     let start = Instant::now();
+    let mut last = String::from("not tried");
     if let Err(e) = wait_for_serving(&p.control, shim, timeout).await {
         tracing::debug!(dir = %dir.display(), error = %e, "no word from the shim on the agent: polling its port");
+        last = format!("shim: {e}");
     }
-    let mut last = String::from("not tried");
     loop {
         process::reap(shim.pid);
         if !process::is_alive(shim.pid, shim.start_time) {
