@@ -439,6 +439,15 @@ fn typed_spec_round_trips() {
     );
 }
 
+/// A `wait_event` request's answer.
+fn wait_event(c: &mut Client, name: &str, timeout_ms: u64) -> Value {
+    c.request(
+        &json!({"op":"wait_event","name":name,"timeout_ms":timeout_ms}),
+        None,
+    )
+    .unwrap()
+}
+
 #[test]
 fn wait_event_answers_when_the_guest_reports_it() {
     let f = start();
@@ -453,12 +462,7 @@ fn wait_event_answers_when_the_guest_reports_it() {
     let waiting = {
         let ctl = f.ctl.clone();
         std::thread::spawn(move || {
-            let mut c = Client::connect(&ctl).unwrap();
-            c.request(
-                &json!({"op":"wait_event","name":"agent-serving","timeout_ms":10000}),
-                None,
-            )
-            .unwrap()
+            wait_event(&mut Client::connect(&ctl).unwrap(), "agent-serving", 10000)
         })
     };
     assert!(ok(&c.request(&json!({"op":"ping"}), None).unwrap()));
@@ -467,19 +471,9 @@ fn wait_event_answers_when_the_guest_reports_it() {
     assert!(started.elapsed() < Duration::from_secs(5));
     t.join().unwrap();
     // Seen already: at once; another name times out, and names the event.
-    let a = c
-        .request(
-            &json!({"op":"wait_event","name":"agent-serving","timeout_ms":0}),
-            None,
-        )
-        .unwrap();
+    let a = wait_event(&mut c, "agent-serving", 0);
     assert!(ok(&a), "{a}");
-    let a = c
-        .request(
-            &json!({"op":"wait_event","name":"never","timeout_ms":30}),
-            None,
-        )
-        .unwrap();
+    let a = wait_event(&mut c, "never", 30);
     let e = a["error"].as_str().unwrap_or_default();
     assert!(
         !ok(&a) && e.contains("\"never\"") && e.contains("in time"),
@@ -487,12 +481,7 @@ fn wait_event_answers_when_the_guest_reports_it() {
     );
     // A guest that ended will not report it.
     f.run.finish(Outcome::Panic);
-    let a = c
-        .request(
-            &json!({"op":"wait_event","name":"never","timeout_ms":10000}),
-            None,
-        )
-        .unwrap();
+    let a = wait_event(&mut c, "never", 10000);
     let e = a["error"].as_str().unwrap_or_default();
     assert!(!ok(&a) && e.contains("ended"), "{a}");
 }

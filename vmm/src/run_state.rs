@@ -59,25 +59,36 @@ impl Control {
 
     /// Waits for the outcome, at most `timeout` if given.
     pub fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        self.wait_until(timeout.map(|t| Instant::now() + t), |o| o.clone())
+    }
+
+    /// Waits under the outcome's lock until `check` (given the outcome so far) says `Some`,
+    /// or `deadline` passes (`None`). Whatever can change `check`'s answer notifies the
+    /// condvar under that lock, so no wake-up is lost between a check and the wait.
+    fn wait_until<T>(
+        &self,
+        deadline: Option<Instant>,
+        mut check: impl FnMut(&Option<Outcome>) -> Option<T>,
+    ) -> Option<T> {
         let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        while g.is_none() {
-            match deadline {
-                None => g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+        loop {
+            if let Some(v) = check(&g) {
+                return Some(v);
+            }
+            g = match deadline {
+                None => self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
                         return None;
                     }
-                    g = self
-                        .cv
+                    self.cv
                         .wait_timeout(g, d - now)
                         .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                        .0
                 }
-            }
+            };
         }
-        g.clone()
     }
 
     /// Records a `vessel-event: NAME` line from the guest console (the first
@@ -91,7 +102,7 @@ impl Control {
             }
             ev.push((name, at));
         }
-        // Through the outcome's lock, which [`Control::wait_event`] holds from its look at
+        // Through the outcome's lock, which [`Control::wait_until`] holds from its look at
         // the events to its wait: the wake-up cannot fall between the two.
         drop(self.outcome.lock().unwrap_or_else(|p| p.into_inner()));
         self.cv.notify_all();
@@ -106,9 +117,7 @@ impl Control {
 
     /// Waits until the guest has reported event `name` (already or within `timeout`).
     pub fn wait_event(&self, name: &str, timeout: Duration) -> Result<(), EventWait> {
-        let deadline = Instant::now() + timeout;
-        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
+        self.wait_until(Some(Instant::now() + timeout), |outcome| {
             let seen = self
                 .events
                 .lock()
@@ -116,21 +125,12 @@ impl Control {
                 .iter()
                 .any(|(n, _)| n == name);
             if seen {
-                return Ok(());
+                Some(Ok(()))
+            } else {
+                outcome.clone().map(|o| Err(EventWait::Ended(o)))
             }
-            if let Some(o) = g.as_ref() {
-                return Err(EventWait::Ended(o.clone()));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(EventWait::TimedOut);
-            }
-            g = self
-                .cv
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        })
+        .unwrap_or(Err(EventWait::TimedOut))
     }
 }
 

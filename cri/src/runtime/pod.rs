@@ -190,8 +190,9 @@ impl Runtime {
             pod.set_client(None).await;
             self.backend(&rec).after_shutdown(&rec).await;
             step("host process gone");
+        } else {
+            pod.set_client(None).await;
         }
-        pod.set_client(None).await;
         self.teardown_pod_resources(&rec).await;
         step("resources released");
         let was_ready = rec.state == PodState::Ready;

@@ -245,8 +245,7 @@ pub async fn wait_for_agent(
         last = format!("shim: {e}");
     }
     loop {
-        process::reap(shim.pid);
-        if !process::is_alive(shim.pid, shim.start_time) {
+        if shim_gone(shim) {
             let mut detail = process::log_tail(&p.shim_log, 6);
             if p.console.exists() {
                 detail.push_str(" | console: ");
@@ -283,6 +282,12 @@ pub async fn wait_for_agent(
     }
 }
 
+/// Whether the shim has exited (reaped here if it is our child).
+fn shim_gone(shim: &Launched) -> bool {
+    process::reap(shim.pid);
+    !process::is_alive(shim.pid, shim.start_time)
+}
+
 /// Waits, through the shim's control socket, until the guest agent serves: `Ok` when it
 /// does, an error when the shim exits first, cannot be asked, or `timeout` passes.
 async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Result<(), String> {
@@ -290,8 +295,7 @@ async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Res
     let start = Instant::now();
     // The shim binds its control socket before it builds the VM.
     while !ctl.exists() {
-        process::reap(shim.pid);
-        if !process::is_alive(shim.pid, shim.start_time) {
+        if shim_gone(shim) {
             return Err("the shim exited".into());
         }
         if start.elapsed() >= timeout {
