@@ -461,6 +461,7 @@ async fn vessel_memory(b: &mut Bench, daemon_pid: u32, vm: bool, guest_mib: u64)
     b.teardown(&idle_pod).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss0 = rss_kib(daemon_pid).unwrap_or(0);
+    let parts0 = vessel_benches::rss_parts(daemon_pid);
     let pods = b.busy_pods(10).await?;
     let mut pss_with = Vec::new();
     let mut vm_with = Vec::new();
@@ -470,13 +471,17 @@ async fn vessel_memory(b: &mut Bench, daemon_pid: u32, vm: bool, guest_mib: u64)
         vm_with.push(vm_mem(pid));
     }
     let rss10 = rss_kib(daemon_pid).unwrap_or(0);
+    let parts10 = vessel_benches::rss_parts(daemon_pid);
     for p in pods {
         b.teardown(&p).await?;
     }
     let pss_one = pss_with.iter().copied().min().unwrap_or(0);
     let vm_one = vm_with.iter().copied().min().unwrap_or((0, 0));
     let mut lines = Vec::new();
-    let mut j = json!({"agent_pss_no_containers": pss_empty, "agent_pss_one_container": pss_one, "agent_pss_one_container_all": pss_with, "vesseld_rss_0_pods": rss0, "vesseld_rss_10_pods": rss10});
+    let mut j = json!({"agent_pss_no_containers": pss_empty, "agent_pss_one_container": pss_one, "agent_pss_one_container_all": pss_with, "vesseld_rss_0_pods": rss0, "vesseld_rss_10_pods": rss10, "vesseld_rss_0_pods_parts": parts0, "vesseld_rss_10_pods_parts": parts10});
+    lines.push(format!(
+        "  vesseld RSS parts, 0 pods: {parts0}; 10 pods: {parts10}"
+    ));
     if vm {
         lines.push(format!("  VM pod without containers: guest RAM touched {:>7.2} MiB, VMM PSS {:>6.2} MiB (shim PSS {:>7.2} MiB)", mib(vm_empty.0), mib(vm_empty.1), mib(pss_empty)));
         lines.push(format!("  VM pod, one sleeping busybox: guest RAM touched {:>7.2} MiB, VMM PSS {:>6.2} MiB (shim PSS {:>7.2} MiB; aims on real KVM: guest < 40 MiB, VMM < 10 MiB)", mib(vm_one.0), mib(vm_one.1), mib(pss_one)));

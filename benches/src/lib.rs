@@ -182,6 +182,19 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
     field_kib(&format!("/proc/{pid}/status"), "VmRSS:")
 }
 
+/// What a process's RSS is made of, from `/proc/<pid>/status`: anonymous memory (heap,
+/// stacks) and file pages (its mapped binary and libraries), KiB, and its thread count.
+pub fn rss_parts(pid: u32) -> serde_json::Value {
+    let status = format!("/proc/{pid}/status");
+    let kib = |k: &str| field_kib(&status, k);
+    let threads = std::fs::read_to_string(&status).ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Threads:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    });
+    serde_json::json!({"anon_kib": kib("RssAnon:"), "file_kib": kib("RssFile:"), "threads": threads})
+}
+
 fn field_kib(path: &str, key: &str) -> Option<u64> {
     std::fs::read_to_string(path)
         .ok()?
