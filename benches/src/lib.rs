@@ -182,23 +182,22 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
     field_kib(&format!("/proc/{pid}/status"), "VmRSS:")
 }
 
-/// What a process's RSS is made of, from `/proc/<pid>/status`: anonymous memory (heap,
-/// stacks) and file pages (its mapped binary and libraries), KiB, and its thread count.
+/// What a process's RSS is made of, from one reading of `/proc/<pid>/status`: anonymous
+/// memory (heap, stacks) and file pages (its mapped binary and libraries), KiB, and its
+/// thread count.
 pub fn rss_parts(pid: u32) -> serde_json::Value {
-    let status = format!("/proc/{pid}/status");
-    let kib = |k: &str| field_kib(&status, k);
-    let threads = std::fs::read_to_string(&status).ok().and_then(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Threads:"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-    });
-    serde_json::json!({"anon_kib": kib("RssAnon:"), "file_kib": kib("RssFile:"), "threads": threads})
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |k: &str| first_number(&status, k);
+    serde_json::json!({"anon_kib": field("RssAnon:"), "file_kib": field("RssFile:"), "threads": field("Threads:")})
 }
 
 fn field_kib(path: &str, key: &str) -> Option<u64> {
-    std::fs::read_to_string(path)
-        .ok()?
-        .lines()
+    first_number(&std::fs::read_to_string(path).ok()?, key)
+}
+
+/// The number after `key` on the first line of `text` that starts with it.
+fn first_number(text: &str, key: &str) -> Option<u64> {
+    text.lines()
         .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
@@ -277,4 +276,21 @@ pub fn order(i: usize, n: usize) -> Vec<usize> {
         o.reverse();
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_fields_are_read_from_one_text() {
+        let status = "Name:\tvesseld\nVmRSS:\t   17644 kB\nRssAnon:\t    4836 kB\nRssFile:\t   12808 kB\nThreads:\t8\n";
+        assert_eq!(first_number(status, "RssAnon:"), Some(4836));
+        assert_eq!(first_number(status, "RssFile:"), Some(12808));
+        assert_eq!(first_number(status, "Threads:"), Some(8));
+        assert_eq!(first_number(status, "VmSwap:"), None);
+        let me = rss_parts(std::process::id());
+        assert!(me["anon_kib"].as_u64().unwrap() > 0, "{me}");
+        assert!(me["threads"].as_u64().unwrap() >= 1, "{me}");
+    }
 }
