@@ -37,9 +37,34 @@ pub fn is_unified() -> bool {
 }
 
 /// The mount point of the v1 hierarchy holding `controller`.
+///
+/// The v1 mount table is read once per process: the hierarchies are mounted at boot and do
+/// not move under a running agent, while `/proc/self/mountinfo` grows with every pod's
+/// overlay mounts, so reading it per call (every start, signal and stats request asks for
+/// a dozen controllers) cost a tenth of a busy host's agent CPU.
 pub fn v1_mount_point(controller: &str) -> Option<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    for line in text.lines() {
+    static MOUNTS: std::sync::OnceLock<Vec<(Vec<String>, PathBuf)>> = std::sync::OnceLock::new();
+    let mounts = MOUNTS.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .map(|t| v1_mounts(&t))
+            .unwrap_or_default()
+    });
+    holding(mounts, controller)
+}
+
+/// Of a v1 mount table, the mount point of the hierarchy holding `controller`.
+fn holding(mounts: &[(Vec<String>, PathBuf)], controller: &str) -> Option<PathBuf> {
+    mounts
+        .iter()
+        .find(|(opts, _)| opts.iter().any(|o| o == controller))
+        .map(|(_, mp)| mp.clone())
+}
+
+/// The cgroup v1 mounts of a mountinfo text: each one's mount options and mount point, in
+/// the table's order.
+fn v1_mounts(mountinfo: &str) -> Vec<(Vec<String>, PathBuf)> {
+    let mut out = Vec::new();
+    for line in mountinfo.lines() {
         let Some((left, right)) = line.split_once(" - ") else {
             continue;
         };
@@ -48,12 +73,15 @@ pub fn v1_mount_point(controller: &str) -> Option<PathBuf> {
             continue;
         }
         let _source = r.next();
-        let Some(opts) = r.next() else { continue };
-        if opts.split(',').any(|o| o == controller) {
-            return left.split_whitespace().nth(4).map(PathBuf::from);
-        }
+        let (Some(opts), Some(mp)) = (r.next(), left.split_whitespace().nth(4)) else {
+            continue;
+        };
+        out.push((
+            opts.split(',').map(str::to_owned).collect(),
+            PathBuf::from(mp),
+        ));
     }
-    None
+    out
 }
 
 /// Whether the memory controller is usable (for OOM handling and memory limits).
@@ -303,6 +331,24 @@ mod tests {
         assert_eq!(read_key(&p, "oom_kill"), Some(2));
         assert_eq!(read_key(&p, "oom"), Some(1));
         assert_eq!(read_key(&p, "nope"), None);
+    }
+
+    #[test]
+    fn v1_mount_table() {
+        let info = "\
+25 30 0:22 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755
+26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw,nsdelegate
+29 25 0:26 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:13 - cgroup cgroup rw,cpu,cpuacct
+31 25 0:28 / /sys/fs/cgroup/memory rw,nosuid shared:15 - cgroup cgroup rw,memory
+90 30 0:50 / /run/x rw - overlay overlay rw,lowerdir=/a,upperdir=/b,workdir=/c
+";
+        let m = v1_mounts(info);
+        let find = |c: &str| holding(&m, c);
+        assert_eq!(m.len(), 2);
+        assert_eq!(find("cpuacct"), Some("/sys/fs/cgroup/cpu,cpuacct".into()));
+        assert_eq!(find("memory"), Some("/sys/fs/cgroup/memory".into()));
+        assert_eq!(find("pids"), None);
+        assert_eq!(find("nsdelegate"), None);
     }
 
     #[test]
