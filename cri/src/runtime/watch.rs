@@ -29,10 +29,12 @@ impl Runtime {
                 .max(r.started_at);
             }
         });
-        if let Err(e) = self.dirs.save_container(&rec) {
-            tracing::error!(container = %rec.id, error = %e, "cannot save exit");
-        }
+        // Only a change is written: the exit is reported more than once (the stop's own wait
+        // and the container's watcher), and the first report saved it.
         if changed {
+            if let Err(e) = self.dirs.save_container(&rec) {
+                tracing::error!(container = %rec.id, error = %e, "cannot save exit");
+            }
             if exit.oom_killed {
                 crate::metrics::get().record_oom_kill();
             }
@@ -58,8 +60,8 @@ impl Runtime {
                 r.message = why.to_string();
             }
         });
-        let _ = self.dirs.save_container(&rec);
         if changed {
+            let _ = self.dirs.save_container(&rec);
             self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
         }
     }
