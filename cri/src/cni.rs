@@ -1,6 +1,7 @@
-//! CNI for flat pods: the node's CNI network configuration (the first valid `.conflist`,
-//! `.conf` or `.json` file in `cni.conf_dir`, by name) is run through its plugin chain for
-//! each flat pod that has its own network namespace.
+//! CNI for pods: the node's CNI network configuration (the first valid `.conflist`, `.conf`
+//! or `.json` file in `cni.conf_dir`, by name) is run through its plugin chain for each pod
+//! that has its own network namespace: a flat pod's, or the host-side netns pinned for a VM
+//! pod (whose shim joins its tap to the CNI interface with tc redirect).
 //!
 //! ADD runs the plugins in order, each getting the previous one's result as `prevResult`;
 //! DEL runs them in reverse with the final ADD result. What ADD was asked (the network
@@ -9,9 +10,6 @@
 //! after the last, so that DEL undoes exactly what ADD did, also after a crash or a reboot
 //! and also when the node's config has changed since.
 //!
-//! VM pods are not attached here: their network namespace is the guest's. They will get CNI
-//! through a veth in a host-side netns mirrored to the VM's tap with tc redirect; until then
-//! they have loopback only.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};

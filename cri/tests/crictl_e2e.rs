@@ -209,8 +209,39 @@ fn crictl_every_verb() {
     let s = c.json(&["inspect", &ctr]);
     assert_eq!(s["status"]["state"], "CONTAINER_RUNNING", "{s}");
 
-    // exec: plain, with stdin, with a terminal (script(1) gives crictl one).
-    assert_eq!(c.ok(&["exec", &ctr, "echo", "hi"]).trim(), "hi");
+    // exec: plain, with stdin, with a terminal (script(1) gives crictl one), over SPDY and
+    // WebSocket (crictl --transport).
+    for t in ["spdy", "websocket"] {
+        fn exec<'a>(t: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+            [&["exec", "-r", t][..], args].concat()
+        }
+        assert_eq!(c.ok(&exec(t, &[&ctr, "echo", "hi"])).trim(), "hi", "{t}");
+        assert_eq!(
+            c.ok_in(&exec(t, &["-i", &ctr, "cat"]), Some(b"through stdin")),
+            "through stdin",
+            "{t}"
+        );
+        let o = c.output(&exec(t, &[&ctr, "sh", "-c", "exit 3"]), None);
+        // crictl itself exits 1 and names the command's code.
+        assert!(
+            !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("exit code 3"),
+            "{t}: {o:?}"
+        );
+        let cmdline = format!(
+            "{} --config {} exec -r {t} -it {ctr} sh -c 'test -t 0 && echo is-a-tty'",
+            c.bin.display(),
+            c.config.display()
+        );
+        let o = Command::new("script")
+            .args(["-qec", &cmdline, "/dev/null"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("is-a-tty"),
+            "exec -it over {t}: {o:?}"
+        );
+    }
     // The web server's writable layer is the container filesystem's usage, on the image
     // store's filesystem (the same mountpoint: kubelet sees no split image filesystem).
     let fs = c.json(&["imagefsinfo"]);
@@ -224,31 +255,6 @@ fn crictl_every_verb() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     assert!(used > 0, "container filesystem usage: {fs}");
-    assert_eq!(
-        c.ok_in(&["exec", "-i", &ctr, "cat"], Some(b"through stdin")),
-        "through stdin"
-    );
-    let o = c.output(&["exec", &ctr, "sh", "-c", "exit 3"], None);
-    // crictl itself exits 1 and names the command's code.
-    assert!(
-        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("exit code 3"),
-        "{o:?}"
-    );
-    let cmdline = format!(
-        "{} --config {} exec -it {ctr} sh -c 'test -t 0 && echo is-a-tty'",
-        c.bin.display(),
-        c.config.display()
-    );
-    let o = Command::new("script")
-        .args(["-qec", &cmdline, "/dev/null"])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("is-a-tty"),
-        "exec -it: {o:?}"
-    );
-
     // logs, logs -f.
     assert!(
         eventually(Duration::from_secs(10), || c
@@ -292,32 +298,34 @@ fn crictl_every_verb() {
         "{out}"
     );
 
-    // port-forward: a local port to the pod's 8080.
-    let local = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut pf = c
-        .cmd(&["port-forward", &pod, &format!("{local}:8080")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut body = String::new();
-    let got = eventually(Duration::from_secs(20), || {
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", local)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = s.write_all(b"GET /index.html HTTP/1.0\r\n\r\n");
-        body.clear();
-        let _ = s.read_to_string(&mut body);
-        body.contains("pong")
-    });
-    let _ = pf.kill();
-    let _ = pf.wait();
-    assert!(got, "port-forward: {body:?}");
+    // port-forward: a local port to the pod's 8080, over SPDY and SPDY tunnelled in WebSocket.
+    for t in ["spdy", "websocket"] {
+        let local = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut pf = c
+            .cmd(&["port-forward", "-r", t, &pod, &format!("{local}:8080")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut body = String::new();
+        let got = eventually(Duration::from_secs(20), || {
+            let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", local)) else {
+                return false;
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = s.write_all(b"GET /index.html HTTP/1.0\r\n\r\n");
+            body.clear();
+            let _ = s.read_to_string(&mut body);
+            body.contains("pong")
+        });
+        let _ = pf.kill();
+        let _ = pf.wait();
+        assert!(got, "port-forward over {t}: {body:?}");
+    }
 
     // update.
     c.ok(&["update", "--memory", "200000000", &ctr]);
@@ -340,19 +348,22 @@ fn crictl_every_verb() {
             "log_path": "shell.log"
         }),
     );
-    let sh = c
-        .ok(&["create", &pod, &shell, &pod_json])
-        .trim()
-        .to_string();
-    c.ok(&["start", &sh]);
-    let out = c.ok_in(&["attach", "-i", &sh], Some(b"echo attached\n"));
-    assert!(out.contains("attached"), "attach: {out:?}");
-    assert!(
-        eventually(Duration::from_secs(20), || {
-            c.json(&["inspect", &sh])["status"]["state"] == "CONTAINER_EXITED"
-        }),
-        "stdin_once: the shell did not exit after attach closed its stdin"
-    );
+    for t in ["spdy", "websocket"] {
+        let sh = c
+            .ok(&["create", &pod, &shell, &pod_json])
+            .trim()
+            .to_string();
+        c.ok(&["start", &sh]);
+        let out = c.ok_in(&["attach", "-r", t, "-i", &sh], Some(b"echo attached\n"));
+        assert!(out.contains("attached"), "attach over {t}: {out:?}");
+        assert!(
+            eventually(Duration::from_secs(20), || {
+                c.json(&["inspect", &sh])["status"]["state"] == "CONTAINER_EXITED"
+            }),
+            "stdin_once: the shell did not exit after attach over {t} closed its stdin"
+        );
+        c.ok(&["rm", &sh]);
+    }
 
     // run: pod + container in one go.
     let run_ctr = write(

@@ -98,5 +98,97 @@ async fn streaming_server_edges() {
         "{r:?}"
     );
 
-    // crictl's exec, attach and port-forward: crictl_e2e (upstream crictl).
+    // WebSocket upgrades (a pod's port-forward URL for the tokens; each is used once).
+    let logs = tempfile::tempdir().unwrap();
+    let pod = c
+        .run_pod(
+            &vessel_critest::client::pod_config("ws-edges", "default", logs.path()),
+            "",
+        )
+        .await
+        .expect("RunPodSandbox");
+    let pf_url = || {
+        let mut rt = c.runtime.clone();
+        let pod = pod.clone();
+        async move {
+            let url = rt
+                .port_forward(k8s_cri::v1::PortForwardRequest {
+                    pod_sandbox_id: pod,
+                    port: vec![80],
+                })
+                .await
+                .expect("PortForward")
+                .into_inner()
+                .url;
+            url.split_once("//")
+                .and_then(|(_, r)| r.split_once('/'))
+                .map(|(_, p)| format!("/{p}"))
+                .unwrap()
+        }
+    };
+    let ws = |path: String, extra: &str| {
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n")
+    };
+    let r = http(&addr, &ws(pf_url().await, "")).await;
+    assert!(
+        r.starts_with("HTTP/1.1 400") && r.contains("Sec-WebSocket-Key"),
+        "{r}"
+    );
+    // Port-forward's own WebSocket protocol is not spoken; its SPDY tunnel is.
+    let key = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
+    let r = http(
+        &addr,
+        &ws(
+            pf_url().await,
+            &format!("{key}Sec-WebSocket-Protocol: portforward.k8s.io\r\n"),
+        ),
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 400") && r.contains("SPDY/3.1+portforward.k8s.io"),
+        "{r}"
+    );
+    // A good handshake, then the client's close: the server closes too.
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let req = ws(
+        pf_url().await,
+        &format!("{key}Sec-WebSocket-Protocol: SPDY/3.1+portforward.k8s.io\r\n"),
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // A masked close frame (code 1000, mask 0).
+    s.write_all(&[0x88, 0x82, 0, 0, 0, 0, 0x03, 0xE8])
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("the server closes")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+    // RFC 6455's example key and its accept value.
+    assert!(
+        text.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n")
+            && text.contains("Sec-WebSocket-Protocol: SPDY/3.1+portforward.k8s.io\r\n"),
+        "{text}"
+    );
+    assert!(
+        out.ends_with(&[0x88, 0x02, 0x03, 0xE8]),
+        "a close frame last: {out:?}"
+    );
+    c.runtime
+        .stop_pod_sandbox(k8s_cri::v1::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await
+        .unwrap();
+    c.runtime
+        .remove_pod_sandbox(k8s_cri::v1::RemovePodSandboxRequest {
+            pod_sandbox_id: pod,
+        })
+        .await
+        .unwrap();
+
+    // crictl's exec, attach and port-forward: crictl_e2e (upstream crictl), also over
+    // WebSocket; upstream critest's streaming specs over WebSocket: upstream_critest.
 }

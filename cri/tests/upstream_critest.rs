@@ -5,6 +5,9 @@
 //! The outcome of every spec is judged against `critest/upstream/<mode>.expected`: a spec not
 //! listed must pass, a listed one must end as listed (so the list only shrinks).
 //!
+//! `upstream_critest_flat_websocket` runs critest's streaming specs once more over WebSocket
+//! (`critest/upstream/websocket.expected`: none may fail).
+//!
 //! `upstream_critest_flat` prints `SKIP upstream_critest_flat: <reason>` when not root or
 //! without `shared/cri-tools`. `upstream_critest_vm` runs where VM pods do: `vm_pods` runs this
 //! binary inside the nested harness's L1 with `VESSEL_E2E_HANDLER=vm` (critest, its stand-in
@@ -31,6 +34,26 @@ fn upstream_critest_flat() {
     };
     let expected = Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/flat.expected");
     run("flat", &f, &expected, &[]);
+}
+
+/// critest's streaming specs again, with the WebSocket transports client-go offers (exec
+/// and attach in `v5.channel.k8s.io`, port-forward as SPDY tunnelled over WebSocket).
+#[test]
+fn upstream_critest_flat_websocket() {
+    let Some(f) = upstream::Fixture::start("upstream_critest_flat_websocket", VESSELD.as_ref())
+    else {
+        return;
+    };
+    let expected =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/websocket.expected");
+    let args = [
+        "-websocket-exec",
+        "-websocket-attach",
+        "-websocket-portforward",
+        "-ginkgo.focus=Streaming",
+    ]
+    .map(String::from);
+    run("flat", &f, &expected, &args);
 }
 
 #[test]

@@ -1,12 +1,11 @@
-//! A SPDY/3.1 connection over an upgraded TCP stream, server side: one reader task that
-//! decodes frames and routes stream data, one writer task that owns the socket's write half
-//! and the deflate context.
+//! A SPDY/3.1 connection over an upgraded TCP stream (or a WebSocket tunnel, see `ws`),
+//! server side: one reader task that decodes frames and routes stream data, one writer task
+//! that owns the connection's write half and the deflate context.
 
 use super::spdy::{self, Codec, Frame, Headers};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 /// Largest data frame sent.
@@ -27,6 +26,11 @@ pub struct Writer {
 }
 
 impl Writer {
+    /// A writer and the frames written to it, for a transport that encodes them itself.
+    pub fn channel() -> (Writer, mpsc::UnboundedReceiver<Frame>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Writer { tx }, rx)
+    }
     pub fn send(&self, f: Frame) -> bool {
         self.tx.send(f).is_ok()
     }
@@ -60,28 +64,31 @@ impl Writer {
     }
 }
 
+/// An upgraded connection: its writer, the streams the client opens, and the writer's task
+/// (done once every clone of the writer is gone and what was queued is written).
+pub type Session = (
+    Writer,
+    mpsc::UnboundedReceiver<Incoming>,
+    tokio::task::JoinHandle<()>,
+);
+
 type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Vec<u8>>>>>;
 
 /// Starts the reader and writer tasks. `early` holds bytes read past the HTTP request head.
 /// Returns the writer and the streams the client opens (ends when the connection does).
-pub fn start(
-    rd: OwnedReadHalf,
-    wr: OwnedWriteHalf,
-    early: Vec<u8>,
-) -> (
-    Writer,
-    mpsc::UnboundedReceiver<Incoming>,
-    tokio::task::JoinHandle<()>,
-) {
-    let (ftx, frx) = mpsc::unbounded_channel::<Frame>();
-    let writer = Writer { tx: ftx };
+pub fn start<R, W>(rd: R, wr: W, early: Vec<u8>) -> Session
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (writer, frx) = Writer::channel();
     let (stx, srx) = mpsc::unbounded_channel();
     let wtask = tokio::spawn(write_loop(wr, frx));
     tokio::spawn(read_loop(rd, early, writer.clone(), stx));
     (writer, srx, wtask)
 }
 
-async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Frame>) {
+async fn write_loop<W: AsyncWrite + Unpin>(mut wr: W, mut rx: mpsc::UnboundedReceiver<Frame>) {
     let mut codec = Codec::new();
     let mut buf = Vec::new();
     while let Some(f) = rx.recv().await {
@@ -102,8 +109,8 @@ async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Fram
     let _ = wr.shutdown().await;
 }
 
-async fn read_loop(
-    mut rd: OwnedReadHalf,
+async fn read_loop<R: AsyncRead + Unpin>(
+    mut rd: R,
     early: Vec<u8>,
     w: Writer,
     streams: mpsc::UnboundedSender<Incoming>,

@@ -6,11 +6,14 @@
 //! - Exec runs through the pod agent's `Exec` gRPC stream, so flat and VM pods behave alike.
 //! - PortForward connects to 127.0.0.1:PORT inside a flat pod's network namespace (from a
 //!   dedicated thread that enters the namespace; tokio workers never change namespace).
-//! - WebSocket (`v5.channel.k8s.io`) upgrades are refused with a clear 400 for now.
+//! - Clients may upgrade to WebSocket instead (see `ws`): exec and attach in the
+//!   `v5.channel.k8s.io`/`v4.channel.k8s.io`/`channel.k8s.io` channel protocols,
+//!   port-forward as SPDY tunnelled over WebSocket (`SPDY/3.1+portforward.k8s.io`).
 
 pub use vessel_spdy as spdy;
 
 mod conn;
+mod ws;
 
 use crate::runtime::Runtime;
 use crate::sandbox::ForwardTarget;
@@ -39,6 +42,10 @@ const EXEC_PROTOCOLS: &[&str] = &[
     "channel.k8s.io",
 ];
 const PORT_FORWARD_PROTOCOL: &str = "portforward.k8s.io";
+/// The exec protocols over WebSocket (binary; the base64 ones are not spoken), best first.
+const WS_EXEC_PROTOCOLS: &[&str] = &["v5.channel.k8s.io", "v4.channel.k8s.io", "channel.k8s.io"];
+/// Port-forward's SPDY tunnelled over WebSocket (client-go's tunnelling dialer).
+const WS_PORT_FORWARD_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamingError {
@@ -216,23 +223,12 @@ impl StreamingServer {
         }
         let upgrade = head.get_all("upgrade").join(",").to_ascii_lowercase();
         if upgrade.contains("websocket") {
-            return reply(
-                &mut s,
-                400,
-                "WebSocket streaming (v5.channel.k8s.io) is not supported by vessel yet; use SPDY/3.1",
-            )
-            .await;
+            return self.websocket(s, &head, early, req).await;
         }
         if !upgrade.contains("spdy/3.1") {
             return reply(&mut s, 400, "expected Upgrade: SPDY/3.1").await;
         }
-        let offered: Vec<String> = head
-            .get_all("x-stream-protocol-version")
-            .iter()
-            .flat_map(|v| v.split(','))
-            .map(|v| v.trim().to_string())
-            .filter(|v| !v.is_empty())
-            .collect();
+        let offered = head.list("x-stream-protocol-version");
         let supported: &[&str] = match &req {
             StreamRequest::Exec(_) => EXEC_PROTOCOLS,
             StreamRequest::PortForward { .. } => &[PORT_FORWARD_PROTOCOL],
@@ -265,13 +261,106 @@ impl StreamingServer {
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind, protocol = ?proto, "streaming: upgraded to SPDY/3.1");
         let (rd, wr) = s.into_split();
-        let (w, streams, wtask) = conn::start(rd, wr, early);
         let version = match proto.as_deref() {
             Some("v4.channel.k8s.io") => 4,
             Some("v3.channel.k8s.io") => 3,
             Some("v2.channel.k8s.io") => 2,
             _ => 1,
         };
+        self.session(req, version, conn::start(rd, wr, early)).await;
+        Ok(())
+    }
+
+    /// A WebSocket upgrade (RFC 6455): exec and attach in a channel protocol, port-forward
+    /// as SPDY tunnelled in binary messages (see `ws`).
+    async fn websocket(
+        &self,
+        mut s: TcpStream,
+        head: &Head,
+        early: Vec<u8>,
+        req: StreamRequest,
+    ) -> std::io::Result<()> {
+        let key = head.get_all("sec-websocket-key").join("");
+        if key.trim().is_empty() {
+            return reply(&mut s, 400, "WebSocket upgrade without Sec-WebSocket-Key").await;
+        }
+        if !head.list("sec-websocket-version").iter().any(|v| v == "13") {
+            return reply(
+                &mut s,
+                400,
+                "WebSocket upgrade: Sec-WebSocket-Version 13 required",
+            )
+            .await;
+        }
+        let offered = head.list("sec-websocket-protocol");
+        let supported: &[&str] = match &req {
+            StreamRequest::Exec(_) => WS_EXEC_PROTOCOLS,
+            StreamRequest::PortForward { .. } => &[WS_PORT_FORWARD_PROTOCOL],
+        };
+        // The client's order decides, as in Kubernetes' handshake; none offered is the
+        // binary channel protocol (exec only: port-forward's own WebSocket protocol is not
+        // spoken, its tunnel of SPDY is).
+        let proto = offered.iter().find(|o| supported.contains(&o.as_str()));
+        if proto.is_none() && (!offered.is_empty() || req.kind() == "portforward") {
+            return reply(
+                &mut s,
+                400,
+                &format!(
+                    "no supported WebSocket protocol in {offered:?}; vessel speaks {supported:?} over WebSocket, and SPDY/3.1"
+                ),
+            )
+            .await;
+        }
+        let mut resp = format!(
+            "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {}\r\n",
+            ws::accept_key(&key)
+        );
+        if let Some(p) = proto {
+            resp.push_str(&format!("Sec-WebSocket-Protocol: {p}\r\n"));
+        }
+        resp.push_str("\r\n");
+        s.write_all(resp.as_bytes()).await?;
+        tracing::info!(kind = req.kind(), protocol = ?proto, "streaming: upgraded to WebSocket");
+        let (rd, wr) = s.into_split();
+        match req {
+            StreamRequest::Exec(t) => {
+                let version = match proto.map(String::as_str) {
+                    Some("v5.channel.k8s.io" | "v4.channel.k8s.io") => 4,
+                    _ => 1,
+                };
+                // The channels kubelet's server opens for such a session.
+                let mut chans = vec![(3, "error")];
+                for (want, ch, kind) in [
+                    (t.stdin, 0, "stdin"),
+                    (t.stdout, 1, "stdout"),
+                    (t.stderr && !t.tty, 2, "stderr"),
+                    (t.tty, 4, "resize"),
+                ] {
+                    if want {
+                        chans.push((ch, kind));
+                    }
+                }
+                let opening = if t.stdout {
+                    1
+                } else if t.stderr {
+                    2
+                } else {
+                    3
+                };
+                let conn = ws::channels(rd, wr, early, &chans, opening);
+                self.session(StreamRequest::Exec(t), version, conn).await;
+            }
+            StreamRequest::PortForward { .. } => {
+                let (trd, twr) = tokio::io::split(ws::tunnel(rd, wr, early));
+                self.session(req, 1, conn::start(trd, twr, Vec::new()))
+                    .await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs an upgraded session on its connection (`version`: the exec protocol's).
+    async fn session(&self, req: StreamRequest, version: u8, (w, streams, wtask): conn::Session) {
         match req {
             StreamRequest::Exec(target) => {
                 exec(&self.rt, ExecParams { target, version }, &w, streams).await;
@@ -283,7 +372,6 @@ impl StreamingServer {
         drop(w);
         // Let the writer flush what is queued (it ends once every Writer clone is gone).
         let _ = tokio::time::timeout(Duration::from_secs(5), wtask).await;
-        Ok(())
     }
 }
 
@@ -295,6 +383,15 @@ struct Head {
 }
 
 impl Head {
+    /// The comma-separated values of every `name` header, in order.
+    fn list(&self, name: &str) -> Vec<String> {
+        self.get_all(name)
+            .iter()
+            .flat_map(|v| v.split(','))
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+            .collect()
+    }
     fn get_all(&self, name: &str) -> Vec<&str> {
         self.headers
             .iter()

@@ -1,0 +1,533 @@
+//! WebSocket (RFC 6455) transports of the streaming server, server side, for clients that
+//! do not speak SPDY upgrades (`crictl --transport websocket`, critest's `-websocket-*`,
+//! client-go's WebSocket executor):
+//!
+//! - exec and attach: Kubernetes' channel protocols (`v5.channel.k8s.io`,
+//!   `v4.channel.k8s.io`, `channel.k8s.io`): binary messages whose first byte is the channel
+//!   (0 stdin, 1 stdout, 2 stderr, 3 error, 4 resize). v5 adds `[255, channel]`, the client
+//!   closing its side of a channel (stdin's end). The session ends with a close frame, which
+//!   is each channel's end for the client. [`channels`] gives the exec code the same
+//!   [`Writer`] and [`Incoming`] streams a SPDY connection does: a channel is a stream.
+//! - port-forward: SPDY/3.1 tunnelled in binary messages (`SPDY/3.1+portforward.k8s.io`,
+//!   client-go's tunnelling dialer). [`tunnel`] turns the messages back into a byte stream
+//!   for the SPDY connection.
+//!
+//! Pings are answered with pongs; client frames must be masked; fragmented messages are
+//! reassembled; no extensions are negotiated.
+
+use super::conn::{Incoming, Session, Writer};
+use super::spdy::Frame;
+use std::collections::HashMap;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+/// The GUID a handshake's accept key is derived with (RFC 6455, 1.3).
+const GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
+/// Largest message accepted from a client (stdin chunks and tunnelled SPDY frames are far
+/// smaller).
+const MAX_MESSAGE: usize = 16 << 20;
+/// The v5 channel protocol's "close this channel" signal.
+const CHANNEL_CLOSE: u8 = 255;
+
+const OP_CONTINUATION: u8 = 0x0;
+const OP_TEXT: u8 = 0x1;
+const OP_BINARY: u8 = 0x2;
+const OP_CLOSE: u8 = 0x8;
+const OP_PING: u8 = 0x9;
+const OP_PONG: u8 = 0xA;
+
+/// Close codes sent.
+const CLOSE_NORMAL: u16 = 1000;
+const CLOSE_PROTOCOL_ERROR: u16 = 1002;
+const CLOSE_UNSUPPORTED: u16 = 1003;
+
+/// The `Sec-WebSocket-Accept` value for a client's `Sec-WebSocket-Key`.
+pub fn accept_key(key: &str) -> String {
+    use base64::Engine;
+    use sha1::Digest;
+    let mut h = sha1::Sha1::new();
+    h.update(key.trim().as_bytes());
+    h.update(GUID.as_bytes());
+    base64::engine::general_purpose::STANDARD.encode(h.finalize())
+}
+
+/// Appends one unmasked, final frame (servers never mask).
+fn encode(op: u8, payload: &[u8], out: &mut Vec<u8>) {
+    out.push(0x80 | op);
+    length(0, payload.len(), out);
+    out.extend_from_slice(payload);
+}
+
+/// Appends a frame's payload length in its shortest form, with the mask bit `mask_bit`.
+fn length(mask_bit: u8, n: usize, out: &mut Vec<u8>) {
+    if let Some(b) = u8::try_from(n).ok().filter(|b| *b <= 125) {
+        out.push(mask_bit | b);
+    } else if let Ok(w) = u16::try_from(n) {
+        out.push(mask_bit | 126);
+        out.extend_from_slice(&w.to_be_bytes());
+    } else {
+        out.push(mask_bit | 127);
+        out.extend_from_slice(&u64::try_from(n).unwrap_or(u64::MAX).to_be_bytes());
+    }
+}
+
+fn close_payload(code: u16) -> Vec<u8> {
+    code.to_be_bytes().to_vec()
+}
+
+/// A message or control frame from the client.
+#[derive(Debug, PartialEq, Eq)]
+enum Msg {
+    Binary(Vec<u8>),
+    Text(Vec<u8>),
+    Ping(Vec<u8>),
+    Pong,
+    Close,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+enum WsError {
+    #[error("unmasked client frame")]
+    Unmasked,
+    #[error("reserved bits set (no extension was negotiated)")]
+    Reserved,
+    #[error("bad control frame")]
+    BadControl,
+    #[error("continuation without a message, or a new message inside one")]
+    BadFragment,
+    #[error("message over {MAX_MESSAGE} bytes")]
+    TooBig,
+    #[error("unknown opcode {0:#x}")]
+    Opcode(u8),
+}
+
+/// Reassembles the client's frames into messages.
+#[derive(Default)]
+struct Decoder {
+    buf: Vec<u8>,
+    /// A fragmented message so far: its opcode and data.
+    partial: Option<(u8, Vec<u8>)>,
+}
+
+impl Decoder {
+    /// The next complete message or control frame in what was read, if any.
+    fn next(&mut self) -> Result<Option<Msg>, WsError> {
+        loop {
+            let Some((fin, op, payload)) = self.frame()? else {
+                return Ok(None);
+            };
+            match op {
+                OP_CLOSE => return Ok(Some(Msg::Close)),
+                OP_PING => return Ok(Some(Msg::Ping(payload))),
+                OP_PONG => return Ok(Some(Msg::Pong)),
+                OP_TEXT | OP_BINARY if self.partial.is_some() => return Err(WsError::BadFragment),
+                OP_TEXT | OP_BINARY if !fin => self.partial = Some((op, payload)),
+                OP_TEXT => return Ok(Some(Msg::Text(payload))),
+                OP_BINARY => return Ok(Some(Msg::Binary(payload))),
+                OP_CONTINUATION => {
+                    let Some((first, mut data)) = self.partial.take() else {
+                        return Err(WsError::BadFragment);
+                    };
+                    if data.len() + payload.len() > MAX_MESSAGE {
+                        return Err(WsError::TooBig);
+                    }
+                    data.extend_from_slice(&payload);
+                    if !fin {
+                        self.partial = Some((first, data));
+                    } else if first == OP_TEXT {
+                        return Ok(Some(Msg::Text(data)));
+                    } else {
+                        return Ok(Some(Msg::Binary(data)));
+                    }
+                }
+                other => return Err(WsError::Opcode(other)),
+            }
+        }
+    }
+
+    /// One whole frame off the buffer, unmasked: (FIN, opcode, payload).
+    fn frame(&mut self) -> Result<Option<(bool, u8, Vec<u8>)>, WsError> {
+        let b = &self.buf;
+        if b.len() < 2 {
+            return Ok(None);
+        }
+        let (fin, rsv, op) = (b[0] & 0x80 != 0, b[0] & 0x70, b[0] & 0x0F);
+        if rsv != 0 {
+            return Err(WsError::Reserved);
+        }
+        if b[1] & 0x80 == 0 {
+            return Err(WsError::Unmasked);
+        }
+        let (len, mut at) = match b[1] & 0x7F {
+            126 if b.len() >= 4 => (u64::from(u16::from_be_bytes([b[2], b[3]])), 4),
+            127 if b.len() >= 10 => {
+                let mut n = [0u8; 8];
+                n.copy_from_slice(&b[2..10]);
+                (u64::from_be_bytes(n), 10)
+            }
+            126 | 127 => return Ok(None),
+            n => (u64::from(n), 2),
+        };
+        if op & 0x8 != 0 && (!fin || len > 125) {
+            return Err(WsError::BadControl);
+        }
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|n| *n <= MAX_MESSAGE)
+            .ok_or(WsError::TooBig)?;
+        if b.len() < at + 4 + len {
+            return Ok(None);
+        }
+        let mask = [b[at], b[at + 1], b[at + 2], b[at + 3]];
+        at += 4;
+        let mut payload = b[at..at + len].to_vec();
+        for (i, x) in payload.iter_mut().enumerate() {
+            *x ^= mask[i % 4];
+        }
+        self.buf.drain(..at + len);
+        Ok(Some((fin, op, payload)))
+    }
+}
+
+/// What the reader asks the writer to send.
+enum Ctl {
+    Pong(Vec<u8>),
+    /// A close frame with this code, then the end of the connection.
+    Close(u16),
+}
+
+/// Reads the client's messages, answers its pings (through `ctl`) and hands each data
+/// message to `on_data` (false: stop). Ends at the client's close, EOF, a read error or a
+/// protocol error (then asks for a close with its code).
+async fn read_messages<R: AsyncRead + Unpin>(
+    mut rd: R,
+    early: Vec<u8>,
+    ctl: &mpsc::UnboundedSender<Ctl>,
+    mut on_data: impl FnMut(Msg) -> bool,
+) {
+    let mut dec = Decoder {
+        buf: early,
+        partial: None,
+    };
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        loop {
+            match dec.next() {
+                Ok(Some(Msg::Ping(p))) => {
+                    let _ = ctl.send(Ctl::Pong(p));
+                }
+                Ok(Some(Msg::Pong)) => {}
+                Ok(Some(Msg::Close)) => {
+                    tracing::debug!("streaming: WebSocket client closed the connection");
+                    let _ = ctl.send(Ctl::Close(CLOSE_NORMAL));
+                    return;
+                }
+                Ok(Some(m)) => {
+                    if !on_data(m) {
+                        let _ = ctl.send(Ctl::Close(CLOSE_UNSUPPORTED));
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "streaming: bad WebSocket input; closing the connection");
+                    let _ = ctl.send(Ctl::Close(CLOSE_PROTOCOL_ERROR));
+                    return;
+                }
+            }
+        }
+        match rd.read(&mut chunk).await {
+            Ok(0) => {
+                tracing::debug!("streaming: WebSocket client closed the connection");
+                let _ = ctl.send(Ctl::Close(CLOSE_NORMAL));
+                return;
+            }
+            Ok(n) => dec.buf.extend_from_slice(&chunk[..n]),
+            Err(e) => {
+                tracing::debug!(error = %e, "streaming: read failed");
+                let _ = ctl.send(Ctl::Close(CLOSE_NORMAL));
+                return;
+            }
+        }
+    }
+}
+
+/// Writes `first` (a binary message), then control frames from `ctl` and, until it ends,
+/// the binary messages `data` yields; then a normal close frame. A close asked for by the
+/// reader ends it at once.
+async fn write_messages<W: AsyncWrite + Unpin>(
+    mut wr: W,
+    mut ctl: mpsc::UnboundedReceiver<Ctl>,
+    mut data: mpsc::Receiver<Vec<u8>>,
+    first: Option<Vec<u8>>,
+) {
+    let mut out = Vec::new();
+    if let Some(m) = first {
+        encode(OP_BINARY, &m, &mut out);
+    }
+    let code = loop {
+        if !out.is_empty() {
+            if let Err(e) = wr.write_all(&out).await {
+                tracing::debug!(error = %e, "streaming: write failed; connection closed");
+                return;
+            }
+            out.clear();
+        }
+        tokio::select! {
+            biased;
+            c = ctl.recv() => match c {
+                Some(Ctl::Pong(p)) => encode(OP_PONG, &p, &mut out),
+                Some(Ctl::Close(code)) => break code,
+                None => break CLOSE_NORMAL,
+            },
+            d = data.recv() => match d {
+                Some(d) => encode(OP_BINARY, &d, &mut out),
+                None => break CLOSE_NORMAL,
+            },
+        }
+    };
+    encode(OP_CLOSE, &close_payload(code), &mut out);
+    let _ = wr.write_all(&out).await;
+    let _ = wr.shutdown().await;
+}
+
+/// A channel-protocol session (exec, attach) over an upgraded connection: one [`Incoming`]
+/// stream per channel in `channels` (number, stream type), at once, and a [`Writer`] whose
+/// data on a stream id is sent on that channel. `opening`: the channel an empty message is
+/// sent on first, as kubelet does to tell the client the session is up. The connection
+/// ends (close frame) once every clone of the writer is gone; the writer is closed once
+/// the connection is.
+pub fn channels<R, W>(
+    rd: R,
+    wr: W,
+    early: Vec<u8>,
+    channels: &[(u8, &'static str)],
+    opening: u8,
+) -> Session
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (writer, mut frames) = Writer::channel();
+    let (stx, srx) = mpsc::unbounded_channel();
+    let mut routes = HashMap::new();
+    for &(ch, kind) in channels {
+        let (tx, rx) = mpsc::unbounded_channel();
+        routes.insert(ch, tx);
+        let _ = stx.send(Incoming {
+            id: u32::from(ch),
+            headers: vec![("streamtype".to_string(), kind.to_string())],
+            rx,
+        });
+    }
+    let (ctx, crx) = mpsc::unbounded_channel();
+    let (dtx, drx) = mpsc::channel(64);
+    let wtask = tokio::spawn(write_messages(wr, crx, drx, Some(vec![opening])));
+    // The writer's frames as messages: a data frame's stream is its channel. A stream's end
+    // is the connection's end here; resets and the rest are SPDY's own.
+    tokio::spawn(async move {
+        loop {
+            let f = tokio::select! {
+                f = frames.recv() => f,
+                () = dtx.closed() => return,
+            };
+            match f {
+                Some(Frame::Data {
+                    stream_id, data, ..
+                }) if !data.is_empty() => {
+                    let mut m = Vec::with_capacity(data.len() + 1);
+                    m.push(u8::try_from(stream_id).unwrap_or(u8::MAX));
+                    m.extend_from_slice(&data);
+                    if dtx.send(m).await.is_err() {
+                        return;
+                    }
+                }
+                Some(_) => {}
+                None => return,
+            }
+        }
+    });
+    tokio::spawn(async move {
+        // No stream is opened later; the receiver stays open while the session reads.
+        let _streams = stx;
+        read_messages(rd, early, &ctx, |m| match m {
+            Msg::Binary(d) => {
+                match d.as_slice() {
+                    [CHANNEL_CLOSE, ch, ..] => {
+                        routes.remove(ch);
+                    }
+                    [ch, rest @ ..] if !rest.is_empty() => {
+                        if let Some(tx) = routes.get(ch) {
+                            let _ = tx.send(rest.to_vec());
+                        }
+                    }
+                    _ => {}
+                }
+                true
+            }
+            _ => {
+                tracing::info!("streaming: text message on a binary channel protocol; closing");
+                false
+            }
+        })
+        .await;
+    });
+    (writer, srx, wtask)
+}
+
+/// A tunnel (port-forward's SPDY over WebSocket): returns the end that carries the
+/// messages' bytes; what is written to it goes to the client in binary messages.
+pub fn tunnel<R, W>(rd: R, wr: W, early: Vec<u8>) -> tokio::io::DuplexStream
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (ours, theirs) = tokio::io::duplex(256 << 10);
+    let (mut from_spdy, mut to_spdy) = tokio::io::split(ours);
+    let (ctx, crx) = mpsc::unbounded_channel();
+    let (dtx, drx) = mpsc::channel(16);
+    tokio::spawn(write_messages(wr, crx, drx, None));
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = tokio::select! {
+                r = from_spdy.read(&mut buf) => r.unwrap_or(0),
+                () = dtx.closed() => return,
+            };
+            if n == 0 || dtx.send(buf[..n].to_vec()).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio::spawn(async move {
+        // Unbounded, as a SPDY connection's streams are: SPDY's own flow control is the bound.
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let pump = tokio::spawn(async move {
+            while let Some(d) = rx.recv().await {
+                if to_spdy.write_all(&d).await.is_err() {
+                    return;
+                }
+            }
+            let _ = to_spdy.shutdown().await;
+        });
+        read_messages(rd, early, &ctx, |m| match m {
+            Msg::Binary(d) => tx.send(d).is_ok(),
+            _ => {
+                tracing::info!("streaming: text message in a SPDY tunnel; closing");
+                false
+            }
+        })
+        .await;
+        drop(tx);
+        let _ = pump.await;
+    });
+    theirs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A masked client frame.
+    fn client_frame(fin: bool, op: u8, payload: &[u8]) -> Vec<u8> {
+        let mask = [0x12, 0x34, 0x56, 0x78];
+        let mut out = vec![if fin { 0x80 } else { 0 } | op];
+        length(0x80, payload.len(), &mut out);
+        out.extend_from_slice(&mask);
+        out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        out
+    }
+
+    #[test]
+    fn accept_key_of_rfc_example() {
+        // RFC 6455, 1.3.
+        assert_eq!(
+            accept_key("dGhlIHNhbXBsZSBub25jZQ=="),
+            "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        );
+    }
+
+    #[test]
+    fn decodes_masked_fragmented_and_control_frames() {
+        let mut d = Decoder::default();
+        let big = vec![7u8; 70_000];
+        d.buf
+            .extend(client_frame(true, OP_BINARY, &[1, b'h', b'i']));
+        d.buf.extend(client_frame(false, OP_BINARY, &[0, b'a']));
+        // A ping between fragments comes out at once.
+        d.buf.extend(client_frame(true, OP_PING, b"hb"));
+        d.buf.extend(client_frame(false, OP_CONTINUATION, b"b"));
+        d.buf.extend(client_frame(true, OP_CONTINUATION, b"c"));
+        d.buf.extend(client_frame(true, OP_BINARY, &big));
+        d.buf
+            .extend(client_frame(true, OP_CLOSE, &close_payload(1000)));
+        assert_eq!(d.next(), Ok(Some(Msg::Binary(vec![1, b'h', b'i']))));
+        assert_eq!(d.next(), Ok(Some(Msg::Ping(b"hb".to_vec()))));
+        assert_eq!(d.next(), Ok(Some(Msg::Binary(b"\0abc".to_vec()))));
+        assert_eq!(d.next(), Ok(Some(Msg::Binary(big))));
+        assert_eq!(d.next(), Ok(Some(Msg::Close)));
+        assert_eq!(d.next(), Ok(None));
+    }
+
+    #[test]
+    fn partial_frames_wait_for_more() {
+        let f = client_frame(true, OP_BINARY, &[3u8; 300]);
+        let mut d = Decoder::default();
+        for (i, b) in f.iter().enumerate() {
+            assert_eq!(d.next(), Ok(None), "after {i} bytes");
+            d.buf.push(*b);
+        }
+        assert_eq!(d.next(), Ok(Some(Msg::Binary(vec![3u8; 300]))));
+    }
+
+    #[test]
+    fn refuses_bad_frames() {
+        let bad = |bytes: Vec<u8>| {
+            let mut d = Decoder {
+                buf: bytes,
+                partial: None,
+            };
+            d.next()
+        };
+        // Unmasked.
+        let mut f = client_frame(true, OP_BINARY, b"x");
+        f[1] &= 0x7F;
+        assert_eq!(bad(f), Err(WsError::Unmasked));
+        // A reserved bit.
+        let mut f = client_frame(true, OP_BINARY, b"x");
+        f[0] |= 0x40;
+        assert_eq!(bad(f), Err(WsError::Reserved));
+        // A fragmented ping, an oversized one.
+        assert_eq!(
+            bad(client_frame(false, OP_PING, b"")),
+            Err(WsError::BadControl)
+        );
+        assert_eq!(
+            bad(client_frame(true, OP_PING, &[0; 126])),
+            Err(WsError::BadControl)
+        );
+        // A continuation out of the blue; a new message inside a fragmented one.
+        assert_eq!(
+            bad(client_frame(true, OP_CONTINUATION, b"x")),
+            Err(WsError::BadFragment)
+        );
+        let mut f = client_frame(false, OP_BINARY, b"x");
+        f.extend(client_frame(true, OP_BINARY, b"y"));
+        assert_eq!(bad(f), Err(WsError::BadFragment));
+        // A length past the limit is refused before its bytes arrive.
+        let mut f = vec![0x82, 0x80 | 127];
+        f.extend_from_slice(&(u64::MAX).to_be_bytes());
+        assert_eq!(bad(f), Err(WsError::TooBig));
+        assert_eq!(bad(vec![0x83, 0x80, 0, 0, 0, 0]), Err(WsError::Opcode(3)));
+    }
+
+    #[test]
+    fn server_frames_use_the_shortest_length() {
+        for (n, head) in [(5usize, 2usize), (200, 4), (70_000, 10)] {
+            let mut out = Vec::new();
+            encode(OP_BINARY, &vec![1u8; n], &mut out);
+            assert_eq!(out.len(), head + n);
+            assert_eq!(out[0], 0x82);
+        }
+    }
+}
