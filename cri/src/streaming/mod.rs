@@ -301,7 +301,8 @@ impl StreamingServer {
         // binary channel protocol (exec only: port-forward's own WebSocket protocol is not
         // spoken, its tunnel of SPDY is).
         let proto = offered.iter().find(|o| supported.contains(&o.as_str()));
-        if proto.is_none() && (!offered.is_empty() || req.kind() == "portforward") {
+        let forward = matches!(req, StreamRequest::PortForward { .. });
+        if proto.is_none() && (!offered.is_empty() || forward) {
             return reply(
                 &mut s,
                 400,
