@@ -134,8 +134,18 @@ async fn streaming_server_edges() {
         r.starts_with("HTTP/1.1 400") && r.contains("Sec-WebSocket-Key"),
         "{r}"
     );
-    // Port-forward's own WebSocket protocol is not spoken; its SPDY tunnel is.
     let key = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
+    // Another protocol version: 426, naming the one spoken (RFC 6455, 4.4).
+    let r = http(
+        &addr,
+        &ws(pf_url().await, key).replace("Version: 13", "Version: 8"),
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 426") && r.contains("Sec-WebSocket-Version: 13\r\n"),
+        "{r}"
+    );
+    // Port-forward's own WebSocket protocol is not spoken; its SPDY tunnel is.
     let r = http(
         &addr,
         &ws(

@@ -287,7 +287,7 @@ impl StreamingServer {
         if !head.list("sec-websocket-version").iter().any(|v| v == "13") {
             return reply(
                 &mut s,
-                400,
+                426,
                 "WebSocket upgrade: Sec-WebSocket-Version 13 required",
             )
             .await;
@@ -446,11 +446,18 @@ async fn reply(s: &mut TcpStream, code: u16, msg: &str) -> std::io::Result<()> {
         403 => "Forbidden",
         404 => "Not Found",
         408 => "Request Timeout",
+        426 => "Upgrade Required",
         _ => "Error",
+    };
+    // 426 is only a WebSocket version refusal here: it names the version spoken (RFC 6455).
+    let extra = if code == 426 {
+        "Sec-WebSocket-Version: 13\r\n"
+    } else {
+        ""
     };
     let body = format!("{msg}\n");
     let r = format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {code} {reason}\r\n{extra}Content-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(r.as_bytes()).await?;

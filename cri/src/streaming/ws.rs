@@ -28,6 +28,8 @@ const GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 const MAX_MESSAGE: usize = 16 << 20;
 /// The v5 channel protocol's "close this channel" signal.
 const CHANNEL_CLOSE: u8 = 255;
+/// The channels a client writes to (stdin, resize); what it sends on others is dropped.
+const CLIENT_CHANNELS: [u8; 2] = [0, 4];
 
 const OP_CONTINUATION: u8 = 0x0;
 const OP_TEXT: u8 = 0x1;
@@ -105,11 +107,28 @@ enum WsError {
 #[derive(Default)]
 struct Decoder {
     buf: Vec<u8>,
+    /// Where the undecoded bytes of `buf` start (the buffer is compacted once per read, not
+    /// once per frame: a read full of tiny frames costs one move, not one each).
+    pos: usize,
     /// A fragmented message so far: its opcode and data.
     partial: Option<(u8, Vec<u8>)>,
 }
 
 impl Decoder {
+    fn new(buf: Vec<u8>) -> Decoder {
+        Decoder {
+            buf,
+            ..Decoder::default()
+        }
+    }
+
+    /// Appends bytes read, dropping those already decoded.
+    fn extend(&mut self, b: &[u8]) {
+        self.buf.drain(..self.pos);
+        self.pos = 0;
+        self.buf.extend_from_slice(b);
+    }
+
     /// The next complete message or control frame in what was read, if any.
     fn next(&mut self) -> Result<Option<Msg>, WsError> {
         loop {
@@ -147,7 +166,7 @@ impl Decoder {
 
     /// One whole frame off the buffer, unmasked: (FIN, opcode, payload).
     fn frame(&mut self) -> Result<Option<(bool, u8, Vec<u8>)>, WsError> {
-        let b = &self.buf;
+        let b = &self.buf[self.pos..];
         if b.len() < 2 {
             return Ok(None);
         }
@@ -184,7 +203,7 @@ impl Decoder {
         for (i, x) in payload.iter_mut().enumerate() {
             *x ^= mask[i % 4];
         }
-        self.buf.drain(..at + len);
+        self.pos += at + len;
         Ok(Some((fin, op, payload)))
     }
 }
@@ -196,56 +215,72 @@ enum Ctl {
     Close(u16),
 }
 
+/// How long the connection waits for the client's close frame after sending its own, and
+/// for that close frame to be written.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// Control frames the writer may have queued; pongs past it are dropped (a client that
+/// pings without reading must not grow the queue), and a close that does not fit is the
+/// reader's end, which closes the connection as well.
+const CTL_QUEUE: usize = 8;
+
 /// Reads the client's messages, answers its pings (through `ctl`) and hands each data
 /// message to `on_data` (false: stop). Ends at the client's close, EOF, a read error or a
 /// protocol error (then asks for a close with its code).
 async fn read_messages<R: AsyncRead + Unpin>(
     mut rd: R,
     early: Vec<u8>,
-    ctl: &mpsc::UnboundedSender<Ctl>,
+    ctl: &mpsc::Sender<Ctl>,
     mut on_data: impl FnMut(Msg) -> bool,
 ) {
-    let mut dec = Decoder {
-        buf: early,
-        partial: None,
-    };
+    let mut dec = Decoder::new(early);
     let mut chunk = vec![0u8; 64 << 10];
     loop {
         loop {
             match dec.next() {
                 Ok(Some(Msg::Ping(p))) => {
-                    let _ = ctl.send(Ctl::Pong(p));
+                    let _ = ctl.try_send(Ctl::Pong(p));
                 }
                 Ok(Some(Msg::Pong)) => {}
                 Ok(Some(Msg::Close)) => {
                     tracing::debug!("streaming: WebSocket client closed the connection");
-                    let _ = ctl.send(Ctl::Close(CLOSE_NORMAL));
+                    let _ = ctl.try_send(Ctl::Close(CLOSE_NORMAL));
                     return;
                 }
                 Ok(Some(m)) => {
                     if !on_data(m) {
-                        let _ = ctl.send(Ctl::Close(CLOSE_UNSUPPORTED));
+                        let _ = ctl.try_send(Ctl::Close(CLOSE_UNSUPPORTED));
                         return;
                     }
                 }
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "streaming: bad WebSocket input; closing the connection");
-                    let _ = ctl.send(Ctl::Close(CLOSE_PROTOCOL_ERROR));
+                    let _ = ctl.try_send(Ctl::Close(CLOSE_PROTOCOL_ERROR));
                     return;
                 }
             }
         }
-        match rd.read(&mut chunk).await {
-            Ok(0) => {
-                tracing::debug!("streaming: WebSocket client closed the connection");
-                let _ = ctl.send(Ctl::Close(CLOSE_NORMAL));
+        // Once the writer has sent its close frame, the client has a moment to answer it.
+        let read = tokio::select! {
+            r = rd.read(&mut chunk) => r,
+            () = async {
+                ctl.closed().await;
+                tokio::time::sleep(CLOSE_GRACE).await;
+            } => {
+                tracing::debug!("streaming: no close frame from the WebSocket client in time");
                 return;
             }
-            Ok(n) => dec.buf.extend_from_slice(&chunk[..n]),
+        };
+        match read {
+            Ok(0) => {
+                tracing::debug!("streaming: WebSocket client closed the connection");
+                let _ = ctl.try_send(Ctl::Close(CLOSE_NORMAL));
+                return;
+            }
+            Ok(n) => dec.extend(&chunk[..n]),
             Err(e) => {
                 tracing::debug!(error = %e, "streaming: read failed");
-                let _ = ctl.send(Ctl::Close(CLOSE_NORMAL));
+                let _ = ctl.try_send(Ctl::Close(CLOSE_NORMAL));
                 return;
             }
         }
@@ -257,7 +292,7 @@ async fn read_messages<R: AsyncRead + Unpin>(
 /// reader ends it at once.
 async fn write_messages<W: AsyncWrite + Unpin>(
     mut wr: W,
-    mut ctl: mpsc::UnboundedReceiver<Ctl>,
+    mut ctl: mpsc::Receiver<Ctl>,
     mut data: mpsc::Receiver<Vec<u8>>,
     first: Option<Vec<u8>>,
 ) {
@@ -287,8 +322,11 @@ async fn write_messages<W: AsyncWrite + Unpin>(
         }
     };
     encode(OP_CLOSE, &close_payload(code), &mut out);
-    let _ = wr.write_all(&out).await;
-    let _ = wr.shutdown().await;
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        let _ = wr.write_all(&out).await;
+        let _ = wr.shutdown().await;
+    })
+    .await;
 }
 
 /// A channel-protocol session (exec, attach) over an upgraded connection: one [`Incoming`]
@@ -313,14 +351,16 @@ where
     let mut routes = HashMap::new();
     for &(ch, kind) in channels {
         let (tx, rx) = mpsc::unbounded_channel();
-        routes.insert(ch, tx);
+        if CLIENT_CHANNELS.contains(&ch) {
+            routes.insert(ch, tx);
+        }
         let _ = stx.send(Incoming {
             id: u32::from(ch),
             headers: vec![("streamtype".to_string(), kind.to_string())],
             rx,
         });
     }
-    let (ctx, crx) = mpsc::unbounded_channel();
+    let (ctx, crx) = mpsc::channel(CTL_QUEUE);
     let (dtx, drx) = mpsc::channel(64);
     let wtask = tokio::spawn(write_messages(wr, crx, drx, Some(vec![opening])));
     // The writer's frames as messages: a data frame's stream is its channel. A stream's end
@@ -384,7 +424,7 @@ where
 {
     let (ours, theirs) = tokio::io::duplex(256 << 10);
     let (mut from_spdy, mut to_spdy) = tokio::io::split(ours);
-    let (ctx, crx) = mpsc::unbounded_channel();
+    let (ctx, crx) = mpsc::channel(CTL_QUEUE);
     let (dtx, drx) = mpsc::channel(16);
     tokio::spawn(write_messages(wr, crx, drx, None));
     tokio::spawn(async move {
@@ -400,7 +440,9 @@ where
         }
     });
     tokio::spawn(async move {
-        // Unbounded, as a SPDY connection's streams are: SPDY's own flow control is the bound.
+        // Unbounded, as a SPDY connection's streams are (it gives a stream's window back as
+        // data arrives): on neither transport is the client's input flow-controlled end to
+        // end yet.
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         let pump = tokio::spawn(async move {
             while let Some(d) = rx.recv().await {
@@ -449,19 +491,17 @@ mod tests {
 
     #[test]
     fn decodes_masked_fragmented_and_control_frames() {
-        let mut d = Decoder::default();
+        let mut d = Decoder::new(client_frame(true, OP_BINARY, &[1, b'h', b'i']));
         let big = vec![7u8; 70_000];
-        d.buf
-            .extend(client_frame(true, OP_BINARY, &[1, b'h', b'i']));
-        d.buf.extend(client_frame(false, OP_BINARY, &[0, b'a']));
-        // A ping between fragments comes out at once.
-        d.buf.extend(client_frame(true, OP_PING, b"hb"));
-        d.buf.extend(client_frame(false, OP_CONTINUATION, b"b"));
-        d.buf.extend(client_frame(true, OP_CONTINUATION, b"c"));
-        d.buf.extend(client_frame(true, OP_BINARY, &big));
-        d.buf
-            .extend(client_frame(true, OP_CLOSE, &close_payload(1000)));
+        d.extend(&client_frame(false, OP_BINARY, &[0, b'a']));
         assert_eq!(d.next(), Ok(Some(Msg::Binary(vec![1, b'h', b'i']))));
+        // A ping between fragments comes out at once; bytes decoded before go at the next
+        // read.
+        d.extend(&client_frame(true, OP_PING, b"hb"));
+        d.extend(&client_frame(false, OP_CONTINUATION, b"b"));
+        d.extend(&client_frame(true, OP_CONTINUATION, b"c"));
+        d.extend(&client_frame(true, OP_BINARY, &big));
+        d.extend(&client_frame(true, OP_CLOSE, &close_payload(1000)));
         assert_eq!(d.next(), Ok(Some(Msg::Ping(b"hb".to_vec()))));
         assert_eq!(d.next(), Ok(Some(Msg::Binary(b"\0abc".to_vec()))));
         assert_eq!(d.next(), Ok(Some(Msg::Binary(big))));
@@ -475,20 +515,14 @@ mod tests {
         let mut d = Decoder::default();
         for (i, b) in f.iter().enumerate() {
             assert_eq!(d.next(), Ok(None), "after {i} bytes");
-            d.buf.push(*b);
+            d.extend(&[*b]);
         }
         assert_eq!(d.next(), Ok(Some(Msg::Binary(vec![3u8; 300]))));
     }
 
     #[test]
     fn refuses_bad_frames() {
-        let bad = |bytes: Vec<u8>| {
-            let mut d = Decoder {
-                buf: bytes,
-                partial: None,
-            };
-            d.next()
-        };
+        let bad = |bytes: Vec<u8>| Decoder::new(bytes).next();
         // Unmasked.
         let mut f = client_frame(true, OP_BINARY, b"x");
         f[1] &= 0x7F;
