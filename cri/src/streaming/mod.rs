@@ -329,26 +329,7 @@ impl StreamingServer {
                     Some("v5.channel.k8s.io" | "v4.channel.k8s.io") => 4,
                     _ => 1,
                 };
-                // The channels kubelet's server opens for such a session.
-                let mut chans = vec![(3, "error")];
-                for (want, ch, kind) in [
-                    (t.stdin, 0, "stdin"),
-                    (t.stdout, 1, "stdout"),
-                    (t.stderr && !t.tty, 2, "stderr"),
-                    (t.tty, 4, "resize"),
-                ] {
-                    if want {
-                        chans.push((ch, kind));
-                    }
-                }
-                let opening = if t.stdout {
-                    1
-                } else if t.stderr {
-                    2
-                } else {
-                    3
-                };
-                let conn = ws::channels(rd, wr, early, &chans, opening);
+                let conn = ws::channels(rd, wr, early, &t);
                 self.session(StreamRequest::Exec(t), version, conn).await;
             }
             StreamRequest::PortForward { .. } => {

@@ -17,6 +17,7 @@
 
 use super::conn::{Incoming, Session, Writer};
 use super::spdy::Frame;
+use super::ExecTarget;
 use std::collections::HashMap;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -26,10 +27,14 @@ const GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 /// Largest message accepted from a client (stdin chunks and tunnelled SPDY frames are far
 /// smaller).
 const MAX_MESSAGE: usize = 16 << 20;
+/// The channel protocols' channels.
+const STDIN: u8 = 0;
+const STDOUT: u8 = 1;
+const STDERR: u8 = 2;
+const ERROR: u8 = 3;
+const RESIZE: u8 = 4;
 /// The v5 channel protocol's "close this channel" signal.
 const CHANNEL_CLOSE: u8 = 255;
-/// The channels a client writes to (stdin, resize); what it sends on others is dropped.
-const CLIENT_CHANNELS: [u8; 2] = [0, 4];
 
 const OP_CONTINUATION: u8 = 0x0;
 const OP_TEXT: u8 = 0x1;
@@ -225,13 +230,26 @@ const CTL_QUEUE: usize = 8;
 
 /// Reads the client's messages, answers its pings (through `ctl`) and hands each data
 /// message to `on_data` (false: stop). Ends at the client's close, EOF, a read error or a
-/// protocol error (then asks for a close with its code).
+/// protocol error, and then asks the writer for a close frame with the matching code.
 async fn read_messages<R: AsyncRead + Unpin>(
+    rd: R,
+    early: Vec<u8>,
+    ctl: &mpsc::Sender<Ctl>,
+    on_data: impl FnMut(Msg) -> bool,
+) {
+    if let Some(code) = read_until_close(rd, early, ctl, on_data).await {
+        let _ = ctl.try_send(Ctl::Close(code));
+    }
+}
+
+/// [`read_messages`]' loop: the close code to answer with, or `None` when the writer has
+/// closed already and the client did not answer in time.
+async fn read_until_close<R: AsyncRead + Unpin>(
     mut rd: R,
     early: Vec<u8>,
     ctl: &mpsc::Sender<Ctl>,
     mut on_data: impl FnMut(Msg) -> bool,
-) {
+) -> Option<u16> {
     let mut dec = Decoder::new(early);
     let mut chunk = vec![0u8; 64 << 10];
     loop {
@@ -243,20 +261,17 @@ async fn read_messages<R: AsyncRead + Unpin>(
                 Ok(Some(Msg::Pong)) => {}
                 Ok(Some(Msg::Close)) => {
                     tracing::debug!("streaming: WebSocket client closed the connection");
-                    let _ = ctl.try_send(Ctl::Close(CLOSE_NORMAL));
-                    return;
+                    return Some(CLOSE_NORMAL);
                 }
                 Ok(Some(m)) => {
                     if !on_data(m) {
-                        let _ = ctl.try_send(Ctl::Close(CLOSE_UNSUPPORTED));
-                        return;
+                        return Some(CLOSE_UNSUPPORTED);
                     }
                 }
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "streaming: bad WebSocket input; closing the connection");
-                    let _ = ctl.try_send(Ctl::Close(CLOSE_PROTOCOL_ERROR));
-                    return;
+                    return Some(CLOSE_PROTOCOL_ERROR);
                 }
             }
         }
@@ -268,20 +283,18 @@ async fn read_messages<R: AsyncRead + Unpin>(
                 tokio::time::sleep(CLOSE_GRACE).await;
             } => {
                 tracing::debug!("streaming: no close frame from the WebSocket client in time");
-                return;
+                return None;
             }
         };
         match read {
             Ok(0) => {
                 tracing::debug!("streaming: WebSocket client closed the connection");
-                let _ = ctl.try_send(Ctl::Close(CLOSE_NORMAL));
-                return;
+                return Some(CLOSE_NORMAL);
             }
             Ok(n) => dec.extend(&chunk[..n]),
             Err(e) => {
                 tracing::debug!(error = %e, "streaming: read failed");
-                let _ = ctl.try_send(Ctl::Close(CLOSE_NORMAL));
-                return;
+                return Some(CLOSE_NORMAL);
             }
         }
     }
@@ -329,19 +342,13 @@ async fn write_messages<W: AsyncWrite + Unpin>(
     .await;
 }
 
-/// A channel-protocol session (exec, attach) over an upgraded connection: one [`Incoming`]
-/// stream per channel in `channels` (number, stream type), at once, and a [`Writer`] whose
-/// data on a stream id is sent on that channel. `opening`: the channel an empty message is
-/// sent on first, as kubelet does to tell the client the session is up. The connection
-/// ends (close frame) once every clone of the writer is gone; the writer is closed once
-/// the connection is.
-pub fn channels<R, W>(
-    rd: R,
-    wr: W,
-    early: Vec<u8>,
-    channels: &[(u8, &'static str)],
-    opening: u8,
-) -> Session
+/// A channel-protocol session (exec, attach of `t`) over an upgraded connection: at once,
+/// one [`Incoming`] stream per channel kubelet's server opens for such a session, and a
+/// [`Writer`] whose data on a stream id is sent on that channel. An empty message goes
+/// first on the lowest channel the client reads, as kubelet tells the client the session is
+/// up. The connection ends (close frame) once every clone of the writer is gone; the writer
+/// is closed once the connection is.
+pub fn channels<R, W>(rd: R, wr: W, early: Vec<u8>, t: &ExecTarget) -> Session
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -349,9 +356,19 @@ where
     let (writer, mut frames) = Writer::channel();
     let (stx, srx) = mpsc::unbounded_channel();
     let mut routes = HashMap::new();
-    for &(ch, kind) in channels {
+    for (want, ch, kind) in [
+        (true, ERROR, "error"),
+        (t.stdin, STDIN, "stdin"),
+        (t.stdout, STDOUT, "stdout"),
+        (t.stderr && !t.tty, STDERR, "stderr"),
+        (t.tty, RESIZE, "resize"),
+    ] {
+        if !want {
+            continue;
+        }
         let (tx, rx) = mpsc::unbounded_channel();
-        if CLIENT_CHANNELS.contains(&ch) {
+        // What the client sends on channels it only reads is dropped.
+        if ch == STDIN || ch == RESIZE {
             routes.insert(ch, tx);
         }
         let _ = stx.send(Incoming {
@@ -362,6 +379,13 @@ where
     }
     let (ctx, crx) = mpsc::channel(CTL_QUEUE);
     let (dtx, drx) = mpsc::channel(64);
+    let opening = if t.stdout {
+        STDOUT
+    } else if t.stderr {
+        STDERR
+    } else {
+        ERROR
+    };
     let wtask = tokio::spawn(write_messages(wr, crx, drx, Some(vec![opening])));
     // The writer's frames as messages: a data frame's stream is its channel. A stream's end
     // is the connection's end here; resets and the rest are SPDY's own.
