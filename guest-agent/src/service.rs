@@ -1137,7 +1137,17 @@ async fn drive_exec(
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
         }
     });
-    let exit = proc_.helper.next().await;
+    let exit = tokio::select! {
+        exit = proc_.helper.next() => exit,
+        // The client went away (vesseld's stream was cancelled: its streaming connection
+        // ended, or was idle past its timeout). A command that writes nothing would never
+        // find out by a failed send: stop it now.
+        () = tx.closed() => {
+            tracing::info!(pid, "exec: the client went away; stopping the command");
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            proc_.helper.next().await
+        }
+    };
     let _ = tokio::time::timeout(EXEC_DRAIN, futures::future::join_all(readers)).await;
     input_task.abort();
     let code = match exit {
