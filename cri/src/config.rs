@@ -28,6 +28,9 @@ metrics_address = "127.0.0.1:9654"
 # The streaming server (exec, port-forward) that the CRI Exec/PortForward URLs point at:
 # host:port, port 0 picks a free port. kubelet connects here; keep it on loopback.
 streaming_address = "127.0.0.1:0"
+# An exec, attach or port-forward connection on which no byte moves either way for this
+# long is closed (kubelet's and containerd's default: 4 h). 0: never.
+stream_idle_timeout_secs = 14400
 
 [runtime]
 # The pod agent binary. Empty: vessel-agent next to the vesseld binary.
@@ -303,6 +306,15 @@ pub struct DaemonConfig {
     pub log_format: LogFormat,
     pub metrics_address: String,
     pub streaming_address: String,
+    pub stream_idle_timeout_secs: u64,
+}
+
+impl DaemonConfig {
+    /// The streaming server's idle timeout; none when 0.
+    pub fn stream_idle_timeout(&self) -> Option<std::time::Duration> {
+        (self.stream_idle_timeout_secs > 0)
+            .then(|| std::time::Duration::from_secs(self.stream_idle_timeout_secs))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -338,6 +350,7 @@ impl Default for DaemonConfig {
             log_format: LogFormat::Text,
             metrics_address: "127.0.0.1:9654".into(),
             streaming_address: "127.0.0.1:0".into(),
+            stream_idle_timeout_secs: 4 * 3600,
         }
     }
 }

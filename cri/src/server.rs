@@ -207,6 +207,7 @@ impl Daemon {
         let (streaming, streaming_listener) = crate::streaming::StreamingServer::bind(
             &self.config.daemon.streaming_address,
             rt.clone(),
+            self.config.daemon.stream_idle_timeout(),
         )
         .await?;
         let streaming_task = tokio::spawn(streaming.clone().serve(streaming_listener));

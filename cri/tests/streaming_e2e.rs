@@ -202,3 +202,227 @@ async fn streaming_server_edges() {
     // crictl's exec, attach and port-forward: crictl_e2e (upstream crictl), also over
     // WebSocket; upstream critest's streaming specs over WebSocket: upstream_critest.
 }
+
+/// vesseld's resident memory, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The highest RSS of `pid` until `done` finishes, sampled every 100 ms, and `done`'s output.
+async fn peak_rss_during<T>(pid: u32, done: impl std::future::Future<Output = T>) -> (u64, T) {
+    tokio::pin!(done);
+    let mut peak = rss_kib(pid);
+    loop {
+        tokio::select! {
+            out = &mut done => return (peak.max(rss_kib(pid)), out),
+            () = tokio::time::sleep(Duration::from_millis(100)) => peak = peak.max(rss_kib(pid)),
+        }
+    }
+}
+
+/// A vesseld with `daemon_keys`, the busybox image pulled, and a pod with a running
+/// container (`sleep`); returns what the test needs to exec into it.
+struct Pod {
+    _reg: vessel_critest::registry::Registry,
+    v: Vesseld,
+    c: vessel_critest::client::CriClient,
+    _logs: tempfile::TempDir,
+    pod: String,
+    ctr: String,
+}
+
+impl Pod {
+    async fn start(daemon_keys: &str) -> Pod {
+        let (reg, image) = vessel_critest::daemon::busybox_registry()
+            .await
+            .expect("registry with busybox");
+        let v = Vesseld::start_with(Path::new(env!("CARGO_BIN_EXE_vesseld")), daemon_keys, "")
+            .expect("vesseld");
+        let c = v.client().await;
+        c.pull(&image).await.expect("pull busybox");
+        let logs = tempfile::tempdir().unwrap();
+        let pcfg = vessel_critest::client::pod_config("flow", "default", logs.path());
+        let pod = c.run_pod(&pcfg, "").await.expect("RunPodSandbox");
+        let ctr = c
+            .create_container(
+                &pod,
+                &pcfg,
+                vessel_critest::client::sh_container("sleeper", &image, "sleep 3600"),
+            )
+            .await
+            .expect("CreateContainer");
+        c.start_container(&ctr).await.expect("StartContainer");
+        Pod {
+            _reg: reg,
+            v,
+            c,
+            _logs: logs,
+            pod,
+            ctr,
+        }
+    }
+
+    async fn exec_url(&self, cmd: &[&str], stdin: bool) -> String {
+        self.c
+            .runtime
+            .clone()
+            .exec(k8s_cri::v1::ExecRequest {
+                container_id: self.ctr.clone(),
+                cmd: cmd.iter().map(|s| s.to_string()).collect(),
+                stdin,
+                stdout: true,
+                stderr: true,
+                ..Default::default()
+            })
+            .await
+            .expect("Exec")
+            .into_inner()
+            .url
+    }
+
+    /// Whether a process whose command line contains `needle` runs in the container.
+    async fn runs(&self, needle: &str) -> bool {
+        let r = self
+            .c
+            .runtime
+            .clone()
+            .exec_sync(k8s_cri::v1::ExecSyncRequest {
+                container_id: self.ctr.clone(),
+                cmd: vec!["ps".into(), "-o".into(), "args".into()],
+                timeout: 10,
+            })
+            .await
+            .expect("ExecSync ps")
+            .into_inner();
+        String::from_utf8_lossy(&r.stdout)
+            .lines()
+            .any(|l| l.contains(needle) && !l.contains("ps -o"))
+    }
+
+    async fn remove(self) {
+        let mut rt = self.c.runtime.clone();
+        rt.stop_pod_sandbox(k8s_cri::v1::StopPodSandboxRequest {
+            pod_sandbox_id: self.pod.clone(),
+        })
+        .await
+        .unwrap();
+        rt.remove_pod_sandbox(k8s_cri::v1::RemovePodSandboxRequest {
+            pod_sandbox_id: self.pod.clone(),
+        })
+        .await
+        .unwrap();
+    }
+}
+
+/// Streaming is flow-controlled end to end: 256 MiB of exec output to a client that does
+/// not read for 5 s, and 128 MiB of stdin to a command that does not read for 4 s, wait in
+/// the pod and in the client, not in vesseld's memory; then every byte arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_is_flow_controlled() {
+    const LIMIT_KIB: u64 = 48 << 10;
+    let p = Pod::start("").await;
+    let pid = p.v.pid().expect("vesseld pid");
+    let opts = vessel_critest::stream_client::ExecOptions {
+        stdout: true,
+        stderr: true,
+        stall: Duration::from_secs(5),
+        ..Default::default()
+    };
+
+    // Output: the client reads nothing for 5 s.
+    let url = p
+        .exec_url(&["head", "-c", "268435456", "/dev/zero"], false)
+        .await;
+    let before = rss_kib(pid);
+    let (peak, r) = peak_rss_during(
+        pid,
+        vessel_critest::stream_client::exec(&url, &opts, Duration::from_secs(120)),
+    )
+    .await;
+    let r = r.expect("exec head");
+    assert_eq!(r.exit_code(), Some(0), "{r:?}");
+    assert_eq!(r.stdout.len(), 256 << 20, "every byte of the output");
+    assert!(r.stdout.iter().all(|b| *b == 0));
+    println!("streaming_is_flow_controlled: output to a stalled client: vesseld RSS {before} KiB, peak {peak} KiB");
+    assert!(
+        peak < before + LIMIT_KIB,
+        "vesseld queued a stalled client's output: RSS {before} -> {peak} KiB"
+    );
+
+    // Input: the command reads nothing for 4 s.
+    let url = p.exec_url(&["sh", "-c", "sleep 4; wc -c"], true).await;
+    let input = vec![7u8; 128 << 20];
+    let opts = vessel_critest::stream_client::ExecOptions {
+        stdin: Some(input),
+        stdout: true,
+        stderr: true,
+        ..Default::default()
+    };
+    let before = rss_kib(pid);
+    let (peak, r) = peak_rss_during(
+        pid,
+        vessel_critest::stream_client::exec(&url, &opts, Duration::from_secs(120)),
+    )
+    .await;
+    let r = r.expect("exec wc");
+    assert_eq!(r.exit_code(), Some(0), "{r:?}");
+    assert_eq!(r.stdout_str().trim(), "134217728", "{r:?}");
+    println!("streaming_is_flow_controlled: input to a command that does not read: vesseld RSS {before} KiB, peak {peak} KiB");
+    assert!(
+        peak < before + LIMIT_KIB,
+        "vesseld queued input the command did not read: RSS {before} -> {peak} KiB"
+    );
+    p.remove().await;
+}
+
+/// `stream_idle_timeout_secs`: an exec on which nothing moves either way is closed after
+/// it, and its command is stopped; one that keeps talking is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_idle_connections_are_closed() {
+    let p = Pod::start("stream_idle_timeout_secs = 2\n").await;
+    let out = vessel_critest::stream_client::ExecOptions {
+        stdout: true,
+        stderr: true,
+        ..Default::default()
+    };
+    // Output every second: never idle, runs to its end.
+    let url = p
+        .exec_url(
+            &["sh", "-c", "for i in 1 2 3 4 5; do echo $i; sleep 1; done"],
+            false,
+        )
+        .await;
+    let r = vessel_critest::stream_client::exec(&url, &out, Duration::from_secs(30))
+        .await
+        .expect("exec with output");
+    assert_eq!(r.exit_code(), Some(0), "{r:?}");
+    assert_eq!(r.stdout_str(), "1\n2\n3\n4\n5\n");
+
+    // Silent: closed after ~2 s without an exit code, and the command is gone.
+    let url = p.exec_url(&["sleep", "31"], false).await;
+    let t = std::time::Instant::now();
+    let r = vessel_critest::stream_client::exec(&url, &out, Duration::from_secs(30))
+        .await
+        .expect("the server closes the idle connection");
+    let took = t.elapsed();
+    assert_eq!(r.exit_code(), None, "{r:?}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(10),
+        "closed after {took:?}"
+    );
+    let t = std::time::Instant::now();
+    while p.runs("sleep 31").await {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the idle exec's command still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!("streaming_idle_connections_are_closed: a silent exec closed after {took:?}; a talking one ran 5 s");
+    p.remove().await;
+}

@@ -36,6 +36,9 @@ pub struct ExecOptions {
     pub tty: bool,
     /// Sent on the resize stream first (tty only): (width, height).
     pub resize: Option<(u16, u16)>,
+    /// How long the client waits, once it has sent its input, before it reads anything: a
+    /// slow client, whose output the server must hold back rather than queue.
+    pub stall: Duration,
 }
 
 /// What an exec produced.
@@ -232,12 +235,14 @@ async fn exec_inner(url: &str, o: &ExecOptions) -> Result<ExecOutcome, StreamCli
         }
     }
     if let Some(input) = &o.stdin {
-        if !input.is_empty() {
-            frames.push(data(STDIN, input, false));
+        // In 32 KiB frames, as kubectl's SPDY streams write them.
+        for chunk in input.chunks(32 << 10) {
+            frames.push(data(STDIN, chunk, false));
         }
         frames.push(data(STDIN, &[], true));
     }
     c.send(&frames).await?;
+    tokio::time::sleep(o.stall).await;
     let mut out = ExecOutcome {
         protocol: c.protocol.clone(),
         ..Default::default()

@@ -4,78 +4,183 @@
 
 use super::spdy::{self, Codec, Frame, Headers};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 /// Largest data frame sent.
 const CHUNK: usize = 32 << 10;
+/// Streams a client may have open for sending on one connection; more are refused (an
+/// exec opens at most five, a port-forward two per forwarded connection).
+const MAX_STREAMS: usize = 1024;
+/// Frames the writer may have queued. Stream data waits for room: output of a client that
+/// does not read stays in the pod (the agent's pipe), not in vesseld (at most this many
+/// 32 KiB frames per connection).
+const WRITE_QUEUE: usize = 32;
+/// Client data a connection may have queued for its streams' consumers, in bytes, and
+/// pieces a stream may have queued, each at most [`INPUT_CHUNK`] long. The reader waits for
+/// room: input a container (or a port-forward's server) does not read stays in the client
+/// (TCP backpressure), as with kubelet's server, not in vesseld.
+const INPUT_BUDGET: usize = 1 << 20;
+const INPUT_QUEUE: usize = 8;
+const INPUT_CHUNK: usize = 64 << 10;
 
 /// A stream the client opened.
 pub struct Incoming {
     pub id: u32,
     pub headers: Headers,
     /// Data the client sends on it; closed at FIN or reset.
-    pub rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    pub rx: InputRx,
 }
 
-/// The write side of a connection (cheap to clone).
+/// What a connection's streams may have queued (a clone per stream).
+#[derive(Clone)]
+pub struct InputBudget(Arc<Semaphore>);
+
+impl InputBudget {
+    pub fn new() -> InputBudget {
+        InputBudget(Arc::new(Semaphore::new(INPUT_BUDGET)))
+    }
+    /// A stream's input queue.
+    pub fn queue(&self) -> (InputTx, InputRx) {
+        let (tx, rx) = mpsc::channel(INPUT_QUEUE);
+        (
+            InputTx {
+                tx,
+                budget: self.clone(),
+            },
+            InputRx {
+                rx,
+                budget: self.clone(),
+            },
+        )
+    }
+    fn give_back(&self, n: usize) {
+        self.0.add_permits(n);
+    }
+}
+
+/// The reader's end of a stream's input queue.
+pub struct InputTx {
+    tx: mpsc::Sender<Vec<u8>>,
+    budget: InputBudget,
+}
+
+impl InputTx {
+    /// Hands `data` to the stream's consumer in pieces of at most [`INPUT_CHUNK`], waiting
+    /// for room. False: the consumer is gone.
+    pub async fn deliver(&self, data: Vec<u8>) -> bool {
+        for piece in data.chunks(INPUT_CHUNK) {
+            let n = u32::try_from(piece.len()).unwrap_or(u32::MAX);
+            // Room in the budget, then in the queue; cancelled while waiting, neither is
+            // taken.
+            let Ok(permit) = self.budget.0.acquire_many(n).await else {
+                return false;
+            };
+            let Ok(slot) = self.tx.reserve().await else {
+                return false;
+            };
+            permit.forget();
+            slot.send(piece.to_vec());
+        }
+        true
+    }
+}
+
+/// The consumer's end of a stream's input queue; what it takes (or drops) goes back to the
+/// connection's budget.
+pub struct InputRx {
+    rx: mpsc::Receiver<Vec<u8>>,
+    budget: InputBudget,
+}
+
+impl InputRx {
+    pub async fn recv(&mut self) -> Option<Vec<u8>> {
+        let d = self.rx.recv().await?;
+        self.budget.give_back(d.len());
+        Some(d)
+    }
+    /// What is queued now, if anything.
+    pub fn try_recv(&mut self) -> Option<Vec<u8>> {
+        let d = self.rx.try_recv().ok()?;
+        self.budget.give_back(d.len());
+        Some(d)
+    }
+}
+
+impl Drop for InputRx {
+    fn drop(&mut self) {
+        // Sends fail from here on; what was queued goes back.
+        self.rx.close();
+        while self.try_recv().is_some() {}
+    }
+}
+
+/// The write side of a connection (cheap to clone). Sends wait while the connection's
+/// queue is full, which is how a client that reads slowly slows the output down.
 #[derive(Clone)]
 pub struct Writer {
-    tx: mpsc::UnboundedSender<Frame>,
+    tx: mpsc::Sender<Frame>,
 }
 
 impl Writer {
     /// A writer and the frames written to it, for a transport that encodes them itself.
-    pub fn channel() -> (Writer, mpsc::UnboundedReceiver<Frame>) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    pub fn channel() -> (Writer, mpsc::Receiver<Frame>) {
+        let (tx, rx) = mpsc::channel(WRITE_QUEUE);
         (Writer { tx }, rx)
     }
-    pub fn send(&self, f: Frame) -> bool {
-        self.tx.send(f).is_ok()
+    pub async fn send(&self, f: Frame) -> bool {
+        self.tx.send(f).await.is_ok()
     }
     /// Sends `data` on `stream`, in frames of at most 32 KiB.
-    pub fn data(&self, stream: u32, data: &[u8]) -> bool {
-        data.chunks(CHUNK).all(|c| {
-            self.send(Frame::Data {
+    pub async fn data(&self, stream: u32, data: &[u8]) -> bool {
+        for c in data.chunks(CHUNK) {
+            let f = Frame::Data {
                 stream_id: stream,
                 flags: 0,
                 data: c.to_vec(),
-            })
-        })
+            };
+            if !self.send(f).await {
+                return false;
+            }
+        }
+        true
     }
     /// Half-closes `stream` from our side.
-    pub fn fin(&self, stream: u32) -> bool {
+    pub async fn fin(&self, stream: u32) -> bool {
         self.send(Frame::Data {
             stream_id: stream,
             flags: spdy::FLAG_FIN,
             data: vec![],
         })
+        .await
     }
     /// Resolves when the connection's writer has ended (client gone or write failed).
     pub async fn closed(&self) {
         self.tx.closed().await
     }
-    pub fn reset(&self, stream: u32, status: u32) -> bool {
+    pub async fn reset(&self, stream: u32, status: u32) -> bool {
         self.send(Frame::RstStream {
             stream_id: stream,
             status,
         })
+        .await
     }
 }
 
 /// An upgraded connection: its writer, the streams the client opens, and the writer's task
-/// (done once every clone of the writer is gone and what was queued is written).
+/// (done once every clone of the writer is gone and what was queued is written, or once
+/// the client's side of the connection has ended).
 pub type Session = (
     Writer,
     mpsc::UnboundedReceiver<Incoming>,
     tokio::task::JoinHandle<()>,
 );
 
-type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Vec<u8>>>>>;
-
 /// Starts the reader and writer tasks. `early` holds bytes read past the HTTP request head.
 /// Returns the writer and the streams the client opens (ends when the connection does).
+/// When the client's side ends (EOF, a read error, its GOAWAY, bad input), the writer sends
+/// what is queued and ends too, as kubelet's SPDY server closes the connection then.
 pub fn start<R, W>(rd: R, wr: W, early: Vec<u8>) -> Session
 where
     R: AsyncRead + Unpin + Send + 'static,
@@ -83,15 +188,31 @@ where
 {
     let (writer, frx) = Writer::channel();
     let (stx, srx) = mpsc::unbounded_channel();
-    let wtask = tokio::spawn(write_loop(wr, frx));
-    tokio::spawn(read_loop(rd, early, writer.clone(), stx));
+    let reader = tokio::spawn(read_loop(rd, early, writer.clone(), stx));
+    let wtask = tokio::spawn(write_loop(wr, frx, reader));
     (writer, srx, wtask)
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(mut wr: W, mut rx: mpsc::UnboundedReceiver<Frame>) {
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut wr: W,
+    mut rx: mpsc::Receiver<Frame>,
+    mut reader: tokio::task::JoinHandle<()>,
+) {
     let mut codec = Codec::new();
     let mut buf = Vec::new();
-    while let Some(f) = rx.recv().await {
+    let mut reading = true;
+    loop {
+        let f = tokio::select! {
+            biased;
+            f = rx.recv() => f,
+            _ = &mut reader, if reading => {
+                reading = false;
+                // The client is done: what is queued goes out, nothing after it.
+                rx.close();
+                continue;
+            }
+        };
+        let Some(f) = f else { break };
         buf.clear();
         codec.encode(&f, &mut buf);
         // Batch what is queued already.
@@ -115,7 +236,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
     w: Writer,
     streams: mpsc::UnboundedSender<Incoming>,
 ) {
-    let routes: Routes = Arc::default();
+    let mut routes = HashMap::new();
+    let budget = InputBudget::new();
     let mut codec = Codec::new();
     let mut buf = early;
     let mut chunk = vec![0u8; 64 << 10];
@@ -123,7 +245,12 @@ async fn read_loop<R: AsyncRead + Unpin>(
         loop {
             match codec.decode(&mut buf) {
                 Ok(Some(f)) => {
-                    if !handle(f, &w, &routes, &streams) {
+                    let go_on = tokio::select! {
+                        go_on = handle(f, &w, &mut routes, &budget, &streams) => go_on,
+                        // A consumer waiting for room must not outlive the connection.
+                        () = w.closed() => false,
+                    };
+                    if !go_on {
                         return;
                     }
                 }
@@ -133,7 +260,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
                     w.send(Frame::GoAway {
                         last_stream_id: 0,
                         status: 1,
-                    });
+                    })
+                    .await;
                     return;
                 }
             }
@@ -153,13 +281,13 @@ async fn read_loop<R: AsyncRead + Unpin>(
 }
 
 /// Handles one frame; false ends the connection.
-fn handle(
+async fn handle(
     f: Frame,
     w: &Writer,
-    routes: &Routes,
+    routes: &mut HashMap<u32, InputTx>,
+    budget: &InputBudget,
     streams: &mpsc::UnboundedSender<Incoming>,
 ) -> bool {
-    let mut r = routes.lock().unwrap_or_else(|p| p.into_inner());
     match f {
         Frame::SynStream {
             stream_id,
@@ -167,19 +295,28 @@ fn handle(
             headers,
             ..
         } => {
-            if stream_id == 0 || r.contains_key(&stream_id) {
-                w.reset(stream_id, spdy::RST_PROTOCOL_ERROR);
+            if stream_id == 0 || routes.contains_key(&stream_id) {
+                w.reset(stream_id, spdy::RST_PROTOCOL_ERROR).await;
                 return true;
             }
-            let (tx, rx) = mpsc::unbounded_channel();
+            if routes.len() >= MAX_STREAMS {
+                tracing::info!(
+                    stream = stream_id,
+                    "streaming: too many open streams on one connection; refused"
+                );
+                w.reset(stream_id, spdy::RST_REFUSED_STREAM).await;
+                return true;
+            }
+            let (tx, rx) = budget.queue();
             if flags & spdy::FLAG_FIN == 0 {
-                r.insert(stream_id, tx);
+                routes.insert(stream_id, tx);
             }
             w.send(Frame::SynReply {
                 stream_id,
                 flags: 0,
                 headers: vec![],
-            });
+            })
+            .await;
             tracing::debug!(stream = stream_id, ?headers, "streaming: stream opened");
             if streams
                 .send(Incoming {
@@ -189,7 +326,7 @@ fn handle(
                 })
                 .is_err()
             {
-                w.reset(stream_id, spdy::RST_REFUSED_STREAM);
+                w.reset(stream_id, spdy::RST_REFUSED_STREAM).await;
             }
         }
         Frame::Data {
@@ -198,24 +335,27 @@ fn handle(
             data,
         } => {
             if !data.is_empty() {
-                // Flow control: give the stream's window back at once. (No connection-level
-                // update on stream 0: SPDY/3 framers, which kubelet's is, refuse stream 0.)
                 // A frame is at most spdy::MAX_FRAME (1 MiB) long.
                 let delta = u32::try_from(data.len()).unwrap_or(u32::MAX);
-                w.send(Frame::WindowUpdate { stream_id, delta });
-                if let Some(tx) = r.get(&stream_id) {
-                    let _ = tx.send(data);
+                if let Some(tx) = routes.get(&stream_id) {
+                    if !tx.deliver(data).await {
+                        routes.remove(&stream_id);
+                    }
                 }
+                // Flow control: the stream's window comes back once its consumer has taken
+                // the data in (or is gone). (No connection-level update on stream 0: SPDY/3
+                // framers, which kubelet's is, refuse stream 0.)
+                w.send(Frame::WindowUpdate { stream_id, delta }).await;
             }
             if flags & spdy::FLAG_FIN != 0 {
-                r.remove(&stream_id);
+                routes.remove(&stream_id);
             }
         }
         Frame::RstStream { stream_id, .. } => {
-            r.remove(&stream_id);
+            routes.remove(&stream_id);
         }
         Frame::Ping(id) => {
-            w.send(Frame::Ping(id));
+            w.send(Frame::Ping(id)).await;
         }
         Frame::GoAway { .. } => return false,
         Frame::Headers { .. }
@@ -225,4 +365,48 @@ fn handle(
         | Frame::Unknown { .. } => {}
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    async fn waits<F: std::future::Future>(f: F) -> bool {
+        tokio::time::timeout(Duration::from_millis(100), f)
+            .await
+            .is_err()
+    }
+
+    #[tokio::test]
+    async fn input_waits_for_room_and_what_a_consumer_drops_goes_back() {
+        let b = InputBudget::new();
+        let (t1, mut r1) = b.queue();
+        let (t2, r2) = b.queue();
+        let (t3, mut r3) = b.queue();
+        // A stream queues at most INPUT_QUEUE pieces of INPUT_CHUNK.
+        assert!(t1.deliver(vec![1; INPUT_QUEUE * INPUT_CHUNK]).await);
+        assert!(waits(t1.deliver(vec![1])).await, "a full stream waits");
+        // The connection at most INPUT_BUDGET bytes (the cancelled delivery took none).
+        assert!(
+            t2.deliver(vec![2; INPUT_BUDGET - INPUT_QUEUE * INPUT_CHUNK])
+                .await
+        );
+        assert!(waits(t3.deliver(vec![3])).await, "a full connection waits");
+        // A consumer that goes away gives its queue back; delivering to it fails.
+        drop(r2);
+        assert!(!t2.deliver(vec![2]).await);
+        assert!(t3.deliver(vec![3; 5]).await);
+        assert_eq!(r3.try_recv(), Some(vec![3; 5]));
+        // What is taken goes back too, in the order it came.
+        assert_eq!(r1.recv().await, Some(vec![1; INPUT_CHUNK]));
+        assert!(t1.deliver(vec![9]).await);
+        let mut got = Vec::new();
+        while let Some(d) = r1.try_recv() {
+            got.extend(d);
+        }
+        assert_eq!(got.len(), (INPUT_QUEUE - 1) * INPUT_CHUNK + 1);
+        assert_eq!(got.last(), Some(&9));
+        assert_eq!(b.0.available_permits(), INPUT_BUDGET);
+    }
 }

@@ -13,6 +13,7 @@
 pub use vessel_spdy as spdy;
 
 mod conn;
+mod idle;
 mod ws;
 
 use crate::runtime::Runtime;
@@ -31,6 +32,9 @@ use vessel_agent::proto::{exec_input, exec_output, ExecInput, WindowSize};
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 /// How long the client has to send its request head, and to open the streams it needs.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a streaming connection may be silent before TCP keepalive probes it, and the
+/// interval of the probes (three unanswered: the connection is gone).
+const KEEPALIVE: Duration = Duration::from_secs(30);
 /// Largest HTTP request head accepted.
 const MAX_HEAD: usize = 16 << 10;
 
@@ -146,13 +150,17 @@ pub struct StreamingServer {
     base: String,
     tokens: Tokens,
     rt: Arc<Runtime>,
+    /// Upgraded connections idle this long are closed; none: never.
+    idle_timeout: Option<Duration>,
 }
 
 impl StreamingServer {
-    /// Binds `addr` (port 0: any free port).
+    /// Binds `addr` (port 0: any free port). Upgraded connections on which nothing moves for
+    /// `idle_timeout` are closed (none: never).
     pub async fn bind(
         addr: &str,
         rt: Arc<Runtime>,
+        idle_timeout: Option<Duration>,
     ) -> Result<(Arc<StreamingServer>, TcpListener), StreamingError> {
         let err = |source| StreamingError::Bind {
             addr: addr.to_string(),
@@ -164,6 +172,7 @@ impl StreamingServer {
             base: format!("http://{local}"),
             tokens: Tokens::default(),
             rt,
+            idle_timeout,
         });
         Ok((s, l))
     }
@@ -260,7 +269,7 @@ impl StreamingServer {
         resp.push_str("\r\n");
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind, protocol = ?proto, "streaming: upgraded to SPDY/3.1");
-        let (rd, wr) = s.into_split();
+        let (rd, wr) = self.halves(s);
         let version = match proto.as_deref() {
             Some("v4.channel.k8s.io") => 4,
             Some("v3.channel.k8s.io") => 3,
@@ -322,7 +331,7 @@ impl StreamingServer {
         resp.push_str("\r\n");
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind = req.kind(), protocol = ?proto, "streaming: upgraded to WebSocket");
-        let (rd, wr) = s.into_split();
+        let (rd, wr) = self.halves(s);
         match req {
             StreamRequest::Exec(t) => {
                 let version = match proto.map(String::as_str) {
@@ -339,6 +348,29 @@ impl StreamingServer {
             }
         }
         Ok(())
+    }
+
+    /// An upgraded connection's halves, under the idle timeout, with TCP keepalive (a
+    /// client that vanished without a FIN or RST is found in minutes, not never).
+    fn halves(
+        &self,
+        s: TcpStream,
+    ) -> (
+        idle::Idle<tokio::net::tcp::OwnedReadHalf>,
+        idle::Idle<tokio::net::tcp::OwnedWriteHalf>,
+    ) {
+        {
+            use rustix::net::sockopt;
+            let set = sockopt::set_tcp_keepidle(&s, KEEPALIVE)
+                .and_then(|()| sockopt::set_tcp_keepintvl(&s, KEEPALIVE))
+                .and_then(|()| sockopt::set_tcp_keepcnt(&s, 3))
+                .and_then(|()| sockopt::set_socket_keepalive(&s, true));
+            if let Err(e) = set {
+                tracing::debug!(error = %e, "streaming: TCP keepalive not set");
+            }
+        }
+        let (rd, wr) = s.into_split();
+        idle::wrap(rd, wr, self.idle_timeout)
     }
 
     /// Runs an upgraded session on its connection (`version`: the exec protocol's).
@@ -577,7 +609,7 @@ async fn exec(
                     streamtype = other,
                     "streaming exec: unexpected stream; reset"
                 );
-                w.reset(st.id, spdy::RST_REFUSED_STREAM);
+                w.reset(st.id, spdy::RST_REFUSED_STREAM).await;
                 continue;
             }
         };
@@ -589,17 +621,25 @@ async fn exec(
         return;
     };
     let finish = |exit: Result<i32, String>, s: &ExecStreams| {
-        for st in [&s.stdout, &s.stderr].into_iter().flatten() {
-            w.fin(st.id);
+        let out: Vec<u32> = [&s.stdout, &s.stderr]
+            .into_iter()
+            .flatten()
+            .map(|st| st.id)
+            .collect();
+        let error = error.id;
+        async move {
+            for id in out {
+                w.fin(id).await;
+            }
+            if let Some(m) = status_message(p.version, exit) {
+                w.data(error, m.as_bytes()).await;
+            }
+            w.fin(error).await;
         }
-        if let Some(m) = status_message(p.version, exit) {
-            w.data(error.id, m.as_bytes());
-        }
-        w.fin(error.id);
     };
     if !complete {
         tracing::info!(container = %p.container_id, stdin = s.stdin.is_some(), stdout = s.stdout.is_some(), stderr = s.stderr.is_some(), resize = s.resize.is_some(), want_stdin = p.stdin, want_stdout = p.stdout, want_stderr = p.stderr, tty = p.tty, "streaming exec: the client did not open its streams in time");
-        finish(Err("timed out waiting for the client's streams".into()), &s);
+        finish(Err("timed out waiting for the client's streams".into()), &s).await;
         return;
     }
     tracing::info!(container = %p.container_id, cmd = ?p.cmd, tty = p.tty, "streaming exec: start (no cmd: attach)");
@@ -607,7 +647,7 @@ async fn exec(
     let mut size_buf = Vec::new();
     let mut size = None;
     if let Some(r) = s.resize.as_mut() {
-        while let Ok(d) = r.rx.try_recv() {
+        while let Some(d) = r.rx.try_recv() {
             size_buf.extend_from_slice(&d);
         }
         size = take_sizes(&mut size_buf).pop().map(|sz| WindowSize {
@@ -637,7 +677,7 @@ async fn exec(
         Ok(c) => c,
         Err(e) => {
             tracing::info!(container = %p.container_id, error = %e, "streaming exec: cannot start");
-            finish(Err(e.to_string()), &s);
+            finish(Err(e.to_string()), &s).await;
             return;
         }
     };
@@ -694,12 +734,12 @@ async fn exec(
                 Ok(Some(m)) => match m.msg {
                     Some(exec_output::Msg::Stdout(b)) => {
                         if let Some(id) = stdout {
-                            w.data(id, &b);
+                            w.data(id, &b).await;
                         }
                     }
                     Some(exec_output::Msg::Stderr(b)) => {
                         if let Some(id) = stderr {
-                            w.data(id, &b);
+                            w.data(id, &b).await;
                         }
                     }
                     // An attach session ends with its container; it succeeded whatever
@@ -712,7 +752,7 @@ async fn exec(
             },
             Some(extra) = incoming.recv() => {
                 tracing::debug!(stream = extra.id, "streaming exec: stream opened after the start; reset");
-                w.reset(extra.id, spdy::RST_REFUSED_STREAM);
+                w.reset(extra.id, spdy::RST_REFUSED_STREAM).await;
             }
             _ = w.closed() => {
                 tracing::info!(container = %p.container_id, "streaming exec: client went away; stopping the command");
@@ -727,7 +767,7 @@ async fn exec(
         t.abort();
     }
     tracing::info!(container = %p.container_id, exit = ?exit, "streaming exec: done");
-    finish(exit, &s);
+    finish(exit, &s).await;
 }
 
 // ---------- port forward ----------
@@ -766,6 +806,10 @@ async fn connect_forward(target: ForwardTarget, port: u16) -> std::io::Result<Bo
     }
 }
 
+/// Forwards whose error or data stream is open but not the other, per connection; more
+/// are refused (client-go opens both at once).
+const PENDING_PAIRS: usize = 128;
+
 #[derive(Default)]
 struct Pair {
     port: u16,
@@ -791,19 +835,27 @@ async fn port_forward(
                 pod = pod_id,
                 "port-forward: stream without a valid port; reset"
             );
-            w.reset(st.id, spdy::RST_PROTOCOL_ERROR);
+            w.reset(st.id, spdy::RST_PROTOCOL_ERROR).await;
             continue;
         };
         let rid = spdy::header(&st.headers, "requestid")
             .map(str::to_string)
             .unwrap_or_else(|| format!("port-{port}"));
+        if !pairs.contains_key(&rid) && pairs.len() >= PENDING_PAIRS {
+            tracing::info!(
+                pod = pod_id,
+                "port-forward: too many half-opened forwards on one connection; reset"
+            );
+            w.reset(st.id, spdy::RST_REFUSED_STREAM).await;
+            continue;
+        }
         let e = pairs.entry(rid.clone()).or_default();
         e.port = port;
         match kind.as_str() {
             "error" => e.error = Some(st),
             "data" => e.data = Some(st),
             _ => {
-                w.reset(st.id, spdy::RST_PROTOCOL_ERROR);
+                w.reset(st.id, spdy::RST_PROTOCOL_ERROR).await;
                 continue;
             }
         }
@@ -841,9 +893,9 @@ async fn forward_one(
         Err(e) => {
             let msg = format!("vessel: pod {pod}: connecting to 127.0.0.1:{port}: {e}");
             tracing::info!(pod, port, error = %e, "port-forward: connect failed");
-            w.data(error.id, msg.as_bytes());
-            w.fin(error.id);
-            w.fin(data.id);
+            w.data(error.id, msg.as_bytes()).await;
+            w.fin(error.id).await;
+            w.fin(data.id).await;
             return;
         }
     };
@@ -863,16 +915,16 @@ async fn forward_one(
             match rd.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    if !w.data(data.id, &buf[..n]) {
+                    if !w.data(data.id, &buf[..n]).await {
                         break;
                     }
                 }
             }
         }
-        w.fin(data.id);
+        w.fin(data.id).await;
     };
     tokio::join!(up, down);
-    w.fin(error.id);
+    w.fin(error.id).await;
 }
 
 #[cfg(test)]

@@ -15,10 +15,12 @@
 //! Pings are answered with pongs; client frames must be masked; fragmented messages are
 //! reassembled; no extensions are negotiated.
 
-use super::conn::{Incoming, Session, Writer};
+use super::conn::{self, Incoming, Session, Writer};
 use super::spdy::Frame;
 use super::ExecTarget;
 use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -229,14 +231,18 @@ const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 const CTL_QUEUE: usize = 8;
 
 /// Reads the client's messages, answers its pings (through `ctl`) and hands each data
-/// message to `on_data` (false: stop). Ends at the client's close, EOF, a read error or a
-/// protocol error, and then asks the writer for a close frame with the matching code.
-async fn read_messages<R: AsyncRead + Unpin>(
+/// message to `on_data` (false: stop), reading on once that is done: a consumer that is
+/// slow slows the client down. Ends at the client's close, EOF, a read error or a protocol
+/// error, and then asks the writer for a close frame with the matching code.
+async fn read_messages<R, F>(
     rd: R,
     early: Vec<u8>,
     ctl: &mpsc::Sender<Ctl>,
-    on_data: impl FnMut(Msg) -> bool,
-) {
+    on_data: impl FnMut(Msg) -> F,
+) where
+    R: AsyncRead + Unpin,
+    F: Future<Output = bool>,
+{
     if let Some(code) = read_until_close(rd, early, ctl, on_data).await {
         let _ = ctl.try_send(Ctl::Close(code));
     }
@@ -244,12 +250,16 @@ async fn read_messages<R: AsyncRead + Unpin>(
 
 /// [`read_messages`]' loop: the close code to answer with, or `None` when the writer has
 /// closed already and the client did not answer in time.
-async fn read_until_close<R: AsyncRead + Unpin>(
+async fn read_until_close<R, F>(
     mut rd: R,
     early: Vec<u8>,
     ctl: &mpsc::Sender<Ctl>,
-    mut on_data: impl FnMut(Msg) -> bool,
-) -> Option<u16> {
+    mut on_data: impl FnMut(Msg) -> F,
+) -> Option<u16>
+where
+    R: AsyncRead + Unpin,
+    F: Future<Output = bool>,
+{
     let mut dec = Decoder::new(early);
     let mut chunk = vec![0u8; 64 << 10];
     loop {
@@ -264,7 +274,12 @@ async fn read_until_close<R: AsyncRead + Unpin>(
                     return Some(CLOSE_NORMAL);
                 }
                 Ok(Some(m)) => {
-                    if !on_data(m) {
+                    let go_on = tokio::select! {
+                        go_on = on_data(m) => go_on,
+                        // A consumer waiting for room must not outlive the connection.
+                        () = ctl.closed() => return None,
+                    };
+                    if !go_on {
                         return Some(CLOSE_UNSUPPORTED);
                     }
                 }
@@ -356,6 +371,7 @@ where
     let (writer, mut frames) = Writer::channel();
     let (stx, srx) = mpsc::unbounded_channel();
     let mut routes = HashMap::new();
+    let budget = conn::InputBudget::new();
     for (want, ch, kind) in [
         (true, ERROR, "error"),
         (t.stdin, STDIN, "stdin"),
@@ -366,10 +382,10 @@ where
         if !want {
             continue;
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = budget.queue();
         // What the client sends on channels it only reads is dropped.
         if ch == STDIN || ch == RESIZE {
-            routes.insert(ch, tx);
+            routes.insert(ch, Arc::new(tx));
         }
         let _ = stx.send(Incoming {
             id: u32::from(ch),
@@ -414,24 +430,31 @@ where
     tokio::spawn(async move {
         // No stream is opened later; the receiver stays open while the session reads.
         let _streams = stx;
-        read_messages(rd, early, &ctx, |m| match m {
-            Msg::Binary(d) => {
-                match d.as_slice() {
+        read_messages(rd, early, &ctx, |m| {
+            // The channel's queue and the data for it, if any.
+            let (ok, to) = match m {
+                Msg::Binary(mut d) => match d.as_slice() {
                     [CHANNEL_CLOSE, ch, ..] => {
                         routes.remove(ch);
+                        (true, None)
                     }
-                    [ch, rest @ ..] if !rest.is_empty() => {
-                        if let Some(tx) = routes.get(ch) {
-                            let _ = tx.send(rest.to_vec());
-                        }
+                    [ch, _, ..] => {
+                        let tx = routes.get(ch).map(Arc::clone);
+                        (true, tx.map(|tx| (tx, d.split_off(1))))
                     }
-                    _ => {}
+                    _ => (true, None),
+                },
+                _ => {
+                    tracing::info!("streaming: text message on a binary channel protocol; closing");
+                    (false, None)
                 }
-                true
-            }
-            _ => {
-                tracing::info!("streaming: text message on a binary channel protocol; closing");
-                false
+            };
+            async move {
+                if let Some((tx, d)) = to {
+                    // A consumer that is gone drops what is sent to it, as before its end.
+                    tx.deliver(d).await;
+                }
+                ok
             }
         })
         .await;
@@ -464,10 +487,10 @@ where
         }
     });
     tokio::spawn(async move {
-        // Unbounded, as a SPDY connection's streams are (it gives a stream's window back as
-        // data arrives): on neither transport is the client's input flow-controlled end to
-        // end yet.
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        // Bounded: the SPDY connection on the other end reads as its streams' consumers
+        // take their data in, so a slow one slows the tunnel's reader, and the client.
+        let (tx, mut rx) = conn::InputBudget::new().queue();
+        let tx = Arc::new(tx);
         let pump = tokio::spawn(async move {
             while let Some(d) = rx.recv().await {
                 if to_spdy.write_all(&d).await.is_err() {
@@ -476,11 +499,16 @@ where
             }
             let _ = to_spdy.shutdown().await;
         });
-        read_messages(rd, early, &ctx, |m| match m {
-            Msg::Binary(d) => tx.send(d).is_ok(),
-            _ => {
-                tracing::info!("streaming: text message in a SPDY tunnel; closing");
-                false
+        read_messages(rd, early, &ctx, |m| {
+            let tx = tx.clone();
+            async move {
+                match m {
+                    Msg::Binary(d) => tx.deliver(d).await,
+                    _ => {
+                        tracing::info!("streaming: text message in a SPDY tunnel; closing");
+                        false
+                    }
+                }
             }
         })
         .await;
