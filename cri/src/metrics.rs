@@ -48,6 +48,17 @@ struct KvmLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StreamLabels {
+    kind: String,
+    transport: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: String,
     backend: String,
@@ -106,6 +117,15 @@ pub struct Snapshot {
 
 type Source = Box<dyn Fn() -> Snapshot + Send + Sync>;
 
+/// An open streaming session (see [`Metrics::stream_session`]).
+pub struct StreamSession(Gauge);
+
+impl Drop for StreamSession {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// vessel's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -118,6 +138,10 @@ pub struct Metrics {
     kvm: Family<KvmLabels, Gauge>,
     cni_seconds: Histograms<CniLabels>,
     oom_kills: Counter,
+    streams: Family<StreamLabels, Counter>,
+    streams_open: Family<StreamLabels, Gauge>,
+    stream_bytes: Family<DirectionLabels, Counter>,
+    streams_idle_closed: Counter,
     source: Arc<OnceLock<Source>>,
 }
 
@@ -154,6 +178,10 @@ impl Metrics {
             kvm: Family::default(),
             cni_seconds: Family::new_with_constructor(cni_histogram),
             oom_kills: Counter::default(),
+            streams: Family::default(),
+            streams_open: Family::default(),
+            stream_bytes: Family::default(),
+            streams_idle_closed: Counter::default(),
             source: Arc::new(OnceLock::new()),
             registry,
         };
@@ -168,6 +196,10 @@ impl Metrics {
             ("vessel_kvm_usable", "The KVM probe's verdict at start: 1 for the verdict found", AnyMetric::of(&m.kvm)),
             ("vessel_cni_duration_seconds", "CNI ADD and DEL of a pod (its whole plugin chain) by result", AnyMetric::of(&m.cni_seconds)),
             ("vessel_container_oom_kills", "Containers whose init the kernel's OOM killer ended", AnyMetric::of(&m.oom_kills)),
+            ("vessel_streaming_sessions", "Streaming sessions (exec, attach, portforward) upgraded, by transport (spdy, websocket)", AnyMetric::of(&m.streams)),
+            ("vessel_streaming_sessions_open", "Streaming sessions open now", AnyMetric::of(&m.streams_open)),
+            ("vessel_streaming_bytes", "Bytes on upgraded streaming connections, in (from clients) and out", AnyMetric::of(&m.stream_bytes)),
+            ("vessel_streaming_idle_closed", "Streaming connections closed for being idle past daemon.stream_idle_timeout_secs", AnyMetric::of(&m.streams_idle_closed)),
         ];
         let r = &mut m.registry;
         for (name, help, metric) in families {
@@ -238,6 +270,34 @@ impl Metrics {
 
     pub fn record_oom_kill(&self) {
         self.oom_kills.inc();
+    }
+
+    /// A streaming session upgraded; it counts as open until the guard is dropped.
+    pub fn stream_session(&self, kind: &str, transport: &str) -> StreamSession {
+        let l = StreamLabels {
+            kind: kind.to_string(),
+            transport: transport.to_string(),
+        };
+        self.streams.get_or_create(&l).inc();
+        let open = self.streams_open.get_or_create(&l).clone();
+        open.inc();
+        StreamSession(open)
+    }
+
+    /// The counters of bytes that streaming connections read and write.
+    pub fn stream_bytes(&self) -> (Counter, Counter) {
+        let c = |d: &str| {
+            self.stream_bytes
+                .get_or_create(&DirectionLabels {
+                    direction: d.to_string(),
+                })
+                .clone()
+        };
+        (c("in"), c("out"))
+    }
+
+    pub fn record_stream_idle_closed(&self) {
+        self.streams_idle_closed.inc();
     }
 
     /// The exposition text (OpenMetrics).

@@ -384,7 +384,11 @@ async fn streaming_is_flow_controlled() {
 /// it, and its command is stopped; one that keeps talking is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_idle_connections_are_closed() {
-    let p = Pod::start("stream_idle_timeout_secs = 2\n").await;
+    let port = vessel_critest::client::free_port().unwrap();
+    let p = Pod::start(&format!(
+        "stream_idle_timeout_secs = 2\nmetrics_address = \"127.0.0.1:{port}\"\n"
+    ))
+    .await;
     let out = vessel_critest::stream_client::ExecOptions {
         stdout: true,
         stderr: true,
@@ -423,6 +427,34 @@ async fn streaming_idle_connections_are_closed() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // What the metrics say: two exec sessions, none open now, one closed for being idle.
+    let body = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let scrape =
+        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("parses");
+    let value = |name: &str, labels: &[(&str, &str)]| -> f64 {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+            .map(|s| match &s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => *v,
+                _ => f64::NAN,
+            })
+            .unwrap_or_else(|| panic!("{name} {labels:?} not in:\n{body}"))
+    };
+    let exec = [("kind", "exec"), ("transport", "spdy")];
+    assert_eq!(value("vessel_streaming_sessions_total", &exec), 2.0);
+    assert_eq!(value("vessel_streaming_sessions_open", &exec), 0.0);
+    assert_eq!(value("vessel_streaming_idle_closed_total", &[]), 1.0);
+    assert!(value("vessel_streaming_bytes_total", &[("direction", "in")]) > 0.0);
+    assert!(value("vessel_streaming_bytes_total", &[("direction", "out")]) > 0.0);
     println!("streaming_idle_connections_are_closed: a silent exec closed after {took:?}; a talking one ran 5 s");
     p.remove().await;
 }

@@ -2,12 +2,14 @@
 //! for the configured time (`daemon.stream_idle_timeout_secs`; kubelet's and containerd's
 //! default is 4 h) is closed, as kubelet's streaming server does. An upgraded connection's
 //! two halves are wrapped together: activity on either keeps both alive, and a half that
-//! waits past the deadline fails with `TimedOut`, which ends the session.
+//! waits past the deadline fails with `TimedOut`, which ends the session. The halves also
+//! count the bytes they move (`vessel_streaming_bytes`).
 
+use prometheus_client::metrics::counter::Counter;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -20,6 +22,8 @@ struct Clock {
     /// Milliseconds after `start`.
     last: AtomicU64,
     limit: Duration,
+    /// Whether a half has timed out (counted once per connection).
+    fired: AtomicBool,
 }
 
 impl Clock {
@@ -35,37 +39,43 @@ impl Clock {
 /// One half of a connection under the idle timeout.
 pub struct Idle<T> {
     inner: T,
+    /// Bytes this half moved.
+    bytes: Option<Counter>,
     /// With its timer; none without a timeout.
     watch: Option<(Arc<Clock>, Pin<Box<Sleep>>)>,
 }
 
-/// Wraps a connection's halves; `limit` none: no timeout.
-pub fn wrap<R, W>(rd: R, wr: W, limit: Option<Duration>) -> (Idle<R>, Idle<W>) {
-    let Some(limit) = limit else {
-        return (
-            Idle {
-                inner: rd,
-                watch: None,
-            },
-            Idle {
-                inner: wr,
-                watch: None,
-            },
-        );
-    };
-    let clock = Arc::new(Clock {
-        start: Instant::now(),
-        last: AtomicU64::new(0),
-        limit,
+/// Wraps a connection's halves; `limit` none: no timeout. `bytes`: the counters of bytes
+/// read and written.
+pub fn wrap<R, W>(
+    rd: R,
+    wr: W,
+    limit: Option<Duration>,
+    bytes: Option<(Counter, Counter)>,
+) -> (Idle<R>, Idle<W>) {
+    let clock = limit.map(|limit| {
+        Arc::new(Clock {
+            start: Instant::now(),
+            last: AtomicU64::new(0),
+            limit,
+            fired: AtomicBool::new(false),
+        })
     });
-    let watch = || Some((clock.clone(), Box::pin(tokio::time::sleep(limit))));
+    let watch = || {
+        clock
+            .as_ref()
+            .map(|c| (c.clone(), Box::pin(tokio::time::sleep(c.limit))))
+    };
+    let (bin, bout) = bytes.unzip();
     (
         Idle {
             inner: rd,
+            bytes: bin,
             watch: watch(),
         },
         Idle {
             inner: wr,
+            bytes: bout,
             watch: watch(),
         },
     )
@@ -79,7 +89,10 @@ fn timed_out() -> io::Error {
 }
 
 impl<T> Idle<T> {
-    fn touch(&self) {
+    fn moved(&self, n: usize) {
+        if let Some(c) = &self.bytes {
+            c.inc_by(u64::try_from(n).unwrap_or(u64::MAX));
+        }
         if let Some((c, _)) = &self.watch {
             c.touch();
         }
@@ -96,6 +109,13 @@ impl<T> Idle<T> {
             }
             let deadline = clock.deadline();
             if deadline <= Instant::now() {
+                if !clock.fired.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        limit = ?clock.limit,
+                        "streaming: connection idle past its timeout; closing it"
+                    );
+                    crate::metrics::get().record_stream_idle_closed();
+                }
                 return true;
             }
             timer.as_mut().reset(deadline);
@@ -112,8 +132,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for Idle<T> {
         let before = buf.filled().len();
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
-                if buf.filled().len() > before {
-                    self.touch();
+                let n = buf.filled().len() - before;
+                if n > 0 {
+                    self.moved(n);
                 }
                 Poll::Ready(Ok(()))
             }
@@ -132,7 +153,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Idle<T> {
         match Pin::new(&mut self.inner).poll_write(cx, buf) {
             Poll::Ready(Ok(n)) => {
                 if n > 0 {
-                    self.touch();
+                    self.moved(n);
                 }
                 Poll::Ready(Ok(n))
             }
@@ -160,7 +181,13 @@ mod tests {
     async fn idle_connection_times_out_and_activity_either_way_keeps_it() {
         let (a, b) = tokio::io::duplex(64);
         let (rd, wr) = tokio::io::split(a);
-        let (mut rd, mut wr) = wrap(rd, wr, Some(Duration::from_secs(10)));
+        let counters = (Counter::default(), Counter::default());
+        let (mut rd, mut wr) = wrap(
+            rd,
+            wr,
+            Some(Duration::from_secs(10)),
+            Some(counters.clone()),
+        );
         let (mut peer_rd, mut peer_wr) = tokio::io::split(b);
         let reader = tokio::spawn(async move {
             let mut got = Vec::new();
@@ -190,13 +217,14 @@ mod tests {
         let (kind, at) = err.expect("timed out");
         assert_eq!(kind, io::ErrorKind::TimedOut);
         assert_eq!(at - t0, Duration::from_secs(38));
+        assert_eq!((counters.0.get(), counters.1.get()), (1, 3));
     }
 
     #[tokio::test(start_paused = true)]
     async fn without_a_limit_nothing_times_out() {
         let (a, _b) = tokio::io::duplex(64);
         let (rd, wr) = tokio::io::split(a);
-        let (mut rd, _wr) = wrap(rd, wr, None);
+        let (mut rd, _wr) = wrap(rd, wr, None, None);
         let mut buf = [0u8; 1];
         let r = tokio::time::timeout(Duration::from_secs(86_400), rd.read(&mut buf)).await;
         assert!(r.is_err(), "the read still waits");

@@ -269,6 +269,7 @@ impl StreamingServer {
         resp.push_str("\r\n");
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind, protocol = ?proto, "streaming: upgraded to SPDY/3.1");
+        let _open = crate::metrics::get().stream_session(kind, "spdy");
         let (rd, wr) = self.halves(s);
         let version = match proto.as_deref() {
             Some("v4.channel.k8s.io") => 4,
@@ -331,6 +332,7 @@ impl StreamingServer {
         resp.push_str("\r\n");
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind = req.kind(), protocol = ?proto, "streaming: upgraded to WebSocket");
+        let _open = crate::metrics::get().stream_session(req.kind(), "websocket");
         let (rd, wr) = self.halves(s);
         match req {
             StreamRequest::Exec(t) => {
@@ -370,7 +372,8 @@ impl StreamingServer {
             }
         }
         let (rd, wr) = s.into_split();
-        idle::wrap(rd, wr, self.idle_timeout)
+        let bytes = crate::metrics::get().stream_bytes();
+        idle::wrap(rd, wr, self.idle_timeout, Some(bytes))
     }
 
     /// Runs an upgraded session on its connection (`version`: the exec protocol's).
