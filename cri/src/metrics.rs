@@ -196,15 +196,28 @@ impl Metrics {
             ("vessel_kvm_usable", "The KVM probe's verdict at start: 1 for the verdict found", AnyMetric::of(&m.kvm)),
             ("vessel_cni_duration_seconds", "CNI ADD and DEL of a pod (its whole plugin chain) by result", AnyMetric::of(&m.cni_seconds)),
             ("vessel_container_oom_kills", "Containers whose init the kernel's OOM killer ended", AnyMetric::of(&m.oom_kills)),
-            ("vessel_streaming_sessions", "Streaming sessions (exec, attach, portforward) upgraded, by transport (spdy, websocket)", AnyMetric::of(&m.streams)),
-            ("vessel_streaming_sessions_open", "Streaming sessions open now", AnyMetric::of(&m.streams_open)),
-            ("vessel_streaming_bytes", "Bytes on upgraded streaming connections, in (from clients) and out", AnyMetric::of(&m.stream_bytes)),
-            ("vessel_streaming_idle_closed", "Streaming connections closed for being idle past daemon.stream_idle_timeout_secs", AnyMetric::of(&m.streams_idle_closed)),
         ];
         let r = &mut m.registry;
         for (name, help, metric) in families {
             r.register(name, help, metric);
         }
+        let s = r.sub_registry_with_prefix("vessel_streaming");
+        s.register("sessions", "Streaming sessions (exec, attach, portforward) upgraded, by transport (spdy, websocket)", m.streams.clone());
+        s.register(
+            "sessions_open",
+            "Streaming sessions open now",
+            m.streams_open.clone(),
+        );
+        s.register(
+            "bytes",
+            "Bytes on upgraded streaming connections, in (from clients) and out",
+            m.stream_bytes.clone(),
+        );
+        s.register(
+            "idle_closed",
+            "Streaming connections closed for being idle past daemon.stream_idle_timeout_secs",
+            m.streams_idle_closed.clone(),
+        );
         r.register_collector(Box::new(ScrapeCollector {
             source: m.source.clone(),
         }));

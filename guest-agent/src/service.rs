@@ -1138,6 +1138,8 @@ async fn drive_exec(
         }
     });
     let exit = tokio::select! {
+        // The exit first: once the helper has reaped the command, its pid may be another's.
+        biased;
         exit = proc_.helper.next() => exit,
         // The client went away (vesseld's stream was cancelled: its streaming connection
         // ended, or was idle past its timeout). A command that writes nothing would never

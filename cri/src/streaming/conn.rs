@@ -3,10 +3,10 @@
 //! that owns the connection's write half and the deflate context.
 
 use super::spdy::{self, Codec, Frame, Headers};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, Notify, Semaphore};
 
 /// Largest data frame sent.
 const CHUNK: usize = 32 << 10;
@@ -71,6 +71,10 @@ impl InputTx {
     /// for room. False: the consumer is gone.
     pub async fn deliver(&self, data: Vec<u8>) -> bool {
         for piece in data.chunks(INPUT_CHUNK) {
+            // Not for a consumer that is gone, even when the budget is spent.
+            if self.tx.is_closed() {
+                return false;
+            }
             let n = u32::try_from(piece.len()).unwrap_or(u32::MAX);
             // Room in the budget, then in the queue; cancelled while waiting, neither is
             // taken.
@@ -116,21 +120,112 @@ impl Drop for InputRx {
     }
 }
 
-/// The write side of a connection (cheap to clone). Sends wait while the connection's
-/// queue is full, which is how a client that reads slowly slows the output down.
+/// Control frames the reader may have queued (window updates aside, which are merged per
+/// stream); past it, the reader waits, as a client that does not read must not grow it.
+const CONTROL_QUEUE: usize = 64;
+
+/// The write side of a connection (cheap to clone). Data waits while the connection's queue
+/// is full, which is how a client that reads slowly slows the output down. The reader's
+/// control frames (replies to new streams, resets, pings, window updates) go ahead of
+/// queued data, so input never waits behind output.
 #[derive(Clone)]
 pub struct Writer {
     tx: mpsc::Sender<Frame>,
+    control: Arc<Control>,
+}
+
+#[derive(Default)]
+struct Control {
+    q: std::sync::Mutex<ControlQueue>,
+    /// Wakes the writer.
+    more: Notify,
+    /// Wakes a reader waiting for room.
+    room: Notify,
+}
+
+#[derive(Default)]
+struct ControlQueue {
+    frames: Vec<Frame>,
+    /// Window given back per stream, not yet sent.
+    windows: BTreeMap<u32, u32>,
+    /// The writer has ended.
+    closed: bool,
+}
+
+impl Control {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ControlQueue> {
+        self.q.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    /// Takes what is queued, as frames.
+    fn take(&self) -> Vec<Frame> {
+        let (mut frames, windows) = {
+            let mut q = self.lock();
+            (
+                std::mem::take(&mut q.frames),
+                std::mem::take(&mut q.windows),
+            )
+        };
+        self.room.notify_waiters();
+        frames.extend(
+            windows
+                .into_iter()
+                .map(|(stream_id, delta)| Frame::WindowUpdate { stream_id, delta }),
+        );
+        frames
+    }
+    fn close(&self) {
+        self.lock().closed = true;
+        self.room.notify_waiters();
+    }
 }
 
 impl Writer {
-    /// A writer and the frames written to it, for a transport that encodes them itself.
+    /// A writer and the data frames written to it, for a transport that encodes them itself
+    /// (its control frames are SPDY's own and stay unsent).
     pub fn channel() -> (Writer, mpsc::Receiver<Frame>) {
         let (tx, rx) = mpsc::channel(WRITE_QUEUE);
-        (Writer { tx }, rx)
+        let control = Arc::default();
+        (Writer { tx, control }, rx)
     }
     pub async fn send(&self, f: Frame) -> bool {
         self.tx.send(f).await.is_ok()
+    }
+    /// Queues a control frame ahead of data; waits while [`CONTROL_QUEUE`] are queued.
+    /// False: the connection's writer has ended.
+    async fn control(&self, f: Frame) -> bool {
+        loop {
+            let room = self.control.room.notified();
+            tokio::pin!(room);
+            // Registered before the check: a wake-up in between is not lost.
+            room.as_mut().enable();
+            {
+                let mut q = self.control.lock();
+                if q.closed {
+                    return false;
+                }
+                if q.frames.len() < CONTROL_QUEUE {
+                    q.frames.push(f);
+                    drop(q);
+                    self.control.more.notify_one();
+                    return true;
+                }
+            }
+            tokio::select! {
+                () = room => {}
+                () = self.closed() => return false,
+            }
+        }
+    }
+    /// Gives `delta` bytes of `stream`'s window back to the client (never waits).
+    fn window(&self, stream: u32, delta: u32) {
+        let mut q = self.control.lock();
+        if q.closed {
+            return;
+        }
+        let w = q.windows.entry(stream).or_default();
+        *w = w.saturating_add(delta);
+        drop(q);
+        self.control.more.notify_one();
     }
     /// Sends `data` on `stream`, in frames of at most 32 KiB.
     pub async fn data(&self, stream: u32, data: &[u8]) -> bool {
@@ -170,7 +265,7 @@ impl Writer {
 
 /// An upgraded connection: its writer, the streams the client opens, and the writer's task
 /// (done once every clone of the writer is gone and what was queued is written, or once
-/// the client's side of the connection has ended).
+/// the client's side of the connection has ended, or the connection was idle too long).
 pub type Session = (
     Writer,
     mpsc::UnboundedReceiver<Incoming>,
@@ -180,8 +275,9 @@ pub type Session = (
 /// Starts the reader and writer tasks. `early` holds bytes read past the HTTP request head.
 /// Returns the writer and the streams the client opens (ends when the connection does).
 /// When the client's side ends (EOF, a read error, its GOAWAY, bad input), the writer sends
-/// what is queued and ends too, as kubelet's SPDY server closes the connection then.
-pub fn start<R, W>(rd: R, wr: W, early: Vec<u8>) -> Session
+/// what is queued and ends too, as kubelet's SPDY server closes the connection then; it ends
+/// at once when `expiry` (the idle timeout) passes.
+pub fn start<R, W>(rd: R, wr: W, early: Vec<u8>, expiry: super::idle::Expiry) -> Session
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -189,45 +285,86 @@ where
     let (writer, frx) = Writer::channel();
     let (stx, srx) = mpsc::unbounded_channel();
     let reader = tokio::spawn(read_loop(rd, early, writer.clone(), stx));
-    let wtask = tokio::spawn(write_loop(wr, frx, reader));
+    let control = writer.control.clone();
+    let wtask = tokio::spawn(async move {
+        write_loop(wr, frx, &control, reader, expiry).await;
+        control.close();
+    });
     (writer, srx, wtask)
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut rx: mpsc::Receiver<Frame>,
+    control: &Control,
     mut reader: tokio::task::JoinHandle<()>,
+    expiry: super::idle::Expiry,
 ) {
     let mut codec = Codec::new();
     let mut buf = Vec::new();
     let mut reading = true;
+    let expired = expiry.wait();
+    tokio::pin!(expired);
+    let mut data = Vec::new();
     loop {
-        let f = tokio::select! {
+        let mut last = false;
+        tokio::select! {
             biased;
-            f = rx.recv() => f,
+            () = &mut expired => return,
             _ = &mut reader, if reading => {
                 reading = false;
                 // The client is done: what is queued goes out, nothing after it.
                 rx.close();
                 continue;
             }
-        };
-        let Some(f) = f else { break };
-        buf.clear();
-        codec.encode(&f, &mut buf);
-        // Batch what is queued already.
-        while let Ok(f) = rx.try_recv() {
-            codec.encode(&f, &mut buf);
-            if buf.len() > 256 << 10 {
-                break;
-            }
+            () = control.more.notified() => {}
+            f = rx.recv() => match f {
+                Some(f) => data.push(f),
+                None => last = true,
+            },
         }
-        if let Err(e) = wr.write_all(&buf).await {
-            tracing::debug!(error = %e, "streaming: write failed; connection closed");
+        // Batch what is queued already.
+        let mut size = 0;
+        while size < 256 << 10 {
+            let Ok(f) = rx.try_recv() else { break };
+            if let Frame::Data { data, .. } = &f {
+                size += data.len();
+            }
+            data.push(f);
+        }
+        // Control first, taken after the data: a stream's reply is queued before anything
+        // is sent on it, so it goes out ahead of it.
+        buf.clear();
+        for f in control.take().iter().chain(data.iter()) {
+            codec.encode(f, &mut buf);
+        }
+        data.clear();
+        if !buf.is_empty() && !write_unless_expired(&mut wr, &buf, expired.as_mut()).await {
             return;
+        }
+        if last {
+            break;
         }
     }
     let _ = wr.shutdown().await;
+}
+
+/// Writes `buf`, unless the connection expires first (a client that stopped reading, and
+/// sends nothing either). False: the connection is done.
+pub async fn write_unless_expired<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    buf: &[u8],
+    expired: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> bool {
+    let written = tokio::select! {
+        r = wr.write_all(buf) => r,
+        () = expired => return false,
+    };
+    if let Err(e) = written {
+        tracing::debug!(error = %e, "streaming: write failed; connection closed");
+        return false;
+    }
+    true
 }
 
 async fn read_loop<R: AsyncRead + Unpin>(
@@ -257,7 +394,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "streaming: bad SPDY input; closing the connection");
-                    w.send(Frame::GoAway {
+                    w.control(Frame::GoAway {
                         last_stream_id: 0,
                         status: 1,
                     })
@@ -266,7 +403,11 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 }
             }
         }
-        match rd.read(&mut chunk).await {
+        let read = tokio::select! {
+            r = rd.read(&mut chunk) => r,
+            () = w.closed() => return,
+        };
+        match read {
             Ok(0) => {
                 tracing::debug!("streaming: client closed the connection");
                 return;
@@ -296,7 +437,11 @@ async fn handle(
             ..
         } => {
             if stream_id == 0 || routes.contains_key(&stream_id) {
-                w.reset(stream_id, spdy::RST_PROTOCOL_ERROR).await;
+                w.control(Frame::RstStream {
+                    stream_id,
+                    status: spdy::RST_PROTOCOL_ERROR,
+                })
+                .await;
                 return true;
             }
             if routes.len() >= MAX_STREAMS {
@@ -304,14 +449,18 @@ async fn handle(
                     stream = stream_id,
                     "streaming: too many open streams on one connection; refused"
                 );
-                w.reset(stream_id, spdy::RST_REFUSED_STREAM).await;
+                w.control(Frame::RstStream {
+                    stream_id,
+                    status: spdy::RST_REFUSED_STREAM,
+                })
+                .await;
                 return true;
             }
             let (tx, rx) = budget.queue();
             if flags & spdy::FLAG_FIN == 0 {
                 routes.insert(stream_id, tx);
             }
-            w.send(Frame::SynReply {
+            w.control(Frame::SynReply {
                 stream_id,
                 flags: 0,
                 headers: vec![],
@@ -326,7 +475,11 @@ async fn handle(
                 })
                 .is_err()
             {
-                w.reset(stream_id, spdy::RST_REFUSED_STREAM).await;
+                w.control(Frame::RstStream {
+                    stream_id,
+                    status: spdy::RST_REFUSED_STREAM,
+                })
+                .await;
             }
         }
         Frame::Data {
@@ -345,7 +498,7 @@ async fn handle(
                 // Flow control: the stream's window comes back once its consumer has taken
                 // the data in (or is gone). (No connection-level update on stream 0: SPDY/3
                 // framers, which kubelet's is, refuse stream 0.)
-                w.send(Frame::WindowUpdate { stream_id, delta }).await;
+                w.window(stream_id, delta);
             }
             if flags & spdy::FLAG_FIN != 0 {
                 routes.remove(&stream_id);
@@ -355,7 +508,7 @@ async fn handle(
             routes.remove(&stream_id);
         }
         Frame::Ping(id) => {
-            w.send(Frame::Ping(id)).await;
+            w.control(Frame::Ping(id)).await;
         }
         Frame::GoAway { .. } => return false,
         Frame::Headers { .. }
@@ -371,11 +524,124 @@ async fn handle(
 mod tests {
     use super::*;
     use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn waits<F: std::future::Future>(f: F) -> bool {
         tokio::time::timeout(Duration::from_millis(100), f)
             .await
             .is_err()
+    }
+
+    /// The client's end of a connection under test.
+    struct Client {
+        io: tokio::io::DuplexStream,
+        codec: Codec,
+        buf: Vec<u8>,
+    }
+
+    impl Client {
+        async fn send(&mut self, f: Frame) {
+            let mut out = Vec::new();
+            self.codec.encode(&f, &mut out);
+            self.io.write_all(&out).await.unwrap();
+        }
+        async fn next(&mut self) -> Frame {
+            let mut chunk = vec![0u8; 64 << 10];
+            loop {
+                if let Some(f) = self.codec.decode(&mut self.buf).unwrap() {
+                    return f;
+                }
+                let n = self.io.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "connection closed");
+                self.buf.extend_from_slice(&chunk[..n]);
+            }
+        }
+    }
+
+    fn syn(stream_id: u32, flags: u8) -> Frame {
+        Frame::SynStream {
+            stream_id,
+            associated: 0,
+            priority: 0,
+            flags,
+            headers: vec![],
+        }
+    }
+
+    /// A client that does not read while the server has output queued: its pings are
+    /// answered ahead of the queued output, and its input still flows.
+    #[tokio::test]
+    async fn control_and_input_do_not_wait_behind_output() {
+        let (ours, theirs) = tokio::io::duplex(64 << 10);
+        let (rd, wr) = tokio::io::split(ours);
+        let (w, mut streams, _task) =
+            start(rd, wr, Vec::new(), super::super::idle::Expiry::never());
+        let mut c = Client {
+            io: theirs,
+            codec: Codec::new(),
+            buf: Vec::new(),
+        };
+        c.send(syn(1, spdy::FLAG_FIN)).await;
+        let out = streams.recv().await.unwrap();
+        const FRAMES: usize = 100;
+        let writer = w.clone();
+        let output = tokio::spawn(async move {
+            for _ in 0..FRAMES {
+                assert!(writer.data(out.id, &[7u8; CHUNK]).await);
+            }
+        });
+        // The queue and the pipe fill up.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!output.is_finished());
+        c.send(Frame::Ping(7)).await;
+        c.send(syn(3, 0)).await;
+        c.send(Frame::Data {
+            stream_id: 3,
+            flags: spdy::FLAG_FIN,
+            data: b"input".to_vec(),
+        })
+        .await;
+        let mut input = tokio::time::timeout(Duration::from_secs(5), streams.recv())
+            .await
+            .expect("a stream opened while output waits")
+            .unwrap();
+        assert_eq!(input.id, 3);
+        let got = tokio::time::timeout(Duration::from_secs(5), input.rx.recv()).await;
+        assert_eq!(
+            got.expect("input while output waits"),
+            Some(b"input".to_vec())
+        );
+        // Now read: the pong comes before the output that was queued when it arrived.
+        let mut data_before_pong = 0;
+        loop {
+            match c.next().await {
+                Frame::Data { stream_id: 1, .. } => data_before_pong += 1,
+                Frame::Ping(7) => break,
+                _ => {}
+            }
+        }
+        assert!(
+            data_before_pong < WRITE_QUEUE,
+            "{data_before_pong} data frames went ahead of the pong"
+        );
+        // All output arrives, and the window comes back for the input taken.
+        let (mut data, mut window) = (data_before_pong, 0);
+        while data < FRAMES || window == 0 {
+            match c.next().await {
+                Frame::Data {
+                    stream_id: 1,
+                    data: d,
+                    ..
+                } if !d.is_empty() => data += 1,
+                Frame::WindowUpdate {
+                    stream_id: 3,
+                    delta,
+                } => window += delta,
+                _ => {}
+            }
+        }
+        assert_eq!(window, 5);
+        output.await.unwrap();
     }
 
     #[tokio::test]

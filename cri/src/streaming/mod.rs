@@ -270,14 +270,15 @@ impl StreamingServer {
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind, protocol = ?proto, "streaming: upgraded to SPDY/3.1");
         let _open = crate::metrics::get().stream_session(kind, "spdy");
-        let (rd, wr) = self.halves(s);
+        let (rd, wr, expiry) = self.halves(s);
         let version = match proto.as_deref() {
             Some("v4.channel.k8s.io") => 4,
             Some("v3.channel.k8s.io") => 3,
             Some("v2.channel.k8s.io") => 2,
             _ => 1,
         };
-        self.session(req, version, conn::start(rd, wr, early)).await;
+        self.session(req, version, conn::start(rd, wr, early, expiry))
+            .await;
         Ok(())
     }
 
@@ -333,20 +334,20 @@ impl StreamingServer {
         s.write_all(resp.as_bytes()).await?;
         tracing::info!(kind = req.kind(), protocol = ?proto, "streaming: upgraded to WebSocket");
         let _open = crate::metrics::get().stream_session(req.kind(), "websocket");
-        let (rd, wr) = self.halves(s);
+        let (rd, wr, expiry) = self.halves(s);
         match req {
             StreamRequest::Exec(t) => {
                 let version = match proto.map(String::as_str) {
                     Some("v5.channel.k8s.io" | "v4.channel.k8s.io") => 4,
                     _ => 1,
                 };
-                let conn = ws::channels(rd, wr, early, &t);
+                let conn = ws::channels(rd, wr, early, &t, expiry);
                 self.session(StreamRequest::Exec(t), version, conn).await;
             }
             StreamRequest::PortForward { .. } => {
-                let (trd, twr) = tokio::io::split(ws::tunnel(rd, wr, early));
-                self.session(req, 1, conn::start(trd, twr, Vec::new()))
-                    .await;
+                let (trd, twr) = tokio::io::split(ws::tunnel(rd, wr, early, expiry));
+                let conn = conn::start(trd, twr, Vec::new(), idle::Expiry::never());
+                self.session(req, 1, conn).await;
             }
         }
         Ok(())
@@ -360,6 +361,7 @@ impl StreamingServer {
     ) -> (
         idle::Idle<tokio::net::tcp::OwnedReadHalf>,
         idle::Idle<tokio::net::tcp::OwnedWriteHalf>,
+        idle::Expiry,
     ) {
         {
             use rustix::net::sockopt;
@@ -844,6 +846,10 @@ async fn port_forward(
         let rid = spdy::header(&st.headers, "requestid")
             .map(str::to_string)
             .unwrap_or_else(|| format!("port-{port}"));
+        if kind != "error" && kind != "data" {
+            w.reset(st.id, spdy::RST_PROTOCOL_ERROR).await;
+            continue;
+        }
         if !pairs.contains_key(&rid) && pairs.len() >= PENDING_PAIRS {
             tracing::info!(
                 pod = pod_id,
@@ -854,13 +860,10 @@ async fn port_forward(
         }
         let e = pairs.entry(rid.clone()).or_default();
         e.port = port;
-        match kind.as_str() {
-            "error" => e.error = Some(st),
-            "data" => e.data = Some(st),
-            _ => {
-                w.reset(st.id, spdy::RST_PROTOCOL_ERROR).await;
-                continue;
-            }
+        if kind == "error" {
+            e.error = Some(st);
+        } else {
+            e.data = Some(st);
         }
         if e.error.is_some() && e.data.is_some() {
             if let Some(Pair {

@@ -16,6 +16,7 @@
 //! reassembled; no extensions are negotiated.
 
 use super::conn::{self, Incoming, Session, Writer};
+use super::idle::Expiry;
 use super::spdy::Frame;
 use super::ExecTarget;
 use std::collections::HashMap;
@@ -47,6 +48,7 @@ const OP_PONG: u8 = 0xA;
 
 /// Close codes sent.
 const CLOSE_NORMAL: u16 = 1000;
+const CLOSE_GOING_AWAY: u16 = 1001;
 const CLOSE_PROTOCOL_ERROR: u16 = 1002;
 const CLOSE_UNSUPPORTED: u16 = 1003;
 
@@ -323,21 +325,24 @@ async fn write_messages<W: AsyncWrite + Unpin>(
     mut ctl: mpsc::Receiver<Ctl>,
     mut data: mpsc::Receiver<Vec<u8>>,
     first: Option<Vec<u8>>,
+    expiry: Expiry,
 ) {
     let mut out = Vec::new();
     if let Some(m) = first {
         encode(OP_BINARY, &m, &mut out);
     }
+    let expired = expiry.wait();
+    tokio::pin!(expired);
     let code = loop {
         if !out.is_empty() {
-            if let Err(e) = wr.write_all(&out).await {
-                tracing::debug!(error = %e, "streaming: write failed; connection closed");
+            if !conn::write_unless_expired(&mut wr, &out, expired.as_mut()).await {
                 return;
             }
             out.clear();
         }
         tokio::select! {
             biased;
+            () = &mut expired => break CLOSE_GOING_AWAY,
             c = ctl.recv() => match c {
                 Some(Ctl::Pong(p)) => encode(OP_PONG, &p, &mut out),
                 Some(Ctl::Close(code)) => break code,
@@ -363,7 +368,7 @@ async fn write_messages<W: AsyncWrite + Unpin>(
 /// first on the lowest channel the client reads, as kubelet tells the client the session is
 /// up. The connection ends (close frame) once every clone of the writer is gone; the writer
 /// is closed once the connection is.
-pub fn channels<R, W>(rd: R, wr: W, early: Vec<u8>, t: &ExecTarget) -> Session
+pub fn channels<R, W>(rd: R, wr: W, early: Vec<u8>, t: &ExecTarget, expiry: Expiry) -> Session
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -402,7 +407,7 @@ where
     } else {
         ERROR
     };
-    let wtask = tokio::spawn(write_messages(wr, crx, drx, Some(vec![opening])));
+    let wtask = tokio::spawn(write_messages(wr, crx, drx, Some(vec![opening]), expiry));
     // The writer's frames as messages: a data frame's stream is its channel. A stream's end
     // is the connection's end here; resets and the rest are SPDY's own.
     tokio::spawn(async move {
@@ -464,7 +469,7 @@ where
 
 /// A tunnel (port-forward's SPDY over WebSocket): returns the end that carries the
 /// messages' bytes; what is written to it goes to the client in binary messages.
-pub fn tunnel<R, W>(rd: R, wr: W, early: Vec<u8>) -> tokio::io::DuplexStream
+pub fn tunnel<R, W>(rd: R, wr: W, early: Vec<u8>, expiry: Expiry) -> tokio::io::DuplexStream
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -473,7 +478,7 @@ where
     let (mut from_spdy, mut to_spdy) = tokio::io::split(ours);
     let (ctx, crx) = mpsc::channel(CTL_QUEUE);
     let (dtx, drx) = mpsc::channel(16);
-    tokio::spawn(write_messages(wr, crx, drx, None));
+    tokio::spawn(write_messages(wr, crx, drx, None, expiry));
     tokio::spawn(async move {
         let mut buf = vec![0u8; 64 << 10];
         loop {
