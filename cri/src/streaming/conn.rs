@@ -124,14 +124,14 @@ impl Drop for InputRx {
 /// stream); past it, the reader waits, as a client that does not read must not grow it.
 const CONTROL_QUEUE: usize = 64;
 
-/// The write side of a connection (cheap to clone). Data waits while the connection's queue
-/// is full, which is how a client that reads slowly slows the output down. The reader's
-/// control frames (replies to new streams, resets, pings, window updates) go ahead of
-/// queued data, so input never waits behind output.
+/// The write side of a connection (cheap to clone), for the session's handlers. Data waits
+/// while the connection's queue is full, which is how a client that reads slowly slows the
+/// output down. The reader's control frames (replies to new streams, resets, pings, window
+/// updates) go through [`Control`], ahead of queued data, so input never waits behind
+/// output. The connection ends once every Writer is gone and what they queued is written.
 #[derive(Clone)]
 pub struct Writer {
     tx: mpsc::Sender<Frame>,
-    control: Arc<Control>,
 }
 
 #[derive(Default)]
@@ -177,55 +177,64 @@ impl Control {
         self.lock().closed = true;
         self.room.notify_waiters();
     }
-}
-
-impl Writer {
-    /// A writer and the data frames written to it, for a transport that encodes them itself
-    /// (its control frames are SPDY's own and stay unsent).
-    pub fn channel() -> (Writer, mpsc::Receiver<Frame>) {
-        let (tx, rx) = mpsc::channel(WRITE_QUEUE);
-        let control = Arc::default();
-        (Writer { tx, control }, rx)
-    }
-    pub async fn send(&self, f: Frame) -> bool {
-        self.tx.send(f).await.is_ok()
+    /// Resolves once the writer has ended.
+    async fn ended(&self) {
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if self.lock().closed {
+                return;
+            }
+            room.await;
+        }
     }
     /// Queues a control frame ahead of data; waits while [`CONTROL_QUEUE`] are queued.
     /// False: the connection's writer has ended.
-    async fn control(&self, f: Frame) -> bool {
+    async fn send(&self, f: Frame) -> bool {
         loop {
-            let room = self.control.room.notified();
+            let room = self.room.notified();
             tokio::pin!(room);
             // Registered before the check: a wake-up in between is not lost.
             room.as_mut().enable();
             {
-                let mut q = self.control.lock();
+                let mut q = self.lock();
                 if q.closed {
                     return false;
                 }
                 if q.frames.len() < CONTROL_QUEUE {
                     q.frames.push(f);
                     drop(q);
-                    self.control.more.notify_one();
+                    self.more.notify_one();
                     return true;
                 }
             }
-            tokio::select! {
-                () = room => {}
-                () = self.closed() => return false,
-            }
+            // Woken when the writer takes the queue, or ends.
+            room.await;
         }
     }
-    /// Gives `delta` bytes of `stream`'s window back to the client (never waits).
+    /// Gives `delta` bytes of `stream`'s window back to the client (never waits: at most
+    /// one entry per routed stream, and streams are capped).
     fn window(&self, stream: u32, delta: u32) {
-        let mut q = self.control.lock();
+        let mut q = self.lock();
         if q.closed {
             return;
         }
         let w = q.windows.entry(stream).or_default();
         *w = w.saturating_add(delta);
         drop(q);
-        self.control.more.notify_one();
+        self.more.notify_one();
+    }
+}
+
+impl Writer {
+    /// A writer and the data frames written to it, for a transport that encodes them itself.
+    pub fn channel() -> (Writer, mpsc::Receiver<Frame>) {
+        let (tx, rx) = mpsc::channel(WRITE_QUEUE);
+        (Writer { tx }, rx)
+    }
+    pub async fn send(&self, f: Frame) -> bool {
+        self.tx.send(f).await.is_ok()
     }
     /// Sends `data` on `stream`, in frames of at most 32 KiB.
     pub async fn data(&self, stream: u32, data: &[u8]) -> bool {
@@ -284,8 +293,9 @@ where
 {
     let (writer, frx) = Writer::channel();
     let (stx, srx) = mpsc::unbounded_channel();
-    let reader = tokio::spawn(read_loop(rd, early, writer.clone(), stx));
-    let control = writer.control.clone();
+    // The reader holds no Writer: the connection ends once the session's are gone.
+    let control = Arc::new(Control::default());
+    let reader = tokio::spawn(read_loop(rd, early, control.clone(), stx));
     let wtask = tokio::spawn(async move {
         write_loop(wr, frx, &control, reader, expiry).await;
         control.close();
@@ -370,7 +380,7 @@ pub async fn write_unless_expired<W: AsyncWrite + Unpin>(
 async fn read_loop<R: AsyncRead + Unpin>(
     mut rd: R,
     early: Vec<u8>,
-    w: Writer,
+    w: Arc<Control>,
     streams: mpsc::UnboundedSender<Incoming>,
 ) {
     let mut routes = HashMap::new();
@@ -385,7 +395,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
                     let go_on = tokio::select! {
                         go_on = handle(f, &w, &mut routes, &budget, &streams) => go_on,
                         // A consumer waiting for room must not outlive the connection.
-                        () = w.closed() => false,
+                        () = w.ended() => false,
                     };
                     if !go_on {
                         return;
@@ -394,7 +404,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "streaming: bad SPDY input; closing the connection");
-                    w.control(Frame::GoAway {
+                    w.send(Frame::GoAway {
                         last_stream_id: 0,
                         status: 1,
                     })
@@ -405,7 +415,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
         }
         let read = tokio::select! {
             r = rd.read(&mut chunk) => r,
-            () = w.closed() => return,
+            () = w.ended() => return,
         };
         match read {
             Ok(0) => {
@@ -424,7 +434,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
 /// Handles one frame; false ends the connection.
 async fn handle(
     f: Frame,
-    w: &Writer,
+    w: &Control,
     routes: &mut HashMap<u32, InputTx>,
     budget: &InputBudget,
     streams: &mpsc::UnboundedSender<Incoming>,
@@ -437,7 +447,7 @@ async fn handle(
             ..
         } => {
             if stream_id == 0 || routes.contains_key(&stream_id) {
-                w.control(Frame::RstStream {
+                w.send(Frame::RstStream {
                     stream_id,
                     status: spdy::RST_PROTOCOL_ERROR,
                 })
@@ -449,7 +459,7 @@ async fn handle(
                     stream = stream_id,
                     "streaming: too many open streams on one connection; refused"
                 );
-                w.control(Frame::RstStream {
+                w.send(Frame::RstStream {
                     stream_id,
                     status: spdy::RST_REFUSED_STREAM,
                 })
@@ -460,7 +470,7 @@ async fn handle(
             if flags & spdy::FLAG_FIN == 0 {
                 routes.insert(stream_id, tx);
             }
-            w.control(Frame::SynReply {
+            w.send(Frame::SynReply {
                 stream_id,
                 flags: 0,
                 headers: vec![],
@@ -475,7 +485,7 @@ async fn handle(
                 })
                 .is_err()
             {
-                w.control(Frame::RstStream {
+                w.send(Frame::RstStream {
                     stream_id,
                     status: spdy::RST_REFUSED_STREAM,
                 })
@@ -490,10 +500,13 @@ async fn handle(
             if !data.is_empty() {
                 // A frame is at most spdy::MAX_FRAME (1 MiB) long.
                 let delta = u32::try_from(data.len()).unwrap_or(u32::MAX);
-                if let Some(tx) = routes.get(&stream_id) {
-                    if !tx.deliver(data).await {
-                        routes.remove(&stream_id);
-                    }
+                // Data on a stream that is not open for sending is dropped, and its window
+                // stays spent.
+                let Some(tx) = routes.get(&stream_id) else {
+                    return true;
+                };
+                if !tx.deliver(data).await {
+                    routes.remove(&stream_id);
                 }
                 // Flow control: the stream's window comes back once its consumer has taken
                 // the data in (or is gone). (No connection-level update on stream 0: SPDY/3
@@ -508,7 +521,7 @@ async fn handle(
             routes.remove(&stream_id);
         }
         Frame::Ping(id) => {
-            w.control(Frame::Ping(id)).await;
+            w.send(Frame::Ping(id)).await;
         }
         Frame::GoAway { .. } => return false,
         Frame::Headers { .. }
@@ -642,6 +655,46 @@ mod tests {
         }
         assert_eq!(window, 5);
         output.await.unwrap();
+    }
+
+    /// Once the session is done with the connection (its Writers dropped), what it queued
+    /// goes out and the connection ends, although the client keeps it open.
+    #[tokio::test]
+    async fn the_connection_ends_with_its_session() {
+        let (ours, theirs) = tokio::io::duplex(64 << 10);
+        let (rd, wr) = tokio::io::split(ours);
+        let (w, mut streams, task) = start(rd, wr, Vec::new(), super::super::idle::Expiry::never());
+        let mut c = Client {
+            io: theirs,
+            codec: Codec::new(),
+            buf: Vec::new(),
+        };
+        c.send(syn(1, 0)).await;
+        let st = streams.recv().await.unwrap();
+        assert!(w.data(st.id, b"bye").await);
+        assert!(w.fin(st.id).await);
+        drop(w);
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the writer ends")
+            .unwrap();
+        assert!(matches!(
+            c.next().await,
+            Frame::SynReply { stream_id: 1, .. }
+        ));
+        assert!(matches!(c.next().await, Frame::Data { data, .. } if data == b"bye"));
+        assert!(matches!(
+            c.next().await,
+            Frame::Data {
+                flags: spdy::FLAG_FIN,
+                ..
+            }
+        ));
+        let mut rest = Vec::new();
+        c.io.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+        // The reader ended too: the streams' channel is closed.
+        assert!(streams.recv().await.is_none());
     }
 
     #[tokio::test]

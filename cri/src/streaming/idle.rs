@@ -9,7 +9,7 @@
 use prometheus_client::metrics::counter::Counter;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -22,6 +22,8 @@ struct Clock {
     /// Milliseconds after `start`.
     last: AtomicU64,
     limit: Duration,
+    /// Whether an [`Expiry`] of it has fired (logged and counted once per connection).
+    fired: AtomicBool,
 }
 
 impl Clock {
@@ -41,11 +43,14 @@ pub struct Idle<T> {
     clock: Option<Arc<Clock>>,
 }
 
-/// When a connection has been idle past its limit.
+/// When a connection has been idle past its limit (clones: for a connection tunnelled in
+/// it, which ends with it).
+#[derive(Clone)]
 pub struct Expiry(Option<Arc<Clock>>);
 
 impl Expiry {
-    /// A connection that never expires (one inside another, whose outer one does).
+    /// A connection that never expires.
+    #[cfg(test)]
     pub fn never() -> Expiry {
         Expiry(None)
     }
@@ -61,8 +66,10 @@ impl Expiry {
             }
             tokio::time::sleep_until(deadline).await;
         }
-        tracing::info!(limit = ?clock.limit, "streaming: connection idle past its timeout; closing it");
-        crate::metrics::get().record_stream_idle_closed();
+        if !clock.fired.swap(true, Ordering::Relaxed) {
+            tracing::info!(limit = ?clock.limit, "streaming: connection idle past its timeout; closing it");
+            crate::metrics::get().record_stream_idle_closed();
+        }
     }
 }
 
@@ -79,6 +86,7 @@ pub fn wrap<R, W>(
             start: Instant::now(),
             last: AtomicU64::new(0),
             limit,
+            fired: AtomicBool::new(false),
         })
     });
     let (bin, bout) = bytes.unzip();

@@ -345,8 +345,9 @@ impl StreamingServer {
                 self.session(StreamRequest::Exec(t), version, conn).await;
             }
             StreamRequest::PortForward { .. } => {
-                let (trd, twr) = tokio::io::split(ws::tunnel(rd, wr, early, expiry));
-                let conn = conn::start(trd, twr, Vec::new(), idle::Expiry::never());
+                // The tunnelled connection ends with the WebSocket one, also when idle.
+                let (trd, twr) = tokio::io::split(ws::tunnel(rd, wr, early, expiry.clone()));
+                let conn = conn::start(trd, twr, Vec::new(), expiry);
                 self.session(req, 1, conn).await;
             }
         }
