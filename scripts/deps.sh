@@ -19,6 +19,7 @@ PKGS=(
   # the nested VM test harness (scripts/vm-harness.sh): QEMU/TCG boots a Debian kernel (L1)
   qemu-system-x86 linux-image-cloud-amd64 kmod
   binutils            # strip: `vm-harness.sh pods` strips the debug binaries it puts in L1
+  apparmor socat      # `vm-harness.sh pods`: AppArmor's parser and profiles go into L1; socat talks to QEMU's monitor
   systemd             # the systemd cgroup driver's tests boot it in namespaces of their own
 )
 

@@ -73,8 +73,14 @@ for p in "${need[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  # One install at a time: vm_pods starts two L1 runs at once, and on a machine without
+  # these packages both came here together, and the second failed on apt's lock.
+  (
+    flock 9
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+      --no-install-recommends "${missing[@]}" >&2
+  ) 9>/var/lock/vessel-harness-apt.lock
 fi
 
 # --- build: guest kernel (cached), shim
