@@ -177,41 +177,44 @@ impl Control {
         self.lock().closed = true;
         self.room.notify_waiters();
     }
-    /// Resolves once the writer has ended.
-    async fn ended(&self) {
-        loop {
-            let room = self.room.notified();
-            tokio::pin!(room);
-            room.as_mut().enable();
-            if self.lock().closed {
-                return;
-            }
-            room.await;
-        }
-    }
-    /// Queues a control frame ahead of data; waits while [`CONTROL_QUEUE`] are queued.
-    /// False: the connection's writer has ended.
-    async fn send(&self, f: Frame) -> bool {
+    /// Waits until `f`, run on the queue under its lock, answers; it is run again each time
+    /// the writer takes the queue or ends.
+    async fn when<T>(&self, mut f: impl FnMut(&mut ControlQueue) -> Option<T>) -> T {
         loop {
             let room = self.room.notified();
             tokio::pin!(room);
             // Registered before the check: a wake-up in between is not lost.
             room.as_mut().enable();
-            {
-                let mut q = self.lock();
-                if q.closed {
-                    return false;
-                }
-                if q.frames.len() < CONTROL_QUEUE {
-                    q.frames.push(f);
-                    drop(q);
-                    self.more.notify_one();
-                    return true;
-                }
+            if let Some(t) = f(&mut self.lock()) {
+                return t;
             }
-            // Woken when the writer takes the queue, or ends.
             room.await;
         }
+    }
+    /// Resolves once the writer has ended.
+    async fn ended(&self) {
+        self.when(|q| q.closed.then_some(())).await
+    }
+    /// Queues a control frame ahead of data; waits while [`CONTROL_QUEUE`] are queued.
+    /// False: the connection's writer has ended.
+    async fn send(&self, f: Frame) -> bool {
+        let mut f = Some(f);
+        let queued = self
+            .when(|q| {
+                if q.closed {
+                    Some(false)
+                } else if q.frames.len() < CONTROL_QUEUE {
+                    q.frames.extend(f.take());
+                    Some(true)
+                } else {
+                    None
+                }
+            })
+            .await;
+        if queued {
+            self.more.notify_one();
+        }
+        queued
     }
     /// Gives `delta` bytes of `stream`'s window back to the client (never waits: at most
     /// one entry per routed stream, and streams are capped).
