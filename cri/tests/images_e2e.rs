@@ -4,6 +4,8 @@
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
 
+mod common;
+
 use k8s_cri::v1 as cri;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -1255,26 +1257,8 @@ async fn config_cli_and_metrics() {
         "{:?}",
         resp.headers()
     );
-    let body = resp.text().await.unwrap();
-    // Read as Prometheus reads it: a text-format parser, not string matching.
-    let scrape =
-        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("parses");
-    let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
-        scrape
-            .samples
-            .iter()
-            .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-            .map(|s| match &s.value {
-                prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Untyped(v) => *v,
-                prometheus_parse::Value::Histogram(b) => b.last().map_or(0.0, |b| b.count),
-                prometheus_parse::Value::Summary(_) => f64::NAN,
-            })
-    };
-    let want = |name: &str, labels: &[(&str, &str)]| {
-        value(name, labels).unwrap_or_else(|| panic!("{name} {labels:?} not in:\n{body}"))
-    };
+    let m = common::Metrics::parse(resp.text().await.unwrap());
+    let want = |name: &str, labels: &[(&str, &str)]| m.want(name, labels);
     assert_eq!(want("vessel_image_pulls_total", &[("result", "ok")]), 1.0);
     assert_eq!(want("vessel_images", &[]), 1.0);
     assert!(want("vessel_image_pulled_bytes_total", &[]) > 0.0);

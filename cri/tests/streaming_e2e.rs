@@ -6,6 +6,8 @@
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -225,6 +227,26 @@ async fn peak_rss_during<T>(pid: u32, done: impl std::future::Future<Output = T>
     }
 }
 
+/// Runs the exec at `url` with `opts` while watching vesseld's (`pid`) RSS: the RSS before,
+/// its peak meanwhile, and what the exec gave.
+async fn exec_watching_rss(
+    pid: u32,
+    url: &str,
+    opts: &vessel_critest::stream_client::ExecOptions,
+) -> (u64, u64, vessel_critest::stream_client::ExecOutcome) {
+    let before = rss_kib(pid);
+    let (peak, r) = peak_rss_during(
+        pid,
+        vessel_critest::stream_client::exec(url, opts, Duration::from_secs(120)),
+    )
+    .await;
+    (
+        before,
+        peak,
+        r.unwrap_or_else(|e| panic!("exec at {url}: {e}")),
+    )
+}
+
 /// A vesseld with `daemon_keys`, the busybox image pulled, and a pod with a running
 /// container (`sleep`); returns what the test needs to exec into it.
 struct Pod {
@@ -338,13 +360,7 @@ async fn streaming_is_flow_controlled() {
     let url = p
         .exec_url(&["head", "-c", "268435456", "/dev/zero"], false)
         .await;
-    let before = rss_kib(pid);
-    let (peak, r) = peak_rss_during(
-        pid,
-        vessel_critest::stream_client::exec(&url, &opts, Duration::from_secs(120)),
-    )
-    .await;
-    let r = r.expect("exec head");
+    let (before, peak, r) = exec_watching_rss(pid, &url, &opts).await;
     assert_eq!(r.exit_code(), Some(0), "{r:?}");
     assert_eq!(r.stdout.len(), 256 << 20, "every byte of the output");
     assert!(r.stdout.iter().all(|b| *b == 0));
@@ -363,13 +379,7 @@ async fn streaming_is_flow_controlled() {
         stderr: true,
         ..Default::default()
     };
-    let before = rss_kib(pid);
-    let (peak, r) = peak_rss_during(
-        pid,
-        vessel_critest::stream_client::exec(&url, &opts, Duration::from_secs(120)),
-    )
-    .await;
-    let r = r.expect("exec wc");
+    let (before, peak, r) = exec_watching_rss(pid, &url, &opts).await;
     assert_eq!(r.exit_code(), Some(0), "{r:?}");
     assert_eq!(r.stdout_str().trim(), "134217728", "{r:?}");
     println!("streaming_is_flow_controlled: input to a command that does not read: vesseld RSS {before} KiB, peak {peak} KiB");
@@ -428,27 +438,15 @@ async fn streaming_idle_connections_are_closed() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     // What the metrics say: two exec sessions, none open now, one closed for being idle.
-    let body = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let scrape =
-        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("parses");
-    let value = |name: &str, labels: &[(&str, &str)]| -> f64 {
-        scrape
-            .samples
-            .iter()
-            .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-            .map(|s| match &s.value {
-                prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Untyped(v) => *v,
-                _ => f64::NAN,
-            })
-            .unwrap_or_else(|| panic!("{name} {labels:?} not in:\n{body}"))
-    };
+    let m = common::Metrics::parse(
+        reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+    );
+    let value = |name: &str, labels: &[(&str, &str)]| m.want(name, labels);
     let exec = [("kind", "exec"), ("transport", "spdy")];
     assert_eq!(value("vessel_streaming_sessions_total", &exec), 2.0);
     assert_eq!(value("vessel_streaming_sessions_open", &exec), 0.0);
