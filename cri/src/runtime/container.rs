@@ -508,7 +508,7 @@ impl Runtime {
                     r.reason = "StartError".into();
                     r.message = e.to_string();
                 });
-                let _ = self.dirs.save_container(&rec);
+                let _ = ctr.persist(&self.dirs);
                 self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
                 return Err(e);
             }
@@ -525,8 +525,7 @@ impl Runtime {
                 r.finished_at = started_at;
             }
         });
-        self.dirs
-            .save_container(&rec)
+        ctr.persist(&self.dirs)
             .map_err(internal("saving container record"))?;
         self.emit(&rec, cri::ContainerEventType::ContainerStartedEvent);
         self.spawn_watcher(pod, ctr.clone(), c);
@@ -636,8 +635,7 @@ impl Runtime {
                 .release_container(&pod, &rec)
                 .await;
         }
-        self.dirs
-            .delete_container(&rec.id)
+        ctr.delete(&self.dirs)
             .map_err(internal("removing record"))?;
         self.ctrs
             .lock()
@@ -698,8 +696,7 @@ impl Runtime {
             let l = c.config.linux.get_or_insert_with(Default::default);
             l.resources = Some(r.clone());
         });
-        self.dirs
-            .save_container(&rec)
+        ctr.persist(&self.dirs)
             .map_err(internal("saving container record"))?;
         tracing::info!(container = %rec.id, "container resources updated");
         Ok(())

@@ -5,7 +5,7 @@ use super::*;
 use crate::sandbox::{
     AgentAddr, ContainerRequest, ForwardTarget, HostShare, PodLayout, PreparedContainer,
 };
-use crate::state::{BackendState, PodState};
+use crate::state::{BackendState, ContainerState, PodState};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -301,4 +301,51 @@ async fn container_requests_are_checked_before_the_backend_is_asked() {
         .keys()
         .all(|k| !k.starts_with("c_")));
     assert!(f.rt.list_containers(None).is_empty());
+}
+
+/// A record written late (a watcher's exit, a lost pod's containers) after the container was
+/// removed must not bring the record back, nor a stale write land after a newer one.
+#[tokio::test]
+async fn a_removed_containers_record_is_not_written_back() {
+    let f = fixture("flat", false).await;
+    let rec = ContainerRecord {
+        id: "c1".into(),
+        pod_id: "p1".into(),
+        name_key: "k".into(),
+        config: Default::default(),
+        image_name: String::new(),
+        image_id: String::new(),
+        image_ref: String::new(),
+        log_path: String::new(),
+        state: ContainerState::Running,
+        created_at: 1,
+        started_at: 2,
+        finished_at: 0,
+        exit_code: 0,
+        reason: String::new(),
+        message: String::new(),
+        pid: 7,
+        uid: 0,
+        gid: 0,
+        groups: Vec::new(),
+        stop_signal: 15,
+        snapshot: "c1".into(),
+        layers: Vec::new(),
+        volume_snapshots: Vec::new(),
+    };
+    let ctr = Ctr::new(rec);
+    ctr.persist(&f.rt.dirs).unwrap();
+    let saved = || f.rt.dirs.load_containers();
+    assert_eq!(saved().len(), 1);
+    // A change, then a write: the write is of the record as it is now.
+    ctr.update(|r| r.pid = 8);
+    ctr.persist(&f.rt.dirs).unwrap();
+    assert_eq!(saved()[0].pid, 8);
+    ctr.delete(&f.rt.dirs).unwrap();
+    assert!(saved().is_empty());
+    // What the watcher does when it hears of the exit after the removal.
+    f.rt.mark_lost(&ctr, "late");
+    ctr.update(|r| r.exit_code = 1);
+    ctr.persist(&f.rt.dirs).unwrap();
+    assert!(saved().is_empty(), "a removed container's record came back");
 }

@@ -66,6 +66,10 @@ pub struct RuntimeOptions {
 pub struct Ctr {
     rec: RwLock<ContainerRecord>,
     op: tokio::sync::Mutex<()>,
+    /// Orders the record's writes to disk, which are not all made under `op` (a watcher
+    /// records an exit, a lost pod marks its containers); true once the record is deleted,
+    /// so that such a late write cannot bring a removed container back.
+    disk: Mutex<bool>,
 }
 
 impl Ctr {
@@ -73,7 +77,23 @@ impl Ctr {
         Ctr {
             rec: RwLock::new(rec),
             op: tokio::sync::Mutex::new(()),
+            disk: Mutex::new(false),
         }
+    }
+    /// Writes the record as it is now (so writes that race land newest last); nothing once
+    /// the container is removed.
+    fn persist(&self, dirs: &StateDirs) -> std::result::Result<(), crate::state::StateError> {
+        let removed = self.disk.lock().unwrap_or_else(|p| p.into_inner());
+        if *removed {
+            return Ok(());
+        }
+        dirs.save_container(&self.record())
+    }
+    /// Deletes the record from disk for good: later [`Ctr::persist`] calls write nothing.
+    fn delete(&self, dirs: &StateDirs) -> std::result::Result<(), crate::state::StateError> {
+        let mut removed = self.disk.lock().unwrap_or_else(|p| p.into_inner());
+        *removed = true;
+        dirs.delete_container(&self.record().id)
     }
     pub fn record(&self) -> ContainerRecord {
         self.rec.read().unwrap_or_else(|p| p.into_inner()).clone()

@@ -168,14 +168,14 @@ impl Runtime {
                         }
                     }
                     if info.state == ap::ContainerState::Running as i32 {
-                        let r = ctr.update(|r| {
+                        ctr.update(|r| {
                             r.state = ContainerState::Running;
                             r.pid = info.pid;
                             if r.started_at == 0 {
                                 r.started_at = info.started_at;
                             }
                         });
-                        let _ = self.dirs.save_container(&r);
+                        let _ = ctr.persist(&self.dirs);
                         if let Ok(c) = pod.client().await {
                             self.spawn_watcher(pod.clone(), ctr.clone(), c);
                         }

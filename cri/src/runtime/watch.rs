@@ -32,7 +32,7 @@ impl Runtime {
         // Only a change is written: the exit is reported more than once (the stop's own wait
         // and the container's watcher), and the first report saved it.
         if changed {
-            if let Err(e) = self.dirs.save_container(&rec) {
+            if let Err(e) = ctr.persist(&self.dirs) {
                 tracing::error!(container = %rec.id, error = %e, "cannot save exit");
             }
             if exit.oom_killed {
@@ -61,7 +61,7 @@ impl Runtime {
             }
         });
         if changed {
-            let _ = self.dirs.save_container(&rec);
+            let _ = ctr.persist(&self.dirs);
             self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
         }
     }
