@@ -258,6 +258,12 @@ impl RuntimeService {
         let url = srv.url(crate::streaming::StreamRequest::PortForward {
             pod_id: pod.id,
             target,
+            // Checked above: 1..=65535.
+            ports: r
+                .port
+                .iter()
+                .filter_map(|p| u16::try_from(*p).ok())
+                .collect(),
         });
         Ok(cri::PortForwardResponse { url })
     }

@@ -188,6 +188,67 @@ async fn streaming_server_edges() {
         out.ends_with(&[0x88, 0x02, 0x03, 0xE8]),
         "a close frame last: {out:?}"
     );
+
+    // Port-forward in kubelet's channel protocol (as the Python and JavaScript clients speak
+    // it), binary and base64, to a server in the pod's network namespace.
+    let port = serve_in_netns(&v.state_dir().join("netns").join(&pod));
+    for (proto, text) in [
+        ("v4.channel.k8s.io", false),
+        ("v4.base64.channel.k8s.io", true),
+    ] {
+        let msg = |ch: u8, data: &[u8]| {
+            if text {
+                use base64::Engine;
+                let b = base64::engine::general_purpose::STANDARD.encode(data);
+                (0x1, format!("{}{b}", char::from(b'0' + ch)).into_bytes())
+            } else {
+                (0x2, [&[ch], data].concat())
+            }
+        };
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let path = format!("{}?port={port}", pf_url().await);
+        let req = ws(path, &format!("{key}Sec-WebSocket-Protocol: {proto}\r\n"));
+        s.write_all(req.as_bytes()).await.unwrap();
+        let head = read_head(&mut s).await;
+        assert!(
+            head.starts_with("HTTP/1.1 101") && head.contains(proto),
+            "{proto}: {head}"
+        );
+        // Each channel opens with the port; the client's data reaches the server and back.
+        let p = port.to_le_bytes();
+        assert_eq!(read_frame(&mut s).await, msg(0, &p), "{proto}");
+        assert_eq!(read_frame(&mut s).await, msg(1, &p), "{proto}");
+        let (op, payload) = msg(0, b"hello");
+        s.write_all(&client_frame(op, &payload)).await.unwrap();
+        assert_eq!(read_frame(&mut s).await, msg(0, b"HELLO"), "{proto}");
+        // The server's side closes: the session ends with a normal close.
+        assert_eq!(read_frame(&mut s).await, (0x8, vec![0x03, 0xE8]), "{proto}");
+    }
+    // Without a port, in the query or the request: refused before the upgrade.
+    let url = c
+        .runtime
+        .port_forward(k8s_cri::v1::PortForwardRequest {
+            pod_sandbox_id: pod.clone(),
+            port: vec![],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .url;
+    let path = url.split_once("//").unwrap().1.split_once('/').unwrap().1;
+    let r = http(
+        &addr,
+        &ws(
+            format!("/{path}"),
+            &format!("{key}Sec-WebSocket-Protocol: v4.channel.k8s.io\r\n"),
+        ),
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 400") && r.contains("\"port\""),
+        "{r}"
+    );
+
     c.runtime
         .stop_pod_sandbox(k8s_cri::v1::StopPodSandboxRequest {
             pod_sandbox_id: pod.clone(),
@@ -203,6 +264,68 @@ async fn streaming_server_edges() {
 
     // crictl's exec, attach and port-forward: crictl_e2e (upstream crictl), also over
     // WebSocket; upstream critest's streaming specs over WebSocket: upstream_critest.
+}
+
+/// A TCP server on 127.0.0.1 inside the network namespace `netns`; returns its port. Each
+/// connection gets its first 5 bytes back upper-cased, then is closed.
+fn serve_in_netns(netns: &Path) -> u16 {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let ns = std::fs::File::open(netns).expect("the pod's netns pin");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // SAFETY: moves only this thread into the namespace; `ns` is an open nsfs file.
+        let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        tx.send(l.local_addr().unwrap().port()).unwrap();
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut buf = [0u8; 5];
+            if c.read_exact(&mut buf).is_ok() {
+                let _ = c.write_all(&buf.to_ascii_uppercase());
+            }
+        }
+    });
+    rx.recv().unwrap()
+}
+
+/// An HTTP response head, read byte by byte (what follows is the upgraded connection's).
+async fn read_head(s: &mut tokio::net::TcpStream) -> String {
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let b = tokio::time::timeout(Duration::from_secs(10), s.read_u8())
+            .await
+            .expect("a response head in time")
+            .expect("a response head");
+        head.push(b);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+/// One unmasked server frame (opcode, payload) of under 64 KiB.
+async fn read_frame(s: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        let b0 = s.read_u8().await.unwrap();
+        let len = match s.read_u8().await.unwrap() {
+            126 => usize::from(s.read_u16().await.unwrap()),
+            n => usize::from(n),
+        };
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).await.unwrap();
+        (b0 & 0x0F, payload)
+    })
+    .await
+    .expect("a frame in time")
+}
+
+/// A masked, final client frame of under 126 bytes.
+fn client_frame(op: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [1u8, 2, 3, 4];
+    let mut f = vec![0x80 | op, 0x80 | u8::try_from(payload.len()).unwrap()];
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
 }
 
 /// vesseld's resident memory, in KiB.
@@ -386,6 +509,51 @@ async fn streaming_is_flow_controlled() {
     assert!(
         peak < before + LIMIT_KIB,
         "vesseld queued input the command did not read: RSS {before} -> {peak} KiB"
+    );
+    p.remove().await;
+}
+
+/// Exec in the base64 channel protocol (browser consoles): text messages, the channel as a
+/// digit, the data in base64; the v4 exit status on the error channel; then a close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_base64_exec() {
+    use base64::Engine;
+    let p = Pod::start("").await;
+    let url = p
+        .exec_url(&["sh", "-c", "echo out; echo err >&2; exit 3"], false)
+        .await;
+    let (addr, path) = url
+        .strip_prefix("http://")
+        .and_then(|r| r.split_once('/'))
+        .unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET /{path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: v4.base64.channel.k8s.io\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let head = read_head(&mut s).await;
+    assert!(
+        head.starts_with("HTTP/1.1 101") && head.contains("v4.base64.channel.k8s.io"),
+        "{head}"
+    );
+    let mut channels: [Vec<u8>; 4] = Default::default();
+    loop {
+        match read_frame(&mut s).await {
+            (0x8, _) => break,
+            (0x1, m) => {
+                let ch = usize::from(m[0] - b'0');
+                let d = base64::engine::general_purpose::STANDARD
+                    .decode(&m[1..])
+                    .expect("base64");
+                channels[ch].extend(d);
+            }
+            (op, m) => panic!("opcode {op} {m:?}: text messages only"),
+        }
+    }
+    assert_eq!(channels[1], b"out\n");
+    assert_eq!(channels[2], b"err\n");
+    let status = String::from_utf8_lossy(&channels[3]);
+    assert!(
+        status.contains("NonZeroExitCode") && status.contains("\"3\""),
+        "{status}"
     );
     p.remove().await;
 }

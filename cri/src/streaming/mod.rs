@@ -7,8 +7,9 @@
 //! - PortForward connects to 127.0.0.1:PORT inside a flat pod's network namespace (from a
 //!   dedicated thread that enters the namespace; tokio workers never change namespace).
 //! - Clients may upgrade to WebSocket instead (see `ws`): exec and attach in the
-//!   `v5.channel.k8s.io`/`v4.channel.k8s.io`/`channel.k8s.io` channel protocols,
-//!   port-forward as SPDY tunnelled over WebSocket (`SPDY/3.1+portforward.k8s.io`).
+//!   `v5.channel.k8s.io`/`v4.channel.k8s.io`/`channel.k8s.io` channel protocols (and the
+//!   base64 variants of the last two), port-forward as SPDY tunnelled over WebSocket
+//!   (`SPDY/3.1+portforward.k8s.io`) or in kubelet's per-port channel protocol.
 
 pub use vessel_spdy as spdy;
 
@@ -38,18 +39,27 @@ const KEEPALIVE: Duration = Duration::from_secs(30);
 /// Largest HTTP request head accepted.
 const MAX_HEAD: usize = 16 << 10;
 
-/// The exec protocols, best first.
-const EXEC_PROTOCOLS: &[&str] = &[
-    "v4.channel.k8s.io",
-    "v3.channel.k8s.io",
-    "v2.channel.k8s.io",
-    "channel.k8s.io",
-];
+/// Kubernetes' channel protocols (exec, attach; port-forward over WebSocket).
+const V5: &str = "v5.channel.k8s.io";
+const V4: &str = "v4.channel.k8s.io";
+const V4_BASE64: &str = "v4.base64.channel.k8s.io";
+const V1: &str = "channel.k8s.io";
+const V1_BASE64: &str = "base64.channel.k8s.io";
+/// The exec protocols over SPDY, best first.
+const EXEC_PROTOCOLS: &[&str] = &[V4, "v3.channel.k8s.io", "v2.channel.k8s.io", V1];
 const PORT_FORWARD_PROTOCOL: &str = "portforward.k8s.io";
-/// The exec protocols over WebSocket (binary; the base64 ones are not spoken), best first.
-const WS_EXEC_PROTOCOLS: &[&str] = &["v5.channel.k8s.io", "v4.channel.k8s.io", "channel.k8s.io"];
+/// The exec protocols over WebSocket, binary and base64, as kubelet's server speaks them.
+const WS_EXEC_PROTOCOLS: &[&str] = &[V5, V4, V4_BASE64, V1, V1_BASE64];
 /// Port-forward's SPDY tunnelled over WebSocket (client-go's tunnelling dialer).
 const WS_PORT_FORWARD_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
+/// Port-forward over WebSocket: the SPDY tunnel, or kubelet's channel protocol (one data and
+/// one error channel per port of the URL's `port` query).
+const WS_PORT_FORWARD_PROTOCOLS: &[&str] = &[WS_PORT_FORWARD_PROTOCOL, V4, V4_BASE64];
+/// Most ports one channel-protocol port-forward carries (two channels each, one byte each).
+const WS_MAX_PORTS: usize = 128;
+/// How long a channel-protocol forward waits for the client's side once the pod's side has
+/// ended (the client cannot half-close a channel), as containerd's forwarder does.
+const WS_FORWARD_LINGER: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamingError {
@@ -83,6 +93,9 @@ pub enum StreamRequest {
         pod_id: String,
         /// Where the pod's localhost is.
         target: ForwardTarget,
+        /// The ports the request named: a channel-protocol WebSocket forward's ports when
+        /// its URL has no `port` query (SPDY names them per stream).
+        ports: Vec<u16>,
     },
 }
 
@@ -272,7 +285,7 @@ impl StreamingServer {
         let _open = crate::metrics::get().stream_session(kind, "spdy");
         let (rd, wr, expiry) = self.halves(s);
         let version = match proto.as_deref() {
-            Some("v4.channel.k8s.io") => 4,
+            Some(V4) => 4,
             Some("v3.channel.k8s.io") => 3,
             Some("v2.channel.k8s.io") => 2,
             _ => 1,
@@ -306,14 +319,13 @@ impl StreamingServer {
         let offered = head.list("sec-websocket-protocol");
         let supported: &[&str] = match &req {
             StreamRequest::Exec(_) => WS_EXEC_PROTOCOLS,
-            StreamRequest::PortForward { .. } => &[WS_PORT_FORWARD_PROTOCOL],
+            StreamRequest::PortForward { .. } => WS_PORT_FORWARD_PROTOCOLS,
         };
         // The client's order decides, as in Kubernetes' handshake; none offered is the
-        // binary channel protocol (exec only: port-forward's own WebSocket protocol is not
-        // spoken, its tunnel of SPDY is).
+        // binary channel protocol.
         let proto = offered.iter().find(|o| supported.contains(&o.as_str()));
-        let forward = matches!(req, StreamRequest::PortForward { .. });
-        if proto.is_none() && (!offered.is_empty() || forward) {
+        let tunnel = proto.is_some_and(|p| p == WS_PORT_FORWARD_PROTOCOL);
+        if proto.is_none() && !offered.is_empty() {
             return reply(
                 &mut s,
                 400,
@@ -323,6 +335,16 @@ impl StreamingServer {
             )
             .await;
         }
+        // A channel-protocol forward's ports, checked before the upgrade, as kubelet does.
+        let ports = match &req {
+            StreamRequest::PortForward { ports, .. } if !tunnel => {
+                match forward_ports(&head.path, ports) {
+                    Ok(p) => p,
+                    Err(why) => return reply(&mut s, 400, &why).await,
+                }
+            }
+            _ => Vec::new(),
+        };
         let mut resp = format!(
             "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {}\r\n",
             ws::accept_key(&key)
@@ -335,14 +357,23 @@ impl StreamingServer {
         tracing::info!(kind = req.kind(), protocol = ?proto, "streaming: upgraded to WebSocket");
         let _open = crate::metrics::get().stream_session(req.kind(), "websocket");
         let (rd, wr, expiry) = self.halves(s);
+        let codec = ws::Codec::of(proto.map(String::as_str));
         match req {
             StreamRequest::Exec(t) => {
                 let version = match proto.map(String::as_str) {
-                    Some("v5.channel.k8s.io" | "v4.channel.k8s.io") => 4,
+                    Some(
+                        "v5.channel.k8s.io" | "v4.channel.k8s.io" | "v4.base64.channel.k8s.io",
+                    ) => 4,
                     _ => 1,
                 };
-                let conn = ws::channels(rd, wr, early, &t, expiry);
+                let conn = ws::channels((rd, wr, early), codec, &t, expiry);
                 self.session(StreamRequest::Exec(t), version, conn).await;
+            }
+            StreamRequest::PortForward { pod_id, target, .. } if !tunnel => {
+                let (w, streams, wtask) =
+                    ws::forward_channels((rd, wr, early), codec, &ports, expiry);
+                forward_all(&pod_id, target, &ports, &w, streams).await;
+                finish(w, wtask).await;
             }
             StreamRequest::PortForward { .. } => {
                 // The tunnelled connection ends with the WebSocket one, also when idle.
@@ -385,14 +416,58 @@ impl StreamingServer {
             StreamRequest::Exec(target) => {
                 exec(&self.rt, ExecParams { target, version }, &w, streams).await;
             }
-            StreamRequest::PortForward { pod_id, target } => {
+            StreamRequest::PortForward { pod_id, target, .. } => {
                 port_forward(&pod_id, target, &w, streams).await;
             }
         }
-        drop(w);
-        // Let the writer flush what is queued (it ends once every Writer clone is gone).
-        let _ = tokio::time::timeout(Duration::from_secs(5), wtask).await;
+        finish(w, wtask).await;
     }
+}
+
+/// A session's end: its writer goes, and what it queued is flushed (the writer's task ends
+/// once every clone of it is gone).
+async fn finish(w: Writer, wtask: tokio::task::JoinHandle<()>) {
+    drop(w);
+    let _ = tokio::time::timeout(Duration::from_secs(5), wtask).await;
+}
+
+/// The ports of a channel-protocol WebSocket forward: the URL's `port` query (repeated or
+/// comma-separated, as kubelet reads it), else what the PortForward request named.
+fn forward_ports(path: &str, named: &[u16]) -> Result<Vec<u16>, String> {
+    let query = path.split_once('?').map(|(_, q)| q).unwrap_or_default();
+    let mut ports = Vec::new();
+    for v in query.split('&').filter_map(|kv| kv.strip_prefix("port=")) {
+        for p in v
+            .split("%2C")
+            .flat_map(|p| p.split("%2c"))
+            .flat_map(|p| p.split(','))
+        {
+            match p.parse::<u16>() {
+                Ok(n) if n > 0 => ports.push(n),
+                _ => {
+                    return Err(format!(
+                        "port-forward: {p:?} in query parameter \"port\" is not a port"
+                    ))
+                }
+            }
+        }
+    }
+    if ports.is_empty() {
+        ports = named.to_vec();
+    }
+    if ports.is_empty() {
+        return Err(
+            "port-forward over a WebSocket channel protocol: query parameter \"port\" is required"
+                .into(),
+        );
+    }
+    if ports.len() > WS_MAX_PORTS {
+        return Err(format!(
+            "port-forward: {} ports on one WebSocket connection; at most {WS_MAX_PORTS}",
+            ports.len()
+        ));
+    }
+    Ok(ports)
 }
 
 // ---------- HTTP/1.1 request head ----------
@@ -877,7 +952,7 @@ async fn port_forward(
                 let target = target.clone();
                 let pod = pod_id.to_string();
                 tasks.push(tokio::spawn(async move {
-                    forward_one(&pod, target, port, error, data, &w).await;
+                    forward_one(&pod, target, port, (error, data), &w, None).await;
                 }));
             }
         }
@@ -887,13 +962,42 @@ async fn port_forward(
     }
 }
 
+/// Port-forward over a WebSocket channel protocol: every port's streams (data, then error)
+/// are there at once; the session ends when every forward has, as kubelet's does.
+async fn forward_all(
+    pod_id: &str,
+    target: ForwardTarget,
+    ports: &[u16],
+    w: &Writer,
+    mut incoming: mpsc::UnboundedReceiver<Incoming>,
+) {
+    let mut forwards = Vec::new();
+    for port in ports {
+        let (Some(data), Some(error)) = (incoming.recv().await, incoming.recv().await) else {
+            break;
+        };
+        let linger = Some(WS_FORWARD_LINGER);
+        forwards.push(forward_one(
+            pod_id,
+            target.clone(),
+            *port,
+            (error, data),
+            w,
+            linger,
+        ));
+    }
+    futures::future::join_all(forwards).await;
+}
+
+/// Relays one forwarded connection. `linger`: once the pod's side has ended, how long the
+/// client's side may go on (none: until the client ends it).
 async fn forward_one(
     pod: &str,
     target: ForwardTarget,
     port: u16,
-    error: Incoming,
-    mut data: Incoming,
+    (error, mut data): (Incoming, Incoming),
     w: &Writer,
+    linger: Option<Duration>,
 ) {
     let sock = match connect_forward(target, port).await {
         Ok(s) => s,
@@ -908,11 +1012,27 @@ async fn forward_one(
     };
     tracing::debug!(pod, port, "port-forward: connected");
     let (mut rd, mut wr) = tokio::io::split(sock);
+    let (down_done, down_ended) = tokio::sync::oneshot::channel::<()>();
     let up = async {
-        while let Some(d) = data.rx.recv().await {
-            if wr.write_all(&d).await.is_err() {
-                break;
+        let copy = async {
+            while let Some(d) = data.rx.recv().await {
+                if wr.write_all(&d).await.is_err() {
+                    break;
+                }
             }
+        };
+        let cut = async {
+            match linger {
+                Some(l) => {
+                    let _ = down_ended.await;
+                    tokio::time::sleep(l).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = copy => {}
+            () = cut => {}
         }
         let _ = wr.shutdown().await;
     };
@@ -929,6 +1049,7 @@ async fn forward_one(
             }
         }
         w.fin(data.id).await;
+        drop(down_done);
     };
     tokio::join!(up, down);
     w.fin(error.id).await;
@@ -939,11 +1060,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn websocket_forward_ports_come_from_the_query_or_the_request() {
+        let named = [7000];
+        assert_eq!(
+            forward_ports("/portforward/t?port=80", &named),
+            Ok(vec![80])
+        );
+        assert_eq!(
+            forward_ports("/portforward/t?port=80,443&x=1&port=8080", &named),
+            Ok(vec![80, 443, 8080])
+        );
+        assert_eq!(
+            forward_ports("/portforward/t?port=80%2C81", &[]),
+            Ok(vec![80, 81])
+        );
+        assert_eq!(forward_ports("/portforward/t", &named), Ok(vec![7000]));
+        assert!(forward_ports("/portforward/t", &[])
+            .unwrap_err()
+            .contains("required"));
+        for bad in ["0", "65536", "x", ""] {
+            let e = forward_ports(&format!("/portforward/t?port={bad}"), &named).unwrap_err();
+            assert!(e.contains("not a port"), "{bad}: {e}");
+        }
+        let many = vec!["1"; WS_MAX_PORTS + 1].join(",");
+        assert!(forward_ports(&format!("/p/t?port={many}"), &[]).is_err());
+    }
+
+    #[test]
     fn tokens_are_single_use_and_random() {
         let t = Tokens::default();
         let r = StreamRequest::PortForward {
             pod_id: "p".into(),
             target: ForwardTarget::Netns(PathBuf::new()),
+            ports: Vec::new(),
         };
         let a = t.insert(r.clone());
         let b = t.insert(r.clone());
@@ -960,6 +1109,7 @@ mod tests {
         let a = t.insert(StreamRequest::PortForward {
             pod_id: "p".into(),
             target: ForwardTarget::Netns(PathBuf::new()),
+            ports: Vec::new(),
         });
         if let Some(e) = t.map.lock().unwrap().get_mut(&a) {
             e.0 -= TOKEN_TTL + Duration::from_secs(1);

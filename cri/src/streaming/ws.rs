@@ -5,12 +5,16 @@
 //! - exec and attach: Kubernetes' channel protocols (`v5.channel.k8s.io`,
 //!   `v4.channel.k8s.io`, `channel.k8s.io`): binary messages whose first byte is the channel
 //!   (0 stdin, 1 stdout, 2 stderr, 3 error, 4 resize). v5 adds `[255, channel]`, the client
-//!   closing its side of a channel (stdin's end). The session ends with a close frame, which
-//!   is each channel's end for the client. [`channels`] gives the exec code the same
-//!   [`Writer`] and [`Incoming`] streams a SPDY connection does: a channel is a stream.
+//!   closing its side of a channel (stdin's end). The base64 variants
+//!   (`v4.base64.channel.k8s.io`, `base64.channel.k8s.io`) send text messages instead: the
+//!   channel as an ASCII digit, then the data in base64 ([`Codec`]). The session ends with a
+//!   close frame, which is each channel's end for the client. [`channels`] gives the exec
+//!   code the same [`Writer`] and [`Incoming`] streams a SPDY connection does: a channel is a
+//!   stream.
 //! - port-forward: SPDY/3.1 tunnelled in binary messages (`SPDY/3.1+portforward.k8s.io`,
 //!   client-go's tunnelling dialer). [`tunnel`] turns the messages back into a byte stream
-//!   for the SPDY connection.
+//!   for the SPDY connection. Or kubelet's per-port channel protocol ([`forward_channels`]):
+//!   a data and an error channel per port, each opened with the port number.
 //!
 //! Pings are answered with pongs; client frames must be masked; fragmented messages are
 //! reassembled; no extensions are negotiated.
@@ -317,19 +321,19 @@ where
     }
 }
 
-/// Writes `first` (a binary message), then control frames from `ctl` and, until it ends,
-/// the binary messages `data` yields; then a normal close frame. A close asked for by the
-/// reader ends it at once.
+/// Writes the messages `first`, then control frames from `ctl` and, until it ends, the
+/// messages `data` yields, all with opcode `op`; then a normal close frame. A close asked
+/// for by the reader ends it at once.
 async fn write_messages<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut ctl: mpsc::Receiver<Ctl>,
     mut data: mpsc::Receiver<Vec<u8>>,
-    first: Option<Vec<u8>>,
+    (op, first): (u8, Vec<Vec<u8>>),
     expiry: Expiry,
 ) {
     let mut out = Vec::new();
-    if let Some(m) = first {
-        encode(OP_BINARY, &m, &mut out);
+    for m in first {
+        encode(op, &m, &mut out);
     }
     let expired = expiry.wait();
     tokio::pin!(expired);
@@ -349,7 +353,7 @@ async fn write_messages<W: AsyncWrite + Unpin>(
                 None => break CLOSE_NORMAL,
             },
             d = data.recv() => match d {
-                Some(d) => encode(OP_BINARY, &d, &mut out),
+                Some(d) => encode(op, &d, &mut out),
                 None => break CLOSE_NORMAL,
             },
         }
@@ -362,13 +366,154 @@ async fn write_messages<W: AsyncWrite + Unpin>(
     .await;
 }
 
+/// How a channel protocol frames its messages. Kubelet's server speaks both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// `channel.k8s.io` and its versions: binary messages, the channel in the first byte.
+    Binary,
+    /// `base64.channel.k8s.io`, `v4.base64.channel.k8s.io`: text messages, the channel as an
+    /// ASCII digit ('0' + channel), then the data in base64 (browsers' consoles).
+    Base64,
+}
+
+impl Codec {
+    /// The codec of a negotiated protocol (none: binary).
+    pub fn of(protocol: Option<&str>) -> Codec {
+        match protocol {
+            Some(p) if p.contains("base64.") => Codec::Base64,
+            _ => Codec::Binary,
+        }
+    }
+
+    fn opcode(self) -> u8 {
+        match self {
+            Codec::Binary => OP_BINARY,
+            Codec::Base64 => OP_TEXT,
+        }
+    }
+
+    /// A message's payload for `data` on channel `ch`.
+    fn frame(self, ch: u8, data: &[u8]) -> Vec<u8> {
+        use base64::Engine;
+        match self {
+            Codec::Binary => {
+                let mut m = Vec::with_capacity(data.len() + 1);
+                m.push(ch);
+                m.extend_from_slice(data);
+                m
+            }
+            Codec::Base64 => {
+                // As kubelet writes it (a rune, so UTF-8 past channel 79; text stays text).
+                let mut m = String::with_capacity(2 + data.len().div_ceil(3) * 4);
+                m.push(char::from(b'0'.wrapping_add(ch)));
+                base64::engine::general_purpose::STANDARD.encode_string(data, &mut m);
+                m.into_bytes()
+            }
+        }
+    }
+}
+
+/// One channel of a session as the session code sees it: a stream with these headers.
+struct Channel {
+    num: u8,
+    headers: Vec<(String, String)>,
+    /// Whether what the client sends on it is delivered (else dropped, as kubelet does).
+    input: bool,
+}
+
+fn header(k: &str, v: impl ToString) -> (String, String) {
+    (k.to_string(), v.to_string())
+}
+
 /// A channel-protocol session (exec, attach of `t`) over an upgraded connection: at once,
 /// one [`Incoming`] stream per channel kubelet's server opens for such a session, and a
 /// [`Writer`] whose data on a stream id is sent on that channel. An empty message goes
 /// first on the lowest channel the client reads, as kubelet tells the client the session is
 /// up. The connection ends (close frame) once every clone of the writer is gone; the writer
 /// is closed once the connection is.
-pub fn channels<R, W>(rd: R, wr: W, early: Vec<u8>, t: &ExecTarget, expiry: Expiry) -> Session
+pub fn channels<R, W>(
+    (rd, wr, early): (R, W, Vec<u8>),
+    codec: Codec,
+    t: &ExecTarget,
+    expiry: Expiry,
+) -> Session
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let list = [
+        (true, ERROR, "error"),
+        (t.stdin, STDIN, "stdin"),
+        (t.stdout, STDOUT, "stdout"),
+        (t.stderr && !t.tty, STDERR, "stderr"),
+        (t.tty, RESIZE, "resize"),
+    ]
+    .into_iter()
+    .filter(|(want, ..)| *want)
+    .map(|(_, num, kind)| Channel {
+        num,
+        headers: vec![header("streamtype", kind)],
+        input: num == STDIN || num == RESIZE,
+    })
+    .collect();
+    let opening = if t.stdout {
+        STDOUT
+    } else if t.stderr {
+        STDERR
+    } else {
+        ERROR
+    };
+    open(
+        (rd, wr, early),
+        codec,
+        list,
+        vec![(opening, Vec::new())],
+        expiry,
+    )
+}
+
+/// Port-forward in a channel protocol (kubelet's `v4.channel.k8s.io`, as the Python,
+/// JavaScript and Java clients speak it): a data channel (2i) and an error channel (2i+1)
+/// for the i-th port, each opened with the port (2 bytes, little-endian). The streams carry
+/// SPDY port-forward's headers (`streamtype`, `port`, `requestid`).
+pub fn forward_channels<R, W>(
+    (rd, wr, early): (R, W, Vec<u8>),
+    codec: Codec,
+    ports: &[u16],
+    expiry: Expiry,
+) -> Session
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let mut list = Vec::new();
+    let mut first = Vec::new();
+    for (i, port) in ports.iter().enumerate() {
+        for (num, kind) in [(2 * i, "data"), (2 * i + 1, "error")] {
+            let num = u8::try_from(num).unwrap_or(u8::MAX);
+            list.push(Channel {
+                num,
+                headers: vec![
+                    header("streamtype", kind),
+                    header("port", port),
+                    header("requestid", i),
+                ],
+                input: kind == "data",
+            });
+            first.push((num, port.to_le_bytes().to_vec()));
+        }
+    }
+    open((rd, wr, early), codec, list, first, expiry)
+}
+
+/// The session of `list`'s channels, after the messages `first` (channel, data).
+fn open<R, W>(
+    (rd, wr, early): (R, W, Vec<u8>),
+    codec: Codec,
+    list: Vec<Channel>,
+    first: Vec<(u8, Vec<u8>)>,
+    expiry: Expiry,
+) -> Session
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -377,37 +522,28 @@ where
     let (stx, srx) = mpsc::unbounded_channel();
     let mut routes = HashMap::new();
     let budget = conn::InputBudget::new();
-    for (want, ch, kind) in [
-        (true, ERROR, "error"),
-        (t.stdin, STDIN, "stdin"),
-        (t.stdout, STDOUT, "stdout"),
-        (t.stderr && !t.tty, STDERR, "stderr"),
-        (t.tty, RESIZE, "resize"),
-    ] {
-        if !want {
-            continue;
-        }
+    for c in list {
         let (tx, rx) = budget.queue();
         // What the client sends on channels it only reads is dropped.
-        if ch == STDIN || ch == RESIZE {
-            routes.insert(ch, Arc::new(tx));
+        if c.input {
+            routes.insert(c.num, Arc::new(tx));
         }
         let _ = stx.send(Incoming {
-            id: u32::from(ch),
-            headers: vec![("streamtype".to_string(), kind.to_string())],
+            id: u32::from(c.num),
+            headers: c.headers,
             rx,
         });
     }
     let (ctx, crx) = mpsc::channel(CTL_QUEUE);
     let (dtx, drx) = mpsc::channel(64);
-    let opening = if t.stdout {
-        STDOUT
-    } else if t.stderr {
-        STDERR
-    } else {
-        ERROR
-    };
-    let wtask = tokio::spawn(write_messages(wr, crx, drx, Some(vec![opening]), expiry));
+    let first = first.iter().map(|(ch, d)| codec.frame(*ch, d)).collect();
+    let wtask = tokio::spawn(write_messages(
+        wr,
+        crx,
+        drx,
+        (codec.opcode(), first),
+        expiry,
+    ));
     // The writer's frames as messages: a data frame's stream is its channel. A stream's end
     // is the connection's end here; resets and the rest are SPDY's own.
     tokio::spawn(async move {
@@ -420,10 +556,8 @@ where
                 Some(Frame::Data {
                     stream_id, data, ..
                 }) if !data.is_empty() => {
-                    let mut m = Vec::with_capacity(data.len() + 1);
-                    m.push(u8::try_from(stream_id).unwrap_or(u8::MAX));
-                    m.extend_from_slice(&data);
-                    if dtx.send(m).await.is_err() {
+                    let ch = u8::try_from(stream_id).unwrap_or(u8::MAX);
+                    if dtx.send(codec.frame(ch, &data)).await.is_err() {
                         return;
                     }
                 }
@@ -437,20 +571,18 @@ where
         let _streams = stx;
         read_messages(rd, early, &ctx, |m| {
             // The channel's queue and the data for it, if any.
-            let (ok, to) = match m {
-                Msg::Binary(mut d) => match d.as_slice() {
-                    [CHANNEL_CLOSE, ch, ..] => {
-                        routes.remove(ch);
-                        (true, None)
-                    }
-                    [ch, _, ..] => {
-                        let tx = routes.get(ch).map(Arc::clone);
-                        (true, tx.map(|tx| (tx, d.split_off(1))))
-                    }
-                    _ => (true, None),
-                },
-                _ => {
-                    tracing::info!("streaming: text message on a binary channel protocol; closing");
+            let (ok, to) = match decode(codec, m) {
+                Ok(Input::Close(ch)) => {
+                    routes.remove(&ch);
+                    (true, None)
+                }
+                Ok(Input::Data(ch, d)) => {
+                    let tx = routes.get(&ch).map(Arc::clone);
+                    (true, tx.map(|tx| (tx, d)))
+                }
+                Ok(Input::Nothing) => (true, None),
+                Err(why) => {
+                    tracing::info!(why, "streaming: bad channel message; closing");
                     (false, None)
                 }
             };
@@ -467,6 +599,46 @@ where
     (writer, srx, wtask)
 }
 
+/// A client's channel message, decoded.
+#[derive(Debug, PartialEq, Eq)]
+enum Input {
+    /// Data for a channel.
+    Data(u8, Vec<u8>),
+    /// v5: the client closes its side of a channel (`[255, channel]`).
+    Close(u8),
+    /// Nothing to deliver (an empty message, or one with a channel and no data).
+    Nothing,
+}
+
+fn decode(codec: Codec, m: Msg) -> Result<Input, &'static str> {
+    use base64::Engine;
+    match (codec, m) {
+        (Codec::Binary, Msg::Binary(mut d)) => Ok(match d.as_slice() {
+            [CHANNEL_CLOSE, ch, ..] => Input::Close(*ch),
+            [_, _, ..] => {
+                let ch = d[0];
+                Input::Data(ch, d.split_off(1))
+            }
+            _ => Input::Nothing,
+        }),
+        (Codec::Binary, _) => Err("a text message on a binary channel protocol"),
+        // Kubelet takes a message of either kind here.
+        (Codec::Base64, Msg::Binary(d) | Msg::Text(d)) => match d.split_first() {
+            Some((ch, rest)) if !rest.is_empty() => {
+                let ch = ch
+                    .checked_sub(b'0')
+                    .ok_or("a channel that is not a digit")?;
+                base64::engine::general_purpose::STANDARD
+                    .decode(rest)
+                    .map(|d| Input::Data(ch, d))
+                    .map_err(|_| "data that is not base64")
+            }
+            _ => Ok(Input::Nothing),
+        },
+        (Codec::Base64, _) => Ok(Input::Nothing),
+    }
+}
+
 /// A tunnel (port-forward's SPDY over WebSocket): returns the end that carries the
 /// messages' bytes; what is written to it goes to the client in binary messages.
 pub fn tunnel<R, W>(rd: R, wr: W, early: Vec<u8>, expiry: Expiry) -> tokio::io::DuplexStream
@@ -478,7 +650,13 @@ where
     let (mut from_spdy, mut to_spdy) = tokio::io::split(ours);
     let (ctx, crx) = mpsc::channel(CTL_QUEUE);
     let (dtx, drx) = mpsc::channel(16);
-    tokio::spawn(write_messages(wr, crx, drx, None, expiry));
+    tokio::spawn(write_messages(
+        wr,
+        crx,
+        drx,
+        (OP_BINARY, Vec::new()),
+        expiry,
+    ));
     tokio::spawn(async move {
         let mut buf = vec![0u8; 64 << 10];
         loop {
@@ -610,6 +788,46 @@ mod tests {
         f.extend_from_slice(&(u64::MAX).to_be_bytes());
         assert_eq!(bad(f), Err(WsError::TooBig));
         assert_eq!(bad(vec![0x83, 0x80, 0, 0, 0, 0]), Err(WsError::Opcode(3)));
+    }
+
+    #[test]
+    fn channel_messages_in_both_codecs() {
+        // Kubelet's framings: a byte and raw data; an ASCII digit and base64.
+        assert_eq!(Codec::Binary.frame(1, b"hi"), b"\x01hi");
+        assert_eq!(Codec::Base64.frame(1, b"hi"), b"1aGk=");
+        assert_eq!(Codec::Base64.frame(3, b""), b"3");
+        assert_eq!(Codec::of(Some("v4.base64.channel.k8s.io")), Codec::Base64);
+        assert_eq!(Codec::of(Some("base64.channel.k8s.io")), Codec::Base64);
+        assert_eq!(Codec::of(Some("v5.channel.k8s.io")), Codec::Binary);
+        assert_eq!(Codec::of(None), Codec::Binary);
+        assert_eq!(
+            decode(Codec::Binary, Msg::Binary(b"\x00ab".to_vec())),
+            Ok(Input::Data(0, b"ab".to_vec()))
+        );
+        assert_eq!(
+            decode(Codec::Binary, Msg::Binary(vec![CHANNEL_CLOSE, 0])),
+            Ok(Input::Close(0))
+        );
+        assert_eq!(
+            decode(Codec::Binary, Msg::Binary(vec![0])),
+            Ok(Input::Nothing)
+        );
+        assert!(decode(Codec::Binary, Msg::Text(b"0YQ==".to_vec())).is_err());
+        assert_eq!(
+            decode(Codec::Base64, Msg::Text(b"4eyJXaWR0aCI6ODB9".to_vec())),
+            Ok(Input::Data(4, br#"{"Width":80}"#.to_vec()))
+        );
+        // Either kind of message, as kubelet reads them.
+        assert_eq!(
+            decode(Codec::Base64, Msg::Binary(b"0aGk=".to_vec())),
+            Ok(Input::Data(0, b"hi".to_vec()))
+        );
+        assert_eq!(
+            decode(Codec::Base64, Msg::Text(b"0".to_vec())),
+            Ok(Input::Nothing)
+        );
+        assert!(decode(Codec::Base64, Msg::Text(b"0not base64!".to_vec())).is_err());
+        assert!(decode(Codec::Base64, Msg::Text(b"\x01aGk=".to_vec())).is_err());
     }
 
     #[test]
