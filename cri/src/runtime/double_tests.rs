@@ -334,7 +334,7 @@ async fn a_removed_containers_record_is_not_written_back() {
         volume_snapshots: Vec::new(),
     };
     let ctr = Ctr::new(rec);
-    ctr.persist(&f.rt.dirs).unwrap();
+    assert!(ctr.persist(&f.rt.dirs).unwrap());
     let saved = || f.rt.dirs.load_containers();
     assert_eq!(saved().len(), 1);
     // A change, then a write: the write is of the record as it is now.
@@ -346,6 +346,9 @@ async fn a_removed_containers_record_is_not_written_back() {
     // What the watcher does when it hears of the exit after the removal.
     f.rt.mark_lost(&ctr, "late");
     ctr.update(|r| r.exit_code = 1);
-    ctr.persist(&f.rt.dirs).unwrap();
+    assert!(
+        !ctr.persist(&f.rt.dirs).unwrap(),
+        "a write after the removal"
+    );
     assert!(saved().is_empty(), "a removed container's record came back");
 }

@@ -81,19 +81,21 @@ impl Ctr {
         }
     }
     /// Writes the record as it is now (so writes that race land newest last); nothing once
-    /// the container is removed.
-    fn persist(&self, dirs: &StateDirs) -> std::result::Result<(), crate::state::StateError> {
+    /// the container is removed (false: then its changes are not to be announced either).
+    fn persist(&self, dirs: &StateDirs) -> std::result::Result<bool, crate::state::StateError> {
         let removed = self.disk.lock().unwrap_or_else(|p| p.into_inner());
         if *removed {
-            return Ok(());
+            return Ok(false);
         }
-        dirs.save_container(&self.record())
+        dirs.save_container(&self.record()).map(|()| true)
     }
     /// Deletes the record from disk for good: later [`Ctr::persist`] calls write nothing.
+    /// A delete that fails leaves the record to be written on (and deleted at the retry).
     fn delete(&self, dirs: &StateDirs) -> std::result::Result<(), crate::state::StateError> {
         let mut removed = self.disk.lock().unwrap_or_else(|p| p.into_inner());
+        dirs.delete_container(&self.record().id)?;
         *removed = true;
-        dirs.delete_container(&self.record().id)
+        Ok(())
     }
     pub fn record(&self) -> ContainerRecord {
         self.rec.read().unwrap_or_else(|p| p.into_inner()).clone()

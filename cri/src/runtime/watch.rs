@@ -32,8 +32,11 @@ impl Runtime {
         // Only a change is written: the exit is reported more than once (the stop's own wait
         // and the container's watcher), and the first report saved it.
         if changed {
-            if let Err(e) = ctr.persist(&self.dirs) {
-                tracing::error!(container = %rec.id, error = %e, "cannot save exit");
+            match ctr.persist(&self.dirs) {
+                // Removed meanwhile: its deletion was the last word.
+                Ok(false) => return rec,
+                Ok(true) => {}
+                Err(e) => tracing::error!(container = %rec.id, error = %e, "cannot save exit"),
             }
             if exit.oom_killed {
                 crate::metrics::get().record_oom_kill();
@@ -60,8 +63,8 @@ impl Runtime {
                 r.message = why.to_string();
             }
         });
-        if changed {
-            let _ = ctr.persist(&self.dirs);
+        // Not announced for a container removed meanwhile: its deletion was the last word.
+        if changed && !matches!(ctr.persist(&self.dirs), Ok(false)) {
             self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
         }
     }

@@ -986,7 +986,12 @@ async fn forward_all(
             linger,
         ));
     }
-    futures::future::join_all(forwards).await;
+    // Also over once the connection is (the client left, or it was idle too long), though
+    // a pod's server that stays open and silent would hold its forward.
+    tokio::select! {
+        _ = futures::future::join_all(forwards) => {}
+        () = w.closed() => {}
+    }
 }
 
 /// Relays one forwarded connection. `linger`: once the pod's side has ended, how long the

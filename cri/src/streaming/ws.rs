@@ -571,19 +571,16 @@ where
         let _streams = stx;
         read_messages(rd, early, &ctx, |m| {
             // The channel's queue and the data for it, if any.
-            let (ok, to) = match decode(codec, m) {
-                Ok(Input::Close(ch)) => {
+            let to = match decode(codec, m, |ch| routes.contains_key(&ch)) {
+                Input::Close(ch) => {
                     routes.remove(&ch);
-                    (true, None)
+                    None
                 }
-                Ok(Input::Data(ch, d)) => {
-                    let tx = routes.get(&ch).map(Arc::clone);
-                    (true, tx.map(|tx| (tx, d)))
-                }
-                Ok(Input::Nothing) => (true, None),
-                Err(why) => {
-                    tracing::info!(why, "streaming: bad channel message; closing");
-                    (false, None)
+                Input::Data(ch, d) => routes.get(&ch).map(|tx| (Arc::clone(tx), d)),
+                Input::Nothing => None,
+                Input::Bad(why) => {
+                    tracing::debug!(why, "streaming: channel message skipped");
+                    None
                 }
             };
             async move {
@@ -591,7 +588,7 @@ where
                     // A consumer that is gone drops what is sent to it, as before its end.
                     tx.deliver(d).await;
                 }
-                ok
+                true
             }
         })
         .await;
@@ -606,36 +603,51 @@ enum Input {
     Data(u8, Vec<u8>),
     /// v5: the client closes its side of a channel (`[255, channel]`).
     Close(u8),
-    /// Nothing to deliver (an empty message, or one with a channel and no data).
+    /// Nothing to deliver: an empty message, one with a channel and no data, or one for a
+    /// channel the session does not read.
     Nothing,
+    /// A message that cannot be read, skipped as kubelet does.
+    Bad(&'static str),
 }
 
-fn decode(codec: Codec, m: Msg) -> Result<Input, &'static str> {
+/// A client's message as kubelet reads it: a message of either kind in either codec. Data
+/// for a channel the session does not read (`reads` says) is not decoded.
+fn decode(codec: Codec, m: Msg, reads: impl Fn(u8) -> bool) -> Input {
     use base64::Engine;
-    match (codec, m) {
-        (Codec::Binary, Msg::Binary(mut d)) => Ok(match d.as_slice() {
+    let (Msg::Binary(mut d) | Msg::Text(mut d)) = m else {
+        return Input::Nothing;
+    };
+    match codec {
+        Codec::Binary => match d.as_slice() {
             [CHANNEL_CLOSE, ch, ..] => Input::Close(*ch),
-            [_, _, ..] => {
-                let ch = d[0];
+            [ch, _, ..] if reads(*ch) => {
+                let ch = *ch;
                 Input::Data(ch, d.split_off(1))
             }
             _ => Input::Nothing,
-        }),
-        (Codec::Binary, _) => Err("a text message on a binary channel protocol"),
-        // Kubelet takes a message of either kind here.
-        (Codec::Base64, Msg::Binary(d) | Msg::Text(d)) => match d.split_first() {
-            Some((ch, rest)) if !rest.is_empty() => {
-                let ch = ch
-                    .checked_sub(b'0')
-                    .ok_or("a channel that is not a digit")?;
-                base64::engine::general_purpose::STANDARD
-                    .decode(rest)
-                    .map(|d| Input::Data(ch, d))
-                    .map_err(|_| "data that is not base64")
-            }
-            _ => Ok(Input::Nothing),
         },
-        (Codec::Base64, _) => Ok(Input::Nothing),
+        Codec::Base64 => {
+            // The channel is one character, '0' + channel (UTF-8 past 79, as it is written).
+            let Some((c, rest)) = std::str::from_utf8(&d).ok().and_then(|t| {
+                let mut chars = t.chars();
+                chars.next().map(|c| (c, chars.as_str()))
+            }) else {
+                return Input::Bad("a message that is not text");
+            };
+            let Some(ch) = u32::from(c)
+                .checked_sub(u32::from(b'0'))
+                .and_then(|n| u8::try_from(n).ok())
+            else {
+                return Input::Bad("a channel that is not a digit");
+            };
+            if rest.is_empty() || !reads(ch) {
+                return Input::Nothing;
+            }
+            match base64::engine::general_purpose::STANDARD.decode(rest) {
+                Ok(data) => Input::Data(ch, data),
+                Err(_) => Input::Bad("data that is not base64"),
+            }
+        }
     }
 }
 
@@ -800,34 +812,60 @@ mod tests {
         assert_eq!(Codec::of(Some("base64.channel.k8s.io")), Codec::Base64);
         assert_eq!(Codec::of(Some("v5.channel.k8s.io")), Codec::Binary);
         assert_eq!(Codec::of(None), Codec::Binary);
+        let all = |_| true;
         assert_eq!(
-            decode(Codec::Binary, Msg::Binary(b"\x00ab".to_vec())),
-            Ok(Input::Data(0, b"ab".to_vec()))
+            decode(Codec::Binary, Msg::Binary(b"\x00ab".to_vec()), all),
+            Input::Data(0, b"ab".to_vec())
         );
         assert_eq!(
-            decode(Codec::Binary, Msg::Binary(vec![CHANNEL_CLOSE, 0])),
-            Ok(Input::Close(0))
+            decode(Codec::Binary, Msg::Binary(vec![CHANNEL_CLOSE, 0]), all),
+            Input::Close(0)
         );
         assert_eq!(
-            decode(Codec::Binary, Msg::Binary(vec![0])),
-            Ok(Input::Nothing)
+            decode(Codec::Binary, Msg::Binary(vec![0]), all),
+            Input::Nothing
         );
-        assert!(decode(Codec::Binary, Msg::Text(b"0YQ==".to_vec())).is_err());
+        // Either kind of message, in either codec, as kubelet reads them.
         assert_eq!(
-            decode(Codec::Base64, Msg::Text(b"4eyJXaWR0aCI6ODB9".to_vec())),
-            Ok(Input::Data(4, br#"{"Width":80}"#.to_vec()))
-        );
-        // Either kind of message, as kubelet reads them.
-        assert_eq!(
-            decode(Codec::Base64, Msg::Binary(b"0aGk=".to_vec())),
-            Ok(Input::Data(0, b"hi".to_vec()))
+            decode(Codec::Binary, Msg::Text(b"\x00ab".to_vec()), all),
+            Input::Data(0, b"ab".to_vec())
         );
         assert_eq!(
-            decode(Codec::Base64, Msg::Text(b"0".to_vec())),
-            Ok(Input::Nothing)
+            decode(Codec::Base64, Msg::Text(b"4eyJXaWR0aCI6ODB9".to_vec()), all),
+            Input::Data(4, br#"{"Width":80}"#.to_vec())
         );
-        assert!(decode(Codec::Base64, Msg::Text(b"0not base64!".to_vec())).is_err());
-        assert!(decode(Codec::Base64, Msg::Text(b"\x01aGk=".to_vec())).is_err());
+        assert_eq!(
+            decode(Codec::Base64, Msg::Binary(b"0aGk=".to_vec()), all),
+            Input::Data(0, b"hi".to_vec())
+        );
+        assert_eq!(
+            decode(Codec::Base64, Msg::Text(b"0".to_vec()), all),
+            Input::Nothing
+        );
+        // Channels past 79 are one UTF-8 character, both ways.
+        let far = Codec::Base64.frame(200, b"x");
+        assert_eq!(
+            decode(Codec::Base64, Msg::Text(far), all),
+            Input::Data(200, b"x".to_vec())
+        );
+        // Bad messages are skipped; data for channels not read is not decoded.
+        assert!(matches!(
+            decode(Codec::Base64, Msg::Text(b"0not base64!".to_vec()), all),
+            Input::Bad(_)
+        ));
+        assert!(matches!(
+            decode(Codec::Base64, Msg::Text(b"\x01aGk=".to_vec()), all),
+            Input::Bad(_)
+        ));
+        assert_eq!(
+            decode(Codec::Base64, Msg::Text(b"3not base64!".to_vec()), |ch| ch
+                == 0),
+            Input::Nothing
+        );
+        assert_eq!(
+            decode(Codec::Binary, Msg::Binary(b"\x03ab".to_vec()), |ch| ch == 0),
+            Input::Nothing
+        );
     }
 
     #[test]
