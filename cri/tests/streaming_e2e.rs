@@ -191,7 +191,7 @@ async fn streaming_server_edges() {
 
     // Port-forward in kubelet's channel protocol (as the Python and JavaScript clients speak
     // it), binary and base64, to a server in the pod's network namespace.
-    let port = serve_in_netns(&v.state_dir().join("netns").join(&pod));
+    let port = serve_in_netns(&v.state_dir().join("netns").join(&pod), false);
     for (proto, text) in [
         ("v4.channel.k8s.io", false),
         ("v4.base64.channel.k8s.io", true),
@@ -249,26 +249,18 @@ async fn streaming_server_edges() {
         "{r}"
     );
 
-    c.runtime
-        .stop_pod_sandbox(k8s_cri::v1::StopPodSandboxRequest {
-            pod_sandbox_id: pod.clone(),
-        })
+    c.stop_and_remove_pod(&pod)
         .await
-        .unwrap();
-    c.runtime
-        .remove_pod_sandbox(k8s_cri::v1::RemovePodSandboxRequest {
-            pod_sandbox_id: pod,
-        })
-        .await
-        .unwrap();
+        .expect("stop and remove the pod");
 
     // crictl's exec, attach and port-forward: crictl_e2e (upstream crictl), also over
     // WebSocket; upstream critest's streaming specs over WebSocket: upstream_critest.
 }
 
 /// A TCP server on 127.0.0.1 inside the network namespace `netns`; returns its port. Each
-/// connection gets its first 5 bytes back upper-cased, then is closed.
-fn serve_in_netns(netns: &Path) -> u16 {
+/// connection gets its first 5 bytes back upper-cased, then is closed; or, when `hold`, is
+/// held open, unread and unanswered, for as long as the test runs.
+fn serve_in_netns(netns: &Path, hold: bool) -> u16 {
     use std::io::{Read, Write};
     use std::os::fd::AsRawFd;
     let ns = std::fs::File::open(netns).expect("the pod's netns pin");
@@ -279,8 +271,13 @@ fn serve_in_netns(netns: &Path) -> u16 {
         assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         tx.send(l.local_addr().unwrap().port()).unwrap();
+        let mut held = Vec::new();
         for c in l.incoming() {
             let Ok(mut c) = c else { return };
+            if hold {
+                held.push(c);
+                continue;
+            }
             let mut buf = [0u8; 5];
             if c.read_exact(&mut buf).is_ok() {
                 let _ = c.write_all(&buf.to_ascii_uppercase());
@@ -288,6 +285,19 @@ fn serve_in_netns(netns: &Path) -> u16 {
         }
     });
     rx.recv().unwrap()
+}
+
+/// A WebSocket upgrade of a streaming URL in `protocol`: the connection and the answer's head.
+async fn ws_upgrade(url: &str, protocol: &str) -> (tokio::net::TcpStream, String) {
+    let (addr, path) = url
+        .strip_prefix("http://")
+        .and_then(|r| r.split_once('/'))
+        .expect("a streaming URL");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET /{path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {protocol}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let head = read_head(&mut s).await;
+    (s, head)
 }
 
 /// An HTTP response head, read byte by byte (what follows is the upgraded connection's).
@@ -450,17 +460,10 @@ impl Pod {
     }
 
     async fn remove(self) {
-        let mut rt = self.c.runtime.clone();
-        rt.stop_pod_sandbox(k8s_cri::v1::StopPodSandboxRequest {
-            pod_sandbox_id: self.pod.clone(),
-        })
-        .await
-        .unwrap();
-        rt.remove_pod_sandbox(k8s_cri::v1::RemovePodSandboxRequest {
-            pod_sandbox_id: self.pod.clone(),
-        })
-        .await
-        .unwrap();
+        self.c
+            .stop_and_remove_pod(&self.pod)
+            .await
+            .expect("stop and remove the pod");
     }
 }
 
@@ -513,6 +516,71 @@ async fn streaming_is_flow_controlled() {
     p.remove().await;
 }
 
+/// A channel-protocol port-forward ends when its client leaves, also while the pod's
+/// server holds its side open and says nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_forward_ends_with_its_client() {
+    let (port, stream_port) = (
+        vessel_critest::client::free_port().unwrap(),
+        vessel_critest::client::free_port().unwrap(),
+    );
+    let v = Vesseld::start_with(
+        Path::new(env!("CARGO_BIN_EXE_vesseld")),
+        &format!(
+            "metrics_address = \"127.0.0.1:{port}\"\nstreaming_address = \"127.0.0.1:{stream_port}\"\n"
+        ),
+        "",
+    )
+    .expect("vesseld");
+    let mut c = v.client().await;
+    let logs = tempfile::tempdir().unwrap();
+    let pcfg = vessel_critest::client::pod_config("ws-hold", "default", logs.path());
+    let pod = c.run_pod(&pcfg, "").await.expect("RunPodSandbox");
+    let held = serve_in_netns(&v.state_dir().join("netns").join(&pod), true);
+    let url = c
+        .runtime
+        .port_forward(k8s_cri::v1::PortForwardRequest {
+            pod_sandbox_id: pod.clone(),
+            port: vec![i32::from(held)],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .url;
+    let (mut s, head) = ws_upgrade(&url, "v4.channel.k8s.io").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let p = held.to_le_bytes();
+    assert_eq!(read_frame(&mut s).await, (0x2, vec![0, p[0], p[1]]));
+    assert_eq!(read_frame(&mut s).await, (0x2, vec![1, p[0], p[1]]));
+    s.write_all(&client_frame(0x2, b"\x00hi")).await.unwrap();
+    // The client says goodbye: the server answers, and the session is over.
+    s.write_all(&client_frame(0x8, &[0x03, 0xE8]))
+        .await
+        .unwrap();
+    assert_eq!(read_frame(&mut s).await, (0x8, vec![0x03, 0xE8]));
+    let open = || async {
+        let body = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let forward = [("kind", "portforward"), ("transport", "websocket")];
+        common::Metrics::parse(body).want("vessel_streaming_sessions_open", &forward)
+    };
+    let t = std::time::Instant::now();
+    while open().await != 0.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the forward's session outlived its client"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    c.stop_and_remove_pod(&pod)
+        .await
+        .expect("stop and remove the pod");
+}
+
 /// Exec in the base64 channel protocol (browser consoles): text messages, the channel as a
 /// digit, the data in base64; the v4 exit status on the error channel; then a close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,14 +590,7 @@ async fn websocket_base64_exec() {
     let url = p
         .exec_url(&["sh", "-c", "echo out; echo err >&2; exit 3"], false)
         .await;
-    let (addr, path) = url
-        .strip_prefix("http://")
-        .and_then(|r| r.split_once('/'))
-        .unwrap();
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET /{path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: v4.base64.channel.k8s.io\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let head = read_head(&mut s).await;
+    let (mut s, head) = ws_upgrade(&url, "v4.base64.channel.k8s.io").await;
     assert!(
         head.starts_with("HTTP/1.1 101") && head.contains("v4.base64.channel.k8s.io"),
         "{head}"
