@@ -205,11 +205,8 @@ async fn streaming_server_edges() {
                 (0x2, [&[ch], data].concat())
             }
         };
-        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        let path = format!("{}?port={port}", pf_url().await);
-        let req = ws(path, &format!("{key}Sec-WebSocket-Protocol: {proto}\r\n"));
-        s.write_all(req.as_bytes()).await.unwrap();
-        let head = read_head(&mut s).await;
+        let url = format!("http://{addr}{}?port={port}", pf_url().await);
+        let (mut s, head) = ws_upgrade(&url, proto).await;
         assert!(
             head.starts_with("HTTP/1.1 101") && head.contains(proto),
             "{proto}: {head}"

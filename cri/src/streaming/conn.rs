@@ -216,6 +216,10 @@ impl Control {
         }
         queued
     }
+    /// Queues a reset of `stream` with `status`, as [`Control::send`].
+    async fn reset(&self, stream_id: u32, status: u32) -> bool {
+        self.send(Frame::RstStream { stream_id, status }).await
+    }
     /// Gives `delta` bytes of `stream`'s window back to the client (never waits: at most
     /// one entry per routed stream, and streams are capped).
     fn window(&self, stream: u32, delta: u32) {
@@ -450,11 +454,7 @@ async fn handle(
             ..
         } => {
             if stream_id == 0 || routes.contains_key(&stream_id) {
-                w.send(Frame::RstStream {
-                    stream_id,
-                    status: spdy::RST_PROTOCOL_ERROR,
-                })
-                .await;
+                w.reset(stream_id, spdy::RST_PROTOCOL_ERROR).await;
                 return true;
             }
             if routes.len() >= MAX_STREAMS {
@@ -462,11 +462,7 @@ async fn handle(
                     stream = stream_id,
                     "streaming: too many open streams on one connection; refused"
                 );
-                w.send(Frame::RstStream {
-                    stream_id,
-                    status: spdy::RST_REFUSED_STREAM,
-                })
-                .await;
+                w.reset(stream_id, spdy::RST_REFUSED_STREAM).await;
                 return true;
             }
             let (tx, rx) = budget.queue();
@@ -488,11 +484,7 @@ async fn handle(
                 })
                 .is_err()
             {
-                w.send(Frame::RstStream {
-                    stream_id,
-                    status: spdy::RST_REFUSED_STREAM,
-                })
-                .await;
+                w.reset(stream_id, spdy::RST_REFUSED_STREAM).await;
             }
         }
         Frame::Data {

@@ -361,9 +361,7 @@ impl StreamingServer {
         match req {
             StreamRequest::Exec(t) => {
                 let version = match proto.map(String::as_str) {
-                    Some(
-                        "v5.channel.k8s.io" | "v4.channel.k8s.io" | "v4.base64.channel.k8s.io",
-                    ) => 4,
+                    Some(V5 | V4 | V4_BASE64) => 4,
                     _ => 1,
                 };
                 let conn = ws::channels((rd, wr, early), codec, &t, expiry);
@@ -437,11 +435,8 @@ fn forward_ports(path: &str, named: &[u16]) -> Result<Vec<u16>, String> {
     let query = path.split_once('?').map(|(_, q)| q).unwrap_or_default();
     let mut ports = Vec::new();
     for v in query.split('&').filter_map(|kv| kv.strip_prefix("port=")) {
-        for p in v
-            .split("%2C")
-            .flat_map(|p| p.split("%2c"))
-            .flat_map(|p| p.split(','))
-        {
+        // Commas, also percent-encoded.
+        for p in v.replace("%2C", ",").replace("%2c", ",").split(',') {
             match p.parse::<u16>() {
                 Ok(n) if n > 0 => ports.push(n),
                 _ => {
@@ -1017,27 +1012,11 @@ async fn forward_one(
     };
     tracing::debug!(pod, port, "port-forward: connected");
     let (mut rd, mut wr) = tokio::io::split(sock);
-    let (down_done, down_ended) = tokio::sync::oneshot::channel::<()>();
     let up = async {
-        let copy = async {
-            while let Some(d) = data.rx.recv().await {
-                if wr.write_all(&d).await.is_err() {
-                    break;
-                }
+        while let Some(d) = data.rx.recv().await {
+            if wr.write_all(&d).await.is_err() {
+                break;
             }
-        };
-        let cut = async {
-            match linger {
-                Some(l) => {
-                    let _ = down_ended.await;
-                    tokio::time::sleep(l).await;
-                }
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            () = copy => {}
-            () = cut => {}
         }
         let _ = wr.shutdown().await;
     };
@@ -1054,9 +1033,17 @@ async fn forward_one(
             }
         }
         w.fin(data.id).await;
-        drop(down_done);
     };
-    tokio::join!(up, down);
+    tokio::pin!(up, down);
+    tokio::select! {
+        () = &mut up => down.await,
+        () = &mut down => match linger {
+            Some(l) => {
+                let _ = tokio::time::timeout(l, up).await;
+            }
+            None => up.await,
+        },
+    }
     w.fin(error.id).await;
 }
 
