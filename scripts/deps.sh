@@ -55,3 +55,5 @@ if ! command -v cargo-fuzz >/dev/null; then
   echo "deps: installing cargo-fuzz"
   cargo install --locked cargo-fuzz --version 0.13.2
 fi
+# CRIU for CheckpointContainer (flat pods): one that works on this kernel.
+bash "$(dirname "$0")/criu.sh"

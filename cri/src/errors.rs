@@ -150,11 +150,6 @@ pub fn image_status(e: &ImageError) -> Status {
     }
 }
 
-/// The answer to an RPC that this build does not serve yet.
-pub fn not_built(rpc: &str) -> Status {
-    Status::unimplemented(format!("vessel: {rpc} is not implemented yet"))
-}
-
 /// The longest error message sent to a client. gRPC carries it in a header (`grpc-message`),
 /// and clients refuse header blocks over 16 KiB (RESOURCE_EXHAUSTED instead of the real code):
 /// a message that echoes a huge name from the request is cut.

@@ -1,6 +1,5 @@
 //! CRI RuntimeService over [`crate::runtime::Runtime`].
 
-use crate::errors::not_built;
 use crate::grpc::{done, rpcs};
 use crate::runtime::Runtime;
 use crate::streaming::ExecTarget;
@@ -325,7 +324,7 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
             s.rt.set_pod_cidr(&pod_cidr(r));
             Ok(cri::UpdateRuntimeConfigResponse {})
         };
-        checkpoint_container(CheckpointContainerRequest) -> CheckpointContainerResponse = Err(not_built("CheckpointContainer"));
+        checkpoint_container(CheckpointContainerRequest) -> CheckpointContainerResponse = done(s.rt.checkpoint_container(&r.container_id, &r.location, r.timeout).await);
         list_metric_descriptors(ListMetricDescriptorsRequest) -> ListMetricDescriptorsResponse =
             Ok(cri::ListMetricDescriptorsResponse { descriptors: crate::runtime::cri_metrics::descriptors() });
         list_pod_sandbox_metrics(ListPodSandboxMetricsRequest) -> ListPodSandboxMetricsResponse =

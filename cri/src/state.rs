@@ -221,6 +221,7 @@ impl StateDirs {
         for d in [
             s.pods_dir(),
             s.containers_dir(),
+            s.checkpoints_dir(),
             s.run.join("pods"),
             s.netns_dir(),
             s.run.join("vms"),
@@ -238,7 +239,7 @@ impl StateDirs {
         if !s.userns_root_reachable() {
             tracing::warn!(dir = %u.display(), "a directory above it is not traversable by other users: flat pods cannot have user namespaces (Status does not advertise them for flat pods)");
         }
-        for d in [s.pods_dir(), s.containers_dir()] {
+        for d in [s.pods_dir(), s.containers_dir(), s.checkpoints_dir()] {
             fsutil::clean_dead_temps(&d).map_err(io("clean", &d))?;
         }
         Ok(s)
@@ -252,6 +253,10 @@ impl StateDirs {
     }
     pub fn netns_dir(&self) -> PathBuf {
         self.run.join("netns")
+    }
+    /// Where CheckpointContainer stages CRIU's images before archiving them.
+    pub fn checkpoints_dir(&self) -> PathBuf {
+        self.root.join("checkpoints")
     }
     pub fn pod_dir(&self, id: &str) -> PathBuf {
         self.pods_dir().join(id)

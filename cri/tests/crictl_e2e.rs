@@ -289,6 +289,21 @@ fn crictl_every_verb() {
         "{st}"
     );
 
+    // checkpoint: CRIU dumps the running container into the archive crictl names; it runs on.
+    match vessel_critest::daemon::criu_unusable() {
+        Some(why) => println!("SKIP crictl_every_verb (checkpoint): {why}"),
+        None => {
+            let export = work.path().join("export/ctr.tar");
+            let export = export.to_str().unwrap();
+            let out = c.ok(&["checkpoint", "--export", export, &ctr]);
+            assert!(out.contains(&ctr), "{out}");
+            let size = std::fs::metadata(export).map(|m| m.len()).unwrap_or(0);
+            assert!(size > 0, "no archive at {export}");
+            let s = c.json(&["inspect", &ctr]);
+            assert_eq!(s["status"]["state"], "CONTAINER_RUNNING", "{s}");
+        }
+    }
+
     // CRI metrics (kubelet's /metrics/cadvisor from the runtime).
     let out = c.ok(&["metricdescs"]);
     assert!(out.contains("container_cpu_usage_seconds_total"), "{out}");

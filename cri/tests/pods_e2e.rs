@@ -3073,3 +3073,154 @@ async fn pod_sandbox_metrics_follow_their_descriptors() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// The entries of a tar archive (directories with their trailing slash dropped).
+fn tar_names(data: &[u8]) -> Vec<String> {
+    let mut names: Vec<String> = tar::Archive::new(data)
+        .entries()
+        .unwrap()
+        .map(|e| e.unwrap().path().unwrap().display().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+/// One file of a tar archive.
+fn tar_file(data: &[u8], name: &str) -> Vec<u8> {
+    use std::io::Read;
+    for e in tar::Archive::new(data).entries().unwrap() {
+        let mut e = e.unwrap();
+        if e.path().unwrap().display().to_string() == name {
+            let mut v = Vec::new();
+            e.read_to_end(&mut v).unwrap();
+            return v;
+        }
+    }
+    panic!("no {name} in the archive: {:?}", tar_names(data));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoint_a_running_container() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("ckpt").await;
+    let id = h
+        .run(
+            &pod,
+            &pcfg,
+            "counter",
+            "rm /bin/ls; mkdir -p /data; echo kept > /data/file; i=0; \
+             while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done",
+        )
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let location = dir.path().join("exports/counter.tar");
+    let ckpt = |h: &mut H, id: &str, location: String| {
+        let mut rt = h.c.runtime.clone();
+        let id = id.to_string();
+        async move {
+            rt.checkpoint_container(cri::CheckpointContainerRequest {
+                container_id: id,
+                location,
+                timeout: 60,
+            })
+            .await
+        }
+    };
+    // What any runtime refuses first.
+    let e = ckpt(&mut h, "no-such-container", location.display().to_string())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    let e = ckpt(&mut h, &id, "relative.tar".into()).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    if vm_mode() {
+        let e = ckpt(&mut h, &id, location.display().to_string())
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+        assert!(e.message().contains("CRIU"), "{e}");
+        h.remove_pod(&pod).await;
+        h.assert_clean();
+        return;
+    }
+    if let Some(why) = vessel_critest::daemon::criu_unusable() {
+        println!("SKIP checkpoint_a_running_container (the dump): {why}");
+        h.remove_pod(&pod).await;
+        h.assert_clean();
+        return;
+    }
+    let count = |h: &mut H| {
+        let c = h.c.clone();
+        let id = id.clone();
+        async move {
+            let r = c.exec_sync(&id, &["cat", "/tmp/count"], 5).await.unwrap();
+            String::from_utf8_lossy(&r.stdout).trim().parse::<u64>().unwrap_or(0)
+        }
+    };
+    let start = Instant::now();
+    while count(&mut h).await < 3 {
+        assert!(start.elapsed() < Duration::from_secs(10), "the counter does not count");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    ckpt(&mut h, &id, location.display().to_string())
+        .await
+        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}\n{}", h.v.log()));
+    let data = std::fs::read(&location).unwrap();
+    let names = tar_names(&data);
+    for want in [
+        "checkpoint/inventory.img",
+        "checkpoint/pstree.img",
+        "checkpoint/dump.log",
+        "config.dump",
+        "spec.dump",
+        "rootfs-diff.tar",
+        "deleted.files",
+    ] {
+        assert!(names.iter().any(|n| n == want), "no {want} in {names:?}");
+    }
+    let config: serde_json::Value = serde_json::from_slice(&tar_file(&data, "config.dump")).unwrap();
+    assert_eq!(config["id"], id.as_str(), "{config}");
+    assert_eq!(config["name"], "counter", "{config}");
+    assert_eq!(config["rootfsImageName"], h.image.as_str(), "{config}");
+    let spec: serde_json::Value = serde_json::from_slice(&tar_file(&data, "spec.dump")).unwrap();
+    assert!(spec["process"]["args"].to_string().contains("/tmp/count"), "{spec}");
+    let diff = tar_file(&data, "rootfs-diff.tar");
+    let diff_names = tar_names(&diff);
+    for want in ["data/file", "tmp/count"] {
+        assert!(diff_names.iter().any(|n| n == want), "no {want} in {diff_names:?}");
+    }
+    assert_eq!(tar_file(&diff, "data/file"), b"kept\n");
+    let deleted: Vec<String> = serde_json::from_slice(&tar_file(&data, "deleted.files")).unwrap();
+    assert_eq!(deleted, ["/bin/ls"]);
+    // Only the archive in its directory; nothing staged is left in vesseld's root.
+    assert_eq!(std::fs::read_dir(location.parent().unwrap()).unwrap().count(), 1);
+    let staged = h.v.root_dir().join("checkpoints");
+    assert_eq!(std::fs::read_dir(&staged).unwrap().count(), 0, "{}", staged.display());
+
+    // It runs on.
+    let st = h.status(&id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
+    let before = count(&mut h).await;
+    let start = Instant::now();
+    while count(&mut h).await <= before {
+        assert!(start.elapsed() < Duration::from_secs(10), "the counter stopped after the checkpoint");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A stopped container has nothing to dump.
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+    let e = ckpt(&mut h, &id, dir.path().join("again.tar").display().to_string())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(!dir.path().join("again.tar").exists());
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}

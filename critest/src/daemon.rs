@@ -548,6 +548,28 @@ pub async fn busybox_registry() -> anyhow::Result<(crate::registry::Registry, St
     Ok((reg, image))
 }
 
+/// Why CRIU cannot checkpoint on this machine, if it cannot: none installed, or `criu check`
+/// fails on this kernel (`scripts/criu.sh` installs one that works). Looked for where the
+/// agent looks: `PATH` and the sbin directories.
+pub fn criu_unusable() -> Option<String> {
+    let path = format!(
+        "{}:/usr/local/sbin:/usr/sbin:/sbin",
+        std::env::var("PATH").unwrap_or_default()
+    );
+    match std::process::Command::new("criu")
+        .arg("check")
+        .env("PATH", path)
+        .output()
+    {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!(
+            "`criu check` failed: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Some(format!("no criu ({e}); scripts/criu.sh installs one")),
+    }
+}
+
 /// Defines the end-to-end tests' harness type `$name` in the calling test crate: a registry
 /// serving the busybox test images, a vesseld, a CRI client to it, the busybox image's name
 /// and a directory for pod logs. Each test crate adds its own helper methods to the type

@@ -91,6 +91,16 @@ pub enum HelperOp {
         #[arg(last = true, required = true)]
         args: Vec<String>,
     },
+    /// Dumps a running container's processes with CRIU into `--image-path`, leaving them
+    /// running (CRI CheckpointContainer).
+    Checkpoint {
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        image_path: PathBuf,
+        #[arg(long)]
+        work_path: Option<PathBuf>,
+    },
 }
 
 /// The kind of a helper error, mapped to a gRPC code by the agent.
@@ -400,7 +410,102 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             stdio,
             args,
         } => exec(root, id, cwd, env, console_socket, stdio, args),
+        HelperOp::Checkpoint {
+            id,
+            image_path,
+            work_path,
+        } => checkpoint(root, &id, image_path, work_path),
     }
+}
+
+/// Directories CRIU is looked for in beyond `PATH`: vesseld may run with a `PATH` without
+/// the sbin directories, where CRIU installs.
+const CRIU_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/sbin"];
+
+/// The CRIU log libcontainer has CRIU write into the image directory.
+pub const CRIU_DUMP_LOG: &str = "dump.log";
+
+/// Dumps container `id` with CRIU, leaving it running: its TCP connections, file locks and
+/// deleted-but-open files are kept (`tcp_established`, `file_locks`, `link_remap`), its
+/// bind mounts and the pod's network namespace are external (libcontainer marks them), and
+/// its cgroups are recorded, not made (soft mode). The helper is single-threaded, which the
+/// environment and fd changes below rely on.
+fn checkpoint(
+    root: &Path,
+    id: &str,
+    image_path: PathBuf,
+    work_path: Option<PathBuf>,
+) -> Result<(), LibcontainerError> {
+    let mut c = load(root, id)?;
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+    let on_path = dirs.iter().any(|d| d.join("criu").is_file());
+    if !on_path {
+        let Some(found) = CRIU_DIRS.iter().find(|d| Path::new(d).join("criu").is_file()) else {
+            return Err(LibcontainerError::Other(
+                "CRIU is not installed (no criu on PATH or in /usr/local/sbin, /usr/sbin); \
+                 scripts/criu.sh installs one that works on this kernel"
+                    .into(),
+            ));
+        };
+        dirs.push(PathBuf::from(found));
+        let joined = std::env::join_paths(dirs).map_err(|e| LibcontainerError::Other(e.to_string()))?;
+        // SAFETY: the helper is single-threaded (no runtime, no threads spawned), so nothing
+        // reads the environment concurrently.
+        unsafe { std::env::set_var("PATH", joined) };
+    }
+    // `criu swrk` inherits stdout, which is our answer pipe: it writes to stderr (the
+    // agent's log) while it runs, and stdout is put back for the answer.
+    std::io::stdout().flush().ok();
+    // SAFETY: plain fd syscalls on fds this process owns; F_DUPFD_CLOEXEC makes a copy criu
+    // does not inherit, and dup2 only retargets fd 1.
+    let saved = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 10) };
+    if saved >= 0 {
+        // SAFETY: as above.
+        unsafe { libc::dup2(2, 1) };
+    }
+    let opts = libcontainer::container::CheckpointOptions {
+        ext_unix_sk: false,
+        file_locks: true,
+        image_path: image_path.clone(),
+        leave_running: true,
+        shell_job: false,
+        tcp_established: true,
+        work_path,
+        manage_cgroups_mode: rust_criu::CgMode::SOFT,
+        link_remap: true,
+    };
+    let r = c.checkpoint(&opts);
+    if saved >= 0 {
+        // SAFETY: `saved` is our copy of the answer pipe; it goes back to fd 1 and is closed.
+        unsafe {
+            libc::dup2(saved, 1);
+            libc::close(saved);
+        }
+    }
+    r.map_err(|e| {
+        let errors = criu_errors(&image_path.join(CRIU_DUMP_LOG));
+        if errors.is_empty() {
+            e
+        } else {
+            LibcontainerError::Other(format!("{}; CRIU: {errors}", error_chain(&e)))
+        }
+    })
+}
+
+/// The last few `Error` lines of a CRIU log, joined: why a dump failed.
+pub fn criu_errors(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let errors: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("Error (") || l.starts_with("Error"))
+        .collect();
+    let from = errors.len().saturating_sub(3);
+    errors[from..]
+        .iter()
+        .map(|l| l.trim())
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 /// Applies the propagation options (`rprivate`, `rslave`, `rshared` and their non-recursive

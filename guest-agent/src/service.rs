@@ -30,6 +30,8 @@ pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
 const HELPER_TIMEOUT: Duration = Duration::from_secs(60);
 const KILL_WAIT: Duration = Duration::from_secs(10);
+/// How long a CRIU dump may take when the request does not say (CRI's timeout is optional).
+const CHECKPOINT_TIMEOUT: Duration = Duration::from_secs(300);
 const EXEC_DRAIN: Duration = Duration::from_secs(1);
 
 /// What only a VM-mode agent has.
@@ -593,6 +595,57 @@ impl AgentState {
         self.table().remove(&c.id);
         tracing::info!(id = %c.id, "container deleted");
         Ok(())
+    }
+
+    /// Dumps a running container with CRIU into `req.image_dir`, leaving it running (flat
+    /// pods). Holds the pod's lifecycle lock: the container is not deleted mid-dump.
+    /// Answers the container's OCI spec.
+    pub async fn checkpoint(
+        &self,
+        req: &proto::CheckpointContainerRequest,
+    ) -> Result<Vec<u8>, AgentError> {
+        validate_id(&req.id)?;
+        if self.vm.is_some() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {:?} is in a VM pod, whose guest has no CRIU: checkpoints are for flat pods",
+                req.id
+            )));
+        }
+        let image_dir = Path::new(&req.image_dir);
+        if !image_dir.is_absolute() || (!req.work_dir.is_empty() && !Path::new(&req.work_dir).is_absolute()) {
+            return Err(AgentError::InvalidArgument(format!(
+                "checkpoint directories must be absolute paths: {:?}, {:?}",
+                req.image_dir, req.work_dir
+            )));
+        }
+        let c = self.get(&req.id)?;
+        let _guard = self.lifecycle.lock().await;
+        if !c.launched() || c.is_exited() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {:?} is not running: only a running container can be checkpointed",
+                req.id
+            )));
+        }
+        let mut args: Vec<OsString> = vec![
+            "checkpoint".into(),
+            "--id".into(),
+            req.id.clone().into(),
+            "--image-path".into(),
+            req.image_dir.clone().into(),
+        ];
+        if !req.work_dir.is_empty() {
+            args.push("--work-path".into());
+            args.push(req.work_dir.clone().into());
+        }
+        let timeout = match req.timeout_secs {
+            0 => CHECKPOINT_TIMEOUT,
+            n => Duration::from_secs(n.into()),
+        };
+        let t = std::time::Instant::now();
+        self.libct.run(&args, None, timeout).await?;
+        tracing::info!(id = %req.id, image_dir = %req.image_dir, took = ?t.elapsed(), "container checkpointed");
+        let spec = c.dir.join("bundle").join("config.json");
+        std::fs::read(&spec).map_err(io_internal(format!("reading {}", spec.display())))
     }
 
     /// Drops the container's references to its layer disks (VM mode).
@@ -1376,6 +1429,14 @@ impl Agent for AgentService {
             .reopen()
             .map_err(|e| AgentError::internal("reopening the log", e))?;
         Ok(Response::new(proto::ReopenLogResponse {}))
+    }
+
+    async fn checkpoint_container(
+        &self,
+        req: Request<proto::CheckpointContainerRequest>,
+    ) -> Result<Response<proto::CheckpointContainerResponse>, Status> {
+        let oci_spec = self.state.checkpoint(&req.into_inner()).await?;
+        Ok(Response::new(proto::CheckpointContainerResponse { oci_spec }))
     }
 
     async fn shutdown(

@@ -15,6 +15,7 @@
 //! - [`recover`]: rebuilding state at start.
 //! - [`translate`]: records to CRI messages.
 
+mod checkpoint;
 mod container;
 pub mod cri_metrics;
 mod events;

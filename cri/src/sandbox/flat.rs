@@ -199,6 +199,33 @@ impl SandboxBackend for FlatBackend {
         Ok(())
     }
 
+    async fn checkpoint(
+        &self,
+        pod: &Pod,
+        rec: &ContainerRecord,
+        image_dir: &Path,
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        let mut c = pod.client().await?;
+        let what = format!("CheckpointContainer {}", rec.id);
+        let call = c.checkpoint_container(ap::CheckpointContainerRequest {
+            id: rec.id.clone(),
+            image_dir: image_dir.display().to_string(),
+            work_dir: String::new(),
+            timeout_secs: timeout.as_secs().try_into().unwrap_or(u32::MAX),
+        });
+        // The agent bounds the dump; ours is a backstop should it not answer.
+        let r = tokio::time::timeout(timeout + Duration::from_secs(10), call)
+            .await
+            .map_err(|_| {
+                RuntimeError::DeadlineExceeded(format!(
+                    "{what}: the pod agent did not answer within {timeout:?}"
+                ))
+            })?
+            .map_err(|s| agent_err(&what, s))?;
+        Ok(r.into_inner().oci_spec)
+    }
+
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget> {
         Ok(ForwardTarget::Netns(rec.netns_path.clone()))
     }

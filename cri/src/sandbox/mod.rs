@@ -31,7 +31,7 @@ use crate::errors::{internal, Result, RuntimeError};
 use crate::state::{BackendKind, BackendState, ContainerRecord, PodRecord, PodState};
 use k8s_cri::v1 as cri;
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -250,6 +250,16 @@ pub trait SandboxBackend: Send + Sync {
 
     /// ReopenContainerLog for a running container.
     async fn reopen_log(&self, pod: &Pod, rec: &ContainerRecord) -> Result<()>;
+
+    /// CheckpointContainer: dumps a running container's processes with CRIU into
+    /// `image_dir` (a host directory), leaving it running; answers its OCI spec.
+    async fn checkpoint(
+        &self,
+        pod: &Pod,
+        rec: &ContainerRecord,
+        image_dir: &Path,
+        timeout: Duration,
+    ) -> Result<Vec<u8>>;
 
     /// Where PortForward connects, or why it cannot.
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget>;

@@ -329,6 +329,20 @@ impl SandboxBackend for VmBackend {
             .map_err(internal(format!("ReopenContainerLog {}", rec.id)))
     }
 
+    async fn checkpoint(
+        &self,
+        _pod: &Pod,
+        rec: &ContainerRecord,
+        _image_dir: &Path,
+        _timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        Err(RuntimeError::FailedPrecondition(format!(
+            "CheckpointContainer {}: the container is in a VM pod, whose guest has no CRIU; \
+             checkpoints are made of flat pods' containers (runtime handler \"flat\")",
+            rec.id
+        )))
+    }
+
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget> {
         Ok(ForwardTarget::Vsock {
             uds: rec.agent_socket.clone(),
