@@ -3154,12 +3154,18 @@ async fn checkpoint_a_running_container() {
         let id = id.clone();
         async move {
             let r = c.exec_sync(&id, &["cat", "/tmp/count"], 5).await.unwrap();
-            String::from_utf8_lossy(&r.stdout).trim().parse::<u64>().unwrap_or(0)
+            String::from_utf8_lossy(&r.stdout)
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0)
         }
     };
     let start = Instant::now();
     while count(&mut h).await < 3 {
-        assert!(start.elapsed() < Duration::from_secs(10), "the counter does not count");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the counter does not count"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -3179,24 +3185,41 @@ async fn checkpoint_a_running_container() {
     ] {
         assert!(names.iter().any(|n| n == want), "no {want} in {names:?}");
     }
-    let config: serde_json::Value = serde_json::from_slice(&tar_file(&data, "config.dump")).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&tar_file(&data, "config.dump")).unwrap();
     assert_eq!(config["id"], id.as_str(), "{config}");
     assert_eq!(config["name"], "counter", "{config}");
     assert_eq!(config["rootfsImageName"], h.image.as_str(), "{config}");
     let spec: serde_json::Value = serde_json::from_slice(&tar_file(&data, "spec.dump")).unwrap();
-    assert!(spec["process"]["args"].to_string().contains("/tmp/count"), "{spec}");
+    assert!(
+        spec["process"]["args"].to_string().contains("/tmp/count"),
+        "{spec}"
+    );
     let diff = tar_file(&data, "rootfs-diff.tar");
     let diff_names = tar_names(&diff);
     for want in ["data/file", "tmp/count"] {
-        assert!(diff_names.iter().any(|n| n == want), "no {want} in {diff_names:?}");
+        assert!(
+            diff_names.iter().any(|n| n == want),
+            "no {want} in {diff_names:?}"
+        );
     }
     assert_eq!(tar_file(&diff, "data/file"), b"kept\n");
     let deleted: Vec<String> = serde_json::from_slice(&tar_file(&data, "deleted.files")).unwrap();
     assert_eq!(deleted, ["/bin/ls"]);
     // Only the archive in its directory; nothing staged is left in vesseld's root.
-    assert_eq!(std::fs::read_dir(location.parent().unwrap()).unwrap().count(), 1);
+    assert_eq!(
+        std::fs::read_dir(location.parent().unwrap())
+            .unwrap()
+            .count(),
+        1
+    );
     let staged = h.v.root_dir().join("checkpoints");
-    assert_eq!(std::fs::read_dir(&staged).unwrap().count(), 0, "{}", staged.display());
+    assert_eq!(
+        std::fs::read_dir(&staged).unwrap().count(),
+        0,
+        "{}",
+        staged.display()
+    );
 
     // It runs on.
     let st = h.status(&id).await;
@@ -3204,7 +3227,10 @@ async fn checkpoint_a_running_container() {
     let before = count(&mut h).await;
     let start = Instant::now();
     while count(&mut h).await <= before {
-        assert!(start.elapsed() < Duration::from_secs(10), "the counter stopped after the checkpoint");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the counter stopped after the checkpoint"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -3216,11 +3242,82 @@ async fn checkpoint_a_running_container() {
         })
         .await
         .unwrap();
-    let e = ckpt(&mut h, &id, dir.path().join("again.tar").display().to_string())
-        .await
-        .unwrap_err();
+    let e = ckpt(
+        &mut h,
+        &id,
+        dir.path().join("again.tar").display().to_string(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
     assert!(!dir.path().join("again.tar").exists());
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
+/// A tty container (kubectl run -it) in a pod sharing one pid namespace, with a volume and a
+/// listening socket; then checkpoints of it and of its sibling. A flat pod's container dir is
+/// too deep for a console socket path: tty containers failed to start there ("path must be
+/// shorter than SUN_LEN") until the socket moved to the agent's short dir.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
+    let mut h = harness().await;
+    let mut pcfg = h.pod_config("tty-ckpt");
+    pcfg.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                pid: cri::NamespaceMode::Pod as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let pod = h.c.run_pod(&pcfg, &handler()).await.unwrap();
+    let vol = tempfile::tempdir().unwrap();
+    let mut cfg = h.ctr_config(
+        "tty",
+        "tty > /vol/tty; nc -lk -p 8080 -e echo hi & while true; do date > /vol/now; sleep 0.2; done",
+    );
+    cfg.tty = true;
+    cfg.stdin = true;
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/vol".into(),
+        host_path: vol.path().display().to_string(),
+        ..Default::default()
+    }];
+    let id = h
+        .create(&pod, &pcfg, cfg)
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}"));
+    h.start(&id).await;
+    let sibling = h.run(&pod, &pcfg, "plain", "sleep 1000").await;
+    let tty = vol.path().join("tty");
+    wait_for("the tty's name", Duration::from_secs(10), || {
+        std::fs::read_to_string(&tty).is_ok_and(|t| t.starts_with("/dev/pts/"))
+    })
+    .await;
+    match (vm_mode(), vessel_critest::daemon::criu_unusable()) {
+        (true, _) => println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): VM pods have no CRIU"),
+        (false, Some(why)) => println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): {why}"),
+        (false, None) => {
+            let dir = tempfile::tempdir().unwrap();
+            for c in [&id, &sibling] {
+                let location = dir.path().join(format!("{c}.tar"));
+                h.c.runtime
+                    .checkpoint_container(cri::CheckpointContainerRequest {
+                        container_id: c.clone(),
+                        location: location.display().to_string(),
+                        timeout: 0,
+                    })
+                    .await
+                    .unwrap_or_else(|e| panic!("CheckpointContainer {c}: {e}\n{}", h.v.log()));
+                assert!(std::fs::metadata(&location).unwrap().len() > 0);
+                let st = h.status(c).await;
+                assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32, "{c}");
+            }
+        }
+    }
     h.remove_pod(&pod).await;
     h.assert_clean();
 }

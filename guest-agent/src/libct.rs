@@ -441,7 +441,10 @@ fn checkpoint(
     let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
     let on_path = dirs.iter().any(|d| d.join("criu").is_file());
     if !on_path {
-        let Some(found) = CRIU_DIRS.iter().find(|d| Path::new(d).join("criu").is_file()) else {
+        let Some(found) = CRIU_DIRS
+            .iter()
+            .find(|d| Path::new(d).join("criu").is_file())
+        else {
             return Err(LibcontainerError::Other(
                 "CRIU is not installed (no criu on PATH or in /usr/local/sbin, /usr/sbin); \
                  scripts/criu.sh installs one that works on this kernel"
@@ -449,7 +452,8 @@ fn checkpoint(
             ));
         };
         dirs.push(PathBuf::from(found));
-        let joined = std::env::join_paths(dirs).map_err(|e| LibcontainerError::Other(e.to_string()))?;
+        let joined =
+            std::env::join_paths(dirs).map_err(|e| LibcontainerError::Other(e.to_string()))?;
         // SAFETY: the helper is single-threaded (no runtime, no threads spawned), so nothing
         // reads the environment concurrently.
         unsafe { std::env::set_var("PATH", joined) };

@@ -393,13 +393,20 @@ impl AgentState {
         let mut keep_stdin: Option<OwnedFd> = None;
         let stdio;
         let mut console = None;
+        // The socket's dir and path: a flat pod's container dir is too deep for a socket
+        // path (107 bytes); removed (with the socket) when this returns.
+        let mut _console_dir = None;
+        let mut console_path = None;
         if c.tty {
-            let path = dir.join("console.sock");
-            let _ = std::fs::remove_file(&path);
+            let (sock_dir, private) =
+                console_dir(&self.state_dir).map_err(io_internal("creating the console dir"))?;
+            _console_dir = private;
+            let path = sock_dir.join(format!("{}.sock", rand_suffix()));
             let sock =
                 ConsoleSocket::bind(&path).map_err(io_internal("binding the console socket"))?;
             args.push("--console-socket".into());
-            args.push(path.into_os_string());
+            args.push(path.clone().into_os_string());
+            console_path = Some(path);
             console = Some(tokio::task::spawn_blocking(move || {
                 sock.recv_master(HELPER_TIMEOUT, None)
             }));
@@ -442,6 +449,9 @@ impl AgentState {
                 if let Some(console) = console {
                     console.abort();
                 }
+                if let Some(p) = &console_path {
+                    let _ = std::fs::remove_file(p);
+                }
                 for p in &pumps {
                     p.abort();
                 }
@@ -452,11 +462,13 @@ impl AgentState {
         let exit_rx = self.libct.reaper.watch(pid);
 
         if let Some(console) = console {
-            let master = console
-                .await
+            let master = console.await;
+            if let Some(p) = &console_path {
+                let _ = std::fs::remove_file(p);
+            }
+            let master = master
                 .map_err(|e| AgentError::internal("console socket task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
-            let _ = std::fs::remove_file(dir.join("console.sock"));
             if c.want_stdin {
                 keep_stdin = Some(master.try_clone().map_err(io_internal("dup"))?);
             }
@@ -612,7 +624,9 @@ impl AgentState {
             )));
         }
         let image_dir = Path::new(&req.image_dir);
-        if !image_dir.is_absolute() || (!req.work_dir.is_empty() && !Path::new(&req.work_dir).is_absolute()) {
+        if !image_dir.is_absolute()
+            || (!req.work_dir.is_empty() && !Path::new(&req.work_dir).is_absolute())
+        {
             return Err(AgentError::InvalidArgument(format!(
                 "checkpoint directories must be absolute paths: {:?}, {:?}",
                 req.image_dir, req.work_dir
@@ -1436,7 +1450,9 @@ impl Agent for AgentService {
         req: Request<proto::CheckpointContainerRequest>,
     ) -> Result<Response<proto::CheckpointContainerResponse>, Status> {
         let oci_spec = self.state.checkpoint(&req.into_inner()).await?;
-        Ok(Response::new(proto::CheckpointContainerResponse { oci_spec }))
+        Ok(Response::new(proto::CheckpointContainerResponse {
+            oci_spec,
+        }))
     }
 
     async fn shutdown(

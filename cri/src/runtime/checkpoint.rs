@@ -46,7 +46,8 @@ struct ConfigDump<'a> {
 }
 
 fn rfc3339(nanos: i64) -> String {
-    chrono::DateTime::from_timestamp_nanos(nanos).to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
+    chrono::DateTime::from_timestamp_nanos(nanos)
+        .to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
 }
 
 impl Runtime {
@@ -129,7 +130,11 @@ impl Runtime {
     }
 }
 
-fn io_err<'a>(id: &'a str, what: &'a str, path: &'a Path) -> impl FnOnce(io::Error) -> RuntimeError + 'a {
+fn io_err<'a>(
+    id: &'a str,
+    what: &'a str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> RuntimeError + 'a {
     move |e| {
         RuntimeError::Internal(format!(
             "CheckpointContainer {id}: {what} {}: {e}",
@@ -232,7 +237,10 @@ fn write_rootfs_diff(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
             }
         }
     }
-    b.into_inner()?.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    b.into_inner()?
+        .into_inner()
+        .map_err(|e| e.into_error())?
+        .sync_all()?;
     deleted.sort();
     Ok(deleted)
 }
@@ -286,7 +294,12 @@ mod tests {
         names.sort();
         assert_eq!(
             names,
-            ["checkpoint", "checkpoint/inventory.img", "config.dump", "spec.dump"]
+            [
+                "checkpoint",
+                "checkpoint/inventory.img",
+                "config.dump",
+                "spec.dump"
+            ]
         );
         // Only the archive is left in its directory: no temporary file.
         assert_eq!(std::fs::read_dir(d.path().join("out")).unwrap().count(), 1);
