@@ -3297,6 +3297,52 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         std::fs::read_to_string(&tty).is_ok_and(|t| t.starts_with("/dev/pts/"))
     })
     .await;
+    // kubectl run -it: an interactive shell on a tty, attached to.
+    let mut cfg = h.ctr_config("shell", "");
+    cfg.command = vec!["sh".into()];
+    cfg.tty = true;
+    cfg.stdin = true;
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/vol".into(),
+        host_path: vol.path().display().to_string(),
+        ..Default::default()
+    }];
+    let shell = h
+        .create(&pod, &pcfg, cfg)
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}"));
+    h.start(&shell).await;
+    let url = h
+        .c
+        .runtime
+        .attach(cri::AttachRequest {
+            container_id: shell.clone(),
+            stdin: true,
+            tty: true,
+            stdout: true,
+            stderr: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .url;
+    let out = vessel_critest::stream_client::exec(
+        &url,
+        &vessel_critest::stream_client::ExecOptions {
+            stdin: Some(b"tty > /vol/attached; exit 3\n".to_vec()),
+            stdout: true,
+            tty: true,
+            resize: Some((100, 30)),
+            ..Default::default()
+        },
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("attach: {e}\n{}", h.v.log()));
+    let attached = std::fs::read_to_string(vol.path().join("attached")).unwrap_or_default();
+    assert!(attached.starts_with("/dev/pts/"), "{attached:?}, {out:?}");
+    assert_eq!(h.wait_exit(&shell, Duration::from_secs(10)).await.exit_code, 3);
+
     match (vm_mode(), vessel_critest::daemon::criu_unusable()) {
         (true, _) => println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): VM pods have no CRIU"),
         (false, Some(why)) => println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): {why}"),
