@@ -3256,7 +3256,8 @@ async fn checkpoint_a_running_container() {
 }
 
 /// A tty container (kubectl run -it) in a pod sharing one pid namespace, with a volume and a
-/// listening socket; then checkpoints of it and of its sibling. A flat pod's container dir is
+/// listening socket, an interactive shell attached to, and a tty in a user-namespaced pod;
+/// then checkpoints of the running ones. A flat pod's container dir is
 /// too deep for a console socket path: tty containers failed to start there ("path must be
 /// shorter than SUN_LEN") until the socket moved to the agent's short dir.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -3312,20 +3313,19 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         .await
         .unwrap_or_else(|e| panic!("CreateContainer: {e}"));
     h.start(&shell).await;
-    let url = h
-        .c
-        .runtime
-        .attach(cri::AttachRequest {
-            container_id: shell.clone(),
-            stdin: true,
-            tty: true,
-            stdout: true,
-            stderr: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .url;
+    let url =
+        h.c.runtime
+            .attach(cri::AttachRequest {
+                container_id: shell.clone(),
+                stdin: true,
+                tty: true,
+                stdout: true,
+                stderr: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .url;
     let out = vessel_critest::stream_client::exec(
         &url,
         &vessel_critest::stream_client::ExecOptions {
@@ -3341,29 +3341,79 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     .unwrap_or_else(|e| panic!("attach: {e}\n{}", h.v.log()));
     let attached = std::fs::read_to_string(vol.path().join("attached")).unwrap_or_default();
     assert!(attached.starts_with("/dev/pts/"), "{attached:?}, {out:?}");
-    assert_eq!(h.wait_exit(&shell, Duration::from_secs(10)).await.exit_code, 3);
+    assert_eq!(
+        h.wait_exit(&shell, Duration::from_secs(10)).await.exit_code,
+        3
+    );
 
-    match (vm_mode(), vessel_critest::daemon::criu_unusable()) {
-        (true, _) => println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): VM pods have no CRIU"),
-        (false, Some(why)) => println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): {why}"),
-        (false, None) => {
-            let dir = tempfile::tempdir().unwrap();
-            for c in [&id, &sibling] {
-                let location = dir.path().join(format!("{c}.tar"));
-                h.c.runtime
-                    .checkpoint_container(cri::CheckpointContainerRequest {
-                        container_id: c.clone(),
-                        location: location.display().to_string(),
-                        timeout: 0,
-                    })
-                    .await
-                    .unwrap_or_else(|e| panic!("CheckpointContainer {c}: {e}\n{}", h.v.log()));
-                assert!(std::fs::metadata(&location).unwrap().len() > 0);
-                let st = h.status(c).await;
-                assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32, "{c}");
-            }
+    // A tty in a pod with its own user namespace (hostUsers: false), whose containers' dirs
+    // live elsewhere.
+    let map = id_map(0, 300_000, 65536);
+    let ucfg = with_userns(
+        h.pod_config("tty-userns"),
+        cri::NamespaceMode::Pod,
+        vec![map],
+    );
+    let upod = h.c.run_pod(&ucfg, &handler()).await.unwrap();
+    let mut cfg = h.ctr_config("tty", "tty; sleep 1000");
+    cfg.tty = true;
+    cfg.linux = Some(cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            namespace_options: ucfg
+                .linux
+                .as_ref()
+                .and_then(|l| l.security_context.as_ref())
+                .and_then(|s| s.namespace_options.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let uctr = h
+        .create(&upod, &ucfg, cfg)
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer (userns): {e}"));
+    h.start(&uctr).await;
+    let log = h.log_of("tty-userns", "tty");
+    wait_for("the tty's name in the log", Duration::from_secs(10), || {
+        cri_log_lines(&log)
+            .iter()
+            .any(|l| l.2.starts_with("/dev/pts/"))
+    })
+    .await;
+    let checkpoints = match (vm_mode(), vessel_critest::daemon::criu_unusable()) {
+        (true, _) => {
+            println!("SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): VM pods have no CRIU");
+            vec![]
         }
+        (false, Some(why)) => {
+            println!(
+                "SKIP a_tty_container_and_checkpoints_in_a_shared_pid_pod (checkpoints): {why}"
+            );
+            vec![]
+        }
+        // The user-namespaced container's masked files and devices are bound from outside it.
+        (false, None) => vec![id.clone(), sibling.clone(), uctr.clone()],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for c in &checkpoints {
+        let location = dir.path().join(format!("{c}.tar"));
+        h.c.runtime
+            .checkpoint_container(cri::CheckpointContainerRequest {
+                container_id: c.clone(),
+                location: location.display().to_string(),
+                timeout: 0,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("CheckpointContainer {c}: {e}\n{}", h.v.log()));
+        assert!(std::fs::metadata(&location).unwrap().len() > 0);
+        let st = h.status(c).await;
+        assert_eq!(
+            st.state,
+            cri::ContainerState::ContainerRunning as i32,
+            "{c}"
+        );
     }
+    h.remove_pod(&upod).await;
     h.remove_pod(&pod).await;
     h.assert_clean();
 }

@@ -31,6 +31,7 @@
 use std::ffi::OsString;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -425,39 +426,198 @@ const CRIU_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", 
 /// The CRIU log libcontainer has CRIU write into the image directory.
 pub const CRIU_DUMP_LOG: &str = "dump.log";
 
+/// The CRIU binary: on `PATH`, else in the sbin directories (vesseld may run with a `PATH`
+/// without them, and CRIU installs there).
+fn find_criu() -> Result<PathBuf, LibcontainerError> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(CRIU_DIRS.iter().map(PathBuf::from))
+        .map(|d| d.join("criu"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            LibcontainerError::Other(
+                "CRIU is not installed (no criu on PATH or in /usr/local/sbin, /usr/sbin); \
+                 scripts/criu.sh installs one that works on this kernel"
+                    .into(),
+            )
+        })
+}
+
+/// The devices libcontainer bind-mounts from the host (instead of making them) in a
+/// container with its own user namespace: its defaults and the spec's.
+const DEFAULT_DEVICES: [&str; 6] = [
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/tty",
+    "/dev/urandom",
+    "/dev/random",
+];
+
+/// The container's mounts whose source lies outside it, which CRIU must be told are
+/// external (mount point -> the key a restore maps back): its bind mounts (volumes, the
+/// pod's hosts/resolv.conf), cgroup v1 hierarchies (bound from the host's), masked files
+/// (/dev/null bound over them) and, with a user namespace, the devices bound from the host.
+fn external_mounts(spec: &oci_spec::runtime::Spec, pid: i32) -> Vec<(String, String)> {
+    use oci_spec::runtime::LinuxNamespaceType;
+    let mut out: Vec<(String, String)> = Vec::new();
+    let mut add = |k: String, v: String| {
+        if !out.iter().any(|(x, _)| *x == k) {
+            out.push((k, v));
+        }
+    };
+    let mut cgroup = false;
+    for m in spec.mounts().iter().flatten() {
+        let dest = m.destination().display().to_string();
+        let bind = m.typ().as_deref() == Some("bind")
+            || m.options()
+                .iter()
+                .flatten()
+                .any(|o| o == "bind" || o == "rbind");
+        if bind {
+            add(dest.clone(), dest);
+        } else if m.typ().as_deref() == Some("cgroup") {
+            cgroup = true;
+        }
+    }
+    if cgroup {
+        // v1 (hybrid included): each hierarchy is the host's, bound in.
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for line in info.lines() {
+            let Some((pre, post)) = line.split_once(" - ") else {
+                continue;
+            };
+            let point = pre.split(' ').nth(4).unwrap_or_default();
+            if post.starts_with("cgroup ") && point.starts_with("/sys/fs/cgroup/") {
+                add(point.to_string(), point.to_string());
+            }
+        }
+    }
+    let linux = spec.linux().as_ref();
+    for p in linux
+        .and_then(|l| l.masked_paths().as_ref())
+        .into_iter()
+        .flatten()
+    {
+        // Directories get an empty read-only tmpfs, which CRIU dumps as it is.
+        let inside = format!("/proc/{pid}/root{p}");
+        if std::fs::metadata(&inside).is_ok_and(|m| !m.is_dir()) {
+            add(p.clone(), "/dev/null".into());
+        }
+    }
+    let userns = linux
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::User));
+    if userns {
+        let devices = linux.and_then(|l| l.devices().as_ref());
+        for d in DEFAULT_DEVICES.iter().map(|d| d.to_string()).chain(
+            devices
+                .into_iter()
+                .flatten()
+                .map(|d| d.path().display().to_string()),
+        ) {
+            add(d.clone(), d);
+        }
+    }
+    out
+}
+
 /// Dumps container `id` with CRIU, leaving it running: its TCP connections, file locks and
-/// deleted-but-open files are kept (`tcp_established`, `file_locks`, `link_remap`), its
-/// bind mounts and the pod's network namespace are external (libcontainer marks them), and
-/// its cgroups are recorded, not made (soft mode). The helper is single-threaded, which the
-/// environment and fd changes below rely on.
+/// deleted-but-open files are kept (`tcp_established`, `file_locks`, `link_remap`); its
+/// external mounts ([`external_mounts`]) and the pod's network (and shared pid) namespace
+/// are recorded as external; its cgroups are recorded, not made (soft mode). Where the
+/// container's stdio went is kept in `descriptors.json`, as runc and libcontainer do. The
+/// helper is single-threaded, which the fd juggling below relies on.
 fn checkpoint(
     root: &Path,
     id: &str,
     image_path: PathBuf,
     work_path: Option<PathBuf>,
 ) -> Result<(), LibcontainerError> {
-    let mut c = load(root, id)?;
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
-    let on_path = dirs.iter().any(|d| d.join("criu").is_file());
-    if !on_path {
-        let Some(found) = CRIU_DIRS
-            .iter()
-            .find(|d| Path::new(d).join("criu").is_file())
-        else {
-            return Err(LibcontainerError::Other(
-                "CRIU is not installed (no criu on PATH or in /usr/local/sbin, /usr/sbin); \
-                 scripts/criu.sh installs one that works on this kernel"
-                    .into(),
-            ));
-        };
-        dirs.push(PathBuf::from(found));
-        let joined =
-            std::env::join_paths(dirs).map_err(|e| LibcontainerError::Other(e.to_string()))?;
-        // SAFETY: the helper is single-threaded (no runtime, no threads spawned), so nothing
-        // reads the environment concurrently.
-        unsafe { std::env::set_var("PATH", joined) };
+    use oci_spec::runtime::LinuxNamespaceType;
+    use std::os::unix::fs::DirBuilderExt;
+    let c = load(root, id)?;
+    let pid = c
+        .pid()
+        .ok_or_else(|| LibcontainerError::Other(format!("container {id} has no pid")))?
+        .as_raw();
+    let spec = oci_spec::runtime::Spec::load(c.bundle().join("config.json"))?;
+    let rootfs = spec
+        .root()
+        .as_ref()
+        .map(|r| r.path().display().to_string())
+        .unwrap_or_default();
+    let criu_path = find_criu()?;
+    let mkdir = |d: &Path| match std::fs::DirBuilder::new().mode(0o700).create(d) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            Err(LibcontainerError::OtherIO(e))
+        }
+        _ => Ok(()),
+    };
+    mkdir(&image_path)?;
+    let images = std::fs::File::open(&image_path).map_err(LibcontainerError::OtherIO)?;
+    let descriptors: Vec<String> = (0..3)
+        .map(|n| {
+            std::fs::read_link(format!("/proc/{pid}/fd/{n}"))
+                .map(|l| l.display().to_string())
+                .unwrap_or_else(|_| "/dev/null".into())
+        })
+        .collect();
+    std::fs::write(
+        image_path.join("descriptors.json"),
+        serde_json::to_vec(&descriptors).map_err(LibcontainerError::OtherSerialization)?,
+    )
+    .map_err(LibcontainerError::OtherIO)?;
+
+    let criu_err = |e: rust_criu::CriuError| LibcontainerError::Other(format!("criu: {e}"));
+    let mut criu =
+        rust_criu::Criu::new_with_criu_path(criu_path.display().to_string()).map_err(criu_err)?;
+    criu.set_images_dir_fd(images.as_raw_fd());
+    let work = match &work_path {
+        Some(w) => {
+            mkdir(w)?;
+            Some(std::fs::File::open(w).map_err(LibcontainerError::OtherIO)?)
+        }
+        None => None,
+    };
+    if let Some(w) = &work {
+        criu.set_work_dir_fd(w.as_raw_fd());
     }
+    for (point, key) in external_mounts(&spec, pid) {
+        criu.set_external_mount(point, key);
+    }
+    // The pod's namespaces the container joined (by path) are not the container's to dump.
+    for (typ, name) in [
+        (LinuxNamespaceType::Network, "net"),
+        (LinuxNamespaceType::Pid, "pid"),
+    ] {
+        let path = spec
+            .linux()
+            .as_ref()
+            .and_then(|l| l.namespaces().as_ref())
+            .and_then(|ns| ns.iter().find(|n| n.typ() == typ))
+            .and_then(|n| n.path().clone());
+        if let Some(path) = path {
+            let ino = std::fs::metadata(&path)
+                .map_err(LibcontainerError::OtherIO)?
+                .ino();
+            criu.add_external(format!("{name}[{ino}]:{}", rust_criu::criu_ns_to_key(name)));
+        }
+    }
+    criu.set_log_file(CRIU_DUMP_LOG.to_string());
+    criu.set_log_level(4);
+    criu.set_pid(pid);
+    criu.set_leave_running(true);
+    criu.set_ext_unix_sk(false);
+    criu.set_shell_job(false);
+    criu.set_tcp_established(true);
+    criu.set_file_locks(true);
+    criu.set_orphan_pts_master(true);
+    criu.set_manage_cgroups(true);
+    criu.cgroups_mode(rust_criu::CgMode::SOFT);
+    criu.set_root(rootfs);
+    criu.set_link_remap(true);
+
     // `criu swrk` inherits stdout, which is our answer pipe: it writes to stderr (the
     // agent's log) while it runs, and stdout is put back for the answer.
     std::io::stdout().flush().ok();
@@ -468,18 +628,7 @@ fn checkpoint(
         // SAFETY: as above.
         unsafe { libc::dup2(2, 1) };
     }
-    let opts = libcontainer::container::CheckpointOptions {
-        ext_unix_sk: false,
-        file_locks: true,
-        image_path: image_path.clone(),
-        leave_running: true,
-        shell_job: false,
-        tcp_established: true,
-        work_path,
-        manage_cgroups_mode: rust_criu::CgMode::SOFT,
-        link_remap: true,
-    };
-    let r = c.checkpoint(&opts);
+    let r = criu.dump();
     if saved >= 0 {
         // SAFETY: `saved` is our copy of the answer pipe; it goes back to fd 1 and is closed.
         unsafe {
@@ -487,12 +636,13 @@ fn checkpoint(
             libc::close(saved);
         }
     }
+    drop(work);
     r.map_err(|e| {
         let errors = criu_errors(&image_path.join(CRIU_DUMP_LOG));
         if errors.is_empty() {
-            e
+            criu_err(e)
         } else {
-            LibcontainerError::Other(format!("{}; CRIU: {errors}", error_chain(&e)))
+            LibcontainerError::Other(format!("criu: {e}; {errors}"))
         }
     })
 }
@@ -1092,6 +1242,70 @@ impl Helper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn criu_is_told_which_mounts_come_from_outside() {
+        let spec: oci_spec::runtime::Spec = serde_json::from_value(serde_json::json!({
+            "ociVersion": "1.0.2",
+            "root": {"path": "/rootfs"},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/vol", "type": "bind", "source": "/srv/vol", "options": ["rbind"]},
+                {"destination": "/etc/hosts", "source": "/p/hosts", "options": ["bind", "ro"]},
+                {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup"}
+            ],
+            "linux": {
+                "maskedPaths": ["/proc/version", "/proc/no-such-thing", "/sys/firmware"],
+                "namespaces": [{"type": "user"}, {"type": "mount"}],
+                "devices": [{"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]
+            }
+        }))
+        .unwrap();
+        // Masked paths are looked at inside the container's root: ours here.
+        let ext = external_mounts(&spec, std::process::id() as i32);
+        let has = |k: &str, v: &str| ext.iter().any(|(a, b)| a == k && b == v);
+        assert!(
+            has("/vol", "/vol") && has("/etc/hosts", "/etc/hosts"),
+            "{ext:?}"
+        );
+        assert!(!ext.iter().any(|(a, _)| a == "/proc"), "{ext:?}");
+        assert!(has("/proc/version", "/dev/null"), "{ext:?}");
+        assert!(!ext
+            .iter()
+            .any(|(a, _)| a == "/proc/no-such-thing" || a == "/sys/firmware"));
+        // A user namespace: devices are bound from the host's.
+        assert!(
+            has("/dev/null", "/dev/null") && has("/dev/fuse", "/dev/fuse"),
+            "{ext:?}"
+        );
+        // cgroup v1 hierarchies of this host, where it has them.
+        let v1 = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .any(|l| l.contains(" - cgroup ") && l.contains(" /sys/fs/cgroup/"));
+        assert_eq!(
+            ext.iter().any(|(a, _)| a.starts_with("/sys/fs/cgroup/")),
+            v1,
+            "{ext:?}"
+        );
+    }
+
+    #[test]
+    fn criu_errors_are_the_last_error_lines() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("dump.log");
+        assert_eq!(criu_errors(&log), "");
+        std::fs::write(
+            &log,
+            "(00.1) Warn  (a.c:1): meh\n(00.2) Error (b.c:2): one\n(00.3) Error (c.c:3): two\n\
+             (00.4) Error (d.c:4): three\n(00.5) Error (e.c:5): four\n",
+        )
+        .unwrap();
+        assert_eq!(
+            criu_errors(&log),
+            "(00.3) Error (c.c:3): two | (00.4) Error (d.c:4): three | (00.5) Error (e.c:5): four"
+        );
+    }
 
     #[test]
     fn exec_process_merges_env() {

@@ -16,6 +16,7 @@
 
 use super::Runtime;
 use crate::errors::{Result, RuntimeError};
+use crate::sandbox::Dump;
 use serde::Serialize;
 use std::fs::File;
 use std::io;
@@ -89,9 +90,11 @@ impl Runtime {
         std::fs::create_dir_all(&staging).map_err(io_err(id, "making", &staging))?;
         let _clean = RemoveOnDrop(staging.clone());
         let t = std::time::Instant::now();
-        let spec = backend
-            .checkpoint(&pod, &rec, &staging.join("checkpoint"), timeout)
-            .await?;
+        let dump = Dump {
+            image_dir: staging.join("checkpoint"),
+            timeout,
+        };
+        let spec = backend.checkpoint(&pod, &rec, &dump).await?;
         let dumped = t.elapsed();
 
         let config = ConfigDump {
@@ -249,8 +252,20 @@ fn write_rootfs_diff(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
 mod tests {
     use super::*;
 
+    /// The entries of a tar file, sorted, directories without their trailing slash.
+    fn names(path: &Path) -> Vec<String> {
+        let mut names: Vec<String> = tar::Archive::new(File::open(path).unwrap())
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().display().to_string())
+            .map(|n| n.trim_end_matches('/').to_string())
+            .collect();
+        names.sort();
+        names
+    }
+
     #[test]
-    fn rootfs_diff_has_changes_and_lists_whiteouts() {
+    fn the_archive_holds_the_dump_the_metadata_and_the_rootfs_changes() {
         let d = tempfile::tempdir().unwrap();
         let upper = d.path().join("upper");
         std::fs::create_dir_all(upper.join("etc/app")).unwrap();
@@ -259,48 +274,35 @@ mod tests {
         // A whiteout: what overlayfs makes when a container deletes an image file.
         rustix::fs::mknodat(
             rustix::fs::CWD,
-            &upper.join("etc/gone"),
+            upper.join("etc/gone"),
             rustix::fs::FileType::CharacterDevice,
             rustix::fs::Mode::empty(),
             0,
         )
         .unwrap();
-        let out = d.path().join("diff.tar");
-        let deleted = write_rootfs_diff(&upper, &out).unwrap();
-        assert_eq!(deleted, vec!["/etc/gone".to_string()]);
-        let mut names: Vec<String> = tar::Archive::new(File::open(&out).unwrap())
-            .entries()
-            .unwrap()
-            .map(|e| e.unwrap().path().unwrap().display().to_string())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["etc", "etc/app", "etc/app/conf", "etc/app/link"]);
-    }
-
-    #[test]
-    fn archive_is_whole_or_absent() {
-        let d = tempfile::tempdir().unwrap();
         let staging = d.path().join("staging");
         std::fs::create_dir_all(staging.join("checkpoint")).unwrap();
         std::fs::write(staging.join("checkpoint/inventory.img"), b"img").unwrap();
         let out = d.path().join("out/ckpt.tar");
-        let size = write_archive(&staging, &out, b"{}", b"{\"ociVersion\":\"1\"}", None).unwrap();
+        let size = write_archive(&staging, &out, b"{}", b"{}", Some(&upper)).unwrap();
         assert_eq!(std::fs::metadata(&out).unwrap().len(), size);
-        let mut names: Vec<String> = tar::Archive::new(File::open(&out).unwrap())
-            .entries()
-            .unwrap()
-            .map(|e| e.unwrap().path().unwrap().display().to_string())
-            .collect();
-        names.sort();
         assert_eq!(
-            names,
+            names(&out),
             [
                 "checkpoint",
                 "checkpoint/inventory.img",
                 "config.dump",
+                "deleted.files",
+                "rootfs-diff.tar",
                 "spec.dump"
             ]
         );
+        assert_eq!(
+            names(&staging.join("rootfs-diff.tar")),
+            ["etc", "etc/app", "etc/app/conf", "etc/app/link"]
+        );
+        let deleted = std::fs::read_to_string(staging.join("deleted.files")).unwrap();
+        assert_eq!(deleted, r#"["/etc/gone"]"#);
         // Only the archive is left in its directory: no temporary file.
         assert_eq!(std::fs::read_dir(d.path().join("out")).unwrap().count(), 1);
     }

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::sandbox::{
-    AgentAddr, ContainerRequest, ForwardTarget, HostShare, PodLayout, PreparedContainer,
+    AgentAddr, ContainerRequest, Dump, ForwardTarget, HostShare, PodLayout, PreparedContainer,
 };
 use crate::state::{BackendState, ContainerState, PodState};
 use std::collections::HashSet;
@@ -92,16 +92,10 @@ impl SandboxBackend for Double {
     async fn reopen_log(&self, _pod: &Pod, _rec: &ContainerRecord) -> Result<()> {
         Ok(())
     }
-    async fn checkpoint(
-        &self,
-        _pod: &Pod,
-        rec: &ContainerRecord,
-        image_dir: &Path,
-        _timeout: Duration,
-    ) -> Result<Vec<u8>> {
+    async fn checkpoint(&self, _: &Pod, rec: &ContainerRecord, dump: &Dump) -> Result<Vec<u8>> {
         self.log("checkpoint", &rec.id);
-        std::fs::create_dir_all(image_dir).unwrap();
-        std::fs::write(image_dir.join("inventory.img"), b"fake").unwrap();
+        std::fs::create_dir_all(&dump.image_dir).unwrap();
+        std::fs::write(dump.image_dir.join("inventory.img"), b"fake").unwrap();
         Ok(br#"{"ociVersion":"1.0.2"}"#.to_vec())
     }
     fn forward_target(&self, _rec: &PodRecord) -> Result<ForwardTarget> {

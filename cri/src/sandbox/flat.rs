@@ -5,8 +5,8 @@
 //! image store's unpacked layers, mounted by the agent.
 
 use super::{
-    cgroup, netns, network, process, AgentAddr, ContainerRequest, ForwardTarget, HostShare, Pod,
-    PodLayout, PreparedContainer, SandboxBackend,
+    cgroup, netns, network, process, AgentAddr, ContainerRequest, Dump, ForwardTarget, HostShare,
+    Pod, PodLayout, PreparedContainer, SandboxBackend,
 };
 use crate::cni::Cni;
 use crate::errors::{agent_err, internal, Result, RuntimeError};
@@ -199,18 +199,13 @@ impl SandboxBackend for FlatBackend {
         Ok(())
     }
 
-    async fn checkpoint(
-        &self,
-        pod: &Pod,
-        rec: &ContainerRecord,
-        image_dir: &Path,
-        timeout: Duration,
-    ) -> Result<Vec<u8>> {
+    async fn checkpoint(&self, pod: &Pod, rec: &ContainerRecord, dump: &Dump) -> Result<Vec<u8>> {
+        let timeout = dump.timeout;
         let mut c = pod.client().await?;
         let what = format!("CheckpointContainer {}", rec.id);
         let call = c.checkpoint_container(ap::CheckpointContainerRequest {
             id: rec.id.clone(),
-            image_dir: image_dir.display().to_string(),
+            image_dir: dump.image_dir.display().to_string(),
             work_dir: String::new(),
             timeout_secs: timeout.as_secs().try_into().unwrap_or(u32::MAX),
         });

@@ -31,7 +31,7 @@ use crate::errors::{internal, Result, RuntimeError};
 use crate::state::{BackendKind, BackendState, ContainerRecord, PodRecord, PodState};
 use k8s_cri::v1 as cri;
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::RwLock;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -201,6 +201,14 @@ impl Pod {
 
 /// Everything that differs between the flat and the VM sandbox. Methods that take a pod are
 /// called with its op lock held by the caller unless they say otherwise.
+/// What a CheckpointContainer dump is to make.
+pub struct Dump {
+    /// The host directory for CRIU's images (made if missing).
+    pub image_dir: PathBuf,
+    /// How long the dump may take.
+    pub timeout: Duration,
+}
+
 #[tonic::async_trait]
 pub trait SandboxBackend: Send + Sync {
     fn kind(&self) -> BackendKind;
@@ -251,15 +259,9 @@ pub trait SandboxBackend: Send + Sync {
     /// ReopenContainerLog for a running container.
     async fn reopen_log(&self, pod: &Pod, rec: &ContainerRecord) -> Result<()>;
 
-    /// CheckpointContainer: dumps a running container's processes with CRIU into
-    /// `image_dir` (a host directory), leaving it running; answers its OCI spec.
-    async fn checkpoint(
-        &self,
-        pod: &Pod,
-        rec: &ContainerRecord,
-        image_dir: &Path,
-        timeout: Duration,
-    ) -> Result<Vec<u8>>;
+    /// CheckpointContainer: dumps a running container's processes with CRIU, leaving it
+    /// running; answers its OCI spec.
+    async fn checkpoint(&self, pod: &Pod, rec: &ContainerRecord, dump: &Dump) -> Result<Vec<u8>>;
 
     /// Where PortForward connects, or why it cannot.
     fn forward_target(&self, rec: &PodRecord) -> Result<ForwardTarget>;

@@ -11,8 +11,8 @@ pub mod volumes;
 pub use shim::{VmError, VmPaths, GUEST_FILES};
 
 use super::{
-    netns, network, process, AgentAddr, ContainerRequest, ForwardTarget, HostShare, Pod, PodLayout,
-    PreparedContainer, SandboxBackend, AGENT_PORT, LOG_PORT,
+    netns, network, process, AgentAddr, ContainerRequest, Dump, ForwardTarget, HostShare, Pod,
+    PodLayout, PreparedContainer, SandboxBackend, AGENT_PORT, LOG_PORT,
 };
 use crate::errors::{agent_err, internal, Result, RuntimeError};
 use crate::state::{
@@ -329,13 +329,7 @@ impl SandboxBackend for VmBackend {
             .map_err(internal(format!("ReopenContainerLog {}", rec.id)))
     }
 
-    async fn checkpoint(
-        &self,
-        _pod: &Pod,
-        rec: &ContainerRecord,
-        _image_dir: &Path,
-        _timeout: Duration,
-    ) -> Result<Vec<u8>> {
+    async fn checkpoint(&self, _: &Pod, rec: &ContainerRecord, _: &Dump) -> Result<Vec<u8>> {
         Err(RuntimeError::FailedPrecondition(format!(
             "CheckpointContainer {}: the container is in a VM pod, whose guest has no CRIU; \
              checkpoints are made of flat pods' containers (runtime handler \"flat\")",
