@@ -3417,3 +3417,81 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
+
+/// `kubectl debug -it <pod> --target=<ctr> --image=busybox`: an ephemeral container on a tty
+/// in its target's pid namespace (TARGET mode) sees the target's processes and, through
+/// /proc, its root filesystem; an unknown or stopped target is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debug_container_joins_its_targets_pid_namespace() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("debug").await;
+    let app = h
+        .run(
+            &pod,
+            &pcfg,
+            "app",
+            "echo secret > /app-file; exec sleep 1000",
+        )
+        .await;
+    let debug_cfg = |h: &H, name: &str, target: &str| {
+        let mut cfg = h.ctr_config(name, "");
+        cfg.command = vec!["sh".into()];
+        cfg.tty = true;
+        cfg.stdin = true;
+        cfg.stdin_once = true;
+        cfg.linux = Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    pid: cri::NamespaceMode::Target as i32,
+                    target_id: target.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        cfg
+    };
+    let e = h
+        .create(&pod, &pcfg, debug_cfg(&h, "dbg-none", "no-such-container"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    let dbg = h
+        .create(&pod, &pcfg, debug_cfg(&h, "debugger-1", &app))
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer (debug): {e}"));
+    h.start(&dbg).await;
+    let r = h
+        .exec(
+            &dbg,
+            &["sh", "-c", "ps -o pid,args; cat /proc/1/root/app-file"],
+            10,
+        )
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(out.contains("sleep 1000"), "{out}");
+    assert!(out.contains("secret"), "{out}");
+    // The target's pid namespace, not the pod's: the target's init is PID 1 in it.
+    assert!(
+        out.lines()
+            .any(|l| l.trim_start().starts_with("1 ") && l.contains("sleep 1000")),
+        "{out}"
+    );
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: app.clone(),
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+    let e = h
+        .create(&pod, &pcfg, debug_cfg(&h, "debugger-2", &app))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("not a running container"), "{e}");
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
