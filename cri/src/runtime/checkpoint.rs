@@ -20,7 +20,7 @@ use crate::sandbox::Dump;
 use serde::Serialize;
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use vessel_images::fsutil;
@@ -179,9 +179,11 @@ fn write_archive(
     std::fs::create_dir_all(dir)?;
     let tmp = fsutil::temp_path(dir, "checkpoint");
     let r = (|| {
+        // Root's only: the dump holds the container's memory (its secrets too).
         let f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&tmp)?;
         let mut b = tar::Builder::new(io::BufWriter::new(f));
         b.follow_symlinks(false);
@@ -251,6 +253,7 @@ fn write_rootfs_diff(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     /// The entries of a tar file, sorted, directories without their trailing slash.
     fn names(path: &Path) -> Vec<String> {
@@ -285,7 +288,9 @@ mod tests {
         std::fs::write(staging.join("checkpoint/inventory.img"), b"img").unwrap();
         let out = d.path().join("out/ckpt.tar");
         let size = write_archive(&staging, &out, b"{}", b"{}", Some(&upper)).unwrap();
-        assert_eq!(std::fs::metadata(&out).unwrap().len(), size);
+        let meta = std::fs::metadata(&out).unwrap();
+        assert_eq!(meta.len(), size);
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         assert_eq!(
             names(&out),
             [
