@@ -239,8 +239,13 @@ impl StateDirs {
         if !s.userns_root_reachable() {
             tracing::warn!(dir = %u.display(), "a directory above it is not traversable by other users: flat pods cannot have user namespaces (Status does not advertise them for flat pods)");
         }
-        for d in [s.pods_dir(), s.containers_dir(), s.checkpoints_dir()] {
+        for d in [s.pods_dir(), s.containers_dir()] {
             fsutil::clean_dead_temps(&d).map_err(io("clean", &d))?;
+        }
+        // A dump a dead vesseld staged: best effort, as an agent's CRIU may still be writing.
+        let c = s.checkpoints_dir();
+        if let Err(e) = fsutil::clean_dead_temps(&c) {
+            tracing::warn!(dir = %c.display(), error = %e, "cannot clear checkpoint staging left by an earlier vesseld");
         }
         Ok(s)
     }

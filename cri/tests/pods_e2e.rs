@@ -3109,7 +3109,7 @@ async fn checkpoint_a_running_container() {
             &pcfg,
             "counter",
             "rm /bin/ls; mkdir -p /data; echo kept > /data/file; i=0; \
-             while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done",
+             while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/count; sleep 0.1; done",
         )
         .await;
     let dir = tempfile::tempdir().unwrap();

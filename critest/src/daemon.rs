@@ -556,6 +556,26 @@ pub fn criu_unusable() -> Option<String> {
         "{}:/usr/local/sbin:/usr/sbin:/sbin",
         std::env::var("PATH").unwrap_or_default()
     );
+    let version = std::process::Command::new("criu")
+        .arg("--version")
+        .env("PATH", &path)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    let v: Vec<u32> = version
+        .lines()
+        .find_map(|l| l.strip_prefix("Version: "))
+        .unwrap_or_default()
+        .split('.')
+        .map_while(|p| p.trim().parse().ok())
+        .collect();
+    if !v.is_empty() && v < vec![4, 2] {
+        // `criu check` passes, but inet sockets cannot be dumped on 6.16+ kernels.
+        return Some(format!(
+            "CRIU {} is older than 4.2; scripts/criu.sh installs 4.2.1",
+            version.trim()
+        ));
+    }
     match std::process::Command::new("criu")
         .arg("check")
         .env("PATH", path)

@@ -63,6 +63,9 @@ pub struct Container {
     /// Whether libcontainer's state and cgroups of this container are gone; held while they
     /// are being deleted (at exit, in the background, or by DeleteContainer).
     pub libct_deleted: tokio::sync::Mutex<bool>,
+    /// Held while CRIU dumps the container (CheckpointContainer), until CRIU has ended
+    /// however the call ended: its removal waits for it.
+    pub dumping: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Container {
@@ -101,6 +104,7 @@ impl Container {
             }),
             exit_tx,
             libct_deleted: tokio::sync::Mutex::new(false),
+            dumping: Arc::new(tokio::sync::Mutex::new(())),
         })
     }
 

@@ -429,11 +429,15 @@ pub const CRIU_DUMP_LOG: &str = "dump.log";
 /// The CRIU binary: on `PATH`, else in the sbin directories (vesseld may run with a `PATH`
 /// without them, and CRIU installs there).
 fn find_criu() -> Result<PathBuf, LibcontainerError> {
+    use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
+        .filter(|d| d.is_absolute())
         .chain(CRIU_DIRS.iter().map(PathBuf::from))
         .map(|d| d.join("criu"))
-        .find(|p| p.is_file())
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
         .ok_or_else(|| {
             LibcontainerError::Other(
                 "CRIU is not installed (no criu on PATH or in /usr/local/sbin, /usr/sbin); \
@@ -536,16 +540,19 @@ fn checkpoint(
 ) -> Result<(), LibcontainerError> {
     use oci_spec::runtime::LinuxNamespaceType;
     use std::os::unix::fs::DirBuilderExt;
+    // Closed: criu swrk is not to inherit the host's mount namespace.
+    drop(take_host_mount_ns());
     let c = load(root, id)?;
     let pid = c
         .pid()
         .ok_or_else(|| LibcontainerError::Other(format!("container {id} has no pid")))?
         .as_raw();
     let spec = oci_spec::runtime::Spec::load(c.bundle().join("config.json"))?;
+    // Absolute: CRIU would resolve a relative root against its own working directory.
     let rootfs = spec
         .root()
         .as_ref()
-        .map(|r| r.path().display().to_string())
+        .map(|r| c.bundle().join(r.path()).display().to_string())
         .unwrap_or_default();
     let criu_path = find_criu()?;
     let mkdir = |d: &Path| match std::fs::DirBuilder::new().mode(0o700).create(d) {
@@ -624,21 +631,27 @@ fn checkpoint(
     // SAFETY: plain fd syscalls on fds this process owns; F_DUPFD_CLOEXEC makes a copy criu
     // does not inherit, and dup2 only retargets fd 1.
     let saved = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 10) };
-    if saved >= 0 {
-        // SAFETY: as above.
-        unsafe { libc::dup2(2, 1) };
+    // SAFETY: as above.
+    if saved < 0 || unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(LibcontainerError::OtherIO(std::io::Error::last_os_error()));
     }
     let r = criu.dump();
-    if saved >= 0 {
-        // SAFETY: `saved` is our copy of the answer pipe; it goes back to fd 1 and is closed.
-        unsafe {
-            libc::dup2(saved, 1);
-            libc::close(saved);
-        }
+    // SAFETY: `saved` is our copy of the answer pipe; it goes back to fd 1 and is closed.
+    let back = unsafe { libc::dup2(saved, 1) };
+    // SAFETY: as above.
+    unsafe { libc::close(saved) };
+    if back < 0 {
+        // No way to answer: the agent sees the helper exit without an answer.
+        std::process::exit(1);
     }
     drop(work);
+    // CRIU writes its log into the work directory when there is one.
+    let log = work_path
+        .as_deref()
+        .unwrap_or(&image_path)
+        .join(CRIU_DUMP_LOG);
     r.map_err(|e| {
-        let errors = criu_errors(&image_path.join(CRIU_DUMP_LOG));
+        let errors = criu_errors(&log);
         if errors.is_empty() {
             criu_err(e)
         } else {

@@ -30,8 +30,9 @@ pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
 const HELPER_TIMEOUT: Duration = Duration::from_secs(60);
 const KILL_WAIT: Duration = Duration::from_secs(10);
-/// How long a CRIU dump may take when the request does not say (CRI's timeout is optional).
-const CHECKPOINT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a CRIU dump may run before it is killed, when the request does not say: a
+/// safety valve, not the caller's deadline (vesseld answers that one itself).
+const CHECKPOINT_LIMIT: Duration = Duration::from_secs(3600);
 const EXEC_DRAIN: Duration = Duration::from_secs(1);
 
 /// What only a VM-mode agent has.
@@ -396,7 +397,7 @@ impl AgentState {
         // The socket's dir and path: a flat pod's container dir is too deep for a socket
         // path (107 bytes); removed (with the socket) when this returns.
         let mut _console_dir = None;
-        let mut console_path = None;
+        let mut console_path: Option<RemovedOnDrop> = None;
         if c.tty {
             let (sock_dir, private) =
                 console_dir(&self.state_dir).map_err(io_internal("creating the console dir"))?;
@@ -406,7 +407,7 @@ impl AgentState {
                 ConsoleSocket::bind(&path).map_err(io_internal("binding the console socket"))?;
             args.push("--console-socket".into());
             args.push(path.clone().into_os_string());
-            console_path = Some(path);
+            console_path = Some(RemovedOnDrop(path));
             console = Some(tokio::task::spawn_blocking(move || {
                 sock.recv_master(HELPER_TIMEOUT, None)
             }));
@@ -440,6 +441,9 @@ impl AgentState {
         let pid = match created {
             Ok(Some(pid)) => pid,
             Ok(None) => {
+                if let Some(console) = console {
+                    console.abort();
+                }
                 for p in &pumps {
                     p.abort();
                 }
@@ -448,9 +452,6 @@ impl AgentState {
             Err(e) => {
                 if let Some(console) = console {
                     console.abort();
-                }
-                if let Some(p) = &console_path {
-                    let _ = std::fs::remove_file(p);
                 }
                 for p in &pumps {
                     p.abort();
@@ -463,9 +464,7 @@ impl AgentState {
 
         if let Some(console) = console {
             let master = console.await;
-            if let Some(p) = &console_path {
-                let _ = std::fs::remove_file(p);
-            }
+            drop(console_path.take());
             let master = master
                 .map_err(|e| AgentError::internal("console socket task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
@@ -574,6 +573,8 @@ impl AgentState {
     }
 
     async fn delete_locked(&self, c: &Arc<Container>) -> Result<(), AgentError> {
+        // Not while CRIU holds its processes.
+        let _dumped = c.dumping.lock().await;
         if c.launched() && !c.is_exited() {
             Self::signal(c, Signal::SIGKILL, true)?;
             if tokio::time::timeout(KILL_WAIT, c.wait()).await.is_err() {
@@ -610,8 +611,11 @@ impl AgentState {
     }
 
     /// Dumps a running container with CRIU into `req.image_dir`, leaving it running (flat
-    /// pods). Holds the pod's lifecycle lock: the container is not deleted mid-dump.
-    /// Answers the container's OCI spec.
+    /// pods); answers the container's OCI spec. The dump runs in a task of its own, which
+    /// holds the container's `dumping` lock until CRIU has ended: a caller that gives up (a
+    /// dropped call) leaves neither CRIU unwatched nor the container removable mid-dump.
+    /// CRIU is not killed to meet a deadline (that can leave its parasite code and TCP repair
+    /// mode in the tasks); only a dump past [`CHECKPOINT_LIMIT`] (or `timeout_secs`) is.
     pub async fn checkpoint(
         &self,
         req: &proto::CheckpointContainerRequest,
@@ -623,23 +627,29 @@ impl AgentState {
                 req.id
             )));
         }
-        let image_dir = Path::new(&req.image_dir);
-        if !image_dir.is_absolute()
-            || (!req.work_dir.is_empty() && !Path::new(&req.work_dir).is_absolute())
-        {
+        let absolute = |p: &str| p.is_empty() || Path::new(p).is_absolute();
+        if req.image_dir.is_empty() || !absolute(&req.image_dir) || !absolute(&req.work_dir) {
             return Err(AgentError::InvalidArgument(format!(
                 "checkpoint directories must be absolute paths: {:?}, {:?}",
                 req.image_dir, req.work_dir
             )));
         }
         let c = self.get(&req.id)?;
-        let _guard = self.lifecycle.lock().await;
-        if !c.launched() || c.is_exited() {
-            return Err(AgentError::FailedPrecondition(format!(
-                "container {:?} is not running: only a running container can be checkpointed",
-                req.id
-            )));
-        }
+        let guard = {
+            let _lifecycle = self.lifecycle.lock().await;
+            if !c.launched() || c.is_exited() {
+                return Err(AgentError::FailedPrecondition(format!(
+                    "container {:?} is not running: only a running container can be checkpointed",
+                    req.id
+                )));
+            }
+            c.dumping.clone().try_lock_owned().map_err(|_| {
+                AgentError::FailedPrecondition(format!(
+                    "container {:?} is being checkpointed already",
+                    req.id
+                ))
+            })?
+        };
         let mut args: Vec<OsString> = vec![
             "checkpoint".into(),
             "--id".into(),
@@ -651,12 +661,37 @@ impl AgentState {
             args.push("--work-path".into());
             args.push(req.work_dir.clone().into());
         }
-        let timeout = match req.timeout_secs {
-            0 => CHECKPOINT_TIMEOUT,
+        let limit = match req.timeout_secs {
+            0 => CHECKPOINT_LIMIT,
             n => Duration::from_secs(n.into()),
         };
         let t = std::time::Instant::now();
-        self.libct.run(&args, None, timeout).await?;
+        let mut helper = self.libct.spawn(&args, None)?;
+        let id = req.id.clone();
+        let dump = tokio::spawn(async move {
+            let _dumping = guard;
+            let answer = tokio::time::timeout(limit, async {
+                loop {
+                    if let HelperLine::Ok = helper.next().await? {
+                        return Ok(());
+                    }
+                }
+            })
+            .await;
+            let r = match answer {
+                Ok(r) => r,
+                Err(_) => {
+                    helper.kill();
+                    Err(AgentError::DeadlineExceeded(format!(
+                        "the dump of container {id:?} did not end within {limit:?}: CRIU was killed"
+                    )))
+                }
+            };
+            helper.wait().await;
+            r
+        });
+        dump.await
+            .map_err(|e| AgentError::internal("the dump task", e))??;
         tracing::info!(id = %req.id, image_dir = %req.image_dir, took = ?t.elapsed(), "container checkpointed");
         let spec = c.dir.join("bundle").join("config.json");
         std::fs::read(&spec).map_err(io_internal(format!("reading {}", spec.display())))
@@ -972,6 +1007,15 @@ impl AgentState {
 /// with an unpredictable name and mode 0700: a shared, fixed-name directory in /tmp could be
 /// made first by another user, who could then take the socket's place and receive the
 /// exec's terminal.
+/// A socket file removed when this is dropped, on every path out of its function.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn console_dir(state_dir: &Path) -> std::io::Result<(PathBuf, Option<tempfile::TempDir>)> {
     let dir = state_dir.join("x");
     if dir.as_os_str().len() + 40 <= 107 {

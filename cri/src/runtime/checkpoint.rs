@@ -2,28 +2,38 @@
 //! (flat pods), and the changes to its root filesystem, in one tar archive at the CRI
 //! `location`. The container keeps running.
 //!
-//! The archive is laid out as CRI-O's, so that `checkpointctl` reads it and a restoring
-//! runtime finds what it needs:
+//! The archive is laid out as CRI-O's (the files, their names and formats; not CRI-O's own
+//! spec annotations, which `checkpointctl show` keys on):
 //! - `checkpoint/`: CRIU's images and its `dump.log`;
 //! - `config.dump`: the container's identity and image (JSON);
-//! - `spec.dump`: the OCI runtime spec the container ran with;
+//! - `spec.dump`: the OCI runtime spec the container ran with (as its agent ran it: bind
+//!   sources are the agent's staged copies of the volume paths);
 //! - `rootfs-diff.tar`: files the container added or changed in its root filesystem (its
-//!   overlay upper directory), and `deleted.files` (JSON) the image files it removed.
+//!   overlay upper directory), and `deleted.files` (JSON) the image files it removed
+//!   (whiteouts; a directory it replaced whole, an opaque one, is in the diff as it is now).
+//!
+//! kubelet's deadline for the call is its `timeout`: vessel answers DeadlineExceeded at that
+//! moment, but never cuts a dump short (a killed CRIU can leave its parasite code in the
+//! tasks): the dump runs to its end in a task of its own, holding the container's op lock,
+//! and no archive appears after the deadline.
 //!
 //! The images are made under vesseld's state root (`checkpoints/`, pid-tagged, so that a
 //! crash's leftovers go at the next start), then archived into a temporary file beside
 //! `location`, synced and renamed into place: a reader never sees half an archive.
 
-use super::Runtime;
+use super::{Ctr, Runtime};
 use crate::errors::{Result, RuntimeError};
-use crate::sandbox::Dump;
+use crate::sandbox::{Dump, Pod, SandboxBackend};
+use crate::state::{BackendKind, ContainerState};
 use serde::Serialize;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use vessel_images::fsutil;
+use vessel_images::ImageStore;
 
 /// How long a dump may take when CRI's `timeout` is 0 ("use the CRI default").
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -80,23 +90,74 @@ impl Runtime {
             n => Duration::from_secs(n as u64),
         };
         let ctr = self.ctr(id)?;
-        // Not stopped or removed while it is dumped.
-        let _op = ctr.op.lock().await;
-        let (rec, pod) = self.running_in_pod(id, "CheckpointContainer")?;
-        let backend = self.backend(&pod.record());
+        let (_, pod) = self.running_in_pod(id, "CheckpointContainer")?;
+        let backend = match pod.record().backend.kind() {
+            BackendKind::Flat => self.backends.flat.clone(),
+            BackendKind::Vm => self.backends.vm.clone(),
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let job = Job {
+            id: id.to_string(),
+            archive: archive.to_path_buf(),
+            ctr,
+            pod,
+            backend,
+            store: self.store.clone(),
+            staging_root: self.dirs.checkpoints_dir(),
+            deadline: deadline.into_std(),
+        };
+        // Its own task: a client that gives up (kubelet's deadline is this same timeout)
+        // does not cut the dump short. The task holds the container's op lock until the
+        // agent's CRIU has ended, and removes what it staged.
+        let task = tokio::spawn(job.run());
+        match tokio::time::timeout_at(deadline, task).await {
+            Ok(r) => r.map_err(|e| RuntimeError::Internal(format!("CheckpointContainer {id}: {e}")))?,
+            Err(_) => Err(RuntimeError::DeadlineExceeded(format!(
+                "CheckpointContainer {id}: not done within {timeout:?}; the dump ends in the background and no archive is written"
+            ))),
+        }
+    }
+}
 
-        let root = self.dirs.checkpoints_dir();
-        let staging = fsutil::temp_path(&root, &format!("checkpoint-{id}"));
+/// One CheckpointContainer, run to its end whether or not its caller waits.
+struct Job {
+    id: String,
+    archive: PathBuf,
+    ctr: Arc<Ctr>,
+    pod: Arc<Pod>,
+    backend: Arc<dyn SandboxBackend>,
+    store: Arc<ImageStore>,
+    staging_root: PathBuf,
+    deadline: std::time::Instant,
+}
+
+impl Job {
+    async fn run(self) -> Result<()> {
+        let id = self.id.as_str();
+        // Not stopped or removed while it is dumped.
+        let _op = self.ctr.op.lock().await;
+        let rec = self.ctr.record();
+        if rec.state != ContainerState::Running {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CheckpointContainer: container {id} is not running ({:?})",
+                rec.state
+            )));
+        }
+        let staging = fsutil::temp_path(&self.staging_root, &format!("checkpoint-{id}"));
         std::fs::create_dir_all(&staging).map_err(io_err(id, "making", &staging))?;
-        let _clean = RemoveOnDrop(staging.clone());
+        let clean = RemoveOnDrop(staging.clone());
         let t = std::time::Instant::now();
         let dump = Dump {
             image_dir: staging.join("checkpoint"),
-            timeout,
         };
-        let spec = backend.checkpoint(&pod, &rec, &dump).await?;
+        let spec = match self.backend.checkpoint(&self.pod, &rec, &dump).await {
+            Ok(spec) => spec,
+            Err(e) => {
+                let _ = tokio::task::spawn_blocking(move || drop(clean)).await;
+                return Err(e);
+            }
+        };
         let dumped = t.elapsed();
-
         let config = ConfigDump {
             id: &rec.id,
             name: rec.config.metadata.as_ref().map_or("", |m| m.name.as_str()),
@@ -107,28 +168,35 @@ impl Runtime {
             created_time: rfc3339(rec.created_at),
             checkpointed_time: rfc3339(crate::state::now_nanos()),
         };
+        let config = serde_json::to_vec_pretty(&config).map_err(|e| {
+            RuntimeError::Internal(format!("CheckpointContainer {id}: config.dump: {e}"))
+        })?;
         let upper = self
             .store
             .snapshot(&rec.snapshot)
             .ok()
             .flatten()
             .map(|s| s.upper());
-        let out = archive.to_path_buf();
-        let dir = staging.clone();
-        let config = serde_json::to_vec_pretty(&config).map_err(|e| {
-            RuntimeError::Internal(format!("CheckpointContainer {id}: config.dump: {e}"))
-        })?;
+        let out = self.archive.clone();
+        let deadline = self.deadline;
+        // The staging dir (the dump: gigabytes, maybe) goes on the blocking thread too.
         let written = tokio::task::spawn_blocking(move || {
-            write_archive(&dir, &out, &config, &spec, upper.as_deref())
+            let r = write_archive(&staging, &out, &config, &spec, upper.as_deref(), deadline);
+            drop(clean);
+            r
         })
         .await
         .map_err(|e| RuntimeError::Internal(format!("CheckpointContainer {id}: {e}")))?;
-        let size = written.map_err(|e| {
-            RuntimeError::Internal(format!(
+        let location = self.archive.display();
+        let size = written.map_err(|e| match e.kind() {
+            io::ErrorKind::TimedOut => RuntimeError::DeadlineExceeded(format!(
+                "CheckpointContainer {id}: the dump took {dumped:?}, and the archive {location} was not written in the time left"
+            )),
+            _ => RuntimeError::Internal(format!(
                 "CheckpointContainer {id}: writing the archive {location}: {e}"
-            ))
+            )),
         })?;
-        tracing::info!(id, location, bytes = size, dump = ?dumped, took = ?t.elapsed(), "container checkpointed");
+        tracing::info!(id, %location, bytes = size, dump = ?dumped, took = ?t.elapsed(), "container checkpointed");
         Ok(())
     }
 }
@@ -165,6 +233,7 @@ fn write_archive(
     config: &[u8],
     spec: &[u8],
     upper: Option<&Path>,
+    deadline: std::time::Instant,
 ) -> io::Result<u64> {
     std::fs::write(staging.join("config.dump"), config)?;
     std::fs::write(staging.join("spec.dump"), spec)?;
@@ -202,6 +271,10 @@ fn write_archive(
         let f = b.into_inner()?.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         let size = f.metadata()?.len();
+        // Past the caller's deadline its caller has been told it failed: no archive then.
+        if std::time::Instant::now() >= deadline {
+            return Err(io::Error::from(io::ErrorKind::TimedOut));
+        }
         std::fs::rename(&tmp, archive)?;
         fsutil::sync_dir(dir)?;
         Ok(size)
@@ -228,15 +301,26 @@ fn write_rootfs_diff(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
         for e in entries {
             let name = rel.join(e.file_name());
             let path = e.path();
-            let m = std::fs::symlink_metadata(&path)?;
+            // The container runs on: what it removes meanwhile is left out.
+            let gone = |r: io::Result<()>| match r {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            };
+            let m = match std::fs::symlink_metadata(&path) {
+                Ok(m) => m,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
             let ft = m.file_type();
             if ft.is_char_device() && m.rdev() == 0 {
                 deleted.push(format!("/{}", name.display()));
             } else if ft.is_dir() {
-                b.append_path_with_name(&path, &name)?;
+                gone(b.append_path_with_name(&path, &name))?;
                 stack.push(name);
-            } else if ft.is_file() || ft.is_symlink() {
-                b.append_path_with_name(&path, &name)?;
+            } else if ft.is_file() {
+                gone(append_file(&mut b, &path, &name))?;
+            } else if ft.is_symlink() {
+                gone(b.append_path_with_name(&path, &name))?;
             } else {
                 tracing::debug!(path = %path.display(), "checkpoint: special file left out of rootfs-diff.tar");
             }
@@ -248,6 +332,21 @@ fn write_rootfs_diff(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
         .sync_all()?;
     deleted.sort();
     Ok(deleted)
+}
+
+/// Appends a regular file as it is now, though the container may be writing it: the
+/// header's size is the one read at open, and exactly that many bytes follow (cut, or padded
+/// with zeros where it shrank), so that a file that changes cannot misalign the archive.
+fn append_file<W: io::Write>(b: &mut tar::Builder<W>, path: &Path, name: &Path) -> io::Result<()> {
+    use io::Read;
+    let mut f = File::open(path)?;
+    let m = f.metadata()?;
+    let mut h = tar::Header::new_gnu();
+    h.set_metadata_in_mode(&m, tar::HeaderMode::Complete);
+    let size = m.len();
+    h.set_size(size);
+    let data = (&mut f).take(size).chain(io::repeat(0)).take(size);
+    b.append_data(&mut h, name, data)
 }
 
 #[cfg(test)]
@@ -287,7 +386,8 @@ mod tests {
         std::fs::create_dir_all(staging.join("checkpoint")).unwrap();
         std::fs::write(staging.join("checkpoint/inventory.img"), b"img").unwrap();
         let out = d.path().join("out/ckpt.tar");
-        let size = write_archive(&staging, &out, b"{}", b"{}", Some(&upper)).unwrap();
+        let later = std::time::Instant::now() + Duration::from_secs(60);
+        let size = write_archive(&staging, &out, b"{}", b"{}", Some(&upper), later).unwrap();
         let meta = std::fs::metadata(&out).unwrap();
         assert_eq!(meta.len(), size);
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
@@ -309,6 +409,13 @@ mod tests {
         let deleted = std::fs::read_to_string(staging.join("deleted.files")).unwrap();
         assert_eq!(deleted, r#"["/etc/gone"]"#);
         // Only the archive is left in its directory: no temporary file.
+        assert_eq!(std::fs::read_dir(d.path().join("out")).unwrap().count(), 1);
+        // Past the deadline: no archive, no temporary file.
+        let late = d.path().join("out/late.tar");
+        let past = std::time::Instant::now();
+        let e = write_archive(&staging, &late, b"{}", b"{}", None, past).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(!late.exists());
         assert_eq!(std::fs::read_dir(d.path().join("out")).unwrap().count(), 1);
     }
 }

@@ -200,24 +200,18 @@ impl SandboxBackend for FlatBackend {
     }
 
     async fn checkpoint(&self, pod: &Pod, rec: &ContainerRecord, dump: &Dump) -> Result<Vec<u8>> {
-        let timeout = dump.timeout;
         let mut c = pod.client().await?;
-        let what = format!("CheckpointContainer {}", rec.id);
-        let call = c.checkpoint_container(ap::CheckpointContainerRequest {
-            id: rec.id.clone(),
-            image_dir: dump.image_dir.display().to_string(),
-            work_dir: String::new(),
-            timeout_secs: timeout.as_secs().try_into().unwrap_or(u32::MAX),
-        });
-        // The agent bounds the dump; ours is a backstop should it not answer.
-        let r = tokio::time::timeout(timeout + Duration::from_secs(10), call)
+        // Answered once the agent's CRIU has ended, however long that takes: the caller's
+        // deadline is answered above this, without cutting the dump short.
+        let r = c
+            .checkpoint_container(ap::CheckpointContainerRequest {
+                id: rec.id.clone(),
+                image_dir: dump.image_dir.display().to_string(),
+                work_dir: String::new(),
+                timeout_secs: 0,
+            })
             .await
-            .map_err(|_| {
-                RuntimeError::DeadlineExceeded(format!(
-                    "{what}: the pod agent did not answer within {timeout:?}"
-                ))
-            })?
-            .map_err(|s| agent_err(&what, s))?;
+            .map_err(|s| agent_err(&format!("CheckpointContainer {}", rec.id), s))?;
         Ok(r.into_inner().oci_spec)
     }
 

@@ -199,16 +199,14 @@ impl Pod {
     }
 }
 
-/// Everything that differs between the flat and the VM sandbox. Methods that take a pod are
-/// called with its op lock held by the caller unless they say otherwise.
 /// What a CheckpointContainer dump is to make.
 pub struct Dump {
     /// The host directory for CRIU's images (made if missing).
     pub image_dir: PathBuf,
-    /// How long the dump may take.
-    pub timeout: Duration,
 }
 
+/// Everything that differs between the flat and the VM sandbox. Methods that take a pod are
+/// called with its op lock held by the caller unless they say otherwise.
 #[tonic::async_trait]
 pub trait SandboxBackend: Send + Sync {
     fn kind(&self) -> BackendKind;
