@@ -3195,6 +3195,12 @@ async fn checkpoint_a_running_container() {
         spec["process"]["args"].to_string().contains("/tmp/count"),
         "{spec}"
     );
+    // Named as containerd's CRI names containers (what checkpointctl shows).
+    let a = &spec["annotations"];
+    assert_eq!(a["io.kubernetes.cri.container-name"], "counter", "{a}");
+    assert_eq!(a["io.kubernetes.cri.sandbox-name"], "ckpt", "{a}");
+    assert_eq!(a["io.kubernetes.cri.sandbox-namespace"], "e2e", "{a}");
+    assert_eq!(a["io.kubernetes.cri.sandbox-id"], pod.as_str(), "{a}");
     let diff = tar_file(&data, "rootfs-diff.tar");
     let diff_names = tar_names(&diff);
     for want in ["data/file", "tmp/count"] {

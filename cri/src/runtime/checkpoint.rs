@@ -2,12 +2,13 @@
 //! (flat pods), and the changes to its root filesystem, in one tar archive at the CRI
 //! `location`. The container keeps running.
 //!
-//! The archive is laid out as CRI-O's (the files, their names and formats; not CRI-O's own
-//! spec annotations, which `checkpointctl show` keys on):
+//! The archive has CRI-O's files, names and formats; `checkpointctl show` reads it as a
+//! containerd one (the spec is named by containerd CRI's annotations):
 //! - `checkpoint/`: CRIU's images and its `dump.log`;
 //! - `config.dump`: the container's identity and image (JSON);
 //! - `spec.dump`: the OCI runtime spec the container ran with (as its agent ran it: bind
-//!   sources are the agent's staged copies of the volume paths);
+//!   sources are the agent's staged copies of the volume paths), with `io.kubernetes.cri.*`
+//!   annotations naming the container, its pod, namespace and image;
 //! - `rootfs-diff.tar`: files the container added or changed in its root filesystem (its
 //!   overlay upper directory), and `deleted.files` (JSON) the image files it removed
 //!   (whiteouts; a directory it replaced whole, an opaque one, is in the diff as it is now).
@@ -24,7 +25,7 @@
 use super::{Ctr, Runtime};
 use crate::errors::{Result, RuntimeError};
 use crate::sandbox::{Dump, Pod, SandboxBackend};
-use crate::state::{BackendKind, ContainerState};
+use crate::state::{BackendKind, ContainerRecord, ContainerState, PodRecord};
 use serde::Serialize;
 use std::fs::File;
 use std::io;
@@ -158,6 +159,7 @@ impl Job {
             }
         };
         let dumped = t.elapsed();
+        let spec = annotate_spec(&spec, &self.pod.record(), &rec);
         let config = ConfigDump {
             id: &rec.id,
             name: rec.config.metadata.as_ref().map_or("", |m| m.name.as_str()),
@@ -199,6 +201,40 @@ impl Job {
         tracing::info!(id, %location, bytes = size, dump = ?dumped, took = ?t.elapsed(), "container checkpointed");
         Ok(())
     }
+}
+
+/// `spec.dump`: the spec the container ran with, plus the annotations that name it as
+/// containerd's CRI does (`io.kubernetes.cri.*`: container, pod, namespace, image), which
+/// checkpoint tools read for an archive that is neither CRI-O's nor Podman's. A spec that is
+/// not JSON is kept as it is.
+fn annotate_spec(spec: &[u8], pod: &PodRecord, rec: &ContainerRecord) -> Vec<u8> {
+    let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(spec) else {
+        return spec.to_vec();
+    };
+    let meta = pod.config.metadata.clone().unwrap_or_default();
+    let name = rec.config.metadata.as_ref().map_or("", |m| m.name.as_str());
+    if let Some(o) = v.as_object_mut() {
+        let a = o
+            .entry("annotations")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Some(a) = a.as_object_mut() {
+            for (k, val) in [
+                ("io.kubernetes.cri.container-type", "container"),
+                ("io.kubernetes.cri.container-name", name),
+                ("io.kubernetes.cri.sandbox-id", pod.id.as_str()),
+                ("io.kubernetes.cri.sandbox-name", meta.name.as_str()),
+                (
+                    "io.kubernetes.cri.sandbox-namespace",
+                    meta.namespace.as_str(),
+                ),
+                ("io.kubernetes.cri.sandbox-uid", meta.uid.as_str()),
+                ("io.kubernetes.cri.image-name", rec.image_name.as_str()),
+            ] {
+                a.insert(k.into(), val.into());
+            }
+        }
+    }
+    serde_json::to_vec_pretty(&v).unwrap_or_else(|_| spec.to_vec())
 }
 
 fn io_err<'a>(
