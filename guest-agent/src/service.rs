@@ -394,20 +394,13 @@ impl AgentState {
         let mut keep_stdin: Option<OwnedFd> = None;
         let stdio;
         let mut console = None;
-        // The socket's dir and path: a flat pod's container dir is too deep for a socket
-        // path (107 bytes); removed (with the socket) when this returns.
-        let mut _console_dir = None;
-        let mut console_path: Option<RemovedOnDrop> = None;
+        // Not in the container's dir: a flat pod's is too deep for a socket path.
+        let mut console_end = None;
         if c.tty {
-            let (sock_dir, private) =
-                console_dir(&self.state_dir).map_err(io_internal("creating the console dir"))?;
-            _console_dir = private;
-            let path = sock_dir.join(format!("{}.sock", rand_suffix()));
-            let sock =
-                ConsoleSocket::bind(&path).map_err(io_internal("binding the console socket"))?;
+            let (end, sock) = ConsoleEndpoint::bind(&self.state_dir)?;
             args.push("--console-socket".into());
-            args.push(path.clone().into_os_string());
-            console_path = Some(RemovedOnDrop(path));
+            args.push(end.path.clone().into_os_string());
+            console_end = Some(end);
             console = Some(tokio::task::spawn_blocking(move || {
                 sock.recv_master(HELPER_TIMEOUT, None)
             }));
@@ -464,7 +457,7 @@ impl AgentState {
 
         if let Some(console) = console {
             let master = console.await;
-            drop(console_path.take());
+            drop(console_end.take());
             let master = master
                 .map_err(|e| AgentError::internal("console socket task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
@@ -810,22 +803,16 @@ impl AgentState {
             args.push(format!("--env={e}").into());
         }
         let mut console = None;
-        // Removed (with the console socket in it) when this returns.
-        let mut _console_dir = None;
         let mut stdout: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
         let mut stderr: Option<Box<dyn AsyncRead + Send + Unpin>> = None;
         let mut stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>> = None;
         let stdio = if p.tty {
-            let (exec_dir, private) =
-                console_dir(&self.state_dir).map_err(io_internal("creating exec dir"))?;
-            _console_dir = private;
-            let path = exec_dir.join(format!("{}.sock", rand_suffix()));
-            let sock = ConsoleSocket::bind(&path).map_err(io_internal("console socket"))?;
+            let (end, sock) = ConsoleEndpoint::bind(&self.state_dir)?;
             args.push("--console-socket".into());
-            args.push(path.clone().into_os_string());
+            args.push(end.path.clone().into_os_string());
             let size = p.size.map(|s| (s.rows, s.cols));
             console = Some((
-                path,
+                end,
                 tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT, size)),
             ));
             None
@@ -870,12 +857,12 @@ impl AgentState {
             }
         };
         let mut pty = None;
-        if let Some((path, t)) = console {
-            let master = t
-                .await
+        if let Some((end, t)) = console {
+            let master = t.await;
+            drop(end);
+            let master = master
                 .map_err(|e| AgentError::internal("console task", e))?
                 .map_err(io_internal("receiving the pty master"))?;
-            let _ = std::fs::remove_file(&path);
             let w = master.try_clone().map_err(io_internal("dup"))?;
             let ctl = master.try_clone().map_err(io_internal("dup"))?;
             stdout = Some(Box::new(
@@ -1000,22 +987,44 @@ impl AgentState {
     }
 }
 
-/// Where an exec's console socket goes. A unix socket path has at most 107 bytes, and the
+/// The console socket of one libcontainer helper (a tty container's launch, a tty exec),
+/// in [`console_dir`]: removed, with its private directory if it has one, when dropped, on
+/// every path out of the call that made it.
+struct ConsoleEndpoint {
+    path: PathBuf,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl ConsoleEndpoint {
+    /// Binds a fresh console socket for a helper's `--console-socket`.
+    fn bind(state_dir: &Path) -> Result<(ConsoleEndpoint, ConsoleSocket), AgentError> {
+        let (dir, private) =
+            console_dir(state_dir).map_err(io_internal("creating the console dir"))?;
+        let path = dir.join(format!("{}.sock", rand_suffix()));
+        let sock = ConsoleSocket::bind(&path).map_err(io_internal("binding the console socket"))?;
+        Ok((
+            ConsoleEndpoint {
+                path,
+                _dir: private,
+            },
+            sock,
+        ))
+    }
+}
+
+impl Drop for ConsoleEndpoint {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Where a console socket goes. A unix socket path has at most 107 bytes, and the
 /// container's own directory (state dir + 64-hex id) leaves too few: `<state dir>/x`, or where
 /// even that is too long (flat pods' state dirs hold the pod id), a directory of this exec's
 /// own in the temp dir, returned too so that it is removed when dropped. That one is made
 /// with an unpredictable name and mode 0700: a shared, fixed-name directory in /tmp could be
 /// made first by another user, who could then take the socket's place and receive the
 /// exec's terminal.
-/// A socket file removed when this is dropped, on every path out of its function.
-struct RemovedOnDrop(PathBuf);
-
-impl Drop for RemovedOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 fn console_dir(state_dir: &Path) -> std::io::Result<(PathBuf, Option<tempfile::TempDir>)> {
     let dir = state_dir.join("x");
     if dir.as_os_str().len() + 40 <= 107 {
