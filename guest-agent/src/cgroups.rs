@@ -43,13 +43,22 @@ pub fn is_unified() -> bool {
 /// overlay mounts, so reading it per call (every start, signal and stats request asks for
 /// a dozen controllers) cost a tenth of a busy host's agent CPU.
 pub fn v1_mount_point(controller: &str) -> Option<PathBuf> {
+    holding(v1_table(), controller)
+}
+
+/// The mount points of every v1 hierarchy (none on a v2-only host).
+pub fn v1_mount_points() -> impl Iterator<Item = &'static Path> {
+    v1_table().iter().map(|(_, mp)| mp.as_path())
+}
+
+/// This process's v1 mount table, read once (see [`v1_mount_point`]).
+fn v1_table() -> &'static [(Vec<String>, PathBuf)] {
     static MOUNTS: std::sync::OnceLock<Vec<(Vec<String>, PathBuf)>> = std::sync::OnceLock::new();
-    let mounts = MOUNTS.get_or_init(|| {
+    MOUNTS.get_or_init(|| {
         std::fs::read_to_string("/proc/self/mountinfo")
             .map(|t| v1_mounts(&t))
             .unwrap_or_default()
-    });
-    holding(mounts, controller)
+    })
 }
 
 /// Of a v1 mount table, the mount point of the hierarchy holding `controller`.

@@ -423,7 +423,7 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
 /// the sbin directories, where CRIU installs.
 const CRIU_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/sbin"];
 
-/// The CRIU log libcontainer has CRIU write into the image directory.
+/// The log [`checkpoint`] has CRIU write (into the work directory, else the image one).
 pub const CRIU_DUMP_LOG: &str = "dump.log";
 
 /// The CRIU binary: on `PATH`, else in the sbin directories (vesseld may run with a `PATH`
@@ -486,14 +486,10 @@ fn external_mounts(spec: &oci_spec::runtime::Spec, pid: i32) -> Vec<(String, Str
     }
     if cgroup {
         // v1 (hybrid included): each hierarchy is the host's, bound in.
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        for line in info.lines() {
-            let Some((pre, post)) = line.split_once(" - ") else {
-                continue;
-            };
-            let point = pre.split(' ').nth(4).unwrap_or_default();
-            if post.starts_with("cgroup ") && point.starts_with("/sys/fs/cgroup/") {
-                add(point.to_string(), point.to_string());
+        for point in crate::cgroups::v1_mount_points() {
+            let point = point.display().to_string();
+            if point.starts_with("/sys/fs/cgroup/") {
+                add(point.clone(), point);
             }
         }
     }
