@@ -25,7 +25,7 @@
 use super::{Ctr, Runtime};
 use crate::errors::{Result, RuntimeError};
 use crate::sandbox::{Dump, Pod, SandboxBackend};
-use crate::state::{BackendKind, ContainerRecord, ContainerState, PodRecord};
+use crate::state::{ContainerRecord, ContainerState, PodRecord};
 use serde::Serialize;
 use std::fs::File;
 use std::io;
@@ -91,11 +91,8 @@ impl Runtime {
             n => Duration::from_secs(n as u64),
         };
         let ctr = self.ctr(id)?;
-        let (_, pod) = self.running_in_pod(id, "CheckpointContainer")?;
-        let backend = match pod.record().backend.kind() {
-            BackendKind::Flat => self.backends.flat.clone(),
-            BackendKind::Vm => self.backends.vm.clone(),
-        };
+        let pod = self.pod(&ctr.record().pod_id)?;
+        let backend = self.shared_backend(pod.record().backend.kind()).clone();
         let deadline = tokio::time::Instant::now() + timeout;
         let job = Job {
             id: id.to_string(),

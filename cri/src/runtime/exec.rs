@@ -29,11 +29,7 @@ impl Runtime {
     }
 
     /// A running container's record and its pod, or why `what` cannot act on it.
-    pub(super) fn running_in_pod(
-        &self,
-        id: &str,
-        what: &str,
-    ) -> Result<(ContainerRecord, Arc<Pod>)> {
+    fn running_in_pod(&self, id: &str, what: &str) -> Result<(ContainerRecord, Arc<Pod>)> {
         let rec = self.ctr(id)?.record();
         if rec.state != ContainerState::Running {
             return Err(RuntimeError::FailedPrecondition(format!(

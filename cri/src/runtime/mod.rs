@@ -333,9 +333,14 @@ impl Runtime {
     }
 
     fn backend_of(&self, kind: BackendKind) -> &dyn SandboxBackend {
+        self.shared_backend(kind).as_ref()
+    }
+
+    /// The backend of `kind`, for work that outlives the call (a task of its own).
+    fn shared_backend(&self, kind: BackendKind) -> &Arc<dyn SandboxBackend> {
         match kind {
-            BackendKind::Flat => self.backends.flat.as_ref(),
-            BackendKind::Vm => self.backends.vm.as_ref(),
+            BackendKind::Flat => &self.backends.flat,
+            BackendKind::Vm => &self.backends.vm,
         }
     }
 
