@@ -116,6 +116,34 @@ impl H {
         id
     }
 
+    /// StopContainer with `timeout` seconds of grace.
+    async fn stop(&mut self, id: &str, timeout: i64) {
+        self.c
+            .runtime
+            .stop_container(cri::StopContainerRequest {
+                container_id: id.to_string(),
+                timeout,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("StopContainer {id}: {e}"));
+    }
+    /// CheckpointContainer of `id` into the archive `location`.
+    async fn checkpoint(
+        &mut self,
+        id: &str,
+        location: &str,
+        timeout: i64,
+    ) -> Result<(), tonic::Status> {
+        self.c
+            .runtime
+            .checkpoint_container(cri::CheckpointContainerRequest {
+                container_id: id.to_string(),
+                location: location.to_string(),
+                timeout,
+            })
+            .await
+            .map(|_| ())
+    }
     async fn status(&mut self, id: &str) -> cri::ContainerStatus {
         self.c.container_status(id).await.expect("ContainerStatus")
     }
@@ -348,13 +376,7 @@ async fn pod_and_container_lifecycle_with_logs() {
         cri::ContainerState::ContainerRunning as i32
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    h.c.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id3.clone(),
-            timeout: 10,
-        })
-        .await
-        .unwrap();
+    h.stop(&id3, 10).await;
     let s = h.status(&id3).await;
     assert_eq!(
         (s.state, s.exit_code),
@@ -371,26 +393,14 @@ async fn pod_and_container_lifecycle_with_logs() {
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t = Instant::now();
-    h.c.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id4.clone(),
-            timeout: 1,
-        })
-        .await
-        .unwrap();
+    h.stop(&id4, 1).await;
     assert!(t.elapsed() >= Duration::from_millis(900));
     let s = h.status(&id4).await;
     assert_eq!(s.exit_code, 137, "{s:?}");
     // Idempotence: stop and remove twice, remove unknown.
     for id in [&id, &id2, &id3, &id4] {
         for _ in 0..2 {
-            h.c.runtime
-                .stop_container(cri::StopContainerRequest {
-                    container_id: id.to_string(),
-                    timeout: 0,
-                })
-                .await
-                .unwrap();
+            h.stop(id, 0).await;
         }
         for _ in 0..2 {
             h.c.runtime
@@ -443,13 +453,7 @@ async fn container_events_arrive_once_per_transition() {
         .await;
     let b = h.run(&pod, &pcfg, "b", "exit 3").await;
     h.wait_exit(&b, Duration::from_secs(30)).await;
-    h.c.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: a.clone(),
-            timeout: 10,
-        })
-        .await
-        .unwrap();
+    h.stop(&a, 10).await;
     for id in [&a, &b] {
         h.c.runtime
             .remove_container(cri::RemoveContainerRequest {
@@ -810,13 +814,7 @@ async fn logs_partial_lines_and_reopen() {
         "old file still written after reopen"
     );
     // Reopen of a container that is not running fails clearly.
-    h.c.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id.clone(),
-            timeout: 0,
-        })
-        .await
-        .unwrap();
+    h.stop(&id, 0).await;
     let e =
         h.c.runtime
             .reopen_container_log(cri::ReopenContainerLogRequest { container_id: id })
@@ -2726,6 +2724,15 @@ fn with_userns(
     cfg
 }
 
+/// The user namespace a pod config asks for, which kubelet repeats in each container's.
+fn pod_userns(pcfg: &cri::PodSandboxConfig) -> Option<cri::UserNamespace> {
+    pcfg.linux
+        .as_ref()
+        .and_then(|l| l.security_context.as_ref())
+        .and_then(|s| s.namespace_options.as_ref())
+        .and_then(|n| n.userns_options.clone())
+}
+
 fn id_map(container_id: u32, host_id: u32, length: u32) -> cri::IdMapping {
     cri::IdMapping {
         container_id,
@@ -2834,12 +2841,7 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
             security_context: Some(cri::LinuxContainerSecurityContext {
                 namespace_options: Some(cri::NamespaceOption {
                     pid: pid as i32,
-                    userns_options: pcfg
-                        .linux
-                        .as_ref()
-                        .and_then(|l| l.security_context.as_ref())
-                        .and_then(|s| s.namespace_options.as_ref())
-                        .and_then(|n| n.userns_options.clone()),
+                    userns_options: pod_userns(&pcfg),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -3114,29 +3116,17 @@ async fn checkpoint_a_running_container() {
         .await;
     let dir = tempfile::tempdir().unwrap();
     let location = dir.path().join("exports/counter.tar");
-    let ckpt = |h: &mut H, id: &str, location: String| {
-        let mut rt = h.c.runtime.clone();
-        let id = id.to_string();
-        async move {
-            rt.checkpoint_container(cri::CheckpointContainerRequest {
-                container_id: id,
-                location,
-                timeout: 60,
-            })
-            .await
-        }
-    };
+    let location = location.to_str().unwrap();
     // What any runtime refuses first.
-    let e = ckpt(&mut h, "no-such-container", location.display().to_string())
+    let e = h
+        .checkpoint("no-such-container", location, 60)
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e}");
-    let e = ckpt(&mut h, &id, "relative.tar".into()).await.unwrap_err();
+    let e = h.checkpoint(&id, "relative.tar", 60).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     if vm_mode() {
-        let e = ckpt(&mut h, &id, location.display().to_string())
-            .await
-            .unwrap_err();
+        let e = h.checkpoint(&id, location, 60).await.unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
         assert!(e.message().contains("CRIU"), "{e}");
         h.remove_pod(&pod).await;
@@ -3169,10 +3159,10 @@ async fn checkpoint_a_running_container() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    ckpt(&mut h, &id, location.display().to_string())
-        .await
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}\n{}", h.v.log()));
-    let data = std::fs::read(&location).unwrap();
+    if let Err(e) = h.checkpoint(&id, location, 60).await {
+        panic!("CheckpointContainer: {e}\n{}", h.v.log());
+    }
+    let data = std::fs::read(location).unwrap();
     let names = tar_names(&data);
     for want in [
         "checkpoint/inventory.img",
@@ -3214,7 +3204,7 @@ async fn checkpoint_a_running_container() {
     assert_eq!(deleted, ["/bin/ls"]);
     // Only the archive in its directory; nothing staged is left in vesseld's root.
     assert_eq!(
-        std::fs::read_dir(location.parent().unwrap())
+        std::fs::read_dir(Path::new(location).parent().unwrap())
             .unwrap()
             .count(),
         1
@@ -3241,22 +3231,14 @@ async fn checkpoint_a_running_container() {
     }
 
     // A stopped container has nothing to dump.
-    h.c.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id.clone(),
-            timeout: 0,
-        })
+    h.stop(&id, 0).await;
+    let again = dir.path().join("again.tar");
+    let e = h
+        .checkpoint(&id, again.to_str().unwrap(), 60)
         .await
-        .unwrap();
-    let e = ckpt(
-        &mut h,
-        &id,
-        dir.path().join("again.tar").display().to_string(),
-    )
-    .await
-    .unwrap_err();
+        .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
-    assert!(!dir.path().join("again.tar").exists());
+    assert!(!again.exists());
     h.remove_pod(&pod).await;
     h.assert_clean();
 }
@@ -3282,17 +3264,18 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     });
     let pod = h.c.run_pod(&pcfg, &handler()).await.unwrap();
     let vol = tempfile::tempdir().unwrap();
+    let vol_mount = vec![cri::Mount {
+        container_path: "/vol".into(),
+        host_path: vol.path().display().to_string(),
+        ..Default::default()
+    }];
     let mut cfg = h.ctr_config(
         "tty",
         "tty > /vol/tty; nc -lk -p 8080 -e echo hi & while true; do date > /vol/now; sleep 0.2; done",
     );
     cfg.tty = true;
     cfg.stdin = true;
-    cfg.mounts = vec![cri::Mount {
-        container_path: "/vol".into(),
-        host_path: vol.path().display().to_string(),
-        ..Default::default()
-    }];
+    cfg.mounts = vol_mount.clone();
     let id = h
         .create(&pod, &pcfg, cfg)
         .await
@@ -3309,11 +3292,7 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     cfg.command = vec!["sh".into()];
     cfg.tty = true;
     cfg.stdin = true;
-    cfg.mounts = vec![cri::Mount {
-        container_path: "/vol".into(),
-        host_path: vol.path().display().to_string(),
-        ..Default::default()
-    }];
+    cfg.mounts = vol_mount;
     let shell = h
         .create(&pod, &pcfg, cfg)
         .await
@@ -3365,11 +3344,10 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     cfg.tty = true;
     cfg.linux = Some(cri::LinuxContainerConfig {
         security_context: Some(cri::LinuxContainerSecurityContext {
-            namespace_options: ucfg
-                .linux
-                .as_ref()
-                .and_then(|l| l.security_context.as_ref())
-                .and_then(|s| s.namespace_options.clone()),
+            namespace_options: Some(cri::NamespaceOption {
+                userns_options: pod_userns(&ucfg),
+                ..Default::default()
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -3403,14 +3381,9 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     let dir = tempfile::tempdir().unwrap();
     for c in &checkpoints {
         let location = dir.path().join(format!("{c}.tar"));
-        h.c.runtime
-            .checkpoint_container(cri::CheckpointContainerRequest {
-                container_id: c.clone(),
-                location: location.display().to_string(),
-                timeout: 0,
-            })
-            .await
-            .unwrap_or_else(|e| panic!("CheckpointContainer {c}: {e}\n{}", h.v.log()));
+        if let Err(e) = h.checkpoint(c, location.to_str().unwrap(), 0).await {
+            panic!("CheckpointContainer {c}: {e}\n{}", h.v.log());
+        }
         assert!(std::fs::metadata(&location).unwrap().len() > 0);
         let st = h.status(c).await;
         assert_eq!(
@@ -3485,13 +3458,7 @@ async fn a_debug_container_joins_its_targets_pid_namespace() {
             .any(|l| l.trim_start().starts_with("1 ") && l.contains("sleep 1000")),
         "{out}"
     );
-    h.c.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: app.clone(),
-            timeout: 0,
-        })
-        .await
-        .unwrap();
+    h.stop(&app, 0).await;
     let e = h
         .create(&pod, &pcfg, debug_cfg(&h, "debugger-2", &app))
         .await
