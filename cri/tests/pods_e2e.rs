@@ -3243,6 +3243,176 @@ async fn checkpoint_a_running_container() {
     h.assert_clean();
 }
 
+/// A checkpoint restored into another pod (CreateContainer whose image is the archive's
+/// path, as with CRI-O): the processes go on from where they were (a shell's counter in
+/// memory), with the root filesystem changes (a file written, one deleted), in the new
+/// pod, with the new container's volume, log and exec; the archive's base image must be
+/// here. Then the restored container stops and goes like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_a_checkpoint_into_another_pod() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("ckpt-src").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (vol_a, vol_b) = (dir.path().join("vol-a"), dir.path().join("vol-b"));
+    std::fs::create_dir_all(&vol_a).unwrap();
+    std::fs::create_dir_all(&vol_b).unwrap();
+    let volume = |host: &Path| cri::Mount {
+        container_path: "/vol".into(),
+        host_path: host.display().to_string(),
+        ..Default::default()
+    };
+    let mut cfg = h.ctr_config(
+        "counter",
+        "rm /bin/ls; echo kept > /kept; i=0; \
+         while true; do i=$((i+1)); echo $i; echo $i > /vol/last; echo $i > /tmp/c.new; \
+         mv /tmp/c.new /tmp/count; sleep 0.1; done",
+    );
+    cfg.mounts.push(volume(&vol_a));
+    let archive = dir.path().join("counter.tar");
+    let archive_s = archive.display().to_string();
+    let restored_cfg = |image: &str| cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: if image == archive_s {
+                "counter"
+            } else {
+                "probe"
+            }
+            .into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        log_path: "counter.log".into(),
+        mounts: vec![volume(&vol_b)],
+        ..Default::default()
+    };
+    let id = h
+        .create(&pod, &pcfg, cfg)
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}"));
+    h.start(&id).await;
+    // What is refused whatever the pod: no such archive, a file that is not one.
+    let e = h
+        .create(&pod, &pcfg, restored_cfg("/no/such/archive.tar"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    let not_one = dir.path().join("not-an-archive.tar");
+    std::fs::write(&not_one, b"hello").unwrap();
+    let e = h
+        .create(&pod, &pcfg, restored_cfg(not_one.to_str().unwrap()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    if vm_mode() || vessel_critest::daemon::criu_unusable().is_some() {
+        println!(
+            "SKIP restore_a_checkpoint_into_another_pod (the restore): {}",
+            vessel_critest::daemon::criu_unusable()
+                .unwrap_or_else(|| "VM pods have no CRIU in their guest".into())
+        );
+        h.remove_pod(&pod).await;
+        h.assert_clean();
+        return;
+    }
+    let read_count = |h: &H, id: &str| {
+        let (c, id) = (h.c.clone(), id.to_string());
+        async move {
+            let r = c.exec_sync(&id, &["cat", "/tmp/count"], 5).await.unwrap();
+            String::from_utf8_lossy(&r.stdout)
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0)
+        }
+    };
+    // Long enough that a fresh start could not have counted as far in the same time.
+    let start = Instant::now();
+    while read_count(&h, &id).await < 30 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the counter does not count"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if let Err(e) = h.checkpoint(&id, &archive_s, 60).await {
+        panic!("CheckpointContainer: {e}\n{}", h.v.log());
+    }
+    // Taken from the first pod, which goes.
+    h.remove_pod(&pod).await;
+    let at_checkpoint: u64 = std::fs::read_to_string(vol_a.join("last"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+
+    let (pod2, pcfg2) = h.run_pod("ckpt-dst").await;
+    let restored = h
+        .create(&pod2, &pcfg2, restored_cfg(&archive_s))
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer from {archive_s}: {e}\n{}", h.v.log()));
+    let st = h.status(&restored).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerCreated as i32);
+    assert_eq!(st.image.as_ref().unwrap().image, h.image, "{st:?}");
+    let t = Instant::now();
+    h.start(&restored).await;
+    println!("restore took {:?}", t.elapsed());
+    let st = h.status(&restored).await;
+    assert_eq!(
+        st.state,
+        cri::ContainerState::ContainerRunning as i32,
+        "{st:?}"
+    );
+    // The counter goes on from about where it was, in the new volume.
+    let last_b = || {
+        std::fs::read_to_string(vol_b.join("last"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    wait_for(
+        "the restored counter to write the new volume",
+        Duration::from_secs(10),
+        || last_b().is_some_and(|n| n > at_checkpoint),
+    )
+    .await;
+    let n = read_count(&h, &restored).await;
+    assert!(n > at_checkpoint, "{n} <= {at_checkpoint}");
+    // The root filesystem as the container left it.
+    let r = h.exec(&restored, &["cat", "/kept"], 5).await.unwrap();
+    assert_eq!(r.stdout, b"kept\n");
+    let r = h
+        .exec(&restored, &["sh", "-c", "test -e /bin/ls"], 5)
+        .await
+        .unwrap();
+    assert_ne!(r.exit_code, 0, "/bin/ls came back");
+    // Its output goes to the new container's log.
+    let log = h.log_of("ckpt-dst", "counter");
+    wait_for(
+        "the restored container's log",
+        Duration::from_secs(10),
+        || {
+            cri_log_lines(&log)
+                .iter()
+                .any(|(s, _, m)| s == "stdout" && m.parse::<u64>().is_ok_and(|n| n > at_checkpoint))
+        },
+    )
+    .await;
+    let first: u64 = cri_log_lines(&log)
+        .first()
+        .map(|(_, _, m)| m.parse().unwrap())
+        .unwrap();
+    assert!(
+        first > at_checkpoint / 2,
+        "the log starts at {first}: restarted, not restored"
+    );
+
+    h.stop(&restored, 0).await;
+    let st = h.wait_exit(&restored, Duration::from_secs(10)).await;
+    assert_eq!(st.exit_code, 137, "{st:?}");
+    h.remove_pod(&pod2).await;
+    h.assert_clean();
+}
+
 /// A tty container (kubectl run -it) in a pod sharing one pid namespace, with a volume and a
 /// listening socket, an interactive shell attached to, and a tty in a user-namespaced pod;
 /// then checkpoints of the running ones. A flat pod's container dir is

@@ -51,6 +51,25 @@ pub fn v1_mount_points() -> impl Iterator<Item = &'static Path> {
     v1_table().iter().map(|(_, mp)| mp.as_path())
 }
 
+/// This process's own cgroup in the v1 hierarchy mounted at `point` (from
+/// `/proc/self/cgroup`), as a directory under `point`.
+pub fn v1_own_dir(point: &Path) -> Option<PathBuf> {
+    let (opts, _) = v1_table().iter().find(|(_, mp)| mp == point)?;
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    own_dir_in(&own, opts, point)
+}
+
+/// Of a `/proc/<pid>/cgroup` text, the directory of the v1 hierarchy mounted at `point`
+/// with mount options `opts` (its controllers, or `name=...`).
+fn own_dir_in(own: &str, opts: &[String], point: &Path) -> Option<PathBuf> {
+    own.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+        let ours = !ctrls.is_empty() && ctrls.split(',').any(|c| opts.iter().any(|o| o == c));
+        ours.then(|| point.join(path.trim_start_matches('/')))
+    })
+}
+
 /// This process's v1 mount table, read once (see [`v1_mount_point`]).
 fn v1_table() -> &'static [(Vec<String>, PathBuf)] {
     static MOUNTS: std::sync::OnceLock<Vec<(Vec<String>, PathBuf)>> = std::sync::OnceLock::new();
@@ -331,6 +350,25 @@ impl Cgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_cgroup_of_a_hierarchy() {
+        let own = "9:name=systemd:/vessel/p/vessel-agent\n4:memory:/vessel/p/c1\n\
+                   2:cpu,cpuacct:/vessel/p/c1\n0::/x\n";
+        let opts = |o: &str| o.split(',').map(str::to_owned).collect::<Vec<_>>();
+        let at = |o: &str, p: &str| own_dir_in(own, &opts(o), Path::new(p));
+        assert_eq!(
+            at("rw,xattr,name=systemd", "/sys/fs/cgroup/systemd"),
+            Some(PathBuf::from(
+                "/sys/fs/cgroup/systemd/vessel/p/vessel-agent"
+            ))
+        );
+        assert_eq!(
+            at("rw,cpu,cpuacct", "/sys/fs/cgroup/cpu,cpuacct"),
+            Some(PathBuf::from("/sys/fs/cgroup/cpu,cpuacct/vessel/p/c1"))
+        );
+        assert_eq!(at("rw,pids", "/sys/fs/cgroup/pids"), None);
+    }
 
     #[test]
     fn keyed_files() {

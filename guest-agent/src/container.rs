@@ -66,6 +66,9 @@ pub struct Container {
     /// Held while CRIU dumps the container (CheckpointContainer), until CRIU has ended
     /// however the call ended: its removal waits for it.
     pub dumping: Arc<tokio::sync::Mutex<()>>,
+    /// CRIU images to restore the container's processes from at start (a restored
+    /// checkpoint), instead of running its command.
+    pub restore: Option<PathBuf>,
 }
 
 impl Container {
@@ -81,6 +84,7 @@ impl Container {
         want_stdin: bool,
         tty: bool,
         stdin_once: bool,
+        restore: Option<PathBuf>,
     ) -> Arc<Container> {
         let (exit_tx, _) = watch::channel(None);
         Arc::new(Container {
@@ -105,6 +109,7 @@ impl Container {
             exit_tx,
             libct_deleted: tokio::sync::Mutex::new(false),
             dumping: Arc::new(tokio::sync::Mutex::new(())),
+            restore,
         })
     }
 

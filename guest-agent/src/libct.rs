@@ -102,6 +102,19 @@ pub enum HelperOp {
         #[arg(long)]
         work_path: Option<PathBuf>,
     },
+    /// Restores a created container's processes from CRIU images (a checkpoint) instead of
+    /// starting its command; prints `PID <init pid>`.
+    Restore {
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        bundle: PathBuf,
+        #[arg(long)]
+        image_path: PathBuf,
+        /// The restored stdin/stdout/stderr (where the dumped ones were pipes) are fds 3/4/5.
+        #[arg(long)]
+        stdio: bool,
+    },
 }
 
 /// The kind of a helper error, mapped to a gRPC code by the agent.
@@ -416,6 +429,16 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             image_path,
             work_path,
         } => checkpoint(root, &id, image_path, work_path),
+        HelperOp::Restore {
+            id,
+            bundle,
+            image_path,
+            stdio,
+        } => {
+            let pid = restore(root, &id, &bundle, &image_path, stdio)?;
+            say(&format!("PID {pid}"));
+            Ok(())
+        }
     }
 }
 
@@ -458,16 +481,28 @@ const DEFAULT_DEVICES: [&str; 6] = [
     "/dev/random",
 ];
 
+/// One of a container's mounts whose source lies outside it: CRIU records `point` (in the
+/// container) as external under `key` at a dump, and a restore binds `source` (on this
+/// side) where `key` was.
+#[derive(Debug, PartialEq)]
+struct ExtMount {
+    point: String,
+    key: String,
+    source: String,
+}
+
 /// The container's mounts whose source lies outside it, which CRIU must be told are
-/// external (mount point -> the key a restore maps back): its bind mounts (volumes, the
-/// pod's hosts/resolv.conf), cgroup v1 hierarchies (bound from the host's), masked files
-/// (/dev/null bound over them) and, with a user namespace, the devices bound from the host.
-fn external_mounts(spec: &oci_spec::runtime::Spec, pid: i32) -> Vec<(String, String)> {
+/// external: its bind mounts (volumes, the pod's hosts/resolv.conf), cgroup v1 hierarchies
+/// (the container's cgroup, bound from the host's), masked files (/dev/null bound over
+/// them) and, with a user namespace, the devices bound from the host. A dump (`pid` of the
+/// container's init) lists the masked files it finds in the container; a restore (`None`)
+/// maps them all, as a key no dump used is left alone.
+fn external_mounts(spec: &oci_spec::runtime::Spec, pid: Option<i32>) -> Vec<ExtMount> {
     use oci_spec::runtime::LinuxNamespaceType;
-    let mut out: Vec<(String, String)> = Vec::new();
-    let mut add = |k: String, v: String| {
-        if !out.iter().any(|(x, _)| *x == k) {
-            out.push((k, v));
+    let mut out: Vec<ExtMount> = Vec::new();
+    let mut add = |point: String, key: String, source: String| {
+        if !out.iter().any(|x| x.point == point) {
+            out.push(ExtMount { point, key, source });
         }
     };
     let mut cgroup = false;
@@ -479,30 +514,39 @@ fn external_mounts(spec: &oci_spec::runtime::Spec, pid: i32) -> Vec<(String, Str
                 .flatten()
                 .any(|o| o == "bind" || o == "rbind");
         if bind {
-            add(dest.clone(), dest);
+            let source = m.source().as_ref().map(|s| s.display().to_string());
+            add(dest.clone(), dest, source.unwrap_or_default());
         } else if m.typ().as_deref() == Some("cgroup") {
             cgroup = true;
         }
     }
+    let linux = spec.linux().as_ref();
     if cgroup {
-        // v1 (hybrid included): each hierarchy is the host's, bound in.
+        // v1 (hybrid included): each hierarchy is the host's, the container's cgroup in it
+        // bound in: a restore runs in the container's cgroups, so that is its own (named
+        // hierarchies such as name=systemd, which no controller manages, included).
         for point in crate::cgroups::v1_mount_points() {
+            let source = crate::cgroups::v1_own_dir(point)
+                .unwrap_or_else(|| point.to_path_buf())
+                .display()
+                .to_string();
             let point = point.display().to_string();
             if point.starts_with("/sys/fs/cgroup/") {
-                add(point.clone(), point);
+                add(point.clone(), point, source);
             }
         }
     }
-    let linux = spec.linux().as_ref();
     for p in linux
         .and_then(|l| l.masked_paths().as_ref())
         .into_iter()
         .flatten()
     {
         // Directories get an empty read-only tmpfs, which CRIU dumps as it is.
-        let inside = format!("/proc/{pid}/root{p}");
-        if std::fs::metadata(&inside).is_ok_and(|m| !m.is_dir()) {
-            add(p.clone(), "/dev/null".into());
+        let file = pid.is_none_or(|pid| {
+            std::fs::metadata(format!("/proc/{pid}/root{p}")).is_ok_and(|m| !m.is_dir())
+        });
+        if file {
+            add(p.clone(), "/dev/null".into(), "/dev/null".into());
         }
     }
     let userns = linux
@@ -516,7 +560,7 @@ fn external_mounts(spec: &oci_spec::runtime::Spec, pid: i32) -> Vec<(String, Str
                 .flatten()
                 .map(|d| d.path().display().to_string()),
         ) {
-            add(d.clone(), d);
+            add(d.clone(), d.clone(), d);
         }
     }
     out
@@ -586,8 +630,8 @@ fn checkpoint(
     if let Some(w) = &work {
         criu.set_work_dir_fd(w.as_raw_fd());
     }
-    for (point, key) in external_mounts(&spec, pid) {
-        criu.set_external_mount(point, key);
+    for m in external_mounts(&spec, Some(pid)) {
+        criu.set_external_mount(m.point, m.key);
     }
     // The pod's namespaces the container joined (by path) are not the container's to dump.
     for (typ, name) in [
@@ -654,6 +698,253 @@ fn checkpoint(
             LibcontainerError::Other(format!("criu: {e}; {errors}"))
         }
     })
+}
+
+/// The log [`restore`] has CRIU write into the image directory.
+pub const CRIU_RESTORE_LOG: &str = "restore.log";
+
+/// The pid of the restored init, from CRIU's `post-restore` notification (a notify callback
+/// is a plain `fn`; the restoring process is single-threaded).
+static RESTORED_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+fn note_restored_pid(
+    script: &str,
+    notify: &rust_criu::rust_criu_protobuf::rpc::Criu_notify,
+    _fd: Option<RawFd>,
+) -> i32 {
+    if script == "post-restore" {
+        RESTORED_PID.store(notify.pid(), std::sync::atomic::Ordering::SeqCst);
+    }
+    0
+}
+
+/// Restores container `id` (made by the agent: its bundle written, its rootfs mounted with
+/// the checkpoint's changes in it) from the CRIU images in `image_path`, a
+/// CheckpointContainer dump; answers the restored init's pid. CRIU makes the container's
+/// namespaces, mounts and processes; what came from outside at the dump is given back: the
+/// external mounts by key ([`external_mounts`]: this container's volume sources and cgroup,
+/// /dev/null over masked files), the pod's network (and shared pid) namespace, and this
+/// container's stdio pipes where the dumped ones were pipes (`descriptors.json`).
+/// CRIU runs in the container's cgroup, in a child of this helper (see
+/// [`restore_in_child`]), so that a failed restore leaves a cgroup the helper can remove.
+/// libcontainer's state for the restored init is then written as for a started container:
+/// exec, kill, stats and delete work as for any other.
+fn restore(
+    root: &Path,
+    id: &str,
+    bundle: &Path,
+    image_path: &Path,
+    stdio: bool,
+) -> Result<i32, LibcontainerError> {
+    use libcontainer::container::ContainerStatus;
+    use std::os::unix::fs::DirBuilderExt;
+    if let Some(host_ns) = take_host_mount_ns() {
+        stage_binds(&host_ns, bundle)?;
+    }
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))?;
+    let rootfs = spec
+        .root()
+        .as_ref()
+        .map(|r| bundle.join(r.path()))
+        .ok_or_else(|| LibcontainerError::InvalidInput("the spec has no root".into()))?;
+    let config = libcontainer::config::YoukiConfig::from_spec(&spec, id)?;
+    let dir = root.join(id);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(LibcontainerError::OtherIO)?;
+    config.save(&dir)?;
+    let cgroup = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
+        cgroup_path: config.cgroup_path.clone(),
+        systemd_cgroup: false,
+        container_name: id.to_string(),
+    })?;
+    let descriptors: Vec<String> = std::fs::read(image_path.join("descriptors.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let stdio = stdio.then(take_stdio);
+    let restored = restore_in_child(&RestoreIn {
+        spec: &spec,
+        rootfs: &rootfs,
+        image_path,
+        cgroup: &cgroup,
+        stdio: stdio.as_ref(),
+        descriptors: &descriptors,
+    })
+    .and_then(|pid| {
+        let mut c = Container::new(id, ContainerStatus::Running, Some(pid), bundle, &dir)?;
+        c.set_creator(nix::unistd::geteuid().as_raw());
+        c.state.created = Some(chrono::Utc::now());
+        c.save()?;
+        Ok(pid)
+    });
+    if restored.is_err() {
+        // Nothing half-made stays: restored processes, the cgroup, the state.
+        let procs = crate::cgroups::Cgroup::new(&config.cgroup_path);
+        for _ in 0..50 {
+            let left = procs.procs();
+            if left.is_empty() {
+                break;
+            }
+            for p in left {
+                let _ = nix::sys::signal::kill(Pid::from_raw(p), nix::sys::signal::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if let Err(e) = libcgroups::common::CgroupManager::remove(&cgroup) {
+            tracing::warn!(error = %e, "removing the cgroup of a container that was not restored");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    restored
+}
+
+/// What [`restore_in_child`] restores, and from where.
+struct RestoreIn<'a> {
+    spec: &'a oci_spec::runtime::Spec,
+    rootfs: &'a Path,
+    image_path: &'a Path,
+    cgroup: &'a libcgroups::common::AnyCgroupManager,
+    stdio: Option<&'a [OwnedFd; 3]>,
+    descriptors: &'a [String],
+}
+
+/// Runs the CRIU restore in a forked child of this helper, which first joins the
+/// container's cgroup (so that CRIU and everything it restores start there) and then
+/// leaves. The restored init is the child's sibling (`rst_sibling`): a child of this
+/// helper, reparented to the agent when the helper exits. Answers its pid.
+fn restore_in_child(r: &RestoreIn) -> Result<i32, LibcontainerError> {
+    use std::io::Read;
+    let io = |e: nix::Error| LibcontainerError::OtherIO(std::io::Error::from(e));
+    let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(io)?;
+    std::io::stdout().flush().ok();
+    // SAFETY: this helper is single-threaded (see the module docs), so the child may run
+    // any code; it ends with _exit and never returns into the helper's.
+    match unsafe { nix::unistd::fork() }.map_err(io)? {
+        nix::unistd::ForkResult::Child => {
+            drop(rd);
+            let answer = match criu_restore(r) {
+                Ok(pid) => format!("OK {pid}"),
+                Err(e) => format!("ERR {}", error_chain(&e)),
+            };
+            let mut f = std::fs::File::from(wr);
+            let _ = f.write_all(answer.as_bytes());
+            drop(f);
+            // SAFETY: ends the forked child at once, without the helper's exit path.
+            unsafe { libc::_exit(0) }
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            drop(wr);
+            let mut answer = String::new();
+            let read = std::fs::File::from(rd).read_to_string(&mut answer);
+            let _ = waitpid(child, None);
+            read.map_err(LibcontainerError::OtherIO)?;
+            match answer.split_once(' ') {
+                Some(("OK", pid)) => pid.trim().parse().map_err(|_| {
+                    LibcontainerError::Other(format!("restore answered a bad pid {pid:?}"))
+                }),
+                Some(("ERR", msg)) => Err(LibcontainerError::Other(msg.to_string())),
+                _ => Err(LibcontainerError::Other(
+                    "the restoring process died without an answer".into(),
+                )),
+            }
+        }
+    }
+}
+
+/// In [`restore_in_child`]'s child: joins the container's cgroup and has CRIU restore.
+fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
+    use libcgroups::common::{CgroupManager, ControllerOpt};
+    use oci_spec::runtime::LinuxNamespaceType;
+    r.cgroup.add_task(Pid::this())?;
+    if let Some(resources) = r.spec.linux().as_ref().and_then(|l| l.resources().as_ref()) {
+        r.cgroup.apply(&ControllerOpt {
+            resources,
+            disable_oom_killer: false,
+            oom_score_adj: None,
+            freezer_state: None,
+        })?;
+    }
+    // `criu swrk` inherits stdout, the agent's answer pipe: it writes to stderr (the
+    // agent's log) instead; this child answers through its own pipe.
+    // SAFETY: dup2 retargets fd 1 of this single-threaded child only.
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(LibcontainerError::OtherIO(std::io::Error::last_os_error()));
+    }
+    let criu_err = |e: rust_criu::CriuError| LibcontainerError::Other(format!("criu: {e}"));
+    let mut criu = rust_criu::Criu::new_with_criu_path(find_criu()?.display().to_string())
+        .map_err(criu_err)?;
+    let images = std::fs::File::open(r.image_path).map_err(LibcontainerError::OtherIO)?;
+    criu.set_images_dir_fd(images.as_raw_fd());
+    criu.set_log_file(CRIU_RESTORE_LOG.to_string());
+    criu.set_log_level(4);
+    criu.set_root(r.rootfs.display().to_string());
+    for m in external_mounts(r.spec, None) {
+        criu.set_external_mount(m.key, m.source);
+    }
+    // The pod's namespaces the dump recorded as external: CRIU puts the tasks back in them.
+    let mut inherited = Vec::new();
+    for (typ, name) in [
+        (LinuxNamespaceType::Network, "net"),
+        (LinuxNamespaceType::Pid, "pid"),
+    ] {
+        let path = r
+            .spec
+            .linux()
+            .as_ref()
+            .and_then(|l| l.namespaces().as_ref())
+            .and_then(|ns| ns.iter().find(|n| n.typ() == typ))
+            .and_then(|n| n.path().clone());
+        if let Some(path) = path {
+            let f = std::fs::File::open(&path).map_err(LibcontainerError::OtherIO)?;
+            // Inherited by criu swrk: not close-on-exec.
+            nix::fcntl::fcntl(
+                f.as_raw_fd(),
+                nix::fcntl::F_SETFD(nix::fcntl::FdFlag::empty()),
+            )
+            .map_err(|e| LibcontainerError::OtherIO(e.into()))?;
+            criu.add_inherit_fd(f.as_raw_fd(), rust_criu::criu_ns_to_key(name))
+                .map_err(criu_err)?;
+            inherited.push(f);
+        }
+    }
+    // The dumped stdio pipes (to the old log pumps) become this container's.
+    if let Some(stdio) = r.stdio {
+        for (fd, was) in stdio.iter().zip(r.descriptors) {
+            if was.starts_with("pipe:") {
+                criu.add_inherit_fd(fd.as_raw_fd(), was.clone())
+                    .map_err(criu_err)?;
+            }
+        }
+    }
+    criu.set_rst_sibling(true);
+    criu.set_tcp_established(true);
+    criu.set_file_locks(true);
+    criu.set_ext_unix_sk(false);
+    criu.set_shell_job(false);
+    // The tasks stay in the cgroup CRIU runs in (this container's), not the dumped one's.
+    criu.set_manage_cgroups(false);
+    criu.cgroups_mode(rust_criu::CgMode::IGNORE);
+    criu.set_notify_scripts(true);
+    criu.set_notify_cb(note_restored_pid);
+    RESTORED_PID.store(0, std::sync::atomic::Ordering::SeqCst);
+    criu.restore().map_err(|e| {
+        let errors = criu_errors(&r.image_path.join(CRIU_RESTORE_LOG));
+        if errors.is_empty() {
+            criu_err(e)
+        } else {
+            LibcontainerError::Other(format!("criu: {e}; {errors}"))
+        }
+    })?;
+    drop(inherited);
+    match RESTORED_PID.load(std::sync::atomic::Ordering::SeqCst) {
+        pid if pid > 0 => Ok(pid),
+        _ => Err(LibcontainerError::Other(
+            "CRIU restored the container but did not say its pid".into(),
+        )),
+    }
 }
 
 /// The last few `Error` lines of a CRIU log, joined: why a dump failed.
@@ -1271,17 +1562,17 @@ mod tests {
         }))
         .unwrap();
         // Masked paths are looked at inside the container's root: ours here.
-        let ext = external_mounts(&spec, std::process::id() as i32);
-        let has = |k: &str, v: &str| ext.iter().any(|(a, b)| a == k && b == v);
+        let ext = external_mounts(&spec, Some(std::process::id() as i32));
+        let has = |p: &str, k: &str| ext.iter().any(|m| m.point == p && m.key == k);
         assert!(
             has("/vol", "/vol") && has("/etc/hosts", "/etc/hosts"),
             "{ext:?}"
         );
-        assert!(!ext.iter().any(|(a, _)| a == "/proc"), "{ext:?}");
+        assert!(!ext.iter().any(|m| m.point == "/proc"), "{ext:?}");
         assert!(has("/proc/version", "/dev/null"), "{ext:?}");
         assert!(!ext
             .iter()
-            .any(|(a, _)| a == "/proc/no-such-thing" || a == "/sys/firmware"));
+            .any(|m| m.point == "/proc/no-such-thing" || m.point == "/sys/firmware"));
         // A user namespace: devices are bound from the host's.
         assert!(
             has("/dev/null", "/dev/null") && has("/dev/fuse", "/dev/fuse"),
@@ -1293,10 +1584,24 @@ mod tests {
             .lines()
             .any(|l| l.contains(" - cgroup ") && l.contains(" /sys/fs/cgroup/"));
         assert_eq!(
-            ext.iter().any(|(a, _)| a.starts_with("/sys/fs/cgroup/")),
+            ext.iter().any(|m| m.point.starts_with("/sys/fs/cgroup/")),
             v1,
             "{ext:?}"
         );
+        // A restore binds each key's source: the volumes' (staged) sources, /dev/null
+        // over every masked path, the devices from the host.
+        let restore = external_mounts(&spec, None);
+        let src = |k: &str| {
+            restore
+                .iter()
+                .find(|m| m.key == k)
+                .map(|m| m.source.as_str())
+        };
+        assert_eq!(src("/vol"), Some("/srv/vol"));
+        assert_eq!(src("/etc/hosts"), Some("/p/hosts"));
+        assert_eq!(src("/dev/null"), Some("/dev/null"));
+        assert_eq!(src("/dev/fuse"), Some("/dev/fuse"));
+        assert!(restore.iter().any(|m| m.point == "/proc/no-such-thing"));
     }
 
     #[test]

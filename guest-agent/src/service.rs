@@ -329,6 +329,25 @@ impl AgentState {
             None => return Err(AgentError::InvalidArgument("rootfs is required".into())),
         };
 
+        let restore = match req.restore_dir.as_str() {
+            "" => None,
+            _ if self.vm.is_some() => {
+                return Err(AgentError::FailedPrecondition(format!(
+                    "container {id:?}: a VM pod's guest has no CRIU: checkpoints are restored in flat pods"
+                )))
+            }
+            _ if req.tty => {
+                return Err(AgentError::FailedPrecondition(format!(
+                    "container {id:?}: restoring a container with a terminal (tty) is not supported"
+                )))
+            }
+            d if Path::new(d).is_absolute() && Path::new(d).is_dir() => Some(PathBuf::from(d)),
+            d => {
+                return Err(AgentError::InvalidArgument(format!(
+                    "container {id:?}: restore_dir {d:?} is not an absolute path to a directory"
+                )))
+            }
+        };
         let mut spec = crate::spec::prepare(&req.oci_spec, id, &rootfs, req.tty, self.pid)?;
         clamp_oom_score_adj(&mut spec);
         let cgroup = Cgroup::new(&crate::spec::cgroups_path(&spec, id));
@@ -366,6 +385,7 @@ impl AgentState {
             req.stdin,
             req.tty,
             req.stdin_once,
+            restore,
         );
         tracing::info!(id, "container created");
         Ok(c)
@@ -381,14 +401,23 @@ impl AgentState {
         if let Some(overlay) = &c.overlay {
             crate::rootfs::mount_prepared(&c.rootfs, overlay)?;
         }
-        let mut args: Vec<OsString> = vec![
-            "create".into(),
+        let mut args: Vec<OsString> = match &c.restore {
+            None => vec!["create".into()],
+            Some(images) => vec![
+                "restore".into(),
+                "--image-path".into(),
+                images.clone().into_os_string(),
+            ],
+        };
+        args.extend([
             "--id".into(),
             id.into(),
             "--bundle".into(),
             dir.join("bundle").into_os_string(),
-            "--start".into(),
-        ];
+        ]);
+        if c.restore.is_none() {
+            args.push("--start".into());
+        }
         let log = c.log.clone();
         let mut pumps: Vec<JoinHandle<()>> = Vec::new();
         let mut keep_stdin: Option<OwnedFd> = None;
@@ -430,7 +459,12 @@ impl AgentState {
         }
 
         let oom_before = c.cgroup.oom_kill_count().unwrap_or(0);
-        let created = self.libct.run(&args, stdio, HELPER_TIMEOUT).await;
+        // A restore's CRIU loads the container's whole memory back.
+        let limit = match c.restore {
+            Some(_) => CHECKPOINT_LIMIT,
+            None => HELPER_TIMEOUT,
+        };
+        let created = self.libct.run(&args, stdio, limit).await;
         let pid = match created {
             Ok(Some(pid)) => pid,
             Ok(None) => {

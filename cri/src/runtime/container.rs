@@ -2,6 +2,7 @@
 //! UpdateContainerResources. The backend gives a container its root and log
 //! (`SandboxBackend::prepare_container`); the pod agent runs it.
 
+use super::restore::{self, Checkpoint};
 use super::{config_with_metadata, Ctr, Runtime};
 use crate::errors::{agent_err, if_found, internal, Result, RuntimeError};
 use crate::sandbox::{ContainerRequest, Pod};
@@ -24,6 +25,8 @@ struct Made {
     /// The config with image volumes as read-only host paths.
     volumes: cri::ContainerConfig,
     volume_snapshots: Vec<String>,
+    /// The checkpoint the container is restored from at start.
+    restore: Option<Checkpoint>,
 }
 
 impl Runtime {
@@ -72,14 +75,22 @@ impl Runtime {
         prec: &PodRecord,
         id: &str,
         key: &str,
-        config: cri::ContainerConfig,
+        mut config: cri::ContainerConfig,
     ) -> Result<()> {
-        let image_name = image_name(&config);
+        let mut image_name = image_name(&config);
         if image_name.is_empty() {
             return Err(RuntimeError::InvalidArgument(
                 "CreateContainer: no image".into(),
             ));
         }
+        let restore = if restore::is_archive(&image_name) {
+            let ck = self.checkpoint_to_restore(prec, key, &image_name).await?;
+            image_name = ck.1;
+            ck.0.apply(&mut config, &image_name);
+            Some(ck.0)
+        } else {
+            None
+        };
         let store = self.store.clone();
         let q = image_name.clone();
         let image = tokio::task::spawn_blocking(move || store.find(&q))
@@ -123,6 +134,7 @@ impl Runtime {
             target_pid,
             volumes,
             volume_snapshots,
+            restore,
         };
         let snaps = made.volume_snapshots.clone();
         let res = self.create_made(pod, prec, id, key, made).await;
@@ -132,6 +144,48 @@ impl Runtime {
             }
         }
         res
+    }
+
+    /// The checkpoint archive at `archive` (CreateContainer's image) that the container is
+    /// to be restored from, and the name of the image it was taken from, which must be here.
+    async fn checkpoint_to_restore(
+        &self,
+        prec: &PodRecord,
+        key: &str,
+        archive: &str,
+    ) -> Result<(Checkpoint, String)> {
+        if self.backend(prec).kind() == crate::state::BackendKind::Vm {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CreateContainer {key:?}: checkpoint {archive}: pod {} is a VM pod, whose guest has no CRIU: checkpoints are restored in flat pods",
+                prec.id
+            )));
+        }
+        let (store, path) = (self.store.clone(), std::path::PathBuf::from(archive));
+        let (ck, base) = tokio::task::spawn_blocking(move || {
+            let ck = Checkpoint::open(&path)?;
+            let mut base = None;
+            for q in ck.base_images() {
+                if let Ok(Some(_)) = store.find(q) {
+                    base = Some(q.to_string());
+                    break;
+                }
+            }
+            Ok::<_, RuntimeError>((ck, base))
+        })
+        .await
+        .map_err(internal("reading the checkpoint"))??;
+        if ck.terminal() {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CreateContainer {key:?}: checkpoint {archive}: restoring a container with a terminal (tty) is not supported"
+            )));
+        }
+        let base = base.ok_or_else(|| {
+            RuntimeError::NotFound(format!(
+                "CreateContainer {key:?}: image {:?}, which checkpoint {archive} was taken from, not found; pull it first",
+                ck.base_image_name()
+            ))
+        })?;
+        Ok((ck, base))
     }
 
     /// The container config with its image volumes (mounts naming an image) turned into
@@ -272,6 +326,7 @@ impl Runtime {
             target_pid,
             volumes,
             volume_snapshots,
+            restore,
         } = made;
         let image_name = image_name(&config);
         let backend = self.backend(prec);
@@ -409,6 +464,24 @@ impl Runtime {
             .flat_map(|c| c.record().layers)
             .collect();
         let created = async {
+            let restore_dir = match restore {
+                None => String::new(),
+                Some(ck) => {
+                    let (dir, upper) = (snap.dir.clone(), snap.upper());
+                    let images = tokio::task::spawn_blocking(move || {
+                        ck.unpack(&dir, &upper).map_err(|e| (ck.archive, e))
+                    })
+                    .await
+                    .map_err(internal("unpacking the checkpoint"))?
+                    .map_err(|(archive, e)| {
+                        RuntimeError::InvalidArgument(format!(
+                            "CreateContainer {key:?}: unpacking checkpoint {}: {e}",
+                            archive.display()
+                        ))
+                    })?;
+                    images.display().to_string()
+                }
+            };
             let prepared = backend
                 .prepare_container(
                     pod,
@@ -435,6 +508,7 @@ impl Runtime {
                 log_vsock_port: prepared.log_vsock_port,
                 log_vsock_token: prepared.log_vsock_token,
                 apparmor_policy,
+                restore_dir,
             };
             let mut c = pod.client().await?;
             let resp = c

@@ -22,6 +22,7 @@ mod events;
 mod exec;
 mod pod;
 mod recover;
+mod restore;
 mod stats;
 mod translate;
 mod watch;

@@ -162,6 +162,7 @@ impl TestAgent {
             log_vsock_port: 0,
             log_vsock_token: String::new(),
             apparmor_policy: Vec::new(),
+            restore_dir: String::new(),
         }
     }
 

@@ -1,0 +1,285 @@
+//! Restoring a checkpoint: CreateContainer whose image is the absolute path of a
+//! CheckpointContainer archive (CRI-O's convention, which `crictl create` and a pod spec's
+//! `image` can name) makes a container that StartContainer restores with CRIU instead of
+//! starting its command (flat pods).
+//!
+//! The archive names the image the container ran from (`config.dump`): that image must be
+//! here, and it is the new container's image; the archive's `rootfs-diff.tar` and
+//! `deleted.files` are written into the new container's writable layer (its overlay upper
+//! directory: files as they were, whiteouts for what it had deleted), and its CRIU images
+//! (`checkpoint/`) are unpacked into the container's snapshot directory, so that they go
+//! with the container. The request's mounts give the volumes (by container path, as CRIU
+//! recorded them); where the request names no command, the checkpointed process's
+//! arguments, environment and working directory (`spec.dump`) are the container's.
+
+use crate::errors::{Result, RuntimeError};
+use k8s_cri::v1 as cri;
+use serde::Deserialize;
+use std::fs::File;
+use std::io;
+use std::path::{Component, Path, PathBuf};
+
+/// The directory under a container's snapshot that holds the CRIU images it is restored
+/// from.
+const IMAGES_DIR: &str = "checkpoint";
+
+/// `config.dump`, as CRI-O and vessel write it (the fields a restore reads).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ConfigDump {
+    name: String,
+    #[serde(rename = "rootfsImage")]
+    rootfs_image: String,
+    #[serde(rename = "rootfsImageRef")]
+    rootfs_image_ref: String,
+    #[serde(rename = "rootfsImageName")]
+    rootfs_image_name: String,
+}
+
+/// The checkpointed process, from `spec.dump`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Process {
+    args: Vec<String>,
+    env: Vec<String>,
+    cwd: String,
+    terminal: bool,
+}
+
+/// A checkpoint archive a container is to be restored from.
+#[derive(Debug)]
+pub(super) struct Checkpoint {
+    pub archive: PathBuf,
+    config: ConfigDump,
+    process: Process,
+}
+
+/// Whether a CreateContainer image names a checkpoint archive: an absolute path (no image
+/// reference starts with `/`).
+pub(super) fn is_archive(image: &str) -> bool {
+    image.starts_with('/')
+}
+
+fn bad(archive: &Path, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::InvalidArgument(format!("checkpoint archive {}: {what}", archive.display()))
+}
+
+impl Checkpoint {
+    /// Reads the archive's `config.dump` and `spec.dump` (blocking).
+    pub fn open(archive: &Path) -> Result<Checkpoint> {
+        let f = File::open(archive).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => RuntimeError::NotFound(format!(
+                "checkpoint archive {} not found",
+                archive.display()
+            )),
+            _ => bad(archive, e),
+        })?;
+        let mut config = None;
+        let mut spec = None;
+        let mut a = tar::Archive::new(f);
+        for e in a.entries_with_seek().map_err(|e| bad(archive, e))? {
+            let mut e = e.map_err(|e| bad(archive, e))?;
+            let path = e.path().map_err(|e| bad(archive, e))?.into_owned();
+            let slot = match path.to_str() {
+                Some("config.dump") => &mut config,
+                Some("spec.dump") => &mut spec,
+                _ => continue,
+            };
+            let mut buf = Vec::new();
+            io::Read::read_to_end(&mut e, &mut buf).map_err(|e| bad(archive, e))?;
+            *slot = Some(buf);
+        }
+        let (Some(config), Some(spec)) = (config, spec) else {
+            return Err(bad(
+                archive,
+                "no config.dump or spec.dump in it: not a CheckpointContainer archive",
+            ));
+        };
+        let config: ConfigDump = serde_json::from_slice(&config)
+            .map_err(|e| bad(archive, format!("config.dump: {e}")))?;
+        let spec: serde_json::Value =
+            serde_json::from_slice(&spec).map_err(|e| bad(archive, format!("spec.dump: {e}")))?;
+        let process: Process = serde_json::from_value(spec["process"].clone())
+            .map_err(|e| bad(archive, format!("spec.dump process: {e}")))?;
+        Ok(Checkpoint {
+            archive: archive.to_path_buf(),
+            config,
+            process,
+        })
+    }
+
+    /// The image the checkpointed container ran from, as the store may know it: its name,
+    /// its digest reference, its id.
+    pub fn base_images(&self) -> impl Iterator<Item = &str> {
+        [
+            &self.config.rootfs_image_name,
+            &self.config.rootfs_image_ref,
+            &self.config.rootfs_image,
+        ]
+        .into_iter()
+        .map(|s| s.as_str())
+        .filter(|s| !s.is_empty())
+    }
+
+    /// The base image, for messages.
+    pub fn base_image_name(&self) -> &str {
+        self.base_images().next().unwrap_or("")
+    }
+
+    /// Whether the checkpointed process had a terminal (not restorable here).
+    pub fn terminal(&self) -> bool {
+        self.process.terminal
+    }
+
+    /// The container config of the restored container: the request's, with the base image
+    /// and, where the request names no command, the checkpointed process's.
+    pub fn apply(&self, config: &mut cri::ContainerConfig, image_name: &str) {
+        config.image = Some(cri::ImageSpec {
+            image: image_name.to_string(),
+            ..config.image.clone().unwrap_or_default()
+        });
+        if config.command.is_empty() && config.args.is_empty() {
+            config.command = self.process.args.clone();
+            if config.working_dir.is_empty() {
+                config.working_dir = self.process.cwd.clone();
+            }
+            if config.envs.is_empty() {
+                config.envs = self
+                    .process
+                    .env
+                    .iter()
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| cri::KeyValue {
+                        key: k.to_string(),
+                        value: v.to_string(),
+                    })
+                    .collect();
+            }
+        }
+        tracing::debug!(checkpoint = %self.archive.display(), name = %self.config.name, "restoring a checkpointed container");
+    }
+
+    /// Unpacks the archive into the container's snapshot (blocking): the CRIU images into
+    /// `<snapshot>/checkpoint`, the root filesystem changes into `upper` (the overlay upper
+    /// directory: files with their owners and modes, whiteouts for the deleted files).
+    /// Answers the images directory.
+    pub fn unpack(&self, snapshot_dir: &Path, upper: &Path) -> io::Result<PathBuf> {
+        let images = snapshot_dir.join(IMAGES_DIR);
+        std::fs::create_dir_all(&images)?;
+        let mut a = tar::Archive::new(File::open(&self.archive)?);
+        for e in a.entries()? {
+            let mut e = e?;
+            let path = e.path()?.into_owned();
+            if path.starts_with(IMAGES_DIR) {
+                // Checked by unpack_in: nothing lands outside the snapshot directory.
+                e.unpack_in(snapshot_dir)?;
+            } else if path == Path::new("rootfs-diff.tar") {
+                let mut diff = tar::Archive::new(&mut e);
+                diff.set_preserve_permissions(true);
+                diff.set_preserve_ownerships(true);
+                diff.set_preserve_mtime(true);
+                diff.set_unpack_xattrs(true);
+                for f in diff.entries()? {
+                    f?.unpack_in(upper)?;
+                }
+            } else if path == Path::new("deleted.files") {
+                let mut buf = Vec::new();
+                io::Read::read_to_end(&mut e, &mut buf)?;
+                let deleted: Vec<String> =
+                    serde_json::from_slice(&buf).map_err(io::Error::other)?;
+                for d in deleted {
+                    whiteout(upper, &d)?;
+                }
+            }
+        }
+        if !images.join("inventory.img").exists() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "no CRIU images (checkpoint/inventory.img) in the archive",
+            ));
+        }
+        Ok(images)
+    }
+}
+
+/// Marks `path` (absolute, in the container) deleted in the overlay upper dir `upper`: a
+/// character device 0:0, overlayfs's whiteout. A path that leaves the root is refused; one
+/// the diff brought back is left as it is.
+fn whiteout(upper: &Path, path: &str) -> io::Result<()> {
+    let rel = Path::new(path.trim_start_matches('/'));
+    if rel.as_os_str().is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("deleted.files: bad path {path:?}"),
+        ));
+    }
+    let at = upper.join(rel);
+    if std::fs::symlink_metadata(&at).is_ok() {
+        return Ok(());
+    }
+    if let Some(parent) = at.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &at,
+        rustix::fs::FileType::CharacterDevice,
+        rustix::fs::Mode::empty(),
+        0,
+    )
+    .map_err(io::Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deleted_files_become_whiteouts_inside_the_upper_dir_only() {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let d = tempfile::tempdir().unwrap();
+        whiteout(d.path(), "/etc/gone").unwrap();
+        let m = std::fs::symlink_metadata(d.path().join("etc/gone")).unwrap();
+        assert!(m.file_type().is_char_device() && m.rdev() == 0);
+        for bad in ["/", "/../x", "/a/../../x", ""] {
+            assert!(whiteout(d.path(), bad).is_err(), "{bad:?}");
+        }
+        // A file the diff brought back stays.
+        std::fs::write(d.path().join("kept"), "x").unwrap();
+        whiteout(d.path(), "/kept").unwrap();
+        assert_eq!(std::fs::read_to_string(d.path().join("kept")).unwrap(), "x");
+    }
+
+    #[test]
+    fn the_checkpointed_command_is_used_where_the_request_names_none() {
+        let c = Checkpoint {
+            archive: "/a.tar".into(),
+            config: ConfigDump::default(),
+            process: Process {
+                args: vec!["/bin/sh".into(), "-c".into(), "sleep 9".into()],
+                env: vec!["A=1".into(), "B=x=y".into()],
+                cwd: "/w".into(),
+                terminal: false,
+            },
+        };
+        let mut cfg = cri::ContainerConfig {
+            image: Some(cri::ImageSpec {
+                image: "/a.tar".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        c.apply(&mut cfg, "busybox:latest");
+        assert_eq!(cfg.image.unwrap().image, "busybox:latest");
+        assert_eq!(cfg.command, ["/bin/sh", "-c", "sleep 9"]);
+        assert_eq!(cfg.working_dir, "/w");
+        assert_eq!(cfg.envs[1].value, "x=y");
+        let mut own = cri::ContainerConfig {
+            command: vec!["top".into()],
+            ..Default::default()
+        };
+        c.apply(&mut own, "busybox:latest");
+        assert_eq!(own.command, ["top"]);
+        assert!(own.envs.is_empty());
+    }
+}
