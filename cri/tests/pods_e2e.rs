@@ -3306,6 +3306,37 @@ async fn restore_a_checkpoint_into_another_pod() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    // An archive with its metadata but no CRIU images; a VM pod refuses any.
+    let hollow = dir.path().join("hollow.tar");
+    {
+        let mut b = tar::Builder::new(std::fs::File::create(&hollow).unwrap());
+        for (name, data) in [
+            (
+                "config.dump",
+                serde_json::json!({"name": "counter", "rootfsImageName": h.image}).to_string(),
+            ),
+            (
+                "spec.dump",
+                serde_json::json!({"process": {"args": ["sleep", "1"]}}).to_string(),
+            ),
+        ] {
+            let mut hd = tar::Header::new_gnu();
+            hd.set_size(data.len() as u64);
+            hd.set_mode(0o600);
+            b.append_data(&mut hd, name, data.as_bytes()).unwrap();
+        }
+        b.finish().unwrap();
+    }
+    let e = h
+        .create(&pod, &pcfg, restored_cfg(hollow.to_str().unwrap()))
+        .await
+        .unwrap_err();
+    if vm_mode() {
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    } else {
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("no CRIU images"), "{e}");
+    }
     if vm_mode() || vessel_critest::daemon::criu_unusable().is_some() {
         println!(
             "SKIP restore_a_checkpoint_into_another_pod (the restore): {}",
@@ -3406,10 +3437,55 @@ async fn restore_a_checkpoint_into_another_pod() {
         "the log starts at {first}: restarted, not restored"
     );
 
-    h.stop(&restored, 0).await;
-    let st = h.wait_exit(&restored, Duration::from_secs(10)).await;
-    assert_eq!(st.exit_code, 137, "{st:?}");
+    // The Kubernetes way: the restored container's checkpoint made into a checkpoint image
+    // (as buildah makes one), pulled, and named as a pod's image in a third pod.
+    let again = dir.path().join("again.tar");
+    if let Err(e) = h.checkpoint(&restored, again.to_str().unwrap(), 60).await {
+        panic!(
+            "CheckpointContainer of a restored container: {e}\n{}",
+            h.v.log()
+        );
+    }
     h.remove_pod(&pod2).await;
+    let at_second: u64 = std::fs::read_to_string(vol_b.join("last"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let cimg = testimages::checkpoint_image(&std::fs::read(&again).unwrap(), "counter");
+    let mut t = PushTarget::new(&h._reg.url(), "library/counter-checkpoint");
+    t.insecure_tls = true;
+    push_image(&t, &cimg, Some("v1")).await.unwrap();
+    let cname = format!("{}/library/counter-checkpoint:v1", h._reg.host());
+    h.c.pull(&cname).await.expect("pull the checkpoint image");
+    let (pod3, pcfg3) = h.run_pod("ckpt-img").await;
+    let from_image = h
+        .create(&pod3, &pcfg3, restored_cfg(&cname))
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer from {cname}: {e}\n{}", h.v.log()));
+    h.start(&from_image).await;
+    let start = Instant::now();
+    while read_count(&h, &from_image).await <= at_second {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the counter restored from an image does not go on from {at_second}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = h.log_of("ckpt-img", "counter");
+    wait_for(
+        "the log of the container restored from an image",
+        Duration::from_secs(10),
+        || !cri_log_lines(&log).is_empty(),
+    )
+    .await;
+    let first: u64 = cri_log_lines(&log)[0].2.parse().unwrap();
+    assert!(first > at_second / 2, "the log starts at {first}");
+
+    h.stop(&from_image, 0).await;
+    let st = h.wait_exit(&from_image, Duration::from_secs(10)).await;
+    assert_eq!(st.exit_code, 137, "{st:?}");
+    h.remove_pod(&pod3).await;
     h.assert_clean();
 }
 

@@ -62,7 +62,16 @@ pub struct ImageRecord {
     pub pulled_at: i64,
     #[serde(default)]
     pub pinned: bool,
+    /// A checkpoint image (its one layer holds a CheckpointContainer archive's files): the
+    /// container it was taken of, from the manifest annotation CRI-O and the checkpoint
+    /// tools use ([`CHECKPOINT_ANNOTATION`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_of: Option<String>,
 }
+
+/// The manifest annotation that marks a checkpoint image (`buildah config --annotation`),
+/// naming the checkpointed container.
+pub const CHECKPOINT_ANNOTATION: &str = "io.kubernetes.cri-o.annotations.checkpoint.name";
 
 impl ImageRecord {
     /// A record for the image `manifest` describes (its config parsed as `config`), named by
@@ -99,6 +108,7 @@ impl ImageRecord {
             size: manifest.config.size + manifest.layers.iter().map(|l| l.size).sum::<u64>(),
             pulled_at: chrono::Utc::now().timestamp(),
             pinned: false,
+            checkpoint_of: manifest.annotations.get(CHECKPOINT_ANNOTATION).cloned(),
         }
     }
 

@@ -545,6 +545,26 @@ pub fn image_from_blobs(
     assemble(config, layers, diff_ids)
 }
 
+/// A checkpoint image as `buildah` makes one of a CheckpointContainer archive (`buildah from
+/// scratch; buildah add $c archive.tar /; buildah config --annotation
+/// io.kubernetes.cri-o.annotations.checkpoint.name=<container>`): one layer holding the
+/// archive's files, the annotation on the manifest.
+pub fn checkpoint_image(archive: &[u8], container: &str) -> BuiltImage {
+    let mut img = image(
+        vec![(archive.to_vec(), Compression::Gzip)],
+        RunConfig::default(),
+        linux("amd64", None),
+    );
+    let mut manifest: Manifest = serde_json::from_slice(&img.manifest.data)
+        .unwrap_or_else(|e| panic!("reading a test manifest: {e}"));
+    manifest.annotations.insert(
+        crate::store::CHECKPOINT_ANNOTATION.to_string(),
+        container.to_string(),
+    );
+    img.manifest = Blob::new(MT_OCI_MANIFEST, to_json(&manifest));
+    img
+}
+
 /// Wraps a config and layer blobs into an OCI manifest.
 fn assemble(config: Blob, layers: Vec<Blob>, diff_ids: Vec<Digest>) -> BuiltImage {
     let manifest = Manifest {

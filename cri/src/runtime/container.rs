@@ -83,28 +83,32 @@ impl Runtime {
                 "CreateContainer: no image".into(),
             ));
         }
-        let restore = if restore::is_archive(&image_name) {
-            let ck = self.checkpoint_to_restore(prec, key, &image_name).await?;
-            image_name = ck.1;
-            ck.0.apply(&mut config, &image_name);
-            Some(ck.0)
+        let (image, restore) = if restore::is_archive(&image_name) {
+            let path = std::path::PathBuf::from(&image_name);
+            let (ck, base) = self
+                .checkpoint_to_restore(prec, key, restore::Source::Archive(path))
+                .await?;
+            (base, Some(ck))
         } else {
-            None
-        };
-        let store = self.store.clone();
-        let q = image_name.clone();
-        let image = tokio::task::spawn_blocking(move || store.find(&q))
-            .await
-            .map_err(internal("image lookup"))?
-            .map_err(|e| match e {
-                vessel_images::ImageError::InvalidReference(_) => {
-                    RuntimeError::InvalidArgument(e.to_string())
+            let image = self.find_image(&image_name).await?;
+            // A checkpoint image: its layer holds the archive's files.
+            match (&image.checkpoint_of, self.store.layer_dirs(&image).last()) {
+                (Some(_), Some(layer)) => {
+                    let source = restore::Source::Dir(layer.clone());
+                    let (ck, base) = self.checkpoint_to_restore(prec, key, source).await?;
+                    (base, Some(ck))
                 }
-                e => RuntimeError::Internal(e.to_string()),
-            })?
-            .ok_or_else(|| {
-                RuntimeError::NotFound(format!("image {image_name:?} not found; pull it first"))
-            })?;
+                _ => (image, None),
+            }
+        };
+        if let Some(ck) = &restore {
+            image_name = image
+                .repo_tags
+                .first()
+                .cloned()
+                .unwrap_or_else(|| ck.base_image_name().to_string());
+            ck.apply(&mut config, &image_name);
+        }
         // TARGET pid namespace: the target container's pid in the agent's namespace.
         let ns_target = config
             .linux
@@ -146,42 +150,54 @@ impl Runtime {
         res
     }
 
-    /// The checkpoint archive at `archive` (CreateContainer's image) that the container is
-    /// to be restored from, and the name of the image it was taken from, which must be here.
+    /// The image CreateContainer names, which must be here.
+    async fn find_image(&self, name: &str) -> Result<vessel_images::ImageRecord> {
+        let (store, q) = (self.store.clone(), name.to_string());
+        tokio::task::spawn_blocking(move || store.find(&q))
+            .await
+            .map_err(internal("image lookup"))?
+            .map_err(|e| match e {
+                vessel_images::ImageError::InvalidReference(_) => {
+                    RuntimeError::InvalidArgument(e.to_string())
+                }
+                e => RuntimeError::Internal(e.to_string()),
+            })?
+            .ok_or_else(|| {
+                RuntimeError::NotFound(format!("image {name:?} not found; pull it first"))
+            })
+    }
+
+    /// The checkpoint at `source` (CreateContainer's image) that the container is to be
+    /// restored from, and the image it was taken from, which must be here.
     async fn checkpoint_to_restore(
         &self,
         prec: &PodRecord,
         key: &str,
-        archive: &str,
-    ) -> Result<(Checkpoint, String)> {
-        if self.backend(prec).kind() == crate::state::BackendKind::Vm {
-            return Err(RuntimeError::FailedPrecondition(format!(
-                "CreateContainer {key:?}: checkpoint {archive}: pod {} is a VM pod, whose guest has no CRIU: checkpoints are restored in flat pods",
-                prec.id
-            )));
-        }
-        let (store, path) = (self.store.clone(), std::path::PathBuf::from(archive));
+        source: restore::Source,
+    ) -> Result<(Checkpoint, vessel_images::ImageRecord)> {
+        let store = self.store.clone();
         let (ck, base) = tokio::task::spawn_blocking(move || {
-            let ck = Checkpoint::open(&path)?;
-            let mut base = None;
-            for q in ck.base_images() {
-                if let Ok(Some(_)) = store.find(q) {
-                    base = Some(q.to_string());
-                    break;
-                }
-            }
+            let ck = Checkpoint::open(source)?;
+            let base = ck.base_images().find_map(|q| store.find(q).ok().flatten());
             Ok::<_, RuntimeError>((ck, base))
         })
         .await
         .map_err(internal("reading the checkpoint"))??;
+        let what = &ck.source;
+        if self.backend(prec).kind() == crate::state::BackendKind::Vm {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CreateContainer {key:?}: {what}: pod {} is a VM pod, whose guest has no CRIU: checkpoints are restored in flat pods",
+                prec.id
+            )));
+        }
         if ck.terminal() {
             return Err(RuntimeError::FailedPrecondition(format!(
-                "CreateContainer {key:?}: checkpoint {archive}: restoring a container with a terminal (tty) is not supported"
+                "CreateContainer {key:?}: {what}: restoring a container with a terminal (tty) is not supported"
             )));
         }
         let base = base.ok_or_else(|| {
             RuntimeError::NotFound(format!(
-                "CreateContainer {key:?}: image {:?}, which checkpoint {archive} was taken from, not found; pull it first",
+                "CreateContainer {key:?}: image {:?}, which the {what} was taken from, not found; pull it first",
                 ck.base_image_name()
             ))
         })?;
@@ -469,14 +485,13 @@ impl Runtime {
                 Some(ck) => {
                     let (dir, upper) = (snap.dir.clone(), snap.upper());
                     let images = tokio::task::spawn_blocking(move || {
-                        ck.unpack(&dir, &upper).map_err(|e| (ck.archive, e))
+                        ck.unpack(&dir, &upper).map_err(|e| (ck.source, e))
                     })
                     .await
                     .map_err(internal("unpacking the checkpoint"))?
-                    .map_err(|(archive, e)| {
+                    .map_err(|(source, e)| {
                         RuntimeError::InvalidArgument(format!(
-                            "CreateContainer {key:?}: unpacking checkpoint {}: {e}",
-                            archive.display()
+                            "CreateContainer {key:?}: unpacking the {source}: {e}"
                         ))
                     })?;
                     images.display().to_string()

@@ -1,13 +1,16 @@
-//! Restoring a checkpoint: CreateContainer whose image is the absolute path of a
-//! CheckpointContainer archive (CRI-O's convention, which `crictl create` and a pod spec's
-//! `image` can name) makes a container that StartContainer restores with CRIU instead of
-//! starting its command (flat pods).
+//! Restoring a checkpoint: CreateContainer whose image is a CheckpointContainer archive
+//! makes a container that StartContainer restores with CRIU instead of starting its command
+//! (flat pods). The archive comes either as a file, named by its absolute path as the image
+//! (CRI-O's convention, for `crictl create`), or as a checkpoint image, pulled like any other:
+//! one layer holding the archive's files, marked by the manifest annotation
+//! `io.kubernetes.cri-o.annotations.checkpoint.name` (what `buildah` makes of an archive for
+//! a pod spec's `image`, the Kubernetes way to restore).
 //!
 //! The archive names the image the container ran from (`config.dump`): that image must be
 //! here, and it is the new container's image; the archive's `rootfs-diff.tar` and
 //! `deleted.files` are written into the new container's writable layer (its overlay upper
 //! directory: files as they were, whiteouts for what it had deleted), and its CRIU images
-//! (`checkpoint/`) are unpacked into the container's snapshot directory, so that they go
+//! (`checkpoint/`) are copied into the container's snapshot directory, so that they go
 //! with the container. The request's mounts give the volumes (by container path, as CRIU
 //! recorded them); where the request names no command, the checkpointed process's
 //! arguments, environment and working directory (`spec.dump`) are the container's.
@@ -46,10 +49,31 @@ struct Process {
     terminal: bool,
 }
 
-/// A checkpoint archive a container is to be restored from.
+/// Where a checkpoint's files are.
+#[derive(Debug, Clone)]
+pub(super) enum Source {
+    /// An archive file.
+    Archive(PathBuf),
+    /// A directory holding the archive's files: a checkpoint image's layer.
+    Dir(PathBuf),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Archive(p) => write!(f, "checkpoint archive {}", p.display()),
+            Source::Dir(p) => write!(f, "checkpoint image layer {}", p.display()),
+        }
+    }
+}
+
+/// A checkpoint's `config.dump` and `spec.dump`, where found.
+type Dumps = (Option<Vec<u8>>, Option<Vec<u8>>);
+
+/// A checkpoint a container is to be restored from.
 #[derive(Debug)]
 pub(super) struct Checkpoint {
-    pub archive: PathBuf,
+    pub source: Source,
     config: ConfigDump,
     process: Process,
 }
@@ -60,52 +84,60 @@ pub(super) fn is_archive(image: &str) -> bool {
     image.starts_with('/')
 }
 
-fn bad(archive: &Path, what: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::InvalidArgument(format!("checkpoint archive {}: {what}", archive.display()))
+fn bad(source: &Source, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::InvalidArgument(format!("{source}: {what}"))
 }
 
 impl Checkpoint {
-    /// Reads the archive's `config.dump` and `spec.dump` (blocking).
-    pub fn open(archive: &Path) -> Result<Checkpoint> {
+    /// Reads the checkpoint's `config.dump` and `spec.dump` (blocking).
+    pub fn open(source: Source) -> Result<Checkpoint> {
+        let (config, spec) = match &source {
+            Source::Archive(archive) => Self::read_archive(&source, archive)?,
+            Source::Dir(dir) => {
+                let read = |n: &str| std::fs::read(dir.join(n)).ok();
+                (read("config.dump"), read("spec.dump"))
+            }
+        };
+        let (Some(config), Some(spec)) = (config, spec) else {
+            return Err(bad(
+                &source,
+                "no config.dump or spec.dump in it: not a CheckpointContainer archive",
+            ));
+        };
+        let config: ConfigDump = serde_json::from_slice(&config)
+            .map_err(|e| bad(&source, format!("config.dump: {e}")))?;
+        let spec: serde_json::Value =
+            serde_json::from_slice(&spec).map_err(|e| bad(&source, format!("spec.dump: {e}")))?;
+        let process: Process = serde_json::from_value(spec["process"].clone())
+            .map_err(|e| bad(&source, format!("spec.dump process: {e}")))?;
+        Ok(Checkpoint {
+            source,
+            config,
+            process,
+        })
+    }
+
+    /// An archive's `config.dump` and `spec.dump`.
+    fn read_archive(source: &Source, archive: &Path) -> Result<Dumps> {
         let f = File::open(archive).map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => RuntimeError::NotFound(format!(
-                "checkpoint archive {} not found",
-                archive.display()
-            )),
-            _ => bad(archive, e),
+            io::ErrorKind::NotFound => RuntimeError::NotFound(format!("{source} not found")),
+            _ => bad(source, e),
         })?;
-        let mut config = None;
-        let mut spec = None;
+        let (mut config, mut spec) = (None, None);
         let mut a = tar::Archive::new(f);
-        for e in a.entries_with_seek().map_err(|e| bad(archive, e))? {
-            let mut e = e.map_err(|e| bad(archive, e))?;
-            let path = e.path().map_err(|e| bad(archive, e))?.into_owned();
+        for e in a.entries_with_seek().map_err(|e| bad(source, e))? {
+            let mut e = e.map_err(|e| bad(source, e))?;
+            let path = e.path().map_err(|e| bad(source, e))?.into_owned();
             let slot = match path.to_str() {
                 Some("config.dump") => &mut config,
                 Some("spec.dump") => &mut spec,
                 _ => continue,
             };
             let mut buf = Vec::new();
-            io::Read::read_to_end(&mut e, &mut buf).map_err(|e| bad(archive, e))?;
+            io::Read::read_to_end(&mut e, &mut buf).map_err(|e| bad(source, e))?;
             *slot = Some(buf);
         }
-        let (Some(config), Some(spec)) = (config, spec) else {
-            return Err(bad(
-                archive,
-                "no config.dump or spec.dump in it: not a CheckpointContainer archive",
-            ));
-        };
-        let config: ConfigDump = serde_json::from_slice(&config)
-            .map_err(|e| bad(archive, format!("config.dump: {e}")))?;
-        let spec: serde_json::Value =
-            serde_json::from_slice(&spec).map_err(|e| bad(archive, format!("spec.dump: {e}")))?;
-        let process: Process = serde_json::from_value(spec["process"].clone())
-            .map_err(|e| bad(archive, format!("spec.dump process: {e}")))?;
-        Ok(Checkpoint {
-            archive: archive.to_path_buf(),
-            config,
-            process,
-        })
+        Ok((config, spec))
     }
 
     /// The image the checkpointed container ran from, as the store may know it: its name,
@@ -156,50 +188,88 @@ impl Checkpoint {
                     .collect();
             }
         }
-        tracing::debug!(checkpoint = %self.archive.display(), name = %self.config.name, "restoring a checkpointed container");
+        tracing::debug!(checkpoint = %self.source, name = %self.config.name, "restoring a checkpointed container");
     }
 
-    /// Unpacks the archive into the container's snapshot (blocking): the CRIU images into
+    /// Unpacks the checkpoint into the container's snapshot (blocking): the CRIU images into
     /// `<snapshot>/checkpoint`, the root filesystem changes into `upper` (the overlay upper
     /// directory: files with their owners and modes, whiteouts for the deleted files).
     /// Answers the images directory.
     pub fn unpack(&self, snapshot_dir: &Path, upper: &Path) -> io::Result<PathBuf> {
         let images = snapshot_dir.join(IMAGES_DIR);
         std::fs::create_dir_all(&images)?;
-        let mut a = tar::Archive::new(File::open(&self.archive)?);
-        for e in a.entries()? {
-            let mut e = e?;
-            let path = e.path()?.into_owned();
-            if path.starts_with(IMAGES_DIR) {
-                // Checked by unpack_in: nothing lands outside the snapshot directory.
-                e.unpack_in(snapshot_dir)?;
-            } else if path == Path::new("rootfs-diff.tar") {
-                let mut diff = tar::Archive::new(&mut e);
-                diff.set_preserve_permissions(true);
-                diff.set_preserve_ownerships(true);
-                diff.set_preserve_mtime(true);
-                diff.set_unpack_xattrs(true);
-                for f in diff.entries()? {
-                    f?.unpack_in(upper)?;
+        match &self.source {
+            Source::Archive(archive) => {
+                let mut a = tar::Archive::new(File::open(archive)?);
+                for e in a.entries()? {
+                    let mut e = e?;
+                    let path = e.path()?.into_owned();
+                    if path.starts_with(IMAGES_DIR) {
+                        // Checked by unpack_in: nothing lands outside the snapshot directory.
+                        e.unpack_in(snapshot_dir)?;
+                    } else if path == Path::new("rootfs-diff.tar") {
+                        unpack_diff(&mut e, upper)?;
+                    } else if path == Path::new("deleted.files") {
+                        whiteouts(&mut e, upper)?;
+                    }
                 }
-            } else if path == Path::new("deleted.files") {
-                let mut buf = Vec::new();
-                io::Read::read_to_end(&mut e, &mut buf)?;
-                let deleted: Vec<String> =
-                    serde_json::from_slice(&buf).map_err(io::Error::other)?;
-                for d in deleted {
-                    whiteout(upper, &d)?;
+            }
+            Source::Dir(dir) => {
+                copy_images(&dir.join(IMAGES_DIR), &images)?;
+                let present = |r: io::Result<File>| match r {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                    r => r.map(Some),
+                };
+                if let Some(mut f) = present(File::open(dir.join("rootfs-diff.tar")))? {
+                    unpack_diff(&mut f, upper)?;
+                }
+                if let Some(mut f) = present(File::open(dir.join("deleted.files")))? {
+                    whiteouts(&mut f, upper)?;
                 }
             }
         }
         if !images.join("inventory.img").exists() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                "no CRIU images (checkpoint/inventory.img) in the archive",
+                "no CRIU images (checkpoint/inventory.img) in it",
             ));
         }
         Ok(images)
     }
+}
+
+/// Unpacks `rootfs-diff.tar` into the overlay upper dir, owners, modes and times kept.
+fn unpack_diff(diff: &mut dyn io::Read, upper: &Path) -> io::Result<()> {
+    let mut diff = tar::Archive::new(diff);
+    diff.set_preserve_permissions(true);
+    diff.set_preserve_ownerships(true);
+    diff.set_preserve_mtime(true);
+    diff.set_unpack_xattrs(true);
+    for f in diff.entries()? {
+        // unpack_in keeps every entry inside `upper`.
+        f?.unpack_in(upper)?;
+    }
+    Ok(())
+}
+
+/// Makes a whiteout in the overlay upper dir for each path of `deleted.files`.
+fn whiteouts(list: &mut dyn io::Read, upper: &Path) -> io::Result<()> {
+    let mut buf = Vec::new();
+    list.read_to_end(&mut buf)?;
+    let deleted: Vec<String> = serde_json::from_slice(&buf).map_err(io::Error::other)?;
+    deleted.iter().try_for_each(|d| whiteout(upper, d))
+}
+
+/// Copies a checkpoint image layer's CRIU images (plain files; CRIU writes its restore log
+/// beside them, which the read-only layer must not get).
+fn copy_images(from: &Path, to: &Path) -> io::Result<()> {
+    for e in std::fs::read_dir(from)? {
+        let e = e?;
+        if e.file_type()?.is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Marks `path` (absolute, in the container) deleted in the overlay upper dir `upper`: a
@@ -253,7 +323,7 @@ mod tests {
     #[test]
     fn the_checkpointed_command_is_used_where_the_request_names_none() {
         let c = Checkpoint {
-            archive: "/a.tar".into(),
+            source: Source::Archive("/a.tar".into()),
             config: ConfigDump::default(),
             process: Process {
                 args: vec!["/bin/sh".into(), "-c".into(), "sleep 9".into()],
