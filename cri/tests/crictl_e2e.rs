@@ -290,8 +290,11 @@ fn crictl_every_verb() {
     );
 
     // checkpoint: CRIU dumps the running container into the archive crictl names; it runs on.
-    match vessel_critest::daemon::criu_unusable() {
-        Some(why) => println!("SKIP crictl_every_verb (checkpoint): {why}"),
+    let exported = match vessel_critest::daemon::criu_unusable() {
+        Some(why) => {
+            println!("SKIP crictl_every_verb (checkpoint, restore): {why}");
+            None
+        }
         None => {
             let export = work.path().join("export/ctr.tar");
             let export = export.to_str().unwrap();
@@ -301,8 +304,9 @@ fn crictl_every_verb() {
             assert!(size > 0, "no archive at {export}");
             let s = c.json(&["inspect", &ctr]);
             assert_eq!(s["status"]["state"], "CONTAINER_RUNNING", "{s}");
+            Some(export.to_string())
         }
-    }
+    };
 
     // CRI metrics (kubelet's /metrics/cadvisor from the runtime).
     let out = c.ok(&["metricdescs"]);
@@ -434,6 +438,30 @@ fn crictl_every_verb() {
         "crictl events: {lines}\nstderr: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // restore: the checkpoint taken above, as a new container in the pod (`crictl create`
+    // with the archive as the image, as with CRI-O): the web server, restored with its
+    // listening socket and the page it wrote, serves again.
+    if let Some(export) = &exported {
+        let restored = write(
+            work.path(),
+            "restored.json",
+            serde_json::json!({
+                "metadata": {"name": "web-restored"},
+                "image": {"image": export},
+                "log_path": "web-restored.log"
+            }),
+        );
+        let r = c
+            .ok(&["create", &pod, &restored, &pod_json])
+            .trim()
+            .to_string();
+        c.ok(&["start", &r]);
+        let s = c.json(&["inspect", &r]);
+        assert_eq!(s["status"]["state"], "CONTAINER_RUNNING", "{s}");
+        let out = c.ok(&["exec", &r, "wget", "-qO-", "http://127.0.0.1:8080/"]);
+        assert!(out.contains("pong"), "the restored web server: {out:?}");
+        c.ok(&["rm", "-f", &r]);
+    }
     c.ok(&["stopp", &pod]);
     let p = c.json(&["inspectp", &pod]);
     assert_eq!(p["status"]["state"], "SANDBOX_NOTREADY", "{p}");
