@@ -3638,6 +3638,43 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
             "{c}"
         );
     }
+    if !checkpoints.is_empty() {
+        // Restored in the pod's shared pid namespace, once the original is gone (its pids
+        // are the restored ones'); a tty container's checkpoint is refused.
+        h.stop(&sibling, 0).await;
+        h.c.runtime
+            .remove_container(cri::RemoveContainerRequest {
+                container_id: sibling.clone(),
+            })
+            .await
+            .unwrap();
+        let restore_cfg = |name: &str, from: &str| cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: name.into(),
+                attempt: 0,
+            }),
+            image: Some(cri::ImageSpec {
+                image: dir.path().join(format!("{from}.tar")).display().to_string(),
+                ..Default::default()
+            }),
+            log_path: format!("{name}.log"),
+            ..Default::default()
+        };
+        let e = h
+            .create(&pod, &pcfg, restore_cfg("tty-restored", &id))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+        let restored = h
+            .create(&pod, &pcfg, restore_cfg("plain-restored", &sibling))
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer (restore): {e}"));
+        h.start(&restored).await;
+        // It sees the pod's other processes (one pid namespace), its own among them.
+        let r = h.exec(&restored, &["ps", "-o", "args"], 5).await.unwrap();
+        let ps = String::from_utf8_lossy(&r.stdout);
+        assert!(ps.contains("sleep 1000") && ps.contains("nc -lk"), "{ps}");
+    }
     h.remove_pod(&upod).await;
     h.remove_pod(&pod).await;
     h.assert_clean();
