@@ -3307,28 +3307,30 @@ async fn restore_a_checkpoint_into_another_pod() {
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     // An archive with its metadata but no CRIU images; a VM pod refuses any.
-    let hollow = dir.path().join("hollow.tar");
-    {
-        let mut b = tar::Builder::new(std::fs::File::create(&hollow).unwrap());
+    let base = h.image.clone();
+    let hollow = |name: &str, images: &[(&str, &[u8])]| {
+        let path = dir.path().join(name);
+        let mut b = tar::Builder::new(std::fs::File::create(&path).unwrap());
+        let config = serde_json::json!({"name": "counter", "rootfsImageName": base});
+        let spec = serde_json::json!({"process": {"args": ["sleep", "1"]}});
+        let (config, spec) = (config.to_string(), spec.to_string());
         for (name, data) in [
-            (
-                "config.dump",
-                serde_json::json!({"name": "counter", "rootfsImageName": h.image}).to_string(),
-            ),
-            (
-                "spec.dump",
-                serde_json::json!({"process": {"args": ["sleep", "1"]}}).to_string(),
-            ),
-        ] {
+            ("config.dump", config.as_bytes()),
+            ("spec.dump", spec.as_bytes()),
+        ]
+        .into_iter()
+        .chain(images.iter().copied())
+        {
             let mut hd = tar::Header::new_gnu();
             hd.set_size(data.len() as u64);
             hd.set_mode(0o600);
-            b.append_data(&mut hd, name, data.as_bytes()).unwrap();
+            b.append_data(&mut hd, name, data).unwrap();
         }
         b.finish().unwrap();
-    }
+        path.display().to_string()
+    };
     let e = h
-        .create(&pod, &pcfg, restored_cfg(hollow.to_str().unwrap()))
+        .create(&pod, &pcfg, restored_cfg(&hollow("hollow.tar", &[])))
         .await
         .unwrap_err();
     if vm_mode() {
@@ -3336,6 +3338,27 @@ async fn restore_a_checkpoint_into_another_pod() {
     } else {
         assert_eq!(e.code(), Code::InvalidArgument, "{e}");
         assert!(e.message().contains("no CRIU images"), "{e}");
+        // CRIU images that CRIU cannot read: StartContainer fails with CRIU's reason, and
+        // the container (never running) goes with nothing left.
+        let bad = hollow("bad.tar", &[("checkpoint/inventory.img", b"not an image")]);
+        let broken = h
+            .create(&pod, &pcfg, restored_cfg(&bad))
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer from {bad}: {e}"));
+        let e = h.c.start_container(&broken).await.unwrap_err();
+        assert!(e.message().contains("criu"), "{e}");
+        let st = h.status(&broken).await;
+        assert_ne!(
+            st.state,
+            cri::ContainerState::ContainerRunning as i32,
+            "{st:?}"
+        );
+        h.c.runtime
+            .remove_container(cri::RemoveContainerRequest {
+                container_id: broken,
+            })
+            .await
+            .unwrap();
     }
     if vm_mode() || vessel_critest::daemon::criu_unusable().is_some() {
         println!(
@@ -3378,6 +3401,16 @@ async fn restore_a_checkpoint_into_another_pod() {
         .unwrap();
 
     let (pod2, pcfg2) = h.run_pod("ckpt-dst").await;
+    // Without the volume CRIU recorded at /vol there is nothing to restore it onto.
+    let mut no_vol = restored_cfg(&archive_s);
+    no_vol.metadata = Some(cri::ContainerMetadata {
+        name: "no-volume".into(),
+        attempt: 0,
+    });
+    no_vol.mounts.clear();
+    let e = h.create(&pod2, &pcfg2, no_vol).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("/vol"), "{e}");
     let restored = h
         .create(&pod2, &pcfg2, restored_cfg(&archive_s))
         .await

@@ -385,6 +385,11 @@ impl Runtime {
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
+        if let Some(ck) = &restore {
+            ck.check_mounts(&spec).map_err(|m| {
+                RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {m}"))
+            })?;
+        }
         // A VM guest is given the host's compiled policy for the profile it is to apply.
         let apparmor_policy = match spec["process"]["apparmorProfile"].as_str() {
             Some(name) if backend.kind() == crate::state::BackendKind::Vm => {

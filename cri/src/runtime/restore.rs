@@ -76,6 +76,24 @@ pub(super) struct Checkpoint {
     pub source: Source,
     config: ConfigDump,
     process: Process,
+    /// The container paths of the checkpointed container's bind mounts, which CRIU recorded
+    /// as external: the restored container needs a mount at each.
+    binds: Vec<String>,
+}
+
+/// The destinations of a spec's bind mounts.
+fn bind_destinations(spec: &serde_json::Value) -> Vec<String> {
+    let mounts = spec["mounts"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    mounts
+        .iter()
+        .filter(|m| {
+            m["type"] == "bind"
+                || m["options"]
+                    .as_array()
+                    .is_some_and(|o| o.iter().any(|o| o == "bind" || o == "rbind"))
+        })
+        .filter_map(|m| m["destination"].as_str().map(str::to_string))
+        .collect()
 }
 
 /// Whether a CreateContainer image names a checkpoint archive: an absolute path (no image
@@ -114,7 +132,29 @@ impl Checkpoint {
             source,
             config,
             process,
+            binds: bind_destinations(&spec),
         })
+    }
+
+    /// Whether the restored container's spec has a bind mount wherever the checkpointed
+    /// one had (CRIU maps its recorded external mounts onto them by container path);
+    /// otherwise, what is missing.
+    pub fn check_mounts(&self, spec: &serde_json::Value) -> std::result::Result<(), String> {
+        let have = bind_destinations(spec);
+        let missing: Vec<&str> = self
+            .binds
+            .iter()
+            .filter(|d| !have.contains(d))
+            .map(String::as_str)
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "the {} has a volume or bind mount at {}, which CRIU restores onto a mount at the same path: give the container a mount there",
+            self.source,
+            missing.join(", ")
+        ))
     }
 
     /// An archive's `config.dump` and `spec.dump`.
@@ -331,6 +371,7 @@ mod tests {
                 cwd: "/w".into(),
                 terminal: false,
             },
+            binds: Vec::new(),
         };
         let mut cfg = cri::ContainerConfig {
             image: Some(cri::ImageSpec {
@@ -344,6 +385,23 @@ mod tests {
         assert_eq!(cfg.command, ["/bin/sh", "-c", "sleep 9"]);
         assert_eq!(cfg.working_dir, "/w");
         assert_eq!(cfg.envs[1].value, "x=y");
+        let spec = serde_json::json!({"mounts": [
+            {"destination": "/vol", "type": "bind", "source": "/a"},
+            {"destination": "/etc/hosts", "source": "/h", "options": ["rbind", "ro"]},
+            {"destination": "/proc", "type": "proc"}
+        ]});
+        let c = Checkpoint {
+            binds: bind_destinations(&spec),
+            ..c
+        };
+        assert_eq!(c.binds, ["/vol", "/etc/hosts"]);
+        assert!(c.check_mounts(&spec).is_ok());
+        let e = c
+            .check_mounts(
+                &serde_json::json!({"mounts": [{"destination": "/etc/hosts", "type": "bind"}]}),
+            )
+            .unwrap_err();
+        assert!(e.contains("at /vol,") || e.contains("at /vol "), "{e}");
         let mut own = cri::ContainerConfig {
             command: vec!["top".into()],
             ..Default::default()
