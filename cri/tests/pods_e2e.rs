@@ -3427,6 +3427,18 @@ async fn restore_a_checkpoint_into_another_pod() {
         cri::ContainerState::ContainerRunning as i32,
         "{st:?}"
     );
+    // The CRIU images (its memory) go once restored; CRIU's log stays.
+    let images =
+        h.v.root_dir()
+            .join("images/snapshots")
+            .join(&restored)
+            .join("checkpoint");
+    wait_for("the restored images to go", Duration::from_secs(10), || {
+        std::fs::read_dir(&images).is_ok_and(|d| {
+            d.flatten().map(|e| e.file_name()).collect::<Vec<_>>() == ["restore.log"]
+        })
+    })
+    .await;
     // The counter goes on from about where it was, in the new volume.
     let last_b = || {
         std::fs::read_to_string(vol_b.join("last"))

@@ -502,6 +502,11 @@ impl AgentState {
             pumps.push(tokio::spawn(pump(reader, Stream::Stdout, log.clone())));
         }
         c.set_launched(pid, keep_stdin);
+        if let Some(images) = c.restore.clone() {
+            // Restored: the images (the container's memory, maybe gigabytes) are done with;
+            // CRIU's log stays with the container.
+            tokio::task::spawn_blocking(move || drop_restored_images(&images));
+        }
         let c2 = c.clone();
         let root = self.libct.root.clone();
         tokio::spawn(async move {
@@ -1084,6 +1089,26 @@ fn rand_suffix() -> String {
 }
 
 /// libcontainer's delete of `id` (state, cgroups) under `root`, on a blocking thread.
+/// Removes a restored container's CRIU images, but CRIU's log of the restore.
+fn drop_restored_images(images: &Path) {
+    let Ok(entries) = std::fs::read_dir(images) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name() == crate::libct::CRIU_RESTORE_LOG {
+            continue;
+        }
+        let p = e.path();
+        let r = match e.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+            _ => std::fs::remove_file(&p),
+        };
+        if let Err(err) = r {
+            tracing::warn!(path = %p.display(), error = %err, "removing a restored container's CRIU image");
+        }
+    }
+}
+
 async fn libct_delete_blocking(root: PathBuf, id: String) -> Result<(), AgentError> {
     tokio::task::spawn_blocking(move || crate::libct::delete(&root, &id))
         .await

@@ -11,7 +11,7 @@
 //! `deleted.files` are written into the new container's writable layer (its overlay upper
 //! directory: files as they were, whiteouts for what it had deleted), and its CRIU images
 //! (`checkpoint/`) are copied into the container's snapshot directory, so that they go
-//! with the container. The request's mounts give the volumes (by container path, as CRIU
+//! with the container (its agent removes them once restored, all but CRIU's log). The request's mounts give the volumes (by container path, as CRIU
 //! recorded them); where the request names no command, the checkpointed process's
 //! arguments, environment and working directory (`spec.dump`) are the container's.
 
