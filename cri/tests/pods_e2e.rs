@@ -3719,6 +3719,23 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         let r = h.exec(&restored, &["ps", "-o", "args"], 5).await.unwrap();
         let ps = String::from_utf8_lossy(&r.stdout);
         assert!(ps.contains("sleep 1000") && ps.contains("nc -lk"), "{ps}");
+
+        // Not into the user-namespaced pod: CRIU would give the container a user namespace
+        // of its own, not the pod's.
+        let mut rcfg = restore_cfg("into-userns", &sibling);
+        rcfg.linux = Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    userns_options: pod_userns(&ucfg),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let e = h.create(&upod, &ucfg, rcfg).await.unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+        assert!(e.message().contains("user namespace"), "{e}");
     }
     h.remove_pod(&upod).await;
     h.remove_pod(&pod).await;

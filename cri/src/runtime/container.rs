@@ -386,7 +386,7 @@ impl Runtime {
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         if let Some(ck) = &restore {
-            ck.check_mounts(&spec).map_err(|m| {
+            ck.check_spec(&spec).map_err(|m| {
                 RuntimeError::FailedPrecondition(format!("CreateContainer {key:?}: {m}"))
             })?;
         }

@@ -79,6 +79,15 @@ pub(super) struct Checkpoint {
     /// The container paths of the checkpointed container's bind mounts, which CRIU recorded
     /// as external: the restored container needs a mount at each.
     binds: Vec<String>,
+    /// The checkpointed container was in a user namespace (its pod's).
+    userns: bool,
+}
+
+/// Whether a spec puts the container in a user namespace.
+fn has_userns(spec: &serde_json::Value) -> bool {
+    spec["linux"]["namespaces"]
+        .as_array()
+        .is_some_and(|ns| ns.iter().any(|n| n["type"] == "user"))
 }
 
 /// The destinations of a spec's bind mounts.
@@ -133,13 +142,22 @@ impl Checkpoint {
             config,
             process,
             binds: bind_destinations(&spec),
+            userns: has_userns(&spec),
         })
     }
 
-    /// Whether the restored container's spec has a bind mount wherever the checkpointed
-    /// one had (CRIU maps its recorded external mounts onto them by container path);
-    /// otherwise, what is missing.
-    pub fn check_mounts(&self, spec: &serde_json::Value) -> std::result::Result<(), String> {
+    /// Whether the restored container's spec can take the checkpoint: a bind mount wherever
+    /// the checkpointed one had (CRIU maps its recorded external mounts onto them by
+    /// container path), and no user namespace on either side (CRIU would make the
+    /// container a user namespace of its own, not join the pod's, and its proc mount is
+    /// refused there); otherwise, why not.
+    pub fn check_spec(&self, spec: &serde_json::Value) -> std::result::Result<(), String> {
+        if self.userns || has_userns(spec) {
+            return Err(format!(
+                "the {}: restoring a container in a pod with its own user namespace (hostUsers: false), or from one, is not supported",
+                self.source
+            ));
+        }
         let have = bind_destinations(spec);
         let missing: Vec<&str> = self
             .binds
@@ -372,6 +390,7 @@ mod tests {
                 terminal: false,
             },
             binds: Vec::new(),
+            userns: false,
         };
         let mut cfg = cri::ContainerConfig {
             image: Some(cri::ImageSpec {
@@ -394,10 +413,15 @@ mod tests {
             binds: bind_destinations(&spec),
             ..c
         };
+        let userns = serde_json::json!({"linux": {"namespaces": [{"type": "user"}]}});
+        assert!(c
+            .check_spec(&userns)
+            .unwrap_err()
+            .contains("user namespace"));
         assert_eq!(c.binds, ["/vol", "/etc/hosts"]);
-        assert!(c.check_mounts(&spec).is_ok());
+        assert!(c.check_spec(&spec).is_ok());
         let e = c
-            .check_mounts(
+            .check_spec(
                 &serde_json::json!({"mounts": [{"destination": "/etc/hosts", "type": "bind"}]}),
             )
             .unwrap_err();
