@@ -51,6 +51,10 @@ cgroup_driver = "cgroupfs"
 # Where CDI spec files (JSON or YAML) describe the devices containers may ask for by name
 # (CRI cdi_devices, or cdi.k8s.io/ annotations); a later directory wins for the same device.
 cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+# CheckpointContainer, and restoring a checkpoint (CreateContainer from an archive or a
+# checkpoint image), with CRIU, for flat pods (CRI-O's option of the same name). A restore
+# has CRIU, as root, load the images a checkpoint carries: false refuses both.
+enable_criu_support = true
 
 [vm]
 # The guest kernel (an ELF vmlinux boots faster than a bzImage) and the initrd whose /init is
@@ -191,6 +195,7 @@ pub struct RuntimeConfig {
     pub default_handler: String,
     pub cgroup_driver: CgroupDriver,
     pub cdi_spec_dirs: Vec<PathBuf>,
+    pub enable_criu_support: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -201,6 +206,7 @@ impl Default for RuntimeConfig {
             default_handler: "vm".into(),
             cgroup_driver: CgroupDriver::Cgroupfs,
             cdi_spec_dirs: crate::cdi::default_dirs(),
+            enable_criu_support: true,
         }
     }
 }

@@ -199,6 +199,7 @@ impl Daemon {
                 cni: self.config.cni(),
                 cgroups,
                 cdi_spec_dirs: self.config.runtime.cdi_spec_dirs.clone(),
+                criu: self.config.runtime.enable_criu_support,
             },
             self.store.clone(),
         )

@@ -3359,6 +3359,63 @@ async fn restore_a_checkpoint_into_another_pod() {
             })
             .await
             .unwrap();
+        // A hostile archive touches nothing of the host's: a symlink among the CRIU images
+        // (CRIU would read, or write its log through, a host file) is refused; a diff
+        // symlink to a host directory, then a deleted file under it, deletes nothing there.
+        let host = tempfile::tempdir().unwrap();
+        std::fs::write(host.path().join("victim"), "host's").unwrap();
+        let symlink = |b: &mut tar::Builder<Vec<u8>>, name: &str, target: &Path| {
+            let mut hd = tar::Header::new_gnu();
+            hd.set_entry_type(tar::EntryType::Symlink);
+            hd.set_size(0);
+            hd.set_mode(0o777);
+            b.append_link(&mut hd, name, target).unwrap();
+        };
+        let mut b = tar::Builder::new(Vec::new());
+        for (n, d) in [
+            (
+                "config.dump",
+                serde_json::json!({"rootfsImageName": base}).to_string(),
+            ),
+            ("spec.dump", serde_json::json!({"process": {}}).to_string()),
+        ] {
+            let mut hd = tar::Header::new_gnu();
+            hd.set_size(d.len() as u64);
+            hd.set_mode(0o600);
+            b.append_data(&mut hd, n, d.as_bytes()).unwrap();
+        }
+        symlink(
+            &mut b,
+            "checkpoint/inventory.img",
+            &host.path().join("victim"),
+        );
+        let evil = dir.path().join("evil-images.tar");
+        std::fs::write(&evil, b.into_inner().unwrap()).unwrap();
+        let e = h
+            .create(&pod, &pcfg, restored_cfg(evil.to_str().unwrap()))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("only regular files"), "{e}");
+        let mut b = tar::Builder::new(Vec::new());
+        symlink(&mut b, "a", host.path());
+        let diff = b.into_inner().unwrap();
+        let evil = hollow(
+            "evil-diff.tar",
+            &[
+                ("rootfs-diff.tar", &diff[..]),
+                ("deleted.files", br#"["/a/victim"]"#),
+            ],
+        );
+        let e = h
+            .create(&pod, &pcfg, restored_cfg(&evil))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        assert_eq!(
+            std::fs::read_to_string(host.path().join("victim")).unwrap(),
+            "host's"
+        );
     }
     if vm_mode() || vessel_critest::daemon::criu_unusable().is_some() {
         println!(
@@ -3400,6 +3457,17 @@ async fn restore_a_checkpoint_into_another_pod() {
         .parse()
         .unwrap();
 
+    // The same archive gzip-compressed.
+    let gz = dir.path().join("counter.tar.gz");
+    {
+        let mut w = flate2::write::GzEncoder::new(
+            std::fs::File::create(&gz).unwrap(),
+            flate2::Compression::fast(),
+        );
+        std::io::copy(&mut std::fs::File::open(&archive).unwrap(), &mut w).unwrap();
+        w.finish().unwrap();
+    }
+    let archive_s = gz.display().to_string();
     let (pod2, pcfg2) = h.run_pod("ckpt-dst").await;
     // Without the volume CRIU recorded at /vol there is nothing to restore it onto.
     let mut no_vol = restored_cfg(&archive_s);

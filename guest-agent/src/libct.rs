@@ -179,9 +179,17 @@ fn load(root: &Path, id: &str) -> Result<Container, LibcontainerError> {
 /// removal retries with sleeps): call it from a blocking thread. A container libcontainer
 /// never created is not an error.
 pub fn delete(root: &Path, id: &str) -> Result<(), AgentError> {
+    let dir = root.join(id);
     match load(root, id) {
         Ok(mut c) => c.delete(true),
         Err(LibcontainerError::NoDirectory) => Ok(()),
+        // A restore's helper killed before the restored init was recorded.
+        Err(_)
+            if dir.is_dir() && !libcontainer::container::state::State::file_path(&dir).exists() =>
+        {
+            discard_stateless(&dir, id);
+            Ok(())
+        }
         Err(e) => Err(e),
     }
     .map_err(|e| map_err(error_kind(&e), format!("libcontainer: {}", error_chain(&e))))
@@ -526,10 +534,10 @@ fn external_mounts(spec: &oci_spec::runtime::Spec, pid: Option<i32>) -> Vec<ExtM
         // bound in: a restore runs in the container's cgroups, so that is its own (named
         // hierarchies such as name=systemd, which no controller manages, included).
         for point in crate::cgroups::v1_mount_points() {
+            // Unknown: no source (a restore leaves it unmapped, not the hierarchy's root).
             let source = crate::cgroups::v1_own_dir(point)
-                .unwrap_or_else(|| point.to_path_buf())
-                .display()
-                .to_string();
+                .map(|d| d.display().to_string())
+                .unwrap_or_default();
             let point = point.display().to_string();
             if point.starts_with("/sys/fs/cgroup/") {
                 add(point.clone(), point, source);
@@ -749,39 +757,49 @@ fn restore(
         .ok_or_else(|| LibcontainerError::InvalidInput("the spec has no root".into()))?;
     let config = libcontainer::config::YoukiConfig::from_spec(&spec, id)?;
     let dir = root.join(id);
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(LibcontainerError::OtherIO)?;
-    config.save(&dir)?;
-    let cgroup = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
-        cgroup_path: config.cgroup_path.clone(),
-        systemd_cgroup: false,
-        container_name: id.to_string(),
-    })?;
-    let descriptors: Vec<String> = std::fs::read(image_path.join("descriptors.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    let stdio = stdio.then(take_stdio);
-    let restored = restore_in_child(&RestoreIn {
-        spec: &spec,
-        rootfs: &rootfs,
-        image_path,
-        cgroup: &cgroup,
-        stdio: stdio.as_ref(),
-        descriptors: &descriptors,
-    })
-    .and_then(|pid| {
+    let restored = (|| {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(LibcontainerError::OtherIO)?;
+        // First: it names the cgroup, for whoever cleans up after a restore that died.
+        config.save(&dir)?;
+        let cgroup = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
+            cgroup_path: config.cgroup_path.clone(),
+            systemd_cgroup: false,
+            container_name: id.to_string(),
+        })?;
+        let descriptors: Vec<String> = std::fs::read(image_path.join("descriptors.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        let stdio = stdio.then(take_stdio);
+        let pid = restore_in_child(&RestoreIn {
+            spec: &spec,
+            rootfs: &rootfs,
+            image_path,
+            cgroup: &cgroup,
+            stdio: stdio.as_ref(),
+            descriptors: &descriptors,
+        })?;
         let mut c = Container::new(id, ContainerStatus::Running, Some(pid), bundle, &dir)?;
         c.set_creator(nix::unistd::geteuid().as_raw());
         c.state.created = Some(chrono::Utc::now());
         c.save()?;
         Ok(pid)
-    });
+    })();
     if restored.is_err() {
-        // Nothing half-made stays: restored processes, the cgroup, the state.
+        discard_stateless(&dir, id);
+    }
+    restored
+}
+
+/// Removes what a restore that failed (or died: its helper killed) left of container `id`
+/// in its libcontainer dir `dir`, which has no state: the processes in its cgroup, the
+/// cgroup (named by the config saved first) and the dir.
+fn discard_stateless(dir: &Path, id: &str) {
+    if let Ok(config) = libcontainer::config::YoukiConfig::load(dir) {
         let procs = crate::cgroups::Cgroup::new(&config.cgroup_path);
         for _ in 0..50 {
             let left = procs.procs();
@@ -793,12 +811,22 @@ fn restore(
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        if let Err(e) = libcgroups::common::CgroupManager::remove(&cgroup) {
-            tracing::warn!(error = %e, "removing the cgroup of a container that was not restored");
+        let removed = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
+            cgroup_path: config.cgroup_path.clone(),
+            systemd_cgroup: false,
+            container_name: id.to_string(),
+        })
+        .map_err(|e| e.to_string())
+        .and_then(|m| libcgroups::common::CgroupManager::remove(&m).map_err(|e| e.to_string()));
+        if let Err(e) = removed {
+            tracing::warn!(id, error = %e, "removing the cgroup of a container that was not restored");
         }
-        let _ = std::fs::remove_dir_all(&dir);
     }
-    restored
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(id, dir = %dir.display(), error = %e, "removing the state of a container that was not restored");
+        }
+    }
 }
 
 /// What [`restore_in_child`] restores, and from where.
@@ -812,9 +840,10 @@ struct RestoreIn<'a> {
 }
 
 /// Runs the CRIU restore in a forked child of this helper, which first joins the
-/// container's cgroup (so that CRIU and everything it restores start there) and then
-/// leaves. The restored init is the child's sibling (`rst_sibling`): a child of this
-/// helper, reparented to the agent when the helper exits. Answers its pid.
+/// container's cgroup (so that CRIU and everything it restores start there); the helper
+/// itself stays out. The restored init is a sibling of CRIU's swrk (`rst_sibling`): a child
+/// of that forked child, reparented to the agent (the pod's PID 1 or a subreaper) when the
+/// child exits. Answers its pid.
 fn restore_in_child(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     use std::io::Read;
     let io = |e: nix::Error| LibcontainerError::OtherIO(std::io::Error::from(e));
@@ -825,6 +854,10 @@ fn restore_in_child(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     match unsafe { nix::unistd::fork() }.map_err(io)? {
         nix::unistd::ForkResult::Child => {
             drop(rd);
+            // Dies with the helper (killed at its deadline): CRIU's swrk then loses its
+            // client and gives the restore up.
+            // SAFETY: prctl on this process only.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
             let answer = match criu_restore(r) {
                 Ok(pid) => format!("OK {pid}"),
                 Err(e) => format!("ERR {}", error_chain(&e)),
@@ -881,7 +914,10 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     criu.set_log_file(CRIU_RESTORE_LOG.to_string());
     criu.set_log_level(4);
     criu.set_root(r.rootfs.display().to_string());
-    for m in external_mounts(r.spec, None) {
+    for m in external_mounts(r.spec, None)
+        .into_iter()
+        .filter(|m| !m.source.is_empty())
+    {
         criu.set_external_mount(m.key, m.source);
     }
     // The pod's namespaces the dump recorded as external: CRIU puts the tasks back in them.

@@ -1377,7 +1377,13 @@ impl Agent for AgentService {
         &self,
         req: Request<proto::StartContainerRequest>,
     ) -> Result<Response<proto::StartContainerResponse>, Status> {
-        let pid = self.state.start(&req.into_inner().id).await?;
+        // Its own task: a caller that gives up (a deadline, a dropped call) does not leave a
+        // launch (a restore may take minutes) half-done and untracked.
+        let state = self.state.clone();
+        let id = req.into_inner().id;
+        let pid = tokio::spawn(async move { state.start(&id).await })
+            .await
+            .map_err(|e| AgentError::internal("the start task", e))??;
         Ok(Response::new(proto::StartContainerResponse {
             pid: pid as u32,
         }))

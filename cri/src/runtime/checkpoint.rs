@@ -63,6 +63,16 @@ fn rfc3339(nanos: i64) -> String {
 }
 
 impl Runtime {
+    /// FailedPrecondition where the node's operator turned CRIU off.
+    pub(super) fn criu_enabled(&self, what: &str) -> Result<()> {
+        if self.opts.criu {
+            return Ok(());
+        }
+        Err(RuntimeError::FailedPrecondition(format!(
+            "{what}: checkpoint and restore are turned off on this node (runtime.enable_criu_support = false)"
+        )))
+    }
+
     /// CRI CheckpointContainer. `timeout_secs` 0 is [`DEFAULT_TIMEOUT`].
     pub async fn checkpoint_container(
         &self,
@@ -91,6 +101,7 @@ impl Runtime {
             n => Duration::from_secs(n as u64),
         };
         let ctr = self.ctr(id)?;
+        self.criu_enabled(&format!("CheckpointContainer {id}"))?;
         let pod = self.pod(&ctr.record().pod_id)?;
         let backend = self.shared_backend(pod.record().backend.kind()).clone();
         let deadline = tokio::time::Instant::now() + timeout;

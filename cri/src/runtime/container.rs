@@ -9,6 +9,7 @@ use crate::sandbox::{ContainerRequest, Pod};
 use crate::spec::{self, SpecInput};
 use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState};
 use k8s_cri::v1 as cri;
+use std::io;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -175,10 +176,21 @@ impl Runtime {
         key: &str,
         source: restore::Source,
     ) -> Result<(Checkpoint, vessel_images::ImageRecord)> {
+        self.criu_enabled(&format!("CreateContainer {key:?} from the {source}"))?;
         let store = self.store.clone();
         let (ck, base) = tokio::task::spawn_blocking(move || {
             let ck = Checkpoint::open(source)?;
-            let base = ck.base_images().find_map(|q| store.find(q).ok().flatten());
+            let mut base = None;
+            for q in ck.base_images() {
+                match store.find(q) {
+                    Ok(Some(i)) => {
+                        base = Some(i);
+                        break;
+                    }
+                    Ok(None) | Err(vessel_images::ImageError::InvalidReference(_)) => {}
+                    Err(e) => return Err(internal("looking up the checkpoint's image")(e)),
+                }
+            }
             Ok::<_, RuntimeError>((ck, base))
         })
         .await
@@ -488,16 +500,28 @@ impl Runtime {
             let restore_dir = match restore {
                 None => String::new(),
                 Some(ck) => {
-                    let (dir, upper) = (snap.dir.clone(), snap.upper());
+                    let snap = snap.clone();
+                    // Applied through the container's root filesystem (mounted for this),
+                    // as CRI-O does: copy-up keeps the image's directories as they are.
                     let images = tokio::task::spawn_blocking(move || {
-                        ck.unpack(&dir, &upper).map_err(|e| (ck.source, e))
+                        let r = snap
+                            .mount_overlay()
+                            .map_err(io::Error::other)
+                            .and_then(|root| ck.unpack(&snap.dir, &root));
+                        let unmounted = snap.unmount();
+                        r.and_then(|i| unmounted.map(|()| i).map_err(io::Error::other))
+                            .map_err(|e| (ck.source, e))
                     })
                     .await
                     .map_err(internal("unpacking the checkpoint"))?
                     .map_err(|(source, e)| {
-                        RuntimeError::InvalidArgument(format!(
-                            "CreateContainer {key:?}: unpacking the {source}: {e}"
-                        ))
+                        let m = format!("CreateContainer {key:?}: unpacking the {source}: {e}");
+                        match e.kind() {
+                            io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput => {
+                                RuntimeError::InvalidArgument(m)
+                            }
+                            _ => RuntimeError::Internal(m),
+                        }
                     })?;
                     images.display().to_string()
                 }
@@ -563,7 +587,17 @@ impl Runtime {
         Ok(())
     }
 
+    /// CRI StartContainer, run to its end in a task of its own: a caller that gives up
+    /// (kubelet's deadline; a restore may take minutes) does not leave the record behind
+    /// the container the agent started.
     pub async fn start_container(self: &Arc<Self>, id: &str) -> Result<()> {
+        let (rt, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move { rt.start_now(&id).await })
+            .await
+            .map_err(internal("the start task"))?
+    }
+
+    async fn start_now(self: &Arc<Self>, id: &str) -> Result<()> {
         let ctr = self.ctr(id)?;
         let _op = ctr.op.lock().await;
         let rec = ctr.record();

@@ -141,12 +141,22 @@ fn options(root: &Path, default_handler: &str, vm_ready: bool) -> RuntimeOptions
         },
         cgroups: crate::sandbox::cgroup::Driver::Cgroupfs,
         cdi_spec_dirs: Vec::new(),
+        criu: true,
     }
 }
 
 async fn fixture(default_handler: &str, vm_ready: bool) -> Fixture {
+    fixture_with(default_handler, vm_ready, |_| {}).await
+}
+
+async fn fixture_with(
+    default_handler: &str,
+    vm_ready: bool,
+    change: impl FnOnce(&mut RuntimeOptions),
+) -> Fixture {
     let tmp = tempfile::tempdir().unwrap();
-    let opts = options(tmp.path(), default_handler, vm_ready);
+    let mut opts = options(tmp.path(), default_handler, vm_ready);
+    change(&mut opts);
     let dirs = StateDirs::new(&opts.root_dir, &opts.state_dir).unwrap();
     let store = Arc::new(ImageStore::open(tmp.path().join("images")).unwrap());
     let flat = Arc::new(Double::default());
@@ -306,6 +316,21 @@ async fn container_requests_are_checked_before_the_backend_is_asked() {
         .unwrap()
         .keys()
         .all(|k| !k.starts_with("c_")));
+    assert!(f.rt.list_containers(None).is_empty());
+}
+
+/// With CRIU turned off (`runtime.enable_criu_support = false`) neither a checkpoint nor a
+/// restore reaches a backend.
+#[tokio::test]
+async fn checkpoint_and_restore_can_be_turned_off() {
+    let f = fixture_with("flat", false, |o| o.criu = false).await;
+    let id = f.run("p", "").await.unwrap();
+    let c = vessel_critest::client::sh_container("c", "/var/lib/ckpt/c.tar", "true");
+    let e = f.rt.create_container(&id, Some(c)).await.unwrap_err();
+    assert!(
+        matches!(&e, RuntimeError::FailedPrecondition(m) if m.contains("enable_criu_support")),
+        "{e}"
+    );
     assert!(f.rt.list_containers(None).is_empty());
 }
 

@@ -62,6 +62,8 @@ pub struct RuntimeOptions {
     pub cgroups: crate::sandbox::cgroup::Driver,
     /// Where CDI device specs are looked up (`runtime.cdi_spec_dirs`).
     pub cdi_spec_dirs: Vec<PathBuf>,
+    /// CheckpointContainer and restores (`runtime.enable_criu_support`).
+    pub criu: bool,
 }
 
 /// A container in memory: its record and the lock that orders its operations.

@@ -70,6 +70,23 @@ impl std::fmt::Display for Source {
 /// A checkpoint's `config.dump` and `spec.dump`, where found.
 type Dumps = (Option<Vec<u8>>, Option<Vec<u8>>);
 
+/// An archive's `config.dump` and `spec.dump`, from its entries.
+fn pick_dumps<'a, R: 'a + io::Read>(entries: io::Result<tar::Entries<'a, R>>) -> io::Result<Dumps> {
+    let (mut config, mut spec) = (None, None);
+    for e in entries? {
+        let mut e = e?;
+        let slot = match plain_name(&e.path()?).to_str() {
+            Some("config.dump") => &mut config,
+            Some("spec.dump") => &mut spec,
+            _ => continue,
+        };
+        let mut buf = Vec::new();
+        io::Read::read_to_end(&mut e, &mut buf)?;
+        *slot = Some(buf);
+    }
+    Ok((config, spec))
+}
+
 /// A checkpoint a container is to be restored from.
 #[derive(Debug)]
 pub(super) struct Checkpoint {
@@ -177,43 +194,36 @@ impl Checkpoint {
 
     /// An archive's `config.dump` and `spec.dump`.
     fn read_archive(source: &Source, archive: &Path) -> Result<Dumps> {
-        let f = File::open(archive).map_err(|e| match e.kind() {
+        let (r, plain) = open_archive(archive).map_err(|e| match e.kind() {
             io::ErrorKind::NotFound => RuntimeError::NotFound(format!("{source} not found")),
             _ => bad(source, e),
         })?;
-        let (mut config, mut spec) = (None, None);
-        let mut a = tar::Archive::new(f);
-        for e in a.entries_with_seek().map_err(|e| bad(source, e))? {
-            let mut e = e.map_err(|e| bad(source, e))?;
-            let path = e.path().map_err(|e| bad(source, e))?.into_owned();
-            let slot = match path.to_str() {
-                Some("config.dump") => &mut config,
-                Some("spec.dump") => &mut spec,
-                _ => continue,
-            };
-            let mut buf = Vec::new();
-            io::Read::read_to_end(&mut e, &mut buf).map_err(|e| bad(source, e))?;
-            *slot = Some(buf);
-        }
-        Ok((config, spec))
+        let r = if plain {
+            // Seeks past the CRIU images (the container's memory) to the metadata.
+            let mut a = tar::Archive::new(File::open(archive).map_err(|e| bad(source, e))?);
+            pick_dumps(a.entries_with_seek())
+        } else {
+            pick_dumps(tar::Archive::new(r).entries())
+        };
+        r.map_err(|e| bad(source, e))
     }
 
-    /// The image the checkpointed container ran from, as the store may know it: its name,
-    /// its digest reference, its id.
+    /// The image the checkpointed container ran from, as the store may know it, most exact
+    /// first: its id, its digest reference, its name (a tag may have moved since).
     pub fn base_images(&self) -> impl Iterator<Item = &str> {
         [
-            &self.config.rootfs_image_name,
-            &self.config.rootfs_image_ref,
             &self.config.rootfs_image,
+            &self.config.rootfs_image_ref,
+            &self.config.rootfs_image_name,
         ]
         .into_iter()
         .map(|s| s.as_str())
         .filter(|s| !s.is_empty())
     }
 
-    /// The base image, for messages.
+    /// The base image, for messages and for a container record that names no tag of it.
     pub fn base_image_name(&self) -> &str {
-        self.base_images().next().unwrap_or("")
+        self.base_images().last().unwrap_or("")
     }
 
     /// Whether the checkpointed process had a terminal (not restorable here).
@@ -249,26 +259,29 @@ impl Checkpoint {
         tracing::debug!(checkpoint = %self.source, name = %self.config.name, "restoring a checkpointed container");
     }
 
-    /// Unpacks the checkpoint into the container's snapshot (blocking): the CRIU images into
-    /// `<snapshot>/checkpoint`, the root filesystem changes into `upper` (the overlay upper
-    /// directory: files with their owners and modes, whiteouts for the deleted files).
-    /// Answers the images directory.
-    pub fn unpack(&self, snapshot_dir: &Path, upper: &Path) -> io::Result<PathBuf> {
+    /// Unpacks the checkpoint (blocking): the CRIU images into `<snapshot>/checkpoint`, the
+    /// root filesystem changes into `root`, the container's root filesystem (its snapshot,
+    /// mounted), as CRI-O applies them: the diff's files, with their owners, modes and
+    /// times, then `deleted.files` removed. Answers the images directory.
+    pub fn unpack(&self, snapshot_dir: &Path, root: &Path) -> io::Result<PathBuf> {
         let images = snapshot_dir.join(IMAGES_DIR);
         std::fs::create_dir_all(&images)?;
+        let mut deleted = Vec::new();
         match &self.source {
             Source::Archive(archive) => {
-                let mut a = tar::Archive::new(File::open(archive)?);
+                let mut a = tar::Archive::new(open_archive(archive)?.0);
                 for e in a.entries()? {
                     let mut e = e?;
-                    let path = e.path()?.into_owned();
-                    if path.starts_with(IMAGES_DIR) {
-                        // Checked by unpack_in: nothing lands outside the snapshot directory.
-                        e.unpack_in(snapshot_dir)?;
-                    } else if path == Path::new("rootfs-diff.tar") {
-                        unpack_diff(&mut e, upper)?;
-                    } else if path == Path::new("deleted.files") {
-                        whiteouts(&mut e, upper)?;
+                    let name = plain_name(&e.path()?);
+                    if name.starts_with(IMAGES_DIR) {
+                        let file = image_file(&name, e.header().entry_type())?;
+                        if let Some(file) = file {
+                            e.unpack(images.join(file))?;
+                        }
+                    } else if name == Path::new("rootfs-diff.tar") {
+                        unpack_diff(&mut e, root)?;
+                    } else if name == Path::new("deleted.files") {
+                        deleted = read_deleted(&mut e)?;
                     }
                 }
             }
@@ -279,14 +292,16 @@ impl Checkpoint {
                     r => r.map(Some),
                 };
                 if let Some(mut f) = present(File::open(dir.join("rootfs-diff.tar")))? {
-                    unpack_diff(&mut f, upper)?;
+                    unpack_diff(&mut f, root)?;
                 }
                 if let Some(mut f) = present(File::open(dir.join("deleted.files")))? {
-                    whiteouts(&mut f, upper)?;
+                    deleted = read_deleted(&mut f)?;
                 }
             }
         }
-        if !images.join("inventory.img").exists() {
+        // After the diff, whatever order the archive has them in.
+        deleted.iter().try_for_each(|d| remove_in(root, d))?;
+        if !images.join("inventory.img").is_file() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "no CRIU images (checkpoint/inventory.img) in it",
@@ -296,30 +311,83 @@ impl Checkpoint {
     }
 }
 
-/// Unpacks `rootfs-diff.tar` into the overlay upper dir, owners, modes and times kept.
-fn unpack_diff(diff: &mut dyn io::Read, upper: &Path) -> io::Result<()> {
+/// An archive opened for reading, decompressed where it is gzip or zstd (podman exports
+/// compress), and whether it is a plain (seekable) tar. Only a regular file is one.
+fn open_archive(path: &Path) -> io::Result<(Box<dyn io::Read>, bool)> {
+    use io::{Read, Seek};
+    let mut f = File::open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    let mut magic = [0u8; 4];
+    let n = f.read(&mut magic)?;
+    f.rewind()?;
+    Ok(match &magic[..n] {
+        [0x1f, 0x8b, ..] => (Box::new(flate2::read::GzDecoder::new(f)), false),
+        [0x28, 0xb5, 0x2f, 0xfd] => (Box::new(zstd::Decoder::new(f)?), false),
+        _ => (Box::new(f), true),
+    })
+}
+
+/// An archive entry's name without `./` components (`tar -C dir .` writes them).
+fn plain_name(p: &Path) -> PathBuf {
+    p.components()
+        .filter(|c| !matches!(c, Component::CurDir))
+        .collect()
+}
+
+/// For an entry under `checkpoint/`: the image file name it unpacks to, or none for the
+/// directory itself. CRIU's images are regular files directly in it; anything else (a
+/// symlink would have CRIU read, or its log overwrite, a file of the host's) is refused.
+fn image_file(name: &Path, kind: tar::EntryType) -> io::Result<Option<std::ffi::OsString>> {
+    let mut parts = name.components().skip(1);
+    match (parts.next(), parts.next(), kind) {
+        (None, _, tar::EntryType::Directory) => Ok(None),
+        (Some(Component::Normal(f)), None, tar::EntryType::Regular) => Ok(Some(f.to_owned())),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{}: only regular files belong in checkpoint/",
+                name.display()
+            ),
+        )),
+    }
+}
+
+/// Unpacks `rootfs-diff.tar` into the container's root filesystem, owners, modes and times
+/// kept (`unpack_in` keeps every entry inside `root`).
+fn unpack_diff(diff: &mut dyn io::Read, root: &Path) -> io::Result<()> {
     let mut diff = tar::Archive::new(diff);
     diff.set_preserve_permissions(true);
     diff.set_preserve_ownerships(true);
     diff.set_preserve_mtime(true);
-    diff.set_unpack_xattrs(true);
-    for f in diff.entries()? {
-        // unpack_in keeps every entry inside `upper`.
-        f?.unpack_in(upper)?;
+    // tar's own refusals (a malformed archive, an entry leaving `root`) are the archive's
+    // fault; a failing disk is not.
+    let ours = |e: io::Error| match e.kind() {
+        io::ErrorKind::Other => {
+            io::Error::new(io::ErrorKind::InvalidData, format!("rootfs-diff.tar: {e}"))
+        }
+        _ => e,
+    };
+    for f in diff.entries().map_err(ours)? {
+        f.map_err(ours)?.unpack_in(root).map_err(ours)?;
     }
     Ok(())
 }
 
-/// Makes a whiteout in the overlay upper dir for each path of `deleted.files`.
-fn whiteouts(list: &mut dyn io::Read, upper: &Path) -> io::Result<()> {
+/// `deleted.files`: the paths (absolute, in the container) the container had removed.
+fn read_deleted(list: &mut dyn io::Read) -> io::Result<Vec<String>> {
     let mut buf = Vec::new();
     list.read_to_end(&mut buf)?;
-    let deleted: Vec<String> = serde_json::from_slice(&buf).map_err(io::Error::other)?;
-    deleted.iter().try_for_each(|d| whiteout(upper, d))
+    serde_json::from_slice(&buf)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("deleted.files: {e}")))
 }
 
-/// Copies a checkpoint image layer's CRIU images (plain files; CRIU writes its restore log
-/// beside them, which the read-only layer must not get).
+/// Copies a checkpoint image layer's CRIU images (regular files only; CRIU writes its
+/// restore log beside them, which the read-only layer must not get).
 fn copy_images(from: &Path, to: &Path) -> io::Result<()> {
     for e in std::fs::read_dir(from)? {
         let e = e?;
@@ -330,32 +398,57 @@ fn copy_images(from: &Path, to: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Marks `path` (absolute, in the container) deleted in the overlay upper dir `upper`: a
-/// character device 0:0, overlayfs's whiteout. A path that leaves the root is refused; one
-/// the diff brought back is left as it is.
-fn whiteout(upper: &Path, path: &str) -> io::Result<()> {
+/// Removes `path` (absolute, in the container; a directory with what it holds) from the
+/// container's root filesystem `root`, resolving it inside `root` only: each parent is
+/// opened without following symlinks, so that a symlink the container left (to `/etc`,
+/// say) cannot make this remove a file of the host's. A path that is not there, or has a
+/// symlink among its parents, removes nothing; one that leaves the root is refused.
+fn remove_in(root: &Path, path: &str) -> io::Result<()> {
+    use rustix::fs::{AtFlags, Mode, OFlags};
     let rel = Path::new(path.trim_start_matches('/'));
-    if rel.as_os_str().is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+    let parts: Vec<&std::ffi::OsStr> = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(n) => Ok(n),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("deleted.files: bad path {path:?}"),
+            )),
+        })
+        .collect::<io::Result<_>>()?;
+    let Some((last, parents)) = parts.split_last() else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("deleted.files: bad path {path:?}"),
         ));
+    };
+    let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::RDONLY;
+    let mut dir = rustix::fs::open(root, flags, Mode::empty())?;
+    for p in parents {
+        match rustix::fs::openat(&dir, *p, flags, Mode::empty()) {
+            Ok(d) => dir = d,
+            Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR | rustix::io::Errno::LOOP) => {
+                return Ok(())
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
-    let at = upper.join(rel);
-    if std::fs::symlink_metadata(&at).is_ok() {
-        return Ok(());
+    let st = match rustix::fs::statat(&dir, *last, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory {
+        // Through this process's fd of the parent: nothing above it is looked up again, and
+        // remove_dir_all follows no symlink below.
+        use std::os::fd::AsRawFd;
+        let at = Path::new("/proc/self/fd")
+            .join(dir.as_raw_fd().to_string())
+            .join(last);
+        std::fs::remove_dir_all(at)
+    } else {
+        rustix::fs::unlinkat(&dir, *last, AtFlags::empty()).map_err(io::Error::from)
     }
-    if let Some(parent) = at.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        &at,
-        rustix::fs::FileType::CharacterDevice,
-        rustix::fs::Mode::empty(),
-        0,
-    )
-    .map_err(io::Error::from)
 }
 
 #[cfg(test)]
@@ -363,19 +456,48 @@ mod tests {
     use super::*;
 
     #[test]
-    fn deleted_files_become_whiteouts_inside_the_upper_dir_only() {
-        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    fn deleted_files_go_from_inside_the_root_only() {
         let d = tempfile::tempdir().unwrap();
-        whiteout(d.path(), "/etc/gone").unwrap();
-        let m = std::fs::symlink_metadata(d.path().join("etc/gone")).unwrap();
-        assert!(m.file_type().is_char_device() && m.rdev() == 0);
+        let (root, host) = (d.path().join("root"), d.path().join("host"));
+        std::fs::create_dir_all(root.join("etc/sub")).unwrap();
+        std::fs::create_dir_all(&host).unwrap();
+        std::fs::write(root.join("etc/gone"), "x").unwrap();
+        std::fs::write(root.join("etc/sub/f"), "x").unwrap();
+        std::fs::write(host.join("x"), "host's").unwrap();
+        remove_in(&root, "/etc/gone").unwrap();
+        assert!(!root.join("etc/gone").exists());
+        remove_in(&root, "/etc/sub").unwrap();
+        assert!(!root.join("etc/sub").exists());
+        // Not there: nothing to do.
+        remove_in(&root, "/no/such/file").unwrap();
+        // A symlink among the parents is not followed out of the root.
+        std::os::unix::fs::symlink(&host, root.join("a")).unwrap();
+        remove_in(&root, "/a/x").unwrap();
+        assert_eq!(std::fs::read_to_string(host.join("x")).unwrap(), "host's");
+        // A symlink itself goes, not what it names.
+        remove_in(&root, "/a").unwrap();
+        assert!(host.join("x").exists() && !root.join("a").exists());
         for bad in ["/", "/../x", "/a/../../x", ""] {
-            assert!(whiteout(d.path(), bad).is_err(), "{bad:?}");
+            assert!(remove_in(&root, bad).is_err(), "{bad:?}");
         }
-        // A file the diff brought back stays.
-        std::fs::write(d.path().join("kept"), "x").unwrap();
-        whiteout(d.path(), "/kept").unwrap();
-        assert_eq!(std::fs::read_to_string(d.path().join("kept")).unwrap(), "x");
+    }
+
+    #[test]
+    fn only_regular_files_are_criu_images() {
+        use tar::EntryType;
+        let f = |n: &str, k| image_file(Path::new(n), k);
+        assert_eq!(f("checkpoint", EntryType::Directory).unwrap(), None);
+        assert_eq!(
+            f("checkpoint/pages-1.img", EntryType::Regular).unwrap(),
+            Some("pages-1.img".into())
+        );
+        assert!(f("checkpoint/pages-1.img", EntryType::Symlink).is_err());
+        assert!(f("checkpoint/restore.log", EntryType::Link).is_err());
+        assert!(f("checkpoint/sub/x.img", EntryType::Regular).is_err());
+        assert_eq!(
+            plain_name(Path::new("./checkpoint/a")),
+            Path::new("checkpoint/a")
+        );
     }
 
     #[test]
