@@ -48,13 +48,13 @@ default_handler = "vm"
 # systemd's D-Bus API; the pod's containers get cgroups beneath it. "systemd" needs systemd as
 # the init system: vesseld does not start without it.
 cgroup_driver = "cgroupfs"
-# Where CDI spec files (JSON or YAML) describe the devices containers may ask for by name
-# (CRI cdi_devices, or cdi.k8s.io/ annotations); a later directory wins for the same device.
-cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
 # CheckpointContainer, and restoring a checkpoint (CreateContainer from an archive or a
 # checkpoint image), with CRIU, for flat pods (CRI-O's option of the same name). A restore
 # has CRIU, as root, load the images a checkpoint carries: false refuses both.
 enable_criu_support = true
+# Where CDI spec files (JSON or YAML) describe the devices containers may ask for by name
+# (CRI cdi_devices, or cdi.k8s.io/ annotations); a later directory wins for the same device.
+cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
 
 [vm]
 # The guest kernel (an ELF vmlinux boots faster than a bzImage) and the initrd whose /init is
@@ -187,6 +187,7 @@ impl Default for CniConfig {
     }
 }
 
+/// `[runtime]`: how pods and containers are run (see the default config for each key).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RuntimeConfig {
@@ -194,8 +195,9 @@ pub struct RuntimeConfig {
     pub vm_fallback: VmFallback,
     pub default_handler: String,
     pub cgroup_driver: CgroupDriver,
-    pub cdi_spec_dirs: Vec<PathBuf>,
+    /// CheckpointContainer and restores, with CRIU (CRI-O's `enable_criu_support`).
     pub enable_criu_support: bool,
+    pub cdi_spec_dirs: Vec<PathBuf>,
 }
 
 impl Default for RuntimeConfig {
@@ -205,8 +207,9 @@ impl Default for RuntimeConfig {
             vm_fallback: VmFallback::Fallback,
             default_handler: "vm".into(),
             cgroup_driver: CgroupDriver::Cgroupfs,
-            cdi_spec_dirs: crate::cdi::default_dirs(),
+            // On, as in CRI-O: a node without CRIU answers a checkpoint with why.
             enable_criu_support: true,
+            cdi_spec_dirs: crate::cdi::default_dirs(),
         }
     }
 }

@@ -348,14 +348,9 @@ impl Runtime {
         key: &str,
         made: Made,
     ) -> Result<()> {
-        let Made {
-            config,
-            image,
-            target_pid,
-            volumes,
-            volume_snapshots,
-            restore,
-        } = made;
+        let (config, image, target_pid) = (made.config, made.image, made.target_pid);
+        let (volumes, volume_snapshots, restore) =
+            (made.volumes, made.volume_snapshots, made.restore);
         let image_name = image_name(&config);
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
