@@ -3417,6 +3417,40 @@ async fn restore_a_checkpoint_into_another_pod() {
             "host's"
         );
     }
+    // A checkpoint image is whoever pushed it's: its layer's config.dump a symlink to a host
+    // file (one that would parse) is refused, not read.
+    let host_json = dir.path().join("host.json");
+    std::fs::write(
+        &host_json,
+        serde_json::json!({"rootfsImageName": h.image}).to_string(),
+    )
+    .unwrap();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut hd = tar::Header::new_gnu();
+    hd.set_entry_type(tar::EntryType::Symlink);
+    hd.set_size(0);
+    hd.set_mode(0o777);
+    b.append_link(&mut hd, "config.dump", &host_json).unwrap();
+    let spec = serde_json::json!({"process": {}}).to_string();
+    let mut hd = tar::Header::new_gnu();
+    hd.set_size(spec.len() as u64);
+    hd.set_mode(0o644);
+    b.append_data(&mut hd, "spec.dump", spec.as_bytes())
+        .unwrap();
+    let linked = testimages::checkpoint_image(&b.into_inner().unwrap(), "counter");
+    let mut t = PushTarget::new(&h._reg.url(), "library/linked-checkpoint");
+    t.insecure_tls = true;
+    push_image(&t, &linked, Some("v1")).await.unwrap();
+    let lname = format!("{}/library/linked-checkpoint:v1", h._reg.host());
+    h.c.pull(&lname)
+        .await
+        .expect("pull the linked checkpoint image");
+    let e = h
+        .create(&pod, &pcfg, restored_cfg(&lname))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("symlink"), "{e}");
     if vm_mode() || vessel_critest::daemon::criu_unusable().is_some() {
         println!(
             "SKIP restore_a_checkpoint_into_another_pod (the restore): {}",

@@ -849,15 +849,21 @@ fn restore_in_child(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     let io = |e: nix::Error| LibcontainerError::OtherIO(std::io::Error::from(e));
     let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(io)?;
     std::io::stdout().flush().ok();
+    let helper = nix::unistd::getpid();
     // SAFETY: this helper is single-threaded (see the module docs), so the child may run
     // any code; it ends with _exit and never returns into the helper's.
     match unsafe { nix::unistd::fork() }.map_err(io)? {
         nix::unistd::ForkResult::Child => {
             drop(rd);
-            // Dies with the helper (killed at its deadline): CRIU's swrk then loses its
-            // client and gives the restore up.
-            // SAFETY: prctl on this process only.
-            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            // Dies with the helper (killed at its deadline), and at once if that happened
+            // already: CRIU's swrk then loses its client and gives the restore up.
+            // SAFETY: prctl and _exit on this process only.
+            unsafe {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if nix::unistd::getppid() != helper {
+                    libc::_exit(1);
+                }
+            }
             let answer = match criu_restore(r) {
                 Ok(pid) => format!("OK {pid}"),
                 Err(e) => format!("ERR {}", error_chain(&e)),

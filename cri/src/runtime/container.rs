@@ -31,7 +31,21 @@ struct Made {
 }
 
 impl Runtime {
+    /// CRI CreateContainer, run to its end in a task of its own: a caller that gives up
+    /// (kubelet's deadline; unpacking a large checkpoint) leaves neither a reserved name nor
+    /// a half-made container behind.
     pub async fn create_container(
+        self: &Arc<Self>,
+        pod_id: &str,
+        config: Option<cri::ContainerConfig>,
+    ) -> Result<String> {
+        let (rt, pod_id) = (self.clone(), pod_id.to_string());
+        tokio::spawn(async move { rt.create_now(&pod_id, config).await })
+            .await
+            .map_err(internal("the create task"))?
+    }
+
+    async fn create_now(
         self: &Arc<Self>,
         pod_id: &str,
         config: Option<cri::ContainerConfig>,

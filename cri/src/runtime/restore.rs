@@ -80,9 +80,7 @@ fn pick_dumps<'a, R: 'a + io::Read>(entries: io::Result<tar::Entries<'a, R>>) ->
             Some("spec.dump") => &mut spec,
             _ => continue,
         };
-        let mut buf = Vec::new();
-        io::Read::read_to_end(&mut e, &mut buf)?;
-        *slot = Some(buf);
+        *slot = Some(read_small(&mut e)?);
     }
     Ok((config, spec))
 }
@@ -138,8 +136,13 @@ impl Checkpoint {
         let (config, spec) = match &source {
             Source::Archive(archive) => Self::read_archive(&source, archive)?,
             Source::Dir(dir) => {
-                let read = |n: &str| std::fs::read(dir.join(n)).ok();
-                (read("config.dump"), read("spec.dump"))
+                let read = |n: &str| -> Result<Option<Vec<u8>>> {
+                    let Some(f) = layer_file(dir, n).map_err(|e| bad(&source, e))? else {
+                        return Ok(None);
+                    };
+                    read_small(f).map(Some).map_err(|e| bad(&source, e))
+                };
+                (read("config.dump")?, read("spec.dump")?)
             }
         };
         let (Some(config), Some(spec)) = (config, spec) else {
@@ -269,14 +272,15 @@ impl Checkpoint {
         let mut deleted = Vec::new();
         match &self.source {
             Source::Archive(archive) => {
+                let fault = |e| archive_fault("the archive", e);
                 let mut a = tar::Archive::new(open_archive(archive)?.0);
-                for e in a.entries()? {
-                    let mut e = e?;
-                    let name = plain_name(&e.path()?);
+                for e in a.entries().map_err(fault)? {
+                    let mut e = e.map_err(fault)?;
+                    let name = plain_name(&e.path().map_err(fault)?);
                     if name.starts_with(IMAGES_DIR) {
                         let file = image_file(&name, e.header().entry_type())?;
                         if let Some(file) = file {
-                            e.unpack(images.join(file))?;
+                            e.unpack(images.join(file)).map_err(fault)?;
                         }
                     } else if name == Path::new("rootfs-diff.tar") {
                         unpack_diff(&mut e, root)?;
@@ -286,15 +290,11 @@ impl Checkpoint {
                 }
             }
             Source::Dir(dir) => {
-                copy_images(&dir.join(IMAGES_DIR), &images)?;
-                let present = |r: io::Result<File>| match r {
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-                    r => r.map(Some),
-                };
-                if let Some(mut f) = present(File::open(dir.join("rootfs-diff.tar")))? {
+                copy_images(dir, &images)?;
+                if let Some(mut f) = layer_file(dir, "rootfs-diff.tar")? {
                     unpack_diff(&mut f, root)?;
                 }
-                if let Some(mut f) = present(File::open(dir.join("deleted.files")))? {
+                if let Some(mut f) = layer_file(dir, "deleted.files")? {
                     deleted = read_deleted(&mut f)?;
                 }
             }
@@ -326,7 +326,7 @@ fn open_archive(path: &Path) -> io::Result<(Box<dyn io::Read>, bool)> {
     let n = f.read(&mut magic)?;
     f.rewind()?;
     Ok(match &magic[..n] {
-        [0x1f, 0x8b, ..] => (Box::new(flate2::read::GzDecoder::new(f)), false),
+        [0x1f, 0x8b, ..] => (Box::new(flate2::read::MultiGzDecoder::new(f)), false),
         [0x28, 0xb5, 0x2f, 0xfd] => (Box::new(zstd::Decoder::new(f)?), false),
         _ => (Box::new(f), true),
     })
@@ -364,36 +364,102 @@ fn unpack_diff(diff: &mut dyn io::Read, root: &Path) -> io::Result<()> {
     diff.set_preserve_permissions(true);
     diff.set_preserve_ownerships(true);
     diff.set_preserve_mtime(true);
-    // tar's own refusals (a malformed archive, an entry leaving `root`) are the archive's
-    // fault; a failing disk is not.
-    let ours = |e: io::Error| match e.kind() {
-        io::ErrorKind::Other => {
-            io::Error::new(io::ErrorKind::InvalidData, format!("rootfs-diff.tar: {e}"))
-        }
-        _ => e,
-    };
+    let ours = |e| archive_fault("rootfs-diff.tar", e);
     for f in diff.entries().map_err(ours)? {
         f.map_err(ours)?.unpack_in(root).map_err(ours)?;
     }
     Ok(())
 }
 
+/// An error met reading or applying an archive, as the archive's fault (InvalidData: a
+/// malformed or truncated archive, an entry that leaves the root, a link to nothing), unless
+/// it is the node's (a full, read-only or failing disk, no memory), which stays as it is.
+fn archive_fault(what: &str, e: io::Error) -> io::Error {
+    let node = matches!(
+        e.raw_os_error(),
+        Some(libc::ENOSPC | libc::EDQUOT | libc::EROFS | libc::EIO | libc::ENOMEM)
+    ) || e.kind() == io::ErrorKind::OutOfMemory;
+    if node || e.kind() == io::ErrorKind::InvalidData {
+        return e;
+    }
+    io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {e}"))
+}
+
 /// `deleted.files`: the paths (absolute, in the container) the container had removed.
 fn read_deleted(list: &mut dyn io::Read) -> io::Result<Vec<String>> {
-    let mut buf = Vec::new();
-    list.read_to_end(&mut buf)?;
+    let buf = read_small(list)?;
     serde_json::from_slice(&buf)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("deleted.files: {e}")))
 }
 
-/// Copies a checkpoint image layer's CRIU images (regular files only; CRIU writes its
-/// restore log beside them, which the read-only layer must not get).
-fn copy_images(from: &Path, to: &Path) -> io::Result<()> {
-    for e in std::fs::read_dir(from)? {
-        let e = e?;
-        if e.file_type()?.is_file() {
-            std::fs::copy(e.path(), to.join(e.file_name()))?;
+/// The most a `config.dump`, `spec.dump` or `deleted.files` is read of.
+const METADATA_LIMIT: u64 = 16 << 20;
+
+/// A checkpoint image layer's file `name` (in `dir`, or its `checkpoint/` directory), if
+/// there: a regular file, opened without following a symlink (the layer is whoever pushed
+/// the image's: a link to a host file, a fifo or a device is refused).
+fn layer_file(dir: &Path, name: &str) -> io::Result<Option<File>> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+    let fd = match rustix::fs::open(dir.join(name), flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(None),
+        Err(rustix::io::Errno::LOOP) => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{name} is a symlink"),
+            ))
         }
+        Err(e) => return Err(e.into()),
+    };
+    let f = File::from(fd);
+    if !f.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{name} is not a regular file"),
+        ));
+    }
+    Ok(Some(f))
+}
+
+/// A metadata file's content, up to [`METADATA_LIMIT`].
+fn read_small(f: impl io::Read) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    io::Read::read_to_end(&mut io::Read::take(f, METADATA_LIMIT + 1), &mut buf)?;
+    if buf.len() as u64 > METADATA_LIMIT {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a metadata file over {METADATA_LIMIT} bytes"),
+        ));
+    }
+    Ok(buf)
+}
+
+/// Copies a checkpoint image layer's CRIU images (`<layer>/checkpoint/*`, regular files
+/// only, none through a symlink; CRIU writes its restore log beside them, which the
+/// read-only layer must not get).
+fn copy_images(layer: &Path, to: &Path) -> io::Result<()> {
+    let from = layer.join(IMAGES_DIR);
+    match std::fs::symlink_metadata(&from) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "checkpoint is not a directory",
+            ))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    for e in std::fs::read_dir(&from)? {
+        let name = e?.file_name();
+        let Some(n) = name.to_str() else { continue };
+        // Anything but a regular file is left out.
+        let Ok(Some(mut src)) = layer_file(&from, n) else {
+            continue;
+        };
+        let mut dst = File::create(to.join(&name))?;
+        io::copy(&mut src, &mut dst)?;
     }
     Ok(())
 }
