@@ -267,16 +267,8 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
     // `idmap` binds (a volume of a pod with its own user namespace) are idmapped through
     // the container's user namespace, the pod's (libcontainer 0.7 has no idmapped mounts).
     let userns = if todo.iter().any(|t| t.3) {
-        let path = spec
-            .linux()
-            .as_ref()
-            .and_then(|l| l.namespaces().as_ref())
-            .and_then(|ns| {
-                ns.iter()
-                    .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)
-            })
-            .and_then(|n| n.path().clone())
-            .ok_or_else(|| {
+        let path =
+            ns_path(&spec, oci_spec::runtime::LinuxNamespaceType::User).ok_or_else(|| {
                 LibcontainerError::InvalidInput(
                     "an idmap bind mount needs the container to join a user namespace".into(),
                 )
@@ -586,7 +578,6 @@ fn checkpoint(
     image_path: PathBuf,
     work_path: Option<PathBuf>,
 ) -> Result<(), LibcontainerError> {
-    use oci_spec::runtime::LinuxNamespaceType;
     use std::os::unix::fs::DirBuilderExt;
     // Closed: criu swrk is not to inherit the host's mount namespace.
     drop(take_host_mount_ns());
@@ -596,11 +587,8 @@ fn checkpoint(
         .ok_or_else(|| LibcontainerError::Other(format!("container {id} has no pid")))?
         .as_raw();
     let spec = oci_spec::runtime::Spec::load(c.bundle().join("config.json"))?;
-    // Absolute: CRIU would resolve a relative root against its own working directory.
-    let rootfs = spec
-        .root()
-        .as_ref()
-        .map(|r| c.bundle().join(r.path()).display().to_string())
+    let rootfs = rootfs_of(&spec, c.bundle())
+        .map(|r| r.display().to_string())
         .unwrap_or_default();
     let criu_path = find_criu()?;
     let mkdir = |d: &Path| match std::fs::DirBuilder::new().mode(0o700).create(d) {
@@ -624,7 +612,6 @@ fn checkpoint(
     )
     .map_err(LibcontainerError::OtherIO)?;
 
-    let criu_err = |e: rust_criu::CriuError| LibcontainerError::Other(format!("criu: {e}"));
     let mut criu =
         rust_criu::Criu::new_with_criu_path(criu_path.display().to_string()).map_err(criu_err)?;
     criu.set_images_dir_fd(images.as_raw_fd());
@@ -642,22 +629,11 @@ fn checkpoint(
         criu.set_external_mount(m.point, m.key);
     }
     // The pod's namespaces the container joined (by path) are not the container's to dump.
-    for (typ, name) in [
-        (LinuxNamespaceType::Network, "net"),
-        (LinuxNamespaceType::Pid, "pid"),
-    ] {
-        let path = spec
-            .linux()
-            .as_ref()
-            .and_then(|l| l.namespaces().as_ref())
-            .and_then(|ns| ns.iter().find(|n| n.typ() == typ))
-            .and_then(|n| n.path().clone());
-        if let Some(path) = path {
-            let ino = std::fs::metadata(&path)
-                .map_err(LibcontainerError::OtherIO)?
-                .ino();
-            criu.add_external(format!("{name}[{ino}]:{}", rust_criu::criu_ns_to_key(name)));
-        }
+    for (name, path) in pod_namespaces(&spec) {
+        let ino = std::fs::metadata(&path)
+            .map_err(LibcontainerError::OtherIO)?
+            .ino();
+        criu.add_external(format!("{name}[{ino}]:{}", rust_criu::criu_ns_to_key(name)));
     }
     criu.set_log_file(CRIU_DUMP_LOG.to_string());
     criu.set_log_level(4);
@@ -698,14 +674,7 @@ fn checkpoint(
         .as_deref()
         .unwrap_or(&image_path)
         .join(CRIU_DUMP_LOG);
-    r.map_err(|e| {
-        let errors = criu_errors(&log);
-        if errors.is_empty() {
-            criu_err(e)
-        } else {
-            LibcontainerError::Other(format!("criu: {e}; {errors}"))
-        }
-    })
+    r.map_err(|e| criu_failed(e, &log))
 }
 
 /// The log [`restore`] has CRIU write into the image directory.
@@ -750,10 +719,7 @@ fn restore(
         stage_binds(&host_ns, bundle)?;
     }
     let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))?;
-    let rootfs = spec
-        .root()
-        .as_ref()
-        .map(|r| bundle.join(r.path()))
+    let rootfs = rootfs_of(&spec, bundle)
         .ok_or_else(|| LibcontainerError::InvalidInput("the spec has no root".into()))?;
     let config = libcontainer::config::YoukiConfig::from_spec(&spec, id)?;
     let dir = root.join(id);
@@ -896,7 +862,6 @@ fn restore_in_child(r: &RestoreIn) -> Result<i32, LibcontainerError> {
 /// In [`restore_in_child`]'s child: joins the container's cgroup and has CRIU restore.
 fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     use libcgroups::common::{CgroupManager, ControllerOpt};
-    use oci_spec::runtime::LinuxNamespaceType;
     r.cgroup.add_task(Pid::this())?;
     if let Some(resources) = r.spec.linux().as_ref().and_then(|l| l.resources().as_ref()) {
         r.cgroup.apply(&ControllerOpt {
@@ -912,7 +877,6 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     if unsafe { libc::dup2(2, 1) } < 0 {
         return Err(LibcontainerError::OtherIO(std::io::Error::last_os_error()));
     }
-    let criu_err = |e: rust_criu::CriuError| LibcontainerError::Other(format!("criu: {e}"));
     let mut criu = rust_criu::Criu::new_with_criu_path(find_criu()?.display().to_string())
         .map_err(criu_err)?;
     let images = std::fs::File::open(r.image_path).map_err(LibcontainerError::OtherIO)?;
@@ -928,29 +892,17 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     }
     // The pod's namespaces the dump recorded as external: CRIU puts the tasks back in them.
     let mut inherited = Vec::new();
-    for (typ, name) in [
-        (LinuxNamespaceType::Network, "net"),
-        (LinuxNamespaceType::Pid, "pid"),
-    ] {
-        let path = r
-            .spec
-            .linux()
-            .as_ref()
-            .and_then(|l| l.namespaces().as_ref())
-            .and_then(|ns| ns.iter().find(|n| n.typ() == typ))
-            .and_then(|n| n.path().clone());
-        if let Some(path) = path {
-            let f = std::fs::File::open(&path).map_err(LibcontainerError::OtherIO)?;
-            // Inherited by criu swrk: not close-on-exec.
-            nix::fcntl::fcntl(
-                f.as_raw_fd(),
-                nix::fcntl::F_SETFD(nix::fcntl::FdFlag::empty()),
-            )
-            .map_err(|e| LibcontainerError::OtherIO(e.into()))?;
-            criu.add_inherit_fd(f.as_raw_fd(), rust_criu::criu_ns_to_key(name))
-                .map_err(criu_err)?;
-            inherited.push(f);
-        }
+    for (name, path) in pod_namespaces(r.spec) {
+        let f = std::fs::File::open(&path).map_err(LibcontainerError::OtherIO)?;
+        // Inherited by criu swrk: not close-on-exec.
+        nix::fcntl::fcntl(
+            f.as_raw_fd(),
+            nix::fcntl::F_SETFD(nix::fcntl::FdFlag::empty()),
+        )
+        .map_err(|e| LibcontainerError::OtherIO(e.into()))?;
+        criu.add_inherit_fd(f.as_raw_fd(), rust_criu::criu_ns_to_key(name))
+            .map_err(criu_err)?;
+        inherited.push(f);
     }
     // The dumped stdio pipes (to the old log pumps) become this container's.
     if let Some(stdio) = r.stdio {
@@ -972,14 +924,8 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     criu.set_notify_scripts(true);
     criu.set_notify_cb(note_restored_pid);
     RESTORED_PID.store(0, std::sync::atomic::Ordering::SeqCst);
-    criu.restore().map_err(|e| {
-        let errors = criu_errors(&r.image_path.join(CRIU_RESTORE_LOG));
-        if errors.is_empty() {
-            criu_err(e)
-        } else {
-            LibcontainerError::Other(format!("criu: {e}; {errors}"))
-        }
-    })?;
+    criu.restore()
+        .map_err(|e| criu_failed(e, &r.image_path.join(CRIU_RESTORE_LOG)))?;
     drop(inherited);
     match RESTORED_PID.load(std::sync::atomic::Ordering::SeqCst) {
         pid if pid > 0 => Ok(pid),
@@ -989,7 +935,25 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     }
 }
 
-/// The last few `Error` lines of a CRIU log, joined: why a dump failed.
+fn criu_err(e: rust_criu::CriuError) -> LibcontainerError {
+    LibcontainerError::Other(format!("criu: {e}"))
+}
+
+/// A failed CRIU call, with the last errors of its `log` when it wrote any.
+fn criu_failed(e: rust_criu::CriuError, log: &Path) -> LibcontainerError {
+    match criu_errors(log) {
+        errors if errors.is_empty() => criu_err(e),
+        errors => LibcontainerError::Other(format!("criu: {e}; {errors}")),
+    }
+}
+
+/// The container's root filesystem as an absolute path (CRIU would resolve a relative one
+/// against its own working directory).
+fn rootfs_of(spec: &oci_spec::runtime::Spec, bundle: &Path) -> Option<PathBuf> {
+    spec.root().as_ref().map(|r| bundle.join(r.path()))
+}
+
+/// The last few `Error` lines of a CRIU log, joined: why a dump or restore failed.
 pub fn criu_errors(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let errors: Vec<&str> = text
@@ -1121,7 +1085,7 @@ fn exec(
     // namespace: in a pod with its own, the exec'd process is set up as host root with every
     // capability (what joining the user namespace needs) and our executor joins it, then
     // takes on the process's own user and capabilities, before the seccomp filter and exec.
-    let userns = match user_ns_path(&spec) {
+    let userns = match ns_path(&spec, oci_spec::runtime::LinuxNamespaceType::User) {
         Some(path) => {
             let fd = std::fs::File::open(&path).map_err(|e| {
                 LibcontainerError::Other(format!(
@@ -1301,16 +1265,33 @@ fn home_of(rootfs: &Path, uid: u32) -> Option<String> {
     })
 }
 
-/// The path of the user namespace the container joined, if it joined one.
-fn user_ns_path(spec: &oci_spec::runtime::Spec) -> Option<PathBuf> {
+/// The path of the namespace of type `typ` the container joins, if it joins one.
+fn ns_path(
+    spec: &oci_spec::runtime::Spec,
+    typ: oci_spec::runtime::LinuxNamespaceType,
+) -> Option<PathBuf> {
     spec.linux()
         .as_ref()?
         .namespaces()
         .as_ref()?
         .iter()
-        .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User)?
+        .find(|n| n.typ() == typ)?
         .path()
         .clone()
+}
+
+/// The pod's namespaces the container joined by path that CRIU takes as external: its
+/// network namespace and, in a pod sharing one, its pid namespace; each with CRIU's name
+/// for its type.
+fn pod_namespaces(spec: &oci_spec::runtime::Spec) -> Vec<(&'static str, PathBuf)> {
+    use oci_spec::runtime::LinuxNamespaceType;
+    [
+        (LinuxNamespaceType::Network, "net"),
+        (LinuxNamespaceType::Pid, "pid"),
+    ]
+    .into_iter()
+    .filter_map(|(typ, name)| Some((name, ns_path(spec, typ)?)))
+    .collect()
 }
 
 /// Every capability this process has (root on a host may lack some), permitted, effective
