@@ -106,14 +106,19 @@ impl Runtime {
             (base, Some(ck))
         } else {
             let image = self.find_image(&image_name).await?;
-            // A checkpoint image: its layer holds the archive's files.
-            match (&image.checkpoint_of, self.store.layer_dirs(&image).last()) {
-                (Some(_), Some(layer)) => {
-                    let source = restore::Source::Dir(layer.clone());
+            // A checkpoint image: its (top) layer holds the archive's files. Only such an
+            // image's layers are looked up here.
+            let layer = image
+                .checkpoint_of
+                .as_ref()
+                .and_then(|_| self.store.layer_dirs(&image).pop());
+            match layer {
+                Some(layer) => {
+                    let source = restore::Source::Dir(layer);
                     let (ck, base) = self.checkpoint_to_restore(prec, key, source).await?;
                     (base, Some(ck))
                 }
-                _ => (image, None),
+                None => (image, None),
             }
         };
         if let Some(ck) = &restore {

@@ -197,18 +197,16 @@ impl Checkpoint {
 
     /// An archive's `config.dump` and `spec.dump`.
     fn read_archive(source: &Source, archive: &Path) -> Result<Dumps> {
-        let (r, plain) = open_archive(archive).map_err(|e| match e.kind() {
+        let opened = open_archive(archive).map_err(|e| match e.kind() {
             io::ErrorKind::NotFound => RuntimeError::NotFound(format!("{source} not found")),
             _ => bad(source, e),
         })?;
-        let r = if plain {
+        match opened {
             // Seeks past the CRIU images (the container's memory) to the metadata.
-            let mut a = tar::Archive::new(File::open(archive).map_err(|e| bad(source, e))?);
-            pick_dumps(a.entries_with_seek())
-        } else {
-            pick_dumps(tar::Archive::new(r).entries())
-        };
-        r.map_err(|e| bad(source, e))
+            Opened::Plain(f) => pick_dumps(tar::Archive::new(f).entries_with_seek()),
+            Opened::Compressed(r) => pick_dumps(tar::Archive::new(r).entries()),
+        }
+        .map_err(|e| bad(source, e))
     }
 
     /// The image the checkpointed container ran from, as the store may know it, most exact
@@ -273,7 +271,7 @@ impl Checkpoint {
         match &self.source {
             Source::Archive(archive) => {
                 let fault = |e| archive_fault("the archive", e);
-                let mut a = tar::Archive::new(open_archive(archive)?.0);
+                let mut a = tar::Archive::new(open_archive(archive)?.reader());
                 for e in a.entries().map_err(fault)? {
                     let mut e = e.map_err(fault)?;
                     let name = plain_name(&e.path().map_err(fault)?);
@@ -312,8 +310,8 @@ impl Checkpoint {
 }
 
 /// An archive opened for reading, decompressed where it is gzip or zstd (podman exports
-/// compress), and whether it is a plain (seekable) tar. Only a regular file is one.
-fn open_archive(path: &Path) -> io::Result<(Box<dyn io::Read>, bool)> {
+/// compress). Only a regular file is one.
+fn open_archive(path: &Path) -> io::Result<Opened> {
     use io::{Read, Seek};
     let mut f = File::open(path)?;
     if !f.metadata()?.is_file() {
@@ -326,10 +324,25 @@ fn open_archive(path: &Path) -> io::Result<(Box<dyn io::Read>, bool)> {
     let n = f.read(&mut magic)?;
     f.rewind()?;
     Ok(match &magic[..n] {
-        [0x1f, 0x8b, ..] => (Box::new(flate2::read::MultiGzDecoder::new(f)), false),
-        [0x28, 0xb5, 0x2f, 0xfd] => (Box::new(zstd::Decoder::new(f)?), false),
-        _ => (Box::new(f), true),
+        [0x1f, 0x8b, ..] => Opened::Compressed(Box::new(flate2::read::MultiGzDecoder::new(f))),
+        [0x28, 0xb5, 0x2f, 0xfd] => Opened::Compressed(Box::new(zstd::Decoder::new(f)?)),
+        _ => Opened::Plain(f),
     })
+}
+
+/// An opened archive: a plain tar (which can be seeked through) or a decompressing reader.
+enum Opened {
+    Plain(File),
+    Compressed(Box<dyn io::Read>),
+}
+
+impl Opened {
+    fn reader(self) -> Box<dyn io::Read> {
+        match self {
+            Opened::Plain(f) => Box::new(f),
+            Opened::Compressed(r) => r,
+        }
+    }
 }
 
 /// An archive entry's name without `./` components (`tar -C dir .` writes them).
