@@ -127,6 +127,16 @@ impl H {
             .await
             .unwrap_or_else(|e| panic!("StopContainer {id}: {e}"));
     }
+    /// RemoveContainer of `id`.
+    async fn remove(&mut self, id: &str) {
+        self.c
+            .runtime
+            .remove_container(cri::RemoveContainerRequest {
+                container_id: id.to_string(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("RemoveContainer {id}: {e}"));
+    }
     /// CheckpointContainer of `id` into the archive `location`.
     async fn checkpoint(
         &mut self,
@@ -296,6 +306,24 @@ fn cri_log_lines(p: &Path) -> Vec<(String, String, String)> {
         .collect()
 }
 
+/// The number a counter container keeps in /tmp/count (0 while there is none).
+async fn count_in(c: &vessel_critest::client::CriClient, id: &str) -> u64 {
+    let r = c.exec_sync(id, &["cat", "/tmp/count"], 5).await.unwrap();
+    String::from_utf8_lossy(&r.stdout)
+        .trim()
+        .parse::<u64>()
+        .unwrap_or(0)
+}
+
+/// Waits (up to `limit`) until the counter of container `id` is past `n`.
+async fn wait_count_past(h: &H, id: &str, n: u64, limit: Duration, what: &str) {
+    let start = Instant::now();
+    while count_in(&h.c, id).await <= n {
+        assert!(start.elapsed() < limit, "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn wait_for<F: FnMut() -> bool>(what: &str, limit: Duration, mut f: F) {
     let start = Instant::now();
     while !f() {
@@ -403,12 +431,7 @@ async fn pod_and_container_lifecycle_with_logs() {
             h.stop(id, 0).await;
         }
         for _ in 0..2 {
-            h.c.runtime
-                .remove_container(cri::RemoveContainerRequest {
-                    container_id: id.to_string(),
-                })
-                .await
-                .unwrap();
+            h.remove(id).await;
         }
     }
     let e =
@@ -455,12 +478,7 @@ async fn container_events_arrive_once_per_transition() {
     h.wait_exit(&b, Duration::from_secs(30)).await;
     h.stop(&a, 10).await;
     for id in [&a, &b] {
-        h.c.runtime
-            .remove_container(cri::RemoveContainerRequest {
-                container_id: id.to_string(),
-            })
-            .await
-            .unwrap();
+        h.remove(id).await;
     }
     use cri::ContainerEventType as T;
     let mut seen: HashMap<String, Vec<i32>> = HashMap::new();
@@ -1384,12 +1402,7 @@ async fn bad_inputs_are_refused_and_leave_nothing() {
         })
         .await
         .unwrap();
-    h.c.runtime
-        .remove_container(cri::RemoveContainerRequest {
-            container_id: "f".repeat(64),
-        })
-        .await
-        .unwrap();
+    h.remove(&"f".repeat(64)).await;
     h.assert_clean();
 }
 
@@ -1525,12 +1538,7 @@ async fn vm_layer_disks_whiteouts_and_slot_reuse() {
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
     assert!(e.message().contains("spare_disks"), "{e}");
     // Once the two-layer container is gone, its slots are reused.
-    h.c.runtime
-        .remove_container(cri::RemoveContainerRequest {
-            container_id: w.clone(),
-        })
-        .await
-        .unwrap();
+    h.remove(&w).await;
     let b = h.run(&pod, &pcfg, "b", "echo fits").await;
     let s = h.wait_exit(&b, Duration::from_secs(30)).await;
     assert_eq!(s.exit_code, 0, "{s:?}");
@@ -1639,12 +1647,7 @@ async fn flat_bind_sources_come_from_the_host_and_removal_spares_host_mounts() {
         .await
         .expect("ExecSync");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "flag");
-    h.c.runtime
-        .remove_container(cri::RemoveContainerRequest {
-            container_id: c.clone(),
-        })
-        .await
-        .expect("RemoveContainer");
+    h.remove(&c).await;
     let host_mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let late = mnt.join("late").display().to_string();
     let still = host_mounts
@@ -2387,12 +2390,7 @@ async fn image_volumes_mount_an_image_read_only() {
             .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
 
-    h.c.runtime
-        .remove_container(cri::RemoveContainerRequest {
-            container_id: id.clone(),
-        })
-        .await
-        .unwrap();
+    h.remove(&id).await;
     assert!(iv_mounts(&h).is_empty());
     h.c.images
         .remove_image(cri::RemoveImageRequest {
@@ -3077,6 +3075,23 @@ async fn pod_sandbox_metrics_follow_their_descriptors() {
 }
 
 /// The entries of a tar archive (directories with their trailing slash dropped).
+/// Appends a regular file `name` holding `data` (mode 0600) to a tar.
+fn tar_add<W: std::io::Write>(b: &mut tar::Builder<W>, name: &str, data: &[u8]) {
+    let mut hd = tar::Header::new_gnu();
+    hd.set_size(data.len() as u64);
+    hd.set_mode(0o600);
+    b.append_data(&mut hd, name, data).unwrap();
+}
+
+/// Appends a symlink `name` -> `target` to a tar.
+fn tar_symlink<W: std::io::Write>(b: &mut tar::Builder<W>, name: &str, target: &Path) {
+    let mut hd = tar::Header::new_gnu();
+    hd.set_entry_type(tar::EntryType::Symlink);
+    hd.set_size(0);
+    hd.set_mode(0o777);
+    b.append_link(&mut hd, name, target).unwrap();
+}
+
 fn tar_names(data: &[u8]) -> Vec<String> {
     let mut names: Vec<String> = tar::Archive::new(data)
         .entries()
@@ -3139,25 +3154,14 @@ async fn checkpoint_a_running_container() {
         h.assert_clean();
         return;
     }
-    let count = |h: &mut H| {
-        let c = h.c.clone();
-        let id = id.clone();
-        async move {
-            let r = c.exec_sync(&id, &["cat", "/tmp/count"], 5).await.unwrap();
-            String::from_utf8_lossy(&r.stdout)
-                .trim()
-                .parse::<u64>()
-                .unwrap_or(0)
-        }
-    };
-    let start = Instant::now();
-    while count(&mut h).await < 3 {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the counter does not count"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_count_past(
+        &h,
+        &id,
+        2,
+        Duration::from_secs(10),
+        "the counter does not count",
+    )
+    .await;
 
     if let Err(e) = h.checkpoint(&id, location, 60).await {
         panic!("CheckpointContainer: {e}\n{}", h.v.log());
@@ -3220,15 +3224,9 @@ async fn checkpoint_a_running_container() {
     // It runs on.
     let st = h.status(&id).await;
     assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
-    let before = count(&mut h).await;
-    let start = Instant::now();
-    while count(&mut h).await <= before {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the counter stopped after the checkpoint"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let before = count_in(&h.c, &id).await;
+    let stopped = "the counter stopped after the checkpoint";
+    wait_count_past(&h, &id, before, Duration::from_secs(10), stopped).await;
 
     // A stopped container has nothing to dump.
     h.stop(&id, 0).await;
@@ -3270,23 +3268,11 @@ async fn restore_a_checkpoint_into_another_pod() {
     cfg.mounts.push(volume(&vol_a));
     let archive = dir.path().join("counter.tar");
     let archive_s = archive.display().to_string();
-    let restored_cfg = |image: &str| cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: if image == archive_s {
-                "counter"
-            } else {
-                "probe"
-            }
-            .into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        log_path: "counter.log".into(),
+    // The checkpoint is the image; the command is the checkpointed one.
+    let restored_cfg = |name: &str, image: &str| cri::ContainerConfig {
+        command: Vec::new(),
         mounts: vec![volume(&vol_b)],
-        ..Default::default()
+        ..sh_container(name, image, "")
     };
     let id = h
         .create(&pod, &pcfg, cfg)
@@ -3295,42 +3281,41 @@ async fn restore_a_checkpoint_into_another_pod() {
     h.start(&id).await;
     // What is refused whatever the pod: no such archive, a file that is not one.
     let e = h
-        .create(&pod, &pcfg, restored_cfg("/no/such/archive.tar"))
+        .create(&pod, &pcfg, restored_cfg("probe", "/no/such/archive.tar"))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e}");
     let not_one = dir.path().join("not-an-archive.tar");
     std::fs::write(&not_one, b"hello").unwrap();
     let e = h
-        .create(&pod, &pcfg, restored_cfg(not_one.to_str().unwrap()))
+        .create(
+            &pod,
+            &pcfg,
+            restored_cfg("probe", not_one.to_str().unwrap()),
+        )
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     // An archive with its metadata but no CRIU images; a VM pod refuses any.
     let base = h.image.clone();
-    let hollow = |name: &str, images: &[(&str, &[u8])]| {
-        let path = dir.path().join(name);
-        let mut b = tar::Builder::new(std::fs::File::create(&path).unwrap());
+    // A checkpoint archive's metadata (its base image here), then `more` entries.
+    let hollow = |name: &str, more: &dyn Fn(&mut tar::Builder<Vec<u8>>)| {
+        let mut b = tar::Builder::new(Vec::new());
         let config = serde_json::json!({"name": "counter", "rootfsImageName": base});
         let spec = serde_json::json!({"process": {"args": ["sleep", "1"]}});
-        let (config, spec) = (config.to_string(), spec.to_string());
-        for (name, data) in [
-            ("config.dump", config.as_bytes()),
-            ("spec.dump", spec.as_bytes()),
-        ]
-        .into_iter()
-        .chain(images.iter().copied())
-        {
-            let mut hd = tar::Header::new_gnu();
-            hd.set_size(data.len() as u64);
-            hd.set_mode(0o600);
-            b.append_data(&mut hd, name, data).unwrap();
-        }
-        b.finish().unwrap();
+        tar_add(&mut b, "config.dump", config.to_string().as_bytes());
+        tar_add(&mut b, "spec.dump", spec.to_string().as_bytes());
+        more(&mut b);
+        let path = dir.path().join(name);
+        std::fs::write(&path, b.into_inner().unwrap()).unwrap();
         path.display().to_string()
     };
     let e = h
-        .create(&pod, &pcfg, restored_cfg(&hollow("hollow.tar", &[])))
+        .create(
+            &pod,
+            &pcfg,
+            restored_cfg("probe", &hollow("hollow.tar", &|_| {})),
+        )
         .await
         .unwrap_err();
     if vm_mode() {
@@ -3340,9 +3325,11 @@ async fn restore_a_checkpoint_into_another_pod() {
         assert!(e.message().contains("no CRIU images"), "{e}");
         // CRIU images that CRIU cannot read: StartContainer fails with CRIU's reason, and
         // the container (never running) goes with nothing left.
-        let bad = hollow("bad.tar", &[("checkpoint/inventory.img", b"not an image")]);
+        let bad = hollow("bad.tar", &|b| {
+            tar_add(b, "checkpoint/inventory.img", b"not an image")
+        });
         let broken = h
-            .create(&pod, &pcfg, restored_cfg(&bad))
+            .create(&pod, &pcfg, restored_cfg("probe", &bad))
             .await
             .unwrap_or_else(|e| panic!("CreateContainer from {bad}: {e}"));
         let e = h.c.start_container(&broken).await.unwrap_err();
@@ -3353,62 +3340,31 @@ async fn restore_a_checkpoint_into_another_pod() {
             cri::ContainerState::ContainerRunning as i32,
             "{st:?}"
         );
-        h.c.runtime
-            .remove_container(cri::RemoveContainerRequest {
-                container_id: broken,
-            })
-            .await
-            .unwrap();
+        h.remove(&broken).await;
         // A hostile archive touches nothing of the host's: a symlink among the CRIU images
         // (CRIU would read, or write its log through, a host file) is refused; a diff
         // symlink to a host directory, then a deleted file under it, deletes nothing there.
         let host = tempfile::tempdir().unwrap();
         std::fs::write(host.path().join("victim"), "host's").unwrap();
-        let symlink = |b: &mut tar::Builder<Vec<u8>>, name: &str, target: &Path| {
-            let mut hd = tar::Header::new_gnu();
-            hd.set_entry_type(tar::EntryType::Symlink);
-            hd.set_size(0);
-            hd.set_mode(0o777);
-            b.append_link(&mut hd, name, target).unwrap();
-        };
-        let mut b = tar::Builder::new(Vec::new());
-        for (n, d) in [
-            (
-                "config.dump",
-                serde_json::json!({"rootfsImageName": base}).to_string(),
-            ),
-            ("spec.dump", serde_json::json!({"process": {}}).to_string()),
-        ] {
-            let mut hd = tar::Header::new_gnu();
-            hd.set_size(d.len() as u64);
-            hd.set_mode(0o600);
-            b.append_data(&mut hd, n, d.as_bytes()).unwrap();
-        }
-        symlink(
-            &mut b,
-            "checkpoint/inventory.img",
-            &host.path().join("victim"),
-        );
-        let evil = dir.path().join("evil-images.tar");
-        std::fs::write(&evil, b.into_inner().unwrap()).unwrap();
+        let victim = host.path().join("victim");
+        let evil = hollow("evil-images.tar", &|b| {
+            tar_symlink(b, "checkpoint/inventory.img", &victim)
+        });
         let e = h
-            .create(&pod, &pcfg, restored_cfg(evil.to_str().unwrap()))
+            .create(&pod, &pcfg, restored_cfg("probe", &evil))
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{e}");
         assert!(e.message().contains("only regular files"), "{e}");
-        let mut b = tar::Builder::new(Vec::new());
-        symlink(&mut b, "a", host.path());
-        let diff = b.into_inner().unwrap();
-        let evil = hollow(
-            "evil-diff.tar",
-            &[
-                ("rootfs-diff.tar", &diff[..]),
-                ("deleted.files", br#"["/a/victim"]"#),
-            ],
-        );
+        let mut diff = tar::Builder::new(Vec::new());
+        tar_symlink(&mut diff, "a", host.path());
+        let diff = diff.into_inner().unwrap();
+        let evil = hollow("evil-diff.tar", &|b| {
+            tar_add(b, "rootfs-diff.tar", &diff);
+            tar_add(b, "deleted.files", br#"["/a/victim"]"#);
+        });
         let e = h
-            .create(&pod, &pcfg, restored_cfg(&evil))
+            .create(&pod, &pcfg, restored_cfg("probe", &evil))
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{e}");
@@ -3426,17 +3382,9 @@ async fn restore_a_checkpoint_into_another_pod() {
     )
     .unwrap();
     let mut b = tar::Builder::new(Vec::new());
-    let mut hd = tar::Header::new_gnu();
-    hd.set_entry_type(tar::EntryType::Symlink);
-    hd.set_size(0);
-    hd.set_mode(0o777);
-    b.append_link(&mut hd, "config.dump", &host_json).unwrap();
+    tar_symlink(&mut b, "config.dump", &host_json);
     let spec = serde_json::json!({"process": {}}).to_string();
-    let mut hd = tar::Header::new_gnu();
-    hd.set_size(spec.len() as u64);
-    hd.set_mode(0o644);
-    b.append_data(&mut hd, "spec.dump", spec.as_bytes())
-        .unwrap();
+    tar_add(&mut b, "spec.dump", spec.as_bytes());
     let linked = testimages::checkpoint_image(&b.into_inner().unwrap(), "counter");
     let mut t = PushTarget::new(&h._reg.url(), "library/linked-checkpoint");
     t.insecure_tls = true;
@@ -3446,7 +3394,7 @@ async fn restore_a_checkpoint_into_another_pod() {
         .await
         .expect("pull the linked checkpoint image");
     let e = h
-        .create(&pod, &pcfg, restored_cfg(&lname))
+        .create(&pod, &pcfg, restored_cfg("probe", &lname))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
@@ -3461,25 +3409,15 @@ async fn restore_a_checkpoint_into_another_pod() {
         h.assert_clean();
         return;
     }
-    let read_count = |h: &H, id: &str| {
-        let (c, id) = (h.c.clone(), id.to_string());
-        async move {
-            let r = c.exec_sync(&id, &["cat", "/tmp/count"], 5).await.unwrap();
-            String::from_utf8_lossy(&r.stdout)
-                .trim()
-                .parse::<u64>()
-                .unwrap_or(0)
-        }
-    };
     // Long enough that a fresh start could not have counted as far in the same time.
-    let start = Instant::now();
-    while read_count(&h, &id).await < 30 {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the counter does not count"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_count_past(
+        &h,
+        &id,
+        29,
+        Duration::from_secs(20),
+        "the counter does not count",
+    )
+    .await;
     if let Err(e) = h.checkpoint(&id, &archive_s, 60).await {
         panic!("CheckpointContainer: {e}\n{}", h.v.log());
     }
@@ -3504,17 +3442,13 @@ async fn restore_a_checkpoint_into_another_pod() {
     let archive_s = gz.display().to_string();
     let (pod2, pcfg2) = h.run_pod("ckpt-dst").await;
     // Without the volume CRIU recorded at /vol there is nothing to restore it onto.
-    let mut no_vol = restored_cfg(&archive_s);
-    no_vol.metadata = Some(cri::ContainerMetadata {
-        name: "no-volume".into(),
-        attempt: 0,
-    });
+    let mut no_vol = restored_cfg("no-volume", &archive_s);
     no_vol.mounts.clear();
     let e = h.create(&pod2, &pcfg2, no_vol).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
     assert!(e.message().contains("/vol"), "{e}");
     let restored = h
-        .create(&pod2, &pcfg2, restored_cfg(&archive_s))
+        .create(&pod2, &pcfg2, restored_cfg("counter", &archive_s))
         .await
         .unwrap_or_else(|e| panic!("CreateContainer from {archive_s}: {e}\n{}", h.v.log()));
     let st = h.status(&restored).await;
@@ -3553,7 +3487,7 @@ async fn restore_a_checkpoint_into_another_pod() {
         || last_b().is_some_and(|n| n > at_checkpoint),
     )
     .await;
-    let n = read_count(&h, &restored).await;
+    let n = count_in(&h.c, &restored).await;
     assert!(n > at_checkpoint, "{n} <= {at_checkpoint}");
     // The root filesystem as the container left it.
     let r = h.exec(&restored, &["cat", "/kept"], 5).await.unwrap();
@@ -3607,18 +3541,12 @@ async fn restore_a_checkpoint_into_another_pod() {
     h.c.pull(&cname).await.expect("pull the checkpoint image");
     let (pod3, pcfg3) = h.run_pod("ckpt-img").await;
     let from_image = h
-        .create(&pod3, &pcfg3, restored_cfg(&cname))
+        .create(&pod3, &pcfg3, restored_cfg("counter", &cname))
         .await
         .unwrap_or_else(|e| panic!("CreateContainer from {cname}: {e}\n{}", h.v.log()));
     h.start(&from_image).await;
-    let start = Instant::now();
-    while read_count(&h, &from_image).await <= at_second {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the counter restored from an image does not go on from {at_second}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let what = format!("the counter restored from an image does not go on from {at_second}");
+    wait_count_past(&h, &from_image, at_second, Duration::from_secs(10), &what).await;
     let log = h.log_of("ckpt-img", "counter");
     wait_for(
         "the log of the container restored from an image",
@@ -3733,9 +3661,7 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         vec![map],
     );
     let upod = h.c.run_pod(&ucfg, &handler()).await.unwrap();
-    let mut cfg = h.ctr_config("tty", "tty; sleep 1000");
-    cfg.tty = true;
-    cfg.linux = Some(cri::LinuxContainerConfig {
+    let in_userns = Some(cri::LinuxContainerConfig {
         security_context: Some(cri::LinuxContainerSecurityContext {
             namespace_options: Some(cri::NamespaceOption {
                 userns_options: pod_userns(&ucfg),
@@ -3745,6 +3671,9 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         }),
         ..Default::default()
     });
+    let mut cfg = h.ctr_config("tty", "tty; sleep 1000");
+    cfg.tty = true;
+    cfg.linux = in_userns.clone();
     let uctr = h
         .create(&upod, &ucfg, cfg)
         .await
@@ -3789,23 +3718,14 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         // Restored in the pod's shared pid namespace, once the original is gone (its pids
         // are the restored ones'); a tty container's checkpoint is refused.
         h.stop(&sibling, 0).await;
-        h.c.runtime
-            .remove_container(cri::RemoveContainerRequest {
-                container_id: sibling.clone(),
-            })
-            .await
-            .unwrap();
-        let restore_cfg = |name: &str, from: &str| cri::ContainerConfig {
-            metadata: Some(cri::ContainerMetadata {
-                name: name.into(),
-                attempt: 0,
-            }),
-            image: Some(cri::ImageSpec {
-                image: dir.path().join(format!("{from}.tar")).display().to_string(),
-                ..Default::default()
-            }),
-            log_path: format!("{name}.log"),
-            ..Default::default()
+        h.remove(&sibling).await;
+        // The checkpoint is the image; the command is the checkpointed one.
+        let restore_cfg = |name: &str, from: &str| {
+            let archive = dir.path().join(format!("{from}.tar"));
+            cri::ContainerConfig {
+                command: Vec::new(),
+                ..sh_container(name, &archive.display().to_string(), "")
+            }
         };
         let e = h
             .create(&pod, &pcfg, restore_cfg("tty-restored", &id))
@@ -3825,16 +3745,7 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         // Not into the user-namespaced pod: CRIU would give the container a user namespace
         // of its own, not the pod's.
         let mut rcfg = restore_cfg("into-userns", &sibling);
-        rcfg.linux = Some(cri::LinuxContainerConfig {
-            security_context: Some(cri::LinuxContainerSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    userns_options: pod_userns(&ucfg),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
+        rcfg.linux = in_userns;
         let e = h.create(&upod, &ucfg, rcfg).await.unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
         assert!(e.message().contains("user namespace"), "{e}");
