@@ -36,12 +36,12 @@
 //! Needs `docker-registry` and `busybox` (busybox-static), as the e2e tests do.
 
 use anyhow::{ensure, Context, Result};
-use k8s_cri::v1 as cri;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use vessel_benches::{cmd_out, release_vesseld, workspace_root, Stats};
+use vessel_cri_api::v1 as cri;
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::Vesseld;
 use vessel_critest::registry::{Registry, RegistryOptions};

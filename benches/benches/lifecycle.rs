@@ -38,7 +38,6 @@
 //! `VESSEL_BENCH_RUNS` overrides the number of runs; `VESSEL_BENCH_NOTE` is recorded in the JSON.
 
 use anyhow::{Context, Result};
-use k8s_cri::v1 as cri;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,6 +46,7 @@ use vessel_benches::{
     bench_runs, cmd_out, containerd_socket, machine_info, order, pss_kib, release_vesseld, rss_kib,
     write_result, Stats,
 };
+use vessel_cri_api::v1 as cri;
 use vessel_critest::client::CriClient;
 use vessel_critest::daemon::{busybox_registry, TestCni, Vesseld};
 

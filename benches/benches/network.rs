@@ -24,13 +24,13 @@
 //! CNI plugins are missing.
 
 use anyhow::{Context, Result};
-use k8s_cri::v1 as cri;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use vessel_benches::{
     bench_handlers, bench_runs, machine_info, release_vesseld, write_result, Stats,
 };
+use vessel_cri_api::v1 as cri;
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::{busybox_registry, TestCni, Vesseld};
 

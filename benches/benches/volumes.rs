@@ -32,7 +32,6 @@
 //! config; `VESSEL_BENCH_RUNS` overrides [`RUNS`]. Prints `SKIP volumes: <why>` when not root.
 
 use anyhow::{Context, Result};
-use k8s_cri::v1 as cri;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,6 +40,7 @@ use vessel_benches::{
     bench_handlers, bench_runs, machine_info, pss_kib, release_vesseld, vm_memory_kib,
     write_result, Stats,
 };
+use vessel_cri_api::v1 as cri;
 use vessel_critest::client::{pod_metadata, sh_container, CriClient};
 use vessel_critest::daemon::{busybox_registry, Vesseld};
 

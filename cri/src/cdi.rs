@@ -117,7 +117,7 @@ struct Hook {
 /// The CDI device names a container asks for: its `cdi_devices`, then the values of its
 /// `cdi.k8s.io/*` annotations (comma-separated), in order, each once.
 pub fn requested(
-    devices: &[k8s_cri::v1::CdiDevice],
+    devices: &[vessel_cri_api::v1::CdiDevice],
     annotations: &std::collections::HashMap<String, String>,
 ) -> Vec<String> {
     let mut keys: Vec<&String> = annotations
@@ -386,7 +386,7 @@ mod tests {
 
     #[test]
     fn names_from_the_field_and_annotations() {
-        let devs = vec![k8s_cri::v1::CdiDevice {
+        let devs = vec![vessel_cri_api::v1::CdiDevice {
             name: "a.com/gpu=0".into(),
         }];
         let ann = std::collections::HashMap::from([

@@ -619,13 +619,13 @@ impl Cni {
 }
 
 /// CRI port mappings as CNI `portMappings` (ports 0 are left out: no host port).
-pub fn port_mappings(pm: &[k8s_cri::v1::PortMapping]) -> Vec<Value> {
+pub fn port_mappings(pm: &[vessel_cri_api::v1::PortMapping]) -> Vec<Value> {
     pm.iter()
         .filter(|p| p.host_port > 0 && p.container_port > 0)
         .map(|p| {
-            let proto = match k8s_cri::v1::Protocol::try_from(p.protocol) {
-                Ok(k8s_cri::v1::Protocol::Udp) => "udp",
-                Ok(k8s_cri::v1::Protocol::Sctp) => "sctp",
+            let proto = match vessel_cri_api::v1::Protocol::try_from(p.protocol) {
+                Ok(vessel_cri_api::v1::Protocol::Udp) => "udp",
+                Ok(vessel_cri_api::v1::Protocol::Sctp) => "sctp",
                 _ => "tcp",
             };
             json!({
@@ -764,13 +764,13 @@ mod tests {
     #[test]
     fn port_mappings_become_cni_entries() {
         let pm = port_mappings(&[
-            k8s_cri::v1::PortMapping {
-                protocol: k8s_cri::v1::Protocol::Udp as i32,
+            vessel_cri_api::v1::PortMapping {
+                protocol: vessel_cri_api::v1::Protocol::Udp as i32,
                 container_port: 53,
                 host_port: 5353,
                 host_ip: String::new(),
             },
-            k8s_cri::v1::PortMapping {
+            vessel_cri_api::v1::PortMapping {
                 protocol: 0,
                 container_port: 80,
                 host_port: 0,

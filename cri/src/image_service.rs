@@ -1,12 +1,12 @@
 //! CRI ImageService over vessel's image store.
 
 use crate::errors::image_status;
-use crate::grpc::rpcs;
-use k8s_cri::v1 as cri;
+use crate::grpc::{list_streams, rpcs};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 use tonic::Status;
+use vessel_cri_api::v1 as cri;
 use vessel_images::store::ImageRecord;
 use vessel_images::{Credentials, ImageStore, Puller};
 
@@ -221,6 +221,11 @@ impl cri::image_service_server::ImageService for ImageService {
         pull_image(PullImageRequest) -> PullImageResponse = s.pull(image_name(r.image.as_ref())?, r.auth).await;
         remove_image(RemoveImageRequest) -> RemoveImageResponse = s.remove(image_name(r.image.as_ref())?).await;
         image_fs_info(ImageFsInfoRequest) -> ImageFsInfoResponse = s.fs_info().await;
+    }
+
+    #[rustfmt::skip]
+    list_streams! { |s, r|
+        stream_images(StreamImagesRequest) -> StreamImagesStream of StreamImagesResponse { images } = s.list(r.filter).await?.images;
     }
 }
 

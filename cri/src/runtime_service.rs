@@ -1,12 +1,12 @@
 //! CRI RuntimeService over [`crate::runtime::Runtime`].
 
-use crate::grpc::{done, rpcs};
+use crate::grpc::{done, list_streams, rpcs};
 use crate::runtime::Runtime;
 use crate::streaming::ExecTarget;
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
+use vessel_cri_api::v1 as cri;
 
 /// The CRI API version kubelet negotiates.
 pub const KUBE_API_VERSION: &str = "0.1.0";
@@ -199,6 +199,9 @@ impl RuntimeService {
                 .collect(),
             features: Some(cri::RuntimeFeatures {
                 supplemental_groups_policy: true,
+                // A pod with its own user namespace cannot use the host network (refused at
+                // RunPodSandbox, see userns::of_pod).
+                user_namespaces_host_network: false,
             }),
         }
     }
@@ -332,6 +335,23 @@ impl cri::runtime_service_server::RuntimeService for RuntimeService {
         runtime_config(RuntimeConfigRequest) -> RuntimeConfigResponse = Ok(cri::RuntimeConfigResponse {
             linux: Some(cri::LinuxRuntimeConfiguration { cgroup_driver: s.rt.cgroup_driver().cri() as i32 }),
         });
+        update_pod_sandbox_resources(UpdatePodSandboxResourcesRequest) -> UpdatePodSandboxResourcesResponse =
+            done(s.rt.update_pod_sandbox_resources(&r.pod_sandbox_id, r.overhead, r.resources).await);
+    }
+
+    // The list calls as streams, each sending what its unary call answers.
+    #[rustfmt::skip]
+    list_streams! { |s, r|
+        stream_pod_sandboxes(StreamPodSandboxesRequest) -> StreamPodSandboxesStream of StreamPodSandboxesResponse { pod_sandboxes } =
+            s.rt.list_pod_sandbox(r.filter);
+        stream_containers(StreamContainersRequest) -> StreamContainersStream of StreamContainersResponse { containers } =
+            s.rt.list_containers(r.filter);
+        stream_container_stats(StreamContainerStatsRequest) -> StreamContainerStatsStream of StreamContainerStatsResponse { container_stats } =
+            s.rt.list_container_stats(r.filter).await?;
+        stream_pod_sandbox_stats(StreamPodSandboxStatsRequest) -> StreamPodSandboxStatsStream of StreamPodSandboxStatsResponse { pod_sandbox_stats } =
+            s.rt.list_pod_sandbox_stats(r.filter).await?;
+        stream_pod_sandbox_metrics(StreamPodSandboxMetricsRequest) -> StreamPodSandboxMetricsStream of StreamPodSandboxMetricsResponse { pod_sandbox_metrics } =
+            s.rt.list_pod_sandbox_metrics().await?;
     }
 
     type GetContainerEventsStream = std::pin::Pin<

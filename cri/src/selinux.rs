@@ -56,7 +56,7 @@ pub fn enabled() -> bool {
 
 /// The file label of a container's mounts: container-selinux's `container_file_t`, at the
 /// level (MCS categories) of the container's `selinux_options`, or `s0` without one.
-pub fn mount_label(options: Option<&k8s_cri::v1::SeLinuxOption>) -> String {
+pub fn mount_label(options: Option<&vessel_cri_api::v1::SeLinuxOption>) -> String {
     let level = options
         .map(|o| o.level.as_str())
         .filter(|l| !l.is_empty())
@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn the_label_follows_the_containers_level() {
-        let o = k8s_cri::v1::SeLinuxOption {
+        let o = vessel_cri_api::v1::SeLinuxOption {
             level: "s0:c1,c2".into(),
             ..Default::default()
         };

@@ -3,13 +3,13 @@
 use crate::config::Config;
 use crate::image_service::ImageService;
 use crate::runtime_service::RuntimeService;
-use k8s_cri::v1::image_service_server::ImageServiceServer;
-use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use vessel_cri_api::v1::image_service_server::ImageServiceServer;
+use vessel_cri_api::v1::runtime_service_server::RuntimeServiceServer;
 use vessel_images::{ImageStore, Puller};
 
 /// Largest CRI message accepted or sent (kubelet's own limit is 16 MiB).

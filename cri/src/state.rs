@@ -10,11 +10,11 @@
 //! A record is written in state `Creating` before anything is created for it, so that a
 //! crash at any point leaves a record the next start can finish cleaning up.
 
-use k8s_cri::v1 as cri;
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use vessel_cri_api::v1 as cri;
 use vessel_images::fsutil;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

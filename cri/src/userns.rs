@@ -9,7 +9,7 @@
 //! (the agent makes the namespace on the host, or in the guest at boot); a VM pod's volumes
 //! show their owners through the pod's mapping by its file server, not an idmapped mount.
 
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 /// A pod's own user namespace: its one uid and one gid mapping.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,10 +15,10 @@
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
 
-use k8s_cri::v1 as cri;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
+use vessel_cri_api::v1 as cri;
 use vessel_critest::client::{self, pod_config, sh_container};
 use vessel_critest::daemon::TestCni;
 

@@ -6,10 +6,10 @@
 
 mod common;
 
-use k8s_cri::v1 as cri;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tonic::Code;
+use vessel_cri_api::v1 as cri;
 use vessel_critest::daemon::{mounts_under, Vesseld};
 use vessel_critest::registry::{Registry, RegistryOptions};
 use vessel_images::push::{push_artifact, push_image, PushTarget};

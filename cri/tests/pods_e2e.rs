@@ -8,11 +8,11 @@
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
 
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tonic::Code;
+use vessel_cri_api::v1 as cri;
 use vessel_critest::client::{pod_config, pod_metadata, pod_namespaces, sh_container};
 use vessel_critest::daemon::{mounts_under, Vesseld};
 use vessel_images::push::{push_image, PushTarget};
@@ -2378,6 +2378,43 @@ async fn image_volumes_mount_an_image_read_only() {
     );
     assert!(out.contains("read-only"), "{out}");
     assert_eq!(iv_mounts(&h).len(), 1);
+    // ContainerStatus names the volume's image by its digest (kubelet's volume mount status).
+    let st = h.status(&id).await;
+    let iv = st.mounts.iter().find(|m| m.container_path == "/iv");
+    let image_ref = iv
+        .and_then(|m| m.image.as_ref())
+        .map(|i| i.image_ref.as_str());
+    assert!(
+        image_ref.is_some_and(|r| r.contains("sha256:")),
+        "{:?}",
+        st.mounts
+    );
+
+    // image_sub_path: the container sees that directory of the image, not its root.
+    let sub = |path: &str| {
+        let mut m = volume(&vname);
+        m.container_path = "/sub".into();
+        m.image_sub_path = path.into();
+        m
+    };
+    let mut cfg = h.ctr_config("sub", "sleep 1000");
+    cfg.mounts.push(sub("data"));
+    let (sub_id, out) = h
+        .run_and_sh(&pod, &pcfg, cfg, "ls /sub; cat /sub/keep")
+        .await;
+    assert!(out.contains("keep") && !out.contains("opaque"), "{out}");
+    h.remove(&sub_id).await;
+    for (bad, why) in [("no/such/dir", "does not exist"), ("../data", "`..`")] {
+        let mut cfg = h.ctr_config("badsub", "sleep 1000");
+        cfg.mounts.push(sub(bad));
+        let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {e}");
+        assert!(
+            e.message().contains(why) && e.message().contains("/sub"),
+            "{e}"
+        );
+    }
+    assert_eq!(iv_mounts(&h).len(), 1, "a refused sub path leaves no mount");
     let e =
         h.c.images
             .remove_image(cri::RemoveImageRequest {

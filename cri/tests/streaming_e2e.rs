@@ -43,7 +43,7 @@ async fn streaming_server_edges() {
     // RPC errors: unknown container, empty command, Attach to an unknown container.
     let e = c
         .runtime
-        .exec(k8s_cri::v1::ExecRequest {
+        .exec(vessel_cri_api::v1::ExecRequest {
             container_id: "nope".into(),
             cmd: vec!["true".into()],
             stdout: true,
@@ -54,7 +54,7 @@ async fn streaming_server_edges() {
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     let e = c
         .runtime
-        .exec(k8s_cri::v1::ExecRequest {
+        .exec(vessel_cri_api::v1::ExecRequest {
             container_id: "nope".into(),
             stdout: true,
             ..Default::default()
@@ -64,7 +64,7 @@ async fn streaming_server_edges() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     let e = c
         .runtime
-        .attach(k8s_cri::v1::AttachRequest {
+        .attach(vessel_cri_api::v1::AttachRequest {
             container_id: "nope".into(),
             stdout: true,
             ..Default::default()
@@ -114,7 +114,7 @@ async fn streaming_server_edges() {
         let pod = pod.clone();
         async move {
             let url = rt
-                .port_forward(k8s_cri::v1::PortForwardRequest {
+                .port_forward(vessel_cri_api::v1::PortForwardRequest {
                     pod_sandbox_id: pod,
                     port: vec![80],
                 })
@@ -224,7 +224,7 @@ async fn streaming_server_edges() {
     // Without a port, in the query or the request: refused before the upgrade.
     let url = c
         .runtime
-        .port_forward(k8s_cri::v1::PortForwardRequest {
+        .port_forward(vessel_cri_api::v1::PortForwardRequest {
             pod_sandbox_id: pod.clone(),
             port: vec![],
         })
@@ -423,7 +423,7 @@ impl Pod {
         self.c
             .runtime
             .clone()
-            .exec(k8s_cri::v1::ExecRequest {
+            .exec(vessel_cri_api::v1::ExecRequest {
                 container_id: self.ctr.clone(),
                 cmd: cmd.iter().map(|s| s.to_string()).collect(),
                 stdin,
@@ -443,7 +443,7 @@ impl Pod {
             .c
             .runtime
             .clone()
-            .exec_sync(k8s_cri::v1::ExecSyncRequest {
+            .exec_sync(vessel_cri_api::v1::ExecSyncRequest {
                 container_id: self.ctr.clone(),
                 cmd: vec!["ps".into(), "-o".into(), "args".into()],
                 timeout: 10,
@@ -536,7 +536,7 @@ async fn websocket_forward_ends_with_its_client() {
     let held = serve_in_netns(&v.state_dir().join("netns").join(&pod), true);
     let url = c
         .runtime
-        .port_forward(k8s_cri::v1::PortForwardRequest {
+        .port_forward(vessel_cri_api::v1::PortForwardRequest {
             pod_sandbox_id: pod.clone(),
             port: vec![i32::from(held)],
         })

@@ -1,10 +1,10 @@
 //! CRI clients over a Unix socket, for any CRI runtime (vessel or containerd).
 
-use k8s_cri::v1 as cri;
-use k8s_cri::v1::image_service_client::ImageServiceClient;
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use std::path::{Path, PathBuf};
 use tonic::transport::{Channel, Endpoint, Uri};
+use vessel_cri_api::v1 as cri;
+use vessel_cri_api::v1::image_service_client::ImageServiceClient;
+use vessel_cri_api::v1::runtime_service_client::RuntimeServiceClient;
 
 /// Connects a channel to the CRI socket at `path`.
 pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {

@@ -8,13 +8,13 @@ use crate::errors::{agent_err, if_found, internal, Result, RuntimeError};
 use crate::sandbox::{ContainerRequest, Pod};
 use crate::spec::{self, SpecInput};
 use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState};
-use k8s_cri::v1 as cri;
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
 use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+use vessel_cri_api::v1 as cri;
 
 /// What CreateContainer settled before it makes anything of the container's own.
 struct Made {
@@ -151,7 +151,7 @@ impl Runtime {
         };
         // Image volumes become read-only host directories; from here on both backends see
         // plain bind mounts (a VM pod shares them into its guest like any host path).
-        let (volumes, volume_snapshots) = self.image_volumes(id, &config).await?;
+        let (volumes, volume_snapshots) = self.image_volumes(id, &mut config).await?;
         let made = Made {
             config,
             image,
@@ -236,13 +236,14 @@ impl Runtime {
     }
 
     /// The container config with its image volumes (mounts naming an image) turned into
-    /// read-only mounts of that image's content, each a snapshot of the image mounted
-    /// read-only on the host; and those snapshots' ids. Kubelet pulls the image first: one
-    /// that is not here is NotFound.
+    /// read-only mounts of that image's content (or of its `image_sub_path`), each a snapshot
+    /// of the image mounted read-only on the host; and those snapshots' ids. Kubelet pulls the
+    /// image first: one that is not here is NotFound. `config` (what the record keeps) gets
+    /// each volume's image reference, which ContainerStatus reports.
     async fn image_volumes(
         &self,
         id: &str,
-        config: &cri::ContainerConfig,
+        config: &mut cri::ContainerConfig,
     ) -> Result<(cri::ContainerConfig, Vec<String>)> {
         let mut out = config.clone();
         let mut snaps: Vec<String> = Vec::new();
@@ -250,10 +251,11 @@ impl Runtime {
             let Some(image) = m.image.as_ref().filter(|i| !i.image.is_empty()) else {
                 continue;
             };
-            let (store, name, snap_id) = (
+            let (store, name, snap_id, sub) = (
                 self.store.clone(),
                 image.image.clone(),
                 format!("{id}-iv{n}"),
+                m.image_sub_path.clone(),
             );
             let at = m.container_path.clone();
             let made = tokio::task::spawn_blocking(move || {
@@ -270,11 +272,29 @@ impl Runtime {
                 let snap = store
                     .prepare_snapshot(&snap_id, &rec)
                     .map_err(internal(format!("image volume at {at:?}")))?;
-                match snap.mount_overlay_readonly() {
-                    Ok(p) => Ok((snap_id, p)),
+                let root = snap
+                    .mount_overlay_readonly()
+                    .map_err(internal(format!("image volume at {at:?}")));
+                let path = root.and_then(|root| {
+                    if sub.is_empty() {
+                        return Ok(root);
+                    }
+                    image_sub_path(&root, &sub).map_err(|e| {
+                        RuntimeError::InvalidArgument(format!(
+                            "image volume at {at:?}: image_sub_path {sub:?} of image {name:?} {e}"
+                        ))
+                    })
+                });
+                let image_ref = rec
+                    .repo_digests
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| rec.id.to_string());
+                match path {
+                    Ok(p) => Ok((snap_id, p, image_ref)),
                     Err(e) => {
                         let _ = store.remove_snapshot(&snap_id);
-                        Err(internal(format!("image volume at {at:?}"))(e))
+                        Err(e)
                     }
                 }
             })
@@ -282,11 +302,15 @@ impl Runtime {
             .map_err(internal("image volume"))
             .and_then(|r| r);
             match made {
-                Ok((snap_id, path)) => {
+                Ok((snap_id, path, image_ref)) => {
                     snaps.push(snap_id);
                     m.host_path = path.display().to_string();
                     m.readonly = true;
                     m.image = None;
+                    m.image_sub_path.clear();
+                    if let Some(i) = config.mounts[n].image.as_mut() {
+                        i.image_ref = image_ref;
+                    }
                 }
                 Err(e) => {
                     for s in &snaps {
@@ -447,11 +471,21 @@ impl Runtime {
                 e => e,
             },
         )?;
-        let stop_signal = image
-            .run_config
-            .stop_signal
-            .as_deref()
-            .and_then(spec::parse_signal)
+        if config.stop_signal != 0 && spec::cri_signal(config.stop_signal).is_none() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CreateContainer {key:?}: stop_signal {} is not a CRI Signal",
+                config.stop_signal
+            )));
+        }
+        // The pod's lifecycle.stopSignal (kubelet sends it), else the image's, else SIGTERM.
+        let stop_signal = spec::cri_signal(config.stop_signal)
+            .or_else(|| {
+                image
+                    .run_config
+                    .stop_signal
+                    .as_deref()
+                    .and_then(spec::parse_signal)
+            })
             .unwrap_or(libc::SIGTERM);
         let image_ref = image
             .repo_digests
@@ -883,6 +917,51 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
         .map_err(internal(format!("log directory {log_directory:?}")))
 }
 
+/// Where `sub`, a CRI mount's `image_sub_path`, is in the image mounted at `root`: resolved as
+/// inside the image (its symlinks taken relative to the image's root, never out of it, by
+/// openat2's RESOLVE_IN_ROOT), as a path under `root`. It must exist (CRI: the runtime fails
+/// otherwise) and be relative without `..` (as kubelet checks).
+fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<std::path::PathBuf, String> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    use std::path::Component;
+    let rel = Path::new(sub);
+    if !rel
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    {
+        return Err("must be a relative path without `..`".into());
+    }
+    let dir = rustix::fs::open(
+        root,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("cannot be looked up: {root:?}: {e}"))?;
+    let fd = rustix::fs::openat2(
+        &dir,
+        rel,
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV,
+    )
+    .map_err(|e| match e {
+        rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR => {
+            "does not exist in the image".to_string()
+        }
+        e => format!("cannot be looked up: {e}"),
+    })?;
+    let found = std::fs::read_link(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&fd)
+    ))
+    .map_err(|e| format!("cannot be looked up: {e}"))?;
+    let root = std::fs::canonicalize(root).map_err(|e| format!("cannot be looked up: {e}"))?;
+    if !found.starts_with(&root) {
+        return Err("resolves outside the image".into());
+    }
+    Ok(found)
+}
+
 /// The image a container config asks for, by the name it gives.
 fn image_name(config: &cri::ContainerConfig) -> String {
     config
@@ -906,6 +985,45 @@ fn host_has_hugetlb() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn image_sub_paths_resolve_inside_the_image() {
+        let (_t, root) = crate::testing::temp_path("image");
+        std::fs::create_dir_all(root.join("usr/share/data")).unwrap();
+        std::fs::write(root.join("usr/share/data/f"), "x").unwrap();
+        std::os::unix::fs::symlink("/usr/share", root.join("share")).unwrap();
+        std::os::unix::fs::symlink("../../../../../../etc", root.join("up")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", root.join("passwd")).unwrap();
+        let real = std::fs::canonicalize(&root).unwrap();
+        assert_eq!(
+            image_sub_path(&root, "usr/share/data").unwrap(),
+            real.join("usr/share/data")
+        );
+        assert_eq!(
+            image_sub_path(&root, "./usr/share/data/f").unwrap(),
+            real.join("usr/share/data/f")
+        );
+        // An absolute link inside the image is the image's path, not the host's.
+        assert_eq!(
+            image_sub_path(&root, "share/data").unwrap(),
+            real.join("usr/share/data")
+        );
+        // Links that climb out stop at the image's root: the host's /etc is never reached.
+        for (sub, want) in [
+            ("up", "does not exist"),
+            ("passwd", "does not exist"),
+            ("missing", "does not exist"),
+        ] {
+            let e = image_sub_path(&root, sub).unwrap_err();
+            assert!(e.contains(want), "{sub}: {e}");
+        }
+        std::fs::create_dir(root.join("etc")).unwrap();
+        assert_eq!(image_sub_path(&root, "up").unwrap(), real.join("etc"));
+        for bad in ["/usr", "../x", "usr/../../x"] {
+            let e = image_sub_path(&root, bad).unwrap_err();
+            assert!(e.contains("without `..`"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn log_path_stays_inside_the_log_directory() {

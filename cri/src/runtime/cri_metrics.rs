@@ -5,7 +5,7 @@
 
 use super::Runtime;
 use crate::errors::Result;
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 /// Label keys of the container metrics, in the order their values are given.
 const CONTAINER_LABELS: &[&str] = &["container", "id", "image", "name", "namespace", "pod"];

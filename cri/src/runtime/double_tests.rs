@@ -67,6 +67,10 @@ impl SandboxBackend for Double {
     async fn teardown(&self, rec: &PodRecord) {
         self.log("teardown", &rec.id);
     }
+    fn resize(&self, rec: &PodRecord, _c: &cri::PodSandboxConfig) -> Result<()> {
+        self.log("resize", &rec.id);
+        Ok(())
+    }
     fn admit_container(&self, _p: &PodRecord, _c: &cri::ContainerConfig) -> Result<()> {
         Ok(())
     }

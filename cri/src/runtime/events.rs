@@ -5,7 +5,7 @@
 
 use super::Runtime;
 use crate::state::{ContainerRecord, ContainerState};
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 /// Events a slow subscriber may fall behind by before its stream ends (it then relists,
 /// as kubelet does after a stream error).

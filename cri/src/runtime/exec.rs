@@ -5,11 +5,11 @@ use super::Runtime;
 use crate::errors::{agent_err, Result, RuntimeError};
 use crate::sandbox::{ForwardTarget, Pod};
 use crate::state::{ContainerRecord, ContainerState, PodRecord, PodState};
-use k8s_cri::v1 as cri;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
 use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+use vessel_cri_api::v1 as cri;
 
 /// An interactive exec in progress: input to the agent, and its output.
 pub type ExecChannels = (

@@ -37,11 +37,11 @@ pub use exec::ExecChannels;
 use crate::errors::{internal, Result};
 use crate::sandbox::{flat::FlatBackend, vm::VmBackend, Pod, SandboxBackend};
 use crate::state::{BackendKind, ContainerRecord, PodRecord, StateDirs};
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use vessel_agent::proto as ap;
+use vessel_cri_api::v1 as cri;
 use vessel_images::ImageStore;
 
 pub struct RuntimeOptions {

@@ -8,11 +8,11 @@ use super::{
 use crate::errors::{if_found, internal, Result, RuntimeError};
 use crate::sandbox::{self, HostShare, Pod};
 use crate::state::{self, BackendKind, ContainerState, PodRecord, PodState};
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use vessel_agent::proto as ap;
+use vessel_cri_api::v1 as cri;
 
 impl Runtime {
     pub async fn run_pod_sandbox(
@@ -267,6 +267,47 @@ impl Runtime {
         Ok(())
     }
 
+    /// CRI UpdatePodSandboxResources, kubelet's call after it resized a pod's cgroup in place
+    /// (best effort for kubelet: a failure does not stop the resize). The pod's config takes
+    /// the new pod-level resources and overhead (those given; verbose PodSandboxStatus shows
+    /// them) once the backend agrees: a flat pod's containers are in kubelet's pod cgroup,
+    /// already resized; a VM pod's microVM cannot grow past the vCPUs and memory it booted
+    /// with (FailedPrecondition, the record unchanged).
+    pub async fn update_pod_sandbox_resources(
+        &self,
+        id: &str,
+        overhead: Option<cri::LinuxContainerResources>,
+        resources: Option<cri::LinuxContainerResources>,
+    ) -> Result<()> {
+        let pod = self.pod(id)?;
+        let _op = pod.op.lock().await;
+        let rec = pod.record();
+        for r in [&overhead, &resources].into_iter().flatten() {
+            crate::spec::check_resources(r).map_err(|e| {
+                RuntimeError::InvalidArgument(format!("UpdatePodSandboxResources {}: {e}", rec.id))
+            })?;
+        }
+        if !rec.is_ready() {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "UpdatePodSandboxResources: pod sandbox {} is not ready",
+                rec.id
+            )));
+        }
+        let mut config = rec.config.clone();
+        let linux = config.linux.get_or_insert_with(Default::default);
+        if overhead.is_some() {
+            linux.overhead = overhead;
+        }
+        if resources.is_some() {
+            linux.resources = resources;
+        }
+        self.backend(&rec).resize(&rec, &config)?;
+        let rec = pod.update(|r| r.config = config);
+        sandbox::save(&self.dirs, &rec).map_err(internal("saving pod record"))?;
+        tracing::info!(pod = %rec.id, "pod sandbox resources updated");
+        Ok(())
+    }
+
     pub fn pod_sandbox_status(
         &self,
         id: &str,
@@ -310,6 +351,8 @@ impl Runtime {
                     "reason": rec.reason,
                     "ips": rec.ips,
                     "vm": backend.info(&rec),
+                    // As kubelet sent it, resources as UpdatePodSandboxResources last set them.
+                    "config": rec.config,
                 })
                 .to_string(),
             );

@@ -6,12 +6,12 @@ use super::{Ctr, Runtime};
 use crate::errors::agent_err;
 use crate::sandbox::{held, netns, process};
 use crate::state::{self, BackendState, ContainerState, PodRecord, PodState, VmPodState};
-use k8s_cri::v1 as cri;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use vessel_agent::proto as ap;
+use vessel_cri_api::v1 as cri;
 
 impl Runtime {
     /// Rebuilds memory from records after a (re)start: reconnects to live pod agents, marks

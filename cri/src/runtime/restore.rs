@@ -16,11 +16,11 @@
 //! arguments, environment and working directory (`spec.dump`) are the container's.
 
 use crate::errors::{Result, RuntimeError};
-use k8s_cri::v1 as cri;
 use serde::Deserialize;
 use std::fs::File;
 use std::io;
 use std::path::{Component, Path, PathBuf};
+use vessel_cri_api::v1 as cri;
 
 /// The directory under a container's snapshot that holds the CRIU images it is restored
 /// from.

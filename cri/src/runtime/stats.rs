@@ -5,8 +5,8 @@
 use super::Runtime;
 use crate::errors::{agent_err, Result, RuntimeError};
 use crate::state::{self, ContainerState};
-use k8s_cri::v1 as cri;
 use vessel_agent::proto as ap;
+use vessel_cri_api::v1 as cri;
 
 impl Runtime {
     pub async fn container_stats(&self, id: &str) -> Result<cri::ContainerStats> {

@@ -4,8 +4,8 @@
 use super::{matches_labels, records, Ctr, Runtime};
 use crate::errors::{Result, RuntimeError};
 use crate::state::{ContainerRecord, ContainerState};
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
+use vessel_cri_api::v1 as cri;
 
 impl Runtime {
     pub(super) fn to_status(&self, r: &ContainerRecord) -> cri::ContainerStatus {
@@ -45,6 +45,7 @@ impl Runtime {
                     supplemental_groups: r.groups.iter().map(|g| *g as i64).collect(),
                 }),
             }),
+            stop_signal: crate::spec::signal_to_cri(r.stop_signal) as i32,
         }
     }
 

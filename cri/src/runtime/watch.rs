@@ -4,11 +4,11 @@
 use super::{exit_reason, Ctr, Runtime};
 use crate::sandbox::{process, Pod};
 use crate::state::{self, ContainerRecord, ContainerState, PodState};
-use k8s_cri::v1 as cri;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
 use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+use vessel_cri_api::v1 as cri;
 
 impl Runtime {
     /// Records a container's exit (once).

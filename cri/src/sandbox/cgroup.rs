@@ -35,10 +35,10 @@ impl Driver {
     }
 
     /// The CRI `CgroupDriver` value kubelet reads from `RuntimeConfig`.
-    pub fn cri(&self) -> k8s_cri::v1::CgroupDriver {
+    pub fn cri(&self) -> vessel_cri_api::v1::CgroupDriver {
         match self {
-            Driver::Cgroupfs => k8s_cri::v1::CgroupDriver::Cgroupfs,
-            Driver::Systemd(_) => k8s_cri::v1::CgroupDriver::Systemd,
+            Driver::Cgroupfs => vessel_cri_api::v1::CgroupDriver::Cgroupfs,
+            Driver::Systemd(_) => vessel_cri_api::v1::CgroupDriver::Systemd,
         }
     }
 

@@ -11,13 +11,13 @@ use super::{
 use crate::cni::Cni;
 use crate::errors::{agent_err, internal, Result, RuntimeError};
 use crate::state::{BackendKind, BackendState, ContainerRecord, PodRecord, PodState, StateDirs};
-use k8s_cri::v1 as cri;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::AsyncBufReadExt;
 use vessel_agent::proto as ap;
+use vessel_cri_api::v1 as cri;
 
 /// How long an agent may take to say READY.
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -147,6 +147,11 @@ impl SandboxBackend for FlatBackend {
         .await;
         network::release(&self.cni, rec).await;
         // The pod's cgroups go in `cgroup::Driver::release`, next.
+    }
+
+    /// The containers live in kubelet's pod cgroup, which kubelet resized before it called.
+    fn resize(&self, _rec: &PodRecord, _config: &cri::PodSandboxConfig) -> Result<()> {
+        Ok(())
     }
 
     fn admit_container(&self, _prec: &PodRecord, _config: &cri::ContainerConfig) -> Result<()> {

@@ -29,13 +29,13 @@ pub mod vm;
 
 use crate::errors::{internal, Result, RuntimeError};
 use crate::state::{BackendKind, BackendState, ContainerRecord, PodRecord, PodState};
-use k8s_cri::v1 as cri;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::RwLock;
 use std::time::Duration;
 use tonic::transport::Channel;
 use vessel_agent::proto::{self as ap, agent_client::AgentClient};
+use vessel_cri_api::v1 as cri;
 
 /// The pod agent's API port in a VM guest (hybrid vsock); the agent serves it, the shim
 /// forwards to it, vesseld dials it.
@@ -232,6 +232,10 @@ pub trait SandboxBackend: Send + Sync {
     /// Removes everything the sandbox has on the host: process, network, netns pin,
     /// cgroup, files. Idempotent; safe on a half-made pod.
     async fn teardown(&self, rec: &PodRecord);
+
+    /// Whether a ready pod can take new pod-level resources (`config`: its config with them):
+    /// FailedPrecondition, naming what it cannot follow, where not.
+    fn resize(&self, rec: &PodRecord, config: &cri::PodSandboxConfig) -> Result<()>;
 
     /// Refuses a container request the backend cannot honour.
     fn admit_container(&self, prec: &PodRecord, config: &cri::ContainerConfig) -> Result<()>;

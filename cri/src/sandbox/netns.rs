@@ -185,8 +185,8 @@ pub fn interface_counters(netns: &Path) -> Vec<(String, u64, u64, u64, u64)> {
 
 /// A pod's `NetworkUsage` from its network namespace's counters (eth0 the default
 /// interface); `None` without a namespace of its own.
-pub fn network_usage(netns: &Path) -> Option<k8s_cri::v1::NetworkUsage> {
-    use k8s_cri::v1 as cri;
+pub fn network_usage(netns: &Path) -> Option<vessel_cri_api::v1::NetworkUsage> {
+    use vessel_cri_api::v1 as cri;
     if netns.as_os_str().is_empty() {
         return None;
     }

@@ -6,7 +6,7 @@ use super::Pod;
 use crate::cni::Cni;
 use crate::errors::{cni_err, Result};
 use crate::state::PodRecord;
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 /// Attaches a pod's pinned netns to the node's CNI network and keeps its IPs in the record.
 /// Without a CNI config the pod keeps loopback only (NetworkReady says so).

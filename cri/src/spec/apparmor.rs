@@ -13,9 +13,9 @@
 //!   CRI-O do.
 
 use super::{invalid, SpecError};
-use k8s_cri::v1 as cri;
 use std::collections::HashSet;
 use std::path::Path;
+use vessel_cri_api::v1 as cri;
 
 /// The profile RuntimeDefault applies.
 pub const DEFAULT_PROFILE: &str = "vessel-default";

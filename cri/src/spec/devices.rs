@@ -2,8 +2,8 @@
 //! privileged container, every device), then the request's device nodes, each with its rule.
 
 use super::{invalid, SpecError};
-use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
+use vessel_cri_api::v1 as cri;
 
 /// The spec's `linux.devices` and the device cgroup rules (`linux.resources.devices`).
 pub(super) fn build(

@@ -21,11 +21,11 @@ use security::{capabilities, DEFAULT_MASKED, DEFAULT_READONLY};
 pub use security::{ALL_CAPS, DEFAULT_CAPS};
 pub use user::{image_has_command, read_image_file, resolve_user};
 
-use k8s_cri::v1 as cri;
 use namespaces::Namespaces;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use vessel_cri_api::v1 as cri;
 use vessel_images::oci::RunConfig;
 
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -404,15 +404,61 @@ pub fn parse_signal(s: &str) -> Option<i32> {
         "WINCH" => libc::SIGWINCH,
         "PWR" => libc::SIGPWR,
         "ALRM" => libc::SIGALRM,
+        "ABRT" | "IOT" => libc::SIGABRT,
+        "BUS" => libc::SIGBUS,
+        "CHLD" | "CLD" => libc::SIGCHLD,
+        "FPE" => libc::SIGFPE,
+        "ILL" => libc::SIGILL,
+        "IO" | "POLL" => libc::SIGIO,
+        "PIPE" => libc::SIGPIPE,
+        "PROF" => libc::SIGPROF,
+        "SEGV" => libc::SIGSEGV,
+        "STKFLT" => libc::SIGSTKFLT,
+        "SYS" => libc::SIGSYS,
+        "TRAP" => libc::SIGTRAP,
+        "TSTP" => libc::SIGTSTP,
+        "TTIN" => libc::SIGTTIN,
+        "TTOU" => libc::SIGTTOU,
+        "URG" => libc::SIGURG,
+        "VTALRM" => libc::SIGVTALRM,
+        "XCPU" => libc::SIGXCPU,
+        "XFSZ" => libc::SIGXFSZ,
+        "RTMIN" => libc::SIGRTMIN(),
+        "RTMAX" => libc::SIGRTMAX(),
         _ => {
-            if let Some(rest) = name.strip_prefix("RTMIN+") {
+            let n = if let Some(rest) = name.strip_prefix("RTMIN+") {
                 libc::SIGRTMIN() + rest.parse::<i32>().ok()?
+            } else if let Some(rest) = name.strip_prefix("RTMAX-") {
+                libc::SIGRTMAX() - rest.parse::<i32>().ok()?
             } else {
                 return None;
-            }
+            };
+            return (libc::SIGRTMIN()..=libc::SIGRTMAX())
+                .contains(&n)
+                .then_some(n);
         }
     };
     Some(n)
+}
+
+/// The signal number of a CRI `Signal` (a container config's `stop_signal`, kubelet's
+/// `lifecycle.stopSignal`): `None` for RUNTIME_DEFAULT (the image's, else SIGTERM) and for a
+/// value this API does not define.
+pub fn cri_signal(value: i32) -> Option<i32> {
+    let s = cri::Signal::try_from(value).ok()?;
+    if s == cri::Signal::RuntimeDefault {
+        return None;
+    }
+    parse_signal(&s.as_str_name().replace("PLUS", "+").replace("MINUS", "-"))
+}
+
+/// The CRI `Signal` of a signal number (ContainerStatus's `stop_signal`): the first name
+/// the API gives it (SIGABRT, not SIGIOT); RUNTIME_DEFAULT for a number it has no name for.
+pub fn signal_to_cri(n: i32) -> cri::Signal {
+    (1..=65)
+        .find(|v| cri_signal(*v) == Some(n))
+        .and_then(|v| cri::Signal::try_from(v).ok())
+        .unwrap_or(cri::Signal::RuntimeDefault)
 }
 
 #[cfg(test)]
@@ -644,6 +690,37 @@ mod tests {
         assert_eq!(parse_signal("SIGRTMIN+3"), Some(libc::SIGRTMIN() + 3));
         assert_eq!(parse_signal("bogus"), None);
         assert_eq!(parse_signal(""), None);
+        assert_eq!(parse_signal("SIGRTMIN+99"), None);
+    }
+
+    #[test]
+    fn every_cri_signal_has_its_own_number_and_comes_back() {
+        assert_eq!(cri_signal(cri::Signal::RuntimeDefault as i32), None);
+        assert_eq!(cri_signal(9999), None);
+        assert_eq!(cri_signal(cri::Signal::Sigquit as i32), Some(libc::SIGQUIT));
+        assert_eq!(
+            cri_signal(cri::Signal::Sigrtmin as i32),
+            Some(libc::SIGRTMIN())
+        );
+        assert_eq!(
+            cri_signal(cri::Signal::Sigrtminplus15 as i32),
+            Some(libc::SIGRTMIN() + 15)
+        );
+        assert_eq!(
+            cri_signal(cri::Signal::Sigrtmaxminus1 as i32),
+            Some(libc::SIGRTMAX() - 1)
+        );
+        let mut seen = std::collections::HashSet::new();
+        for v in 1..=65 {
+            let n = cri_signal(v).unwrap_or_else(|| panic!("CRI signal {v} has no number"));
+            // Aliases (SIGIOT, SIGCLD, SIGPOLL) share a number and come back as the first name.
+            if seen.insert(n) {
+                assert_eq!(signal_to_cri(n) as i32, v);
+            }
+        }
+        assert_eq!(signal_to_cri(libc::SIGTERM), cri::Signal::Sigterm);
+        assert_eq!(signal_to_cri(libc::SIGIO), cri::Signal::Sigio);
+        assert_eq!(signal_to_cri(0), cri::Signal::RuntimeDefault);
     }
 
     #[test]

@@ -2,8 +2,8 @@
 
 use super::{invalid, SpecError, SpecInput};
 use crate::userns::PodUserns;
-use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
+use vessel_cri_api::v1 as cri;
 
 /// The spec's `mounts`; a request's mount without an absolute container path, without a
 /// host path that exists, or with options that do not go together is refused.

@@ -3,8 +3,8 @@
 
 use super::{invalid, ns_mode, pod_namespace_options, ResolvedUser, SpecError, SpecInput};
 use crate::userns::PodUserns;
-use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
+use vessel_cri_api::v1 as cri;
 
 /// What [`build`] decided.
 pub(super) struct Namespaces {

@@ -1,7 +1,7 @@
 //! Checks of a container's resources and environment before anything is created.
 
 use super::{invalid, SpecError};
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 /// The smallest memory limit a container may have (Docker's bound): below it the kernel
 /// refuses the limit or the container cannot even start its init.

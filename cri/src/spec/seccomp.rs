@@ -20,8 +20,8 @@
 //! the log port is the pod's log token, which only the agent holds.
 
 use super::{invalid, SpecError};
-use k8s_cri::v1 as cri;
 use serde_json::{json, Value};
+use vessel_cri_api::v1 as cri;
 
 /// The largest Localhost profile read (Docker's default profile is about 20 KiB).
 const MAX_PROFILE: u64 = 1 << 20;

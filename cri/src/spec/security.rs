@@ -1,6 +1,6 @@
 //! Confinement defaults: capabilities, masked and read-only paths, SELinux labels.
 
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 /// Capabilities a container gets by default (containerd's and Docker's set).
 pub use vessel_agent::spec::DEFAULT_CAPS;

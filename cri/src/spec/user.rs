@@ -3,8 +3,8 @@
 //! does; and whether the image has a command on its PATH.
 
 use super::{invalid, ResolvedUser, SpecError};
-use k8s_cri::v1 as cri;
 use std::path::{Path, PathBuf};
+use vessel_cri_api::v1 as cri;
 
 /// Reads a file from an image's layers (top-most wins; overlay whiteouts and opaque dirs
 /// hide lower copies), for /etc/passwd and friends.

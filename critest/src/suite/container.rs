@@ -2,14 +2,15 @@
 
 use super::{ctr_state, spec, Ctx, Spec, SpecResult, Stop};
 use crate::{check, fail, skip};
-use k8s_cri::v1 as cri;
 use std::time::Duration;
 use tonic::Code;
+use vessel_cri_api::v1 as cri;
 
 pub(super) fn specs() -> Vec<Spec> {
     vec![
         spec!("container", "create, start, stop, remove", lifecycle),
         spec!("container", "a stop right after start reaches an init that traps SIGTERM late", stop_late_trap),
+        spec!("container", "StopContainer sends the config's stop_signal, which status reports", stop_signal),
         spec!("container", "exit code and reason of a finished container", exit_codes),
         spec!("container", "status carries metadata, image, labels, annotations and log path", status_fields),
         spec!("container", "list filters by id, state, pod and label", list_filters),
@@ -125,6 +126,50 @@ async fn stop_late_trap(c: Ctx) -> SpecResult {
         s.exit_code
     );
     check!(took < Duration::from_secs(15), "stop took {took:?}");
+    Ok(())
+}
+
+/// kubelet's `lifecycle.stopSignal` (CRI `stop_signal`): StopContainer sends it instead of the
+/// image's (busybox: none, so SIGTERM), and ContainerStatus reports it.
+async fn stop_signal(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("stop-signal").await?;
+    let mut cfg = c.ctr_config(
+        "usr1",
+        "trap 'exit 7' USR1; echo ready; while true; do sleep 0.1; done",
+    );
+    cfg.stop_signal = cri::Signal::Sigusr1 as i32;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.wait_log(&c.log_path(&pcfg, "usr1"), "ready", |l| {
+        l.iter().any(|l| l.content == "ready")
+    })
+    .await?;
+    let s = c.status(&id).await?;
+    check!(
+        s.stop_signal == cri::Signal::Sigusr1 as i32,
+        "status stop_signal {:?}, want SIGUSR1",
+        cri::Signal::try_from(s.stop_signal)
+    );
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 30,
+        })
+        .await?;
+    let s = c.status(&id).await?;
+    // SIGTERM would go unhandled by this PID 1 and the stop end in SIGKILL (137).
+    check!(
+        s.exit_code == 7,
+        "exit code {}, want 7 (the USR1 trap's)",
+        s.exit_code
+    );
+    let plain = c.run(&pod, &pcfg, "plain", "sleep 100000").await?;
+    let s = c.status(&plain).await?;
+    check!(
+        s.stop_signal == cri::Signal::Sigterm as i32,
+        "status stop_signal {:?} without one asked for (busybox has none), want SIGTERM",
+        cri::Signal::try_from(s.stop_signal)
+    );
     Ok(())
 }
 

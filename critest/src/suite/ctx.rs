@@ -5,11 +5,11 @@ use super::testimages::Images;
 use super::{ctr_state, Stop, RUN_LABEL, SPEC_LABEL};
 use crate::check;
 use crate::client::CriClient;
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use vessel_cri_api::v1 as cri;
 
 /// Shared by every spec of a run.
 #[derive(Debug)]

@@ -5,7 +5,7 @@
 use super::ctx::spec as ispec;
 use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::{check, fail};
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 
 pub(super) fn specs() -> Vec<Spec> {
     vec![

@@ -19,7 +19,6 @@ mod volume;
 pub use ctx::Ctx;
 
 use crate::client::CriClient;
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io::Write as _;
@@ -27,6 +26,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use vessel_cri_api::v1 as cri;
 
 /// The label every object the suite creates carries, valued with the run id.
 pub const RUN_LABEL: &str = "vessel-critest";
@@ -314,9 +314,9 @@ pub async fn run(config: Config) -> Result<Summary, SuiteError> {
     )
     .await?;
     let client = CriClient {
-        runtime: k8s_cri::v1::runtime_service_client::RuntimeServiceClient::new(rt_ch)
+        runtime: vessel_cri_api::v1::runtime_service_client::RuntimeServiceClient::new(rt_ch)
             .max_decoding_message_size(16 << 20),
-        images: k8s_cri::v1::image_service_client::ImageServiceClient::new(img_ch)
+        images: vessel_cri_api::v1::image_service_client::ImageServiceClient::new(img_ch)
             .max_decoding_message_size(16 << 20),
     };
 

@@ -2,8 +2,8 @@
 
 use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::{check, fail};
-use k8s_cri::v1 as cri;
 use std::time::Duration;
+use vessel_cri_api::v1 as cri;
 
 pub(super) fn specs() -> Vec<Spec> {
     vec![

@@ -2,8 +2,8 @@
 
 use super::{spec, Ctx, Spec, SpecResult};
 use crate::{check, fail};
-use k8s_cri::v1 as cri;
 use tonic::Code;
+use vessel_cri_api::v1 as cri;
 
 pub(super) fn runtime_specs() -> Vec<Spec> {
     vec![
@@ -37,6 +37,16 @@ pub(super) fn specs() -> Vec<Spec> {
             remove_with_containers
         ),
         spec!("pod", "PodSandboxStats reports the pod", pod_stats),
+        spec!(
+            "pod",
+            "the Stream* calls answer what the List calls do",
+            streamed_lists
+        ),
+        spec!(
+            "pod",
+            "UpdatePodSandboxResources takes the pod's new resources",
+            update_pod_resources
+        ),
         spec!(
             "idempotence",
             "StopPodSandbox twice succeeds",
@@ -411,6 +421,218 @@ async fn remove_ctr_twice(c: Ctx) -> SpecResult {
                 container_id: id.clone(),
             })
             .await?;
+    }
+    Ok(())
+}
+
+/// The ids a `Stream*` call sends, read to the stream's end, sorted.
+async fn streamed<R>(
+    stream: Result<tonic::Response<tonic::Streaming<R>>, tonic::Status>,
+    ids: impl Fn(R) -> Vec<String>,
+) -> Result<Vec<String>, super::Stop> {
+    let mut s = stream?.into_inner();
+    let mut out = Vec::new();
+    while let Some(r) = s.message().await? {
+        out.extend(ids(r));
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// kubelet and crictl 1.36 list through the streaming calls first (the unary ones are their
+/// fallback for runtimes without them): each must send what its List call answers.
+async fn streamed_lists(c: Ctx) -> SpecResult {
+    let (a, pcfg) = c.run_pod("streamed-a").await?;
+    let (b, _) = c.run_pod("streamed-b").await?;
+    let ctr = c.run(&a, &pcfg, "sleeper", "sleep 100000").await?;
+    let mut cl = c.c.clone();
+    let mut pods = vec![a.clone(), b];
+    pods.sort();
+    let mine = cri::PodSandboxFilter {
+        label_selector: c.labels(),
+        ..Default::default()
+    };
+    let mut listed = list_pods(&c, mine.clone()).await?;
+    listed.sort();
+    check!(
+        listed == pods,
+        "ListPodSandbox answered {listed:?}, want {pods:?}"
+    );
+    let got = streamed(
+        cl.runtime
+            .stream_pod_sandboxes(cri::StreamPodSandboxesRequest { filter: Some(mine) })
+            .await,
+        |r| r.pod_sandboxes.into_iter().map(|p| p.id).collect(),
+    )
+    .await?;
+    check!(
+        got == pods,
+        "StreamPodSandboxes sent {got:?}, want {pods:?}"
+    );
+    let got = streamed(
+        cl.runtime
+            .stream_containers(cri::StreamContainersRequest {
+                filter: Some(cri::ContainerFilter {
+                    label_selector: c.labels(),
+                    ..Default::default()
+                }),
+            })
+            .await,
+        |r| r.containers.into_iter().map(|c| c.id).collect(),
+    )
+    .await?;
+    check!(
+        got == [ctr.clone()],
+        "StreamContainers sent {got:?}, want [{ctr}]"
+    );
+    let got = streamed(
+        cl.runtime
+            .stream_container_stats(cri::StreamContainerStatsRequest {
+                filter: Some(cri::ContainerStatsFilter {
+                    label_selector: c.labels(),
+                    ..Default::default()
+                }),
+            })
+            .await,
+        |r| {
+            r.container_stats
+                .into_iter()
+                .filter_map(|s| s.attributes.map(|a| a.id))
+                .collect()
+        },
+    )
+    .await?;
+    check!(
+        got == [ctr.clone()],
+        "StreamContainerStats sent {got:?}, want [{ctr}]"
+    );
+    let got = streamed(
+        cl.runtime
+            .stream_pod_sandbox_stats(cri::StreamPodSandboxStatsRequest {
+                filter: Some(cri::PodSandboxStatsFilter {
+                    label_selector: c.labels(),
+                    ..Default::default()
+                }),
+            })
+            .await,
+        |r| {
+            r.pod_sandbox_stats
+                .into_iter()
+                .filter_map(|s| s.attributes.map(|a| a.id))
+                .collect()
+        },
+    )
+    .await?;
+    check!(
+        got == pods,
+        "StreamPodSandboxStats sent {got:?}, want {pods:?}"
+    );
+    let got = streamed(
+        cl.runtime
+            .stream_pod_sandbox_metrics(cri::StreamPodSandboxMetricsRequest {})
+            .await,
+        |r| {
+            r.pod_sandbox_metrics
+                .into_iter()
+                .map(|m| m.pod_sandbox_id)
+                .collect()
+        },
+    )
+    .await?;
+    let mut want: Vec<String> = cl
+        .runtime
+        .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest {})
+        .await?
+        .into_inner()
+        .pod_metrics
+        .into_iter()
+        .map(|m| m.pod_sandbox_id)
+        .collect();
+    want.sort();
+    check!(
+        got == want && got.contains(&a),
+        "StreamPodSandboxMetrics sent {got:?}; ListPodSandboxMetrics {want:?}"
+    );
+    let got = streamed(
+        cl.images
+            .stream_images(cri::StreamImagesRequest { filter: None })
+            .await,
+        |r| r.images.into_iter().map(|i| i.id).collect(),
+    )
+    .await?;
+    let mut want: Vec<String> = cl
+        .images
+        .list_images(cri::ListImagesRequest { filter: None })
+        .await?
+        .into_inner()
+        .images
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
+    want.sort();
+    check!(
+        got == want && !got.is_empty(),
+        "StreamImages sent {got:?}; ListImages {want:?}"
+    );
+    Ok(())
+}
+
+/// In-place pod resize (kubelet 1.33+): after resizing the pod's cgroup kubelet hands the
+/// runtime the pod's new resources. An unknown pod is NotFound, negative values
+/// InvalidArgument. Where the runtime shows the pod's config in verbose status (vessel
+/// does), it carries them.
+async fn update_pod_resources(c: Ctx) -> SpecResult {
+    let (pod, _) = c.run_pod("resize").await?;
+    let mut cl = c.c.clone();
+    let resources = cri::LinuxContainerResources {
+        cpu_period: 100_000,
+        cpu_quota: 50_000,
+        cpu_shares: 512,
+        memory_limit_in_bytes: 64 << 20,
+        ..Default::default()
+    };
+    let update =
+        |id: &str, resources: cri::LinuxContainerResources| cri::UpdatePodSandboxResourcesRequest {
+            pod_sandbox_id: id.into(),
+            overhead: None,
+            resources: Some(resources),
+        };
+    let e = cl
+        .runtime
+        .update_pod_sandbox_resources(update("no-such-pod", resources.clone()))
+        .await
+        .err();
+    check!(
+        e.as_ref().map(|e| e.code()) == Some(Code::NotFound),
+        "an unknown pod: {e:?}"
+    );
+    let bad = cri::LinuxContainerResources {
+        cpu_shares: -1,
+        ..resources.clone()
+    };
+    let e = cl
+        .runtime
+        .update_pod_sandbox_resources(update(&pod, bad))
+        .await
+        .err();
+    check!(
+        e.as_ref().map(|e| e.code()) == Some(Code::InvalidArgument),
+        "negative cpu_shares: {e:?}"
+    );
+    cl.runtime
+        .update_pod_sandbox_resources(update(&pod, resources))
+        .await?;
+    if let Some(config) =
+        c.c.pod_info(&pod)
+            .await
+            .ok()
+            .and_then(|i| i.get("config").cloned())
+    {
+        let r = &config["linux"]["resources"];
+        check!(
+            r["memory_limit_in_bytes"] == 64 << 20 && r["cpu_quota"] == 50_000,
+            "the pod's config after the update: {r}"
+        );
     }
     Ok(())
 }

@@ -4,8 +4,8 @@
 use super::network::{node_ns_pod, same_ns_as_host};
 use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::{check, fail};
-use k8s_cri::v1 as cri;
 use std::collections::HashMap;
+use vessel_cri_api::v1 as cri;
 
 const CAP_CHOWN: u32 = 0;
 const CAP_SYS_ADMIN: u32 = 21;
@@ -442,10 +442,10 @@ async fn pid_node(c: Ctx) -> SpecResult {
 async fn ipc_pod(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("ipc").await?;
     // What kubelet sends for every container: the pod's ipc and network, its own pids.
-    let ns = k8s_cri::v1::NamespaceOption {
-        network: k8s_cri::v1::NamespaceMode::Pod as i32,
-        pid: k8s_cri::v1::NamespaceMode::Container as i32,
-        ipc: k8s_cri::v1::NamespaceMode::Pod as i32,
+    let ns = vessel_cri_api::v1::NamespaceOption {
+        network: vessel_cri_api::v1::NamespaceMode::Pod as i32,
+        pid: vessel_cri_api::v1::NamespaceMode::Container as i32,
+        ipc: vessel_cri_api::v1::NamespaceMode::Pod as i32,
         ..Default::default()
     };
     let mut ca = c.ctr_config("a", "sleep 100000");

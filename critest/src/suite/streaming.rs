@@ -5,8 +5,8 @@
 use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::stream_client::{self, ExecOptions, ExecOutcome};
 use crate::{check, fail};
-use k8s_cri::v1 as cri;
 use std::time::Duration;
+use vessel_cri_api::v1 as cri;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -4,10 +4,10 @@
 
 use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::{check, fail};
-use k8s_cri::v1 as cri;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tonic::Code;
+use vessel_cri_api::v1 as cri;
 
 pub(super) fn specs() -> Vec<Spec> {
     vec![

@@ -3,7 +3,7 @@
 //! with a process to run.
 #![no_main]
 
-use k8s_cri::v1 as cri;
+use vessel_cri_api::v1 as cri;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use std::path::PathBuf;

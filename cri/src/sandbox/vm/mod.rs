@@ -18,12 +18,12 @@ use crate::errors::{agent_err, internal, Result, RuntimeError};
 use crate::state::{
     BackendKind, BackendState, ContainerRecord, PodRecord, PodState, StateDirs, VmPodState,
 };
-use k8s_cri::v1 as cri;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use vessel_agent::proto as ap;
+use vessel_cri_api::v1 as cri;
 use vessel_images::ImageStore;
 use vessel_shim::control::Request as ControlRequest;
 use vessel_shim::podnet::PodNet;
@@ -237,6 +237,28 @@ impl SandboxBackend for VmBackend {
         network::release(&self.cni, rec).await;
         let dir = v.dir.clone();
         let _ = tokio::task::spawn_blocking(move || volumes::remove_vm_dir(&dir)).await;
+    }
+
+    /// The microVM keeps the vCPUs and memory it booted with (the VMM has no CPU or memory
+    /// hotplug): a resize that fits in them is taken (the guest's containers get their new
+    /// limits by UpdateContainerResources), one that needs more is refused.
+    fn resize(&self, rec: &PodRecord, config: &cri::PodSandboxConfig) -> Result<()> {
+        let BackendState::Vm { vm } = &rec.backend else {
+            return Ok(());
+        };
+        let (vcpus, mem_mib) = shim::size_of(
+            config,
+            self.cfg.vcpus,
+            self.cfg.memory_mib,
+            self.cfg.memory_overhead_mib,
+        );
+        if vcpus > vm.vcpus || mem_mib > vm.mem_mib {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "UpdatePodSandboxResources: VM pod {} runs {} vCPU(s) and {} MiB; the new resources need {vcpus} and {mem_mib} MiB, and a running microVM cannot grow (recreate the pod to resize it)",
+                rec.id, vm.vcpus, vm.mem_mib
+            )));
+        }
+        Ok(())
     }
 
     fn admit_container(&self, prec: &PodRecord, config: &cri::ContainerConfig) -> Result<()> {

@@ -117,7 +117,7 @@ pub fn shim_spec(spec: &LaunchSpec<'_>) -> vessel_shim::Spec {
             .to_string();
     }
     let id_shift = spec.userns.map(|u| {
-        let range = |m: &k8s_cri::v1::IdMapping| IdRange {
+        let range = |m: &vessel_cri_api::v1::IdMapping| IdRange {
             disk: m.container_id,
             guest: m.host_id,
             size: m.length,
@@ -357,7 +357,7 @@ pub fn layer_serial(diff_id: &str) -> String {
 
 /// vCPUs and guest memory for a pod: its resources if it has limits, the defaults if not.
 pub fn size_of(
-    pod: &k8s_cri::v1::PodSandboxConfig,
+    pod: &vessel_cri_api::v1::PodSandboxConfig,
     default_vcpus: u8,
     default_mib: u64,
     overhead_mib: u64,
@@ -387,7 +387,7 @@ pub fn size_of(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_cri::v1 as cri;
+    use vessel_cri_api::v1 as cri;
 
     #[test]
     fn sizes_follow_the_pod_resources() {

@@ -18,8 +18,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use k8s_cri::v1 as cri;
 pub use vessel_agent::volumes::{GUEST_SHARED, SHARED_TAG};
+use vessel_cri_api::v1 as cri;
 
 use crate::errors::{Result, RuntimeError};
 
