@@ -4,7 +4,7 @@
 //! emits them, so both backends have them alike.
 
 use super::Runtime;
-use crate::state::{ContainerRecord, ContainerState};
+use crate::state::ContainerRecord;
 use vessel_cri_api::v1 as cri;
 
 /// Events a slow subscriber may fall behind by before its stream ends (it then relists,
@@ -60,17 +60,10 @@ impl Runtime {
         pod_id: &str,
         kind: cri::ContainerEventType,
     ) -> cri::ContainerEventResponse {
-        let pod_sandbox_status = self
-            .pod_sandbox_status(pod_id, false)
-            .ok()
-            .and_then(|r| r.status);
-        let containers_statuses = self
-            .ctrs_of(pod_id)
-            .iter()
-            .map(|c| c.record())
-            .filter(|r| r.state != ContainerState::Creating)
-            .map(|r| self.to_status(&r))
-            .collect();
+        let status = self.pod_sandbox_status(pod_id, false).ok();
+        let (pod_sandbox_status, containers_statuses) = status
+            .map(|r| (r.status, r.containers_statuses))
+            .unwrap_or_default();
         cri::ContainerEventResponse {
             container_id: id.to_string(),
             container_event_type: kind as i32,

@@ -357,10 +357,21 @@ impl Runtime {
                 .to_string(),
             );
         }
+        // The pod's containers with it, and when both were read: kubelet's evented PLEG takes
+        // its containers' statuses from here (it falls back to a ContainerStatus per container
+        // where the timestamp is 0).
+        let containers_statuses = self
+            .ctrs_of(&rec.id)
+            .iter()
+            .map(|c| c.record())
+            .filter(|r| r.state != ContainerState::Creating)
+            .map(|r| self.to_status(&r))
+            .collect();
         Ok(cri::PodSandboxStatusResponse {
             status: Some(status),
             info,
-            ..Default::default()
+            containers_statuses,
+            timestamp: state::now_nanos(),
         })
     }
 

@@ -48,6 +48,11 @@ pub(super) fn specs() -> Vec<Spec> {
             update_pod_resources
         ),
         spec!(
+            "pod",
+            "PodSandboxStatus carries its containers' statuses and when it was read",
+            status_with_containers
+        ),
+        spec!(
             "idempotence",
             "StopPodSandbox twice succeeds",
             stop_pod_twice
@@ -620,19 +625,76 @@ async fn update_pod_resources(c: Ctx) -> SpecResult {
         "negative cpu_shares: {e:?}"
     );
     cl.runtime
-        .update_pod_sandbox_resources(update(&pod, resources))
+        .update_pod_sandbox_resources(update(&pod, resources.clone()))
         .await?;
-    if let Some(config) =
-        c.c.pod_info(&pod)
-            .await
-            .ok()
-            .and_then(|i| i.get("config").cloned())
-    {
-        let r = &config["linux"]["resources"];
+    let info = c.c.pod_info(&pod).await.ok();
+    let shown = |info: &Option<serde_json::Value>| {
+        info.as_ref()
+            .map(|i| i["config"]["linux"]["resources"].clone())
+    };
+    if let Some(r) = shown(&info).filter(|r| !r.is_null()) {
         check!(
             r["memory_limit_in_bytes"] == 64 << 20 && r["cpu_quota"] == 50_000,
             "the pod's config after the update: {r}"
         );
     }
+    // vessel's VM pods: a running microVM cannot grow; the refusal leaves the pod as it was.
+    if info.as_ref().is_some_and(|i| i["backend"] == "vm") {
+        let big = cri::LinuxContainerResources {
+            memory_limit_in_bytes: 1 << 40,
+            ..resources
+        };
+        let e = cl
+            .runtime
+            .update_pod_sandbox_resources(update(&pod, big))
+            .await
+            .err();
+        check!(
+            e.as_ref().map(|e| e.code()) == Some(Code::FailedPrecondition),
+            "a VM pod grown past its VM: {e:?}"
+        );
+        let after = shown(&c.c.pod_info(&pod).await.ok());
+        check!(
+            after
+                .as_ref()
+                .is_some_and(|r| r["memory_limit_in_bytes"] == 64 << 20),
+            "the refused resize changed the pod's config: {after:?}"
+        );
+    }
+    Ok(())
+}
+
+/// kubelet's evented PLEG reads a pod's containers from its PodSandboxStatus reply when the
+/// reply has a timestamp (and asks for each container's status where it has none).
+async fn status_with_containers(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("with-ctrs").await?;
+    let ctr = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or_default();
+    let mut cl = c.c.clone();
+    let r = cl
+        .runtime
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await?
+        .into_inner();
+    check!(
+        r.timestamp >= before,
+        "timestamp {} is before the call ({before})",
+        r.timestamp
+    );
+    let ids: Vec<(&str, i32)> = r
+        .containers_statuses
+        .iter()
+        .map(|s| (s.id.as_str(), s.state))
+        .collect();
+    check!(
+        ids == [(ctr.as_str(), cri::ContainerState::ContainerRunning as i32)],
+        "containers_statuses {ids:?}, want [{ctr} running]"
+    );
     Ok(())
 }
