@@ -671,7 +671,7 @@ async fn status_with_containers(c: Ctx) -> SpecResult {
     let ctr = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
     let before = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         .unwrap_or_default();
     let mut cl = c.c.clone();
     let r = cl
