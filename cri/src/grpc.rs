@@ -18,30 +18,7 @@ use tonic::Status;
 /// attribute would (a boxed future each), because the attribute does not look into macros.
 macro_rules! rpcs {
     (|$s:ident, $r:ident| $( $name:ident($req:ident) -> $reply:ident = $body:expr; )*) => {$(
-        fn $name<'life0, 'async_trait>(
-            &'life0 self,
-            request: ::tonic::Request<::vessel_cri_api::v1::$req>,
-        ) -> ::std::pin::Pin<
-            Box<
-                dyn ::std::future::Future<
-                        Output = Result<::tonic::Response<::vessel_cri_api::v1::$reply>, ::tonic::Status>,
-                    > + Send
-                    + 'async_trait,
-            >,
-        >
-        where
-            'life0: 'async_trait,
-            Self: 'async_trait,
-        {
-            Box::pin(async move {
-                #[allow(unused_variables)]
-                let $s = self;
-                #[allow(unused_variables)]
-                let $r = request.into_inner();
-                let reply: Result<::vessel_cri_api::v1::$reply, ::tonic::Status> = $body;
-                reply.map(::tonic::Response::new)
-            })
-        }
+        $crate::grpc::rpc_method!($name, $req, ::vessel_cri_api::v1::$reply, |$s, $r| $body);
     )*};
 }
 pub(crate) use rpcs;
@@ -55,13 +32,26 @@ macro_rules! list_streams {
     (|$s:ident, $r:ident| $( $name:ident($req:ident) -> $stream:ident of $reply:ident { $field:ident } = $body:expr; )*) => {$(
         type $stream = $crate::grpc::ListStream<::vessel_cri_api::v1::$reply>;
 
+        $crate::grpc::rpc_method!($name, $req, Self::$stream, |$s, $r| {
+            let items = $body;
+            Ok($crate::grpc::list_stream(items, |v| ::vessel_cri_api::v1::$reply { $field: v }))
+        });
+    )*};
+}
+pub(crate) use list_streams;
+
+/// One method of a `#[tonic::async_trait]` service trait, as that attribute writes it: `body`
+/// (of type `Result<Reply, Status>`, reading the service as `$s` and the request as `$r`)
+/// in a boxed future. For [`rpcs!`] and [`list_streams!`].
+macro_rules! rpc_method {
+    ($name:ident, $req:ident, $reply:ty, |$s:ident, $r:ident| $body:expr) => {
         fn $name<'life0, 'async_trait>(
             &'life0 self,
             request: ::tonic::Request<::vessel_cri_api::v1::$req>,
         ) -> ::std::pin::Pin<
             Box<
                 dyn ::std::future::Future<
-                        Output = Result<::tonic::Response<Self::$stream>, ::tonic::Status>,
+                        Output = Result<::tonic::Response<$reply>, ::tonic::Status>,
                     > + Send
                     + 'async_trait,
             >,
@@ -75,15 +65,13 @@ macro_rules! list_streams {
                 let $s = self;
                 #[allow(unused_variables)]
                 let $r = request.into_inner();
-                let items = $body;
-                Ok(::tonic::Response::new($crate::grpc::list_stream(items, |v| {
-                    ::vessel_cri_api::v1::$reply { $field: v }
-                })))
+                let reply: Result<$reply, ::tonic::Status> = $body;
+                reply.map(::tonic::Response::new)
             })
         }
-    )*};
+    };
 }
-pub(crate) use list_streams;
+pub(crate) use rpc_method;
 
 /// The reply stream of a `Stream*` RPC.
 pub type ListStream<R> =
