@@ -223,7 +223,7 @@ if [ "$mode" = pods ]; then
   done
   cp /usr/bin/docker-registry /usr/bin/mkfs.erofs /usr/bin/fsck.erofs /usr/bin/dump.erofs "$L/usr/bin/"
   # A CNI network for L1's pods, flat and VM (vesseld's default conf_dir and bin_dirs): Debian's
-  # bridge + host-local + portmap + loopback, and iptables (nft) for portmap.
+  # bridge + host-local + portmap (the agent brings the pod's lo up), and iptables (nft) for portmap.
   if [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ]; then
     mkdir -p "$L/usr/lib/cni" "$L/etc/cni/net.d" "$L/usr/sbin" "$L/usr/lib/x86_64-linux-gnu"
     for p in bridge host-local portmap loopback tuning; do cp "/usr/lib/cni/$p" "$L/usr/lib/cni/"; bins+=("/usr/lib/cni/$p"); done
@@ -239,8 +239,7 @@ if [ "$mode" = pods ]; then
 {"cniVersion": "1.0.0", "name": "vessel-l1", "plugins": [
   {"type": "bridge", "bridge": "vessel-l1", "isGateway": true, "ipMasq": false,
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.89.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
-  {"type": "portmap", "capabilities": {"portMappings": true}},
-  {"type": "loopback"}]}
+  {"type": "portmap", "capabilities": {"portMappings": true}}]}
 EOC
   else
     log "no CNI plugins in /usr/lib/cni (containernetworking-plugins): L1's pods get loopback only"

@@ -404,8 +404,10 @@ pub fn mounts_under(dir: &Path) -> Vec<String> {
 }
 
 /// A private CNI network for tests: a conflist of `bridge` (a bridge of its own, host-local
-/// IPAM over a random 10.88.x.0/24 with its store in a temp dir) + `portmap` + `loopback`,
-/// in a conf dir of its own. Drop deletes the bridge.
+/// IPAM over a random 10.88.x.0/24 with its store in a temp dir) + `portmap`, in a conf dir
+/// of its own: what a cluster's network config has (the pod's `lo` is the runtime's to bring
+/// up: vessel's agent does, containerd runs the `loopback` plugin itself). Drop deletes the
+/// bridge.
 pub struct TestCni {
     pub dir: tempfile::TempDir,
     pub bridge: String,
@@ -420,7 +422,7 @@ impl TestCni {
     /// containernetworking-plugins`).
     pub fn new() -> Result<TestCni, String> {
         let bin_dir = PathBuf::from("/usr/lib/cni");
-        for p in ["bridge", "host-local", "portmap", "loopback"] {
+        for p in ["bridge", "host-local", "portmap"] {
             if !bin_dir.join(p).exists() {
                 return Err(format!(
                     "CNI plugin {p} not in {} (apt-get install containernetworking-plugins)",
@@ -471,8 +473,7 @@ impl TestCni {
         "dataDir": "{ipam}"
       }}
     }},
-    {{ "type": "portmap", "capabilities": {{ "portMappings": true }} }},
-    {{ "type": "loopback" }}
+    {{ "type": "portmap", "capabilities": {{ "portMappings": true }} }}
   ]
 }}
 "#,
