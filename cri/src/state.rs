@@ -535,6 +535,36 @@ mod tests {
     }
 
     #[test]
+    fn configs_written_before_a_cri_api_update_still_load() {
+        // A container config as vesseld wrote it with cri-api 0.32: no stop_signal, no
+        // image_sub_path, no image_ref (the fields Kubernetes 1.33-1.36 added).
+        let config = cri::ContainerConfig {
+            mounts: vec![cri::Mount {
+                container_path: "/iv".into(),
+                image: Some(cri::ImageSpec {
+                    image: "busybox".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            stop_signal: cri::Signal::Sigusr1 as i32,
+            ..Default::default()
+        };
+        let mut old = serde_json::to_value(&config).unwrap();
+        let o = old.as_object_mut().unwrap();
+        assert!(o.remove("stop_signal").is_some());
+        let m = old["mounts"][0].as_object_mut().unwrap();
+        assert!(m.remove("image_sub_path").is_some());
+        let i = old["mounts"][0]["image"].as_object_mut().unwrap();
+        assert!(i.remove("image_ref").is_some());
+        // And a field of a later API than this one (a downgrade) is ignored.
+        old["a_later_field"] = serde_json::json!(1);
+        let back: cri::ContainerConfig = serde_json::from_value(old).unwrap();
+        assert_eq!(back.stop_signal, 0);
+        assert_eq!(back.mounts[0].image.as_ref().unwrap().image, "busybox");
+    }
+
+    #[test]
     fn backend_state_keeps_the_record_format_of_earlier_versions() {
         let vm = VmPodState {
             dir: "/run/vms/p1".into(),

@@ -2414,6 +2414,16 @@ async fn image_volumes_mount_an_image_read_only() {
             "{e}"
         );
     }
+    let mut cfg = h.ctr_config("subnoimage", "sleep 1000");
+    cfg.mounts.push(cri::Mount {
+        container_path: "/sub".into(),
+        host_path: h.v.dir.path().display().to_string(),
+        image_sub_path: "data".into(),
+        ..Default::default()
+    });
+    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("no image"), "{e}");
     assert_eq!(iv_mounts(&h).len(), 1, "a refused sub path leaves no mount");
     let e =
         h.c.images

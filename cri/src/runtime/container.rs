@@ -98,6 +98,21 @@ impl Runtime {
                 "CreateContainer: no image".into(),
             ));
         }
+        // Fields checked before anything is made (mounts relabelled, profiles loaded).
+        if config.stop_signal != 0 && spec::cri_signal(config.stop_signal).is_none() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CreateContainer {key:?}: stop_signal {} is not a CRI Signal",
+                config.stop_signal
+            )));
+        }
+        if let Some(m) = config.mounts.iter().find(|m| {
+            !m.image_sub_path.is_empty() && m.image.as_ref().is_none_or(|i| i.image.is_empty())
+        }) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CreateContainer {key:?}: the mount at {:?} has an image_sub_path but no image",
+                m.container_path
+            )));
+        }
         let (image, restore) = if restore::is_archive(&image_name) {
             let path = std::path::PathBuf::from(&image_name);
             let (ck, base) = self
@@ -277,12 +292,18 @@ impl Runtime {
                     .map_err(internal(format!("image volume at {at:?}")));
                 let path = root.and_then(|root| {
                     if sub.is_empty() {
-                        return Ok(root);
+                        return Ok(root.display().to_string());
                     }
                     image_sub_path(&root, &sub).map_err(|e| {
-                        RuntimeError::InvalidArgument(format!(
-                            "image volume at {at:?}: image_sub_path {sub:?} of image {name:?} {e}"
-                        ))
+                        let at = format!(
+                            "image volume at {at:?}: image_sub_path {sub:?} of image {name:?}"
+                        );
+                        match e {
+                            SubPathError::Bad(m) => {
+                                RuntimeError::InvalidArgument(format!("{at} {m}"))
+                            }
+                            SubPathError::Node(m) => RuntimeError::Internal(format!("{at}: {m}")),
+                        }
                     })
                 });
                 let image_ref = rec
@@ -304,7 +325,7 @@ impl Runtime {
             match made {
                 Ok((snap_id, path, image_ref)) => {
                     snaps.push(snap_id);
-                    m.host_path = path.display().to_string();
+                    m.host_path = path;
                     m.readonly = true;
                     m.image = None;
                     m.image_sub_path.clear();
@@ -471,12 +492,6 @@ impl Runtime {
                 e => e,
             },
         )?;
-        if config.stop_signal != 0 && spec::cri_signal(config.stop_signal).is_none() {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "CreateContainer {key:?}: stop_signal {} is not a CRI Signal",
-                config.stop_signal
-            )));
-        }
         // The pod's lifecycle.stopSignal (kubelet sends it), else the image's, else SIGTERM.
         let stop_signal = spec::cri_signal(config.stop_signal)
             .or_else(|| {
@@ -917,49 +932,78 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
         .map_err(internal(format!("log directory {log_directory:?}")))
 }
 
+/// Why an image volume's `image_sub_path` cannot be mounted: the request's fault
+/// (InvalidArgument) or the node's (Internal).
+#[derive(Debug)]
+enum SubPathError {
+    Bad(String),
+    Node(String),
+}
+
 /// Where `sub`, a CRI mount's `image_sub_path`, is in the image mounted at `root`: resolved as
 /// inside the image (its symlinks taken relative to the image's root, never out of it, by
 /// openat2's RESOLVE_IN_ROOT), as a path under `root`. It must exist (CRI: the runtime fails
-/// otherwise) and be relative without `..` (as kubelet checks).
-fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<std::path::PathBuf, String> {
-    use rustix::fs::{Mode, OFlags, ResolveFlags};
+/// otherwise), be relative without `..` (as kubelet checks), and be a directory or a regular
+/// file (not a device, FIFO or socket the image holds).
+fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPathError> {
+    use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
+    use rustix::io::Errno;
     use std::path::Component;
+    use SubPathError::{Bad, Node};
     let rel = Path::new(sub);
     if !rel
         .components()
         .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
     {
-        return Err("must be a relative path without `..`".into());
+        return Err(Bad("must be a relative path without `..`".into()));
     }
+    let node = |what: &str, e: &dyn std::fmt::Display| Node(format!("{what}: {e}"));
     let dir = rustix::fs::open(
         root,
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| format!("cannot be looked up: {root:?}: {e}"))?;
-    let fd = rustix::fs::openat2(
-        &dir,
-        rel,
-        OFlags::PATH | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV,
-    )
-    .map_err(|e| match e {
-        rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR => {
-            "does not exist in the image".to_string()
+    .map_err(|e| node(&format!("opening {root:?}"), &e))?;
+    let how = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV;
+    // EAGAIN: a rename or mount elsewhere raced a `..` of the image's links; try again.
+    let mut tries = 0;
+    let fd = loop {
+        match rustix::fs::openat2(
+            &dir,
+            rel,
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            how,
+        ) {
+            Err(Errno::AGAIN) if tries < 16 => tries += 1,
+            r => break r,
         }
-        e => format!("cannot be looked up: {e}"),
+    }
+    .map_err(|e| match e {
+        Errno::NOENT | Errno::NOTDIR => Bad("does not exist in the image".into()),
+        Errno::LOOP => Bad("is a loop of symlinks in the image".into()),
+        e => node("looking it up", &e),
     })?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| node("stat", &e))?;
+    if !matches!(
+        FileType::from_raw_mode(st.st_mode),
+        FileType::Directory | FileType::RegularFile
+    ) {
+        return Err(Bad("is not a directory or a regular file".into()));
+    }
     let found = std::fs::read_link(format!(
         "/proc/self/fd/{}",
         std::os::fd::AsRawFd::as_raw_fd(&fd)
     ))
-    .map_err(|e| format!("cannot be looked up: {e}"))?;
-    let root = std::fs::canonicalize(root).map_err(|e| format!("cannot be looked up: {e}"))?;
+    .map_err(|e| node("reading its path", &e))?;
+    let root = std::fs::canonicalize(root).map_err(|e| node("resolving the image's root", &e))?;
     if !found.starts_with(&root) {
-        return Err("resolves outside the image".into());
+        return Err(Node(format!("resolved to {found:?}, outside the image")));
     }
-    Ok(found)
+    found
+        .into_os_string()
+        .into_string()
+        .map_err(|p| Bad(format!("resolves to a name that is not UTF-8: {p:?}")))
 }
 
 /// The image a container config asks for, by the name it gives.
@@ -994,35 +1038,41 @@ mod tests {
         std::os::unix::fs::symlink("/usr/share", root.join("share")).unwrap();
         std::os::unix::fs::symlink("../../../../../../etc", root.join("up")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", root.join("passwd")).unwrap();
+        std::os::unix::fs::symlink("loop2", root.join("loop1")).unwrap();
+        std::os::unix::fs::symlink("loop1", root.join("loop2")).unwrap();
+        std::os::unix::net::UnixListener::bind(root.join("sock")).unwrap();
         let real = std::fs::canonicalize(&root).unwrap();
+        let found = |sub: &str| image_sub_path(&root, sub).map(std::path::PathBuf::from);
         assert_eq!(
-            image_sub_path(&root, "usr/share/data").unwrap(),
+            found("usr/share/data").unwrap(),
             real.join("usr/share/data")
         );
         assert_eq!(
-            image_sub_path(&root, "./usr/share/data/f").unwrap(),
+            found("./usr/share/data/f").unwrap(),
             real.join("usr/share/data/f")
         );
         // An absolute link inside the image is the image's path, not the host's.
-        assert_eq!(
-            image_sub_path(&root, "share/data").unwrap(),
-            real.join("usr/share/data")
-        );
+        assert_eq!(found("share/data").unwrap(), real.join("usr/share/data"));
         // Links that climb out stop at the image's root: the host's /etc is never reached.
+        let bad = |sub: &str| match image_sub_path(&root, sub) {
+            Err(SubPathError::Bad(m)) => m,
+            other => panic!("{sub}: {other:?}"),
+        };
         for (sub, want) in [
             ("up", "does not exist"),
             ("passwd", "does not exist"),
             ("missing", "does not exist"),
+            ("loop1", "loop of symlinks"),
+            ("sock", "not a directory or a regular file"),
+            ("/usr", "without `..`"),
+            ("../x", "without `..`"),
+            ("usr/../../x", "without `..`"),
         ] {
-            let e = image_sub_path(&root, sub).unwrap_err();
+            let e = bad(sub);
             assert!(e.contains(want), "{sub}: {e}");
         }
         std::fs::create_dir(root.join("etc")).unwrap();
-        assert_eq!(image_sub_path(&root, "up").unwrap(), real.join("etc"));
-        for bad in ["/usr", "../x", "usr/../../x"] {
-            let e = image_sub_path(&root, bad).unwrap_err();
-            assert!(e.contains("without `..`"), "{bad}: {e}");
-        }
+        assert_eq!(found("up").unwrap(), real.join("etc"));
     }
 
     #[test]

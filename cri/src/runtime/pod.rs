@@ -282,10 +282,24 @@ impl Runtime {
         let pod = self.pod(id)?;
         let _op = pod.op.lock().await;
         let rec = pod.record();
-        for r in [&overhead, &resources].into_iter().flatten() {
-            crate::spec::check_resources(r).map_err(|e| {
-                RuntimeError::InvalidArgument(format!("UpdatePodSandboxResources {}: {e}", rec.id))
-            })?;
+        let invalid = |e: &dyn std::fmt::Display| {
+            RuntimeError::InvalidArgument(format!("UpdatePodSandboxResources {}: {e}", rec.id))
+        };
+        if let Some(r) = &resources {
+            crate::spec::check_resources(r).map_err(|e| invalid(&e))?;
+        }
+        // The overhead (a RuntimeClass's) is no container's: only negative values are wrong.
+        if let Some(o) = &overhead {
+            for (name, v) in [
+                ("cpu_period", o.cpu_period),
+                ("cpu_quota", o.cpu_quota),
+                ("cpu_shares", o.cpu_shares),
+                ("memory_limit_in_bytes", o.memory_limit_in_bytes),
+            ] {
+                if v < 0 {
+                    return Err(invalid(&format!("overhead: {name} {v} is negative")));
+                }
+            }
         }
         if !rec.is_ready() {
             return Err(RuntimeError::FailedPrecondition(format!(
@@ -302,8 +316,13 @@ impl Runtime {
             linux.resources = resources;
         }
         self.backend(&rec).resize(&rec, &config)?;
+        let old = rec.config;
         let rec = pod.update(|r| r.config = config);
-        sandbox::save(&self.dirs, &rec).map_err(internal("saving pod record"))?;
+        if let Err(e) = sandbox::save(&self.dirs, &rec) {
+            // What the disk says stays what the pod reports.
+            pod.update(|r| r.config = old);
+            return Err(internal("saving pod record")(e));
+        }
         tracing::info!(pod = %rec.id, "pod sandbox resources updated");
         Ok(())
     }

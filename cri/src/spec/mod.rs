@@ -380,6 +380,11 @@ fn protected_paths(privileged: bool, asked: Option<&Vec<String>>, default: &[&st
     }
 }
 
+/// The first and last real-time signal as containers' programs number them: glibc keeps 32
+/// and 33 for itself, and Go (kubelet, containerd's signal names) counts from 34 too.
+const SIGRTMIN: i32 = 34;
+const SIGRTMAX: i32 = 64;
+
 /// The signal number for an image's StopSignal ("SIGQUIT", "QUIT", "3").
 pub fn parse_signal(s: &str) -> Option<i32> {
     let s = s.trim();
@@ -423,19 +428,17 @@ pub fn parse_signal(s: &str) -> Option<i32> {
         "VTALRM" => libc::SIGVTALRM,
         "XCPU" => libc::SIGXCPU,
         "XFSZ" => libc::SIGXFSZ,
-        "RTMIN" => libc::SIGRTMIN(),
-        "RTMAX" => libc::SIGRTMAX(),
+        "RTMIN" => SIGRTMIN,
+        "RTMAX" => SIGRTMAX,
         _ => {
             let n = if let Some(rest) = name.strip_prefix("RTMIN+") {
-                libc::SIGRTMIN() + rest.parse::<i32>().ok()?
+                SIGRTMIN + rest.parse::<i32>().ok()?
             } else if let Some(rest) = name.strip_prefix("RTMAX-") {
-                libc::SIGRTMAX() - rest.parse::<i32>().ok()?
+                SIGRTMAX - rest.parse::<i32>().ok()?
             } else {
                 return None;
             };
-            return (libc::SIGRTMIN()..=libc::SIGRTMAX())
-                .contains(&n)
-                .then_some(n);
+            return (SIGRTMIN..=SIGRTMAX).contains(&n).then_some(n);
         }
     };
     Some(n)
@@ -687,7 +690,7 @@ mod tests {
         assert_eq!(parse_signal("SIGQUIT"), Some(libc::SIGQUIT));
         assert_eq!(parse_signal("term"), Some(libc::SIGTERM));
         assert_eq!(parse_signal("9"), Some(9));
-        assert_eq!(parse_signal("SIGRTMIN+3"), Some(libc::SIGRTMIN() + 3));
+        assert_eq!(parse_signal("SIGRTMIN+3"), Some(37));
         assert_eq!(parse_signal("bogus"), None);
         assert_eq!(parse_signal(""), None);
         assert_eq!(parse_signal("SIGRTMIN+99"), None);
@@ -698,26 +701,28 @@ mod tests {
         assert_eq!(cri_signal(cri::Signal::RuntimeDefault as i32), None);
         assert_eq!(cri_signal(9999), None);
         assert_eq!(cri_signal(cri::Signal::Sigquit as i32), Some(libc::SIGQUIT));
-        assert_eq!(
-            cri_signal(cri::Signal::Sigrtmin as i32),
-            Some(libc::SIGRTMIN())
-        );
-        assert_eq!(
-            cri_signal(cri::Signal::Sigrtminplus15 as i32),
-            Some(libc::SIGRTMIN() + 15)
-        );
-        assert_eq!(
-            cri_signal(cri::Signal::Sigrtmaxminus1 as i32),
-            Some(libc::SIGRTMAX() - 1)
-        );
+        assert_eq!(cri_signal(cri::Signal::Sigrtmin as i32), Some(34));
+        assert_eq!(cri_signal(cri::Signal::Sigrtminplus15 as i32), Some(49));
+        assert_eq!(cri_signal(cri::Signal::Sigrtmaxminus14 as i32), Some(50));
+        assert_eq!(cri_signal(cri::Signal::Sigrtmax as i32), Some(64));
+        // Names the API gives one number to (SIGIOT, SIGCLD, SIGPOLL) come back as the first;
+        // every other name has a number of its own.
+        let aliases = [
+            cri::Signal::Sigiot,
+            cri::Signal::Sigcld,
+            cri::Signal::Sigpoll,
+        ];
         let mut seen = std::collections::HashSet::new();
         for v in 1..=65 {
             let n = cri_signal(v).unwrap_or_else(|| panic!("CRI signal {v} has no number"));
-            // Aliases (SIGIOT, SIGCLD, SIGPOLL) share a number and come back as the first name.
-            if seen.insert(n) {
-                assert_eq!(signal_to_cri(n) as i32, v);
+            if aliases.iter().any(|a| *a as i32 == v) {
+                assert!(seen.contains(&n), "{v}");
+                continue;
             }
+            assert!(seen.insert(n), "CRI signal {v}: number {n} twice");
+            assert_eq!(signal_to_cri(n) as i32, v);
         }
+        assert_eq!(seen.len(), 62);
         assert_eq!(signal_to_cri(libc::SIGTERM), cri::Signal::Sigterm);
         assert_eq!(signal_to_cri(libc::SIGIO), cri::Signal::Sigio);
         assert_eq!(signal_to_cri(0), cri::Signal::RuntimeDefault);
