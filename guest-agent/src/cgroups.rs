@@ -18,7 +18,7 @@ pub struct Cgroup {
 }
 
 /// Resource usage read from a cgroup; fields the kernel did not offer are 0.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct CgroupStats {
     pub cpu_usage_ns: u64,
     pub memory_usage_bytes: u64,
@@ -27,6 +27,42 @@ pub struct CgroupStats {
     pub page_faults: u64,
     pub major_page_faults: u64,
     pub pids: u64,
+    /// `cpu.pressure`, `memory.pressure`, `io.pressure` (cgroup v2 with PSI only).
+    pub cpu_pressure: Option<crate::proto::Pressure>,
+    pub memory_pressure: Option<crate::proto::Pressure>,
+    pub io_pressure: Option<crate::proto::Pressure>,
+}
+
+/// A cgroup v2 pressure file (`some avg10=0.12 avg60=0.05 avg300=0.01 total=1234` and the
+/// same for `full`); `None` where there is none (cgroup v1, a kernel without PSI).
+fn read_pressure(path: &Path) -> Option<crate::proto::Pressure> {
+    parse_pressure(&std::fs::read_to_string(path).ok()?)
+}
+
+fn parse_pressure(text: &str) -> Option<crate::proto::Pressure> {
+    use crate::proto::{Pressure, PressureLine};
+    let mut p = Pressure::default();
+    for l in text.lines() {
+        let mut fields = l.split_whitespace();
+        let kind = fields.next()?;
+        let mut line = PressureLine::default();
+        for f in fields {
+            let (k, v) = f.split_once('=')?;
+            match k {
+                "avg10" => line.avg10 = v.parse().ok()?,
+                "avg60" => line.avg60 = v.parse().ok()?,
+                "avg300" => line.avg300 = v.parse().ok()?,
+                "total" => line.total_us = v.parse().ok()?,
+                _ => {}
+            }
+        }
+        match kind {
+            "some" => p.some = Some(line),
+            "full" => p.full = Some(line),
+            _ => {}
+        }
+    }
+    p.some.is_some().then_some(p)
 }
 
 /// Whether `/sys/fs/cgroup` is a cgroup2 mount (unified mode).
@@ -326,6 +362,9 @@ impl Cgroup {
             s.page_faults = read_key(&stat, "pgfault").unwrap_or(0);
             s.major_page_faults = read_key(&stat, "pgmajfault").unwrap_or(0);
             s.pids = read_u64(&d.join("pids.current")).unwrap_or(0);
+            s.cpu_pressure = read_pressure(&d.join("cpu.pressure"));
+            s.memory_pressure = read_pressure(&d.join("memory.pressure"));
+            s.io_pressure = read_pressure(&d.join("io.pressure"));
         } else {
             if let Some(d) = self.v1("cpuacct") {
                 s.cpu_usage_ns = read_u64(&d.join("cpuacct.usage")).unwrap_or(0);
@@ -368,6 +407,26 @@ mod tests {
             Some(PathBuf::from("/sys/fs/cgroup/cpu,cpuacct/vessel/p/c1"))
         );
         assert_eq!(at("rw,pids", "/sys/fs/cgroup/pids"), None);
+    }
+
+    #[test]
+    fn pressure_files() {
+        let p = parse_pressure(
+            "some avg10=1.50 avg60=0.25 avg300=0.00 total=123456\n\
+             full avg10=0.75 avg60=0.00 avg300=0.00 total=654\n",
+        )
+        .unwrap();
+        let some = p.some.unwrap();
+        assert_eq!(
+            (some.avg10, some.avg60, some.total_us),
+            (1.5, 0.25, 123_456)
+        );
+        assert_eq!(p.full.unwrap().total_us, 654);
+        // cpu.pressure of kernels before 5.13 has no full line.
+        let p = parse_pressure("some avg10=0.00 avg60=0.00 avg300=0.00 total=7\n").unwrap();
+        assert!(p.full.is_none() && p.some.unwrap().total_us == 7);
+        assert!(parse_pressure("").is_none());
+        assert!(parse_pressure("some avg10=x total=1\n").is_none());
     }
 
     #[test]

@@ -1022,6 +1022,9 @@ impl AgentState {
             pids: s.pids,
             writable_layer_bytes: bytes,
             writable_layer_inodes: inodes,
+            cpu_pressure: s.cpu_pressure,
+            memory_pressure: s.memory_pressure,
+            io_pressure: s.io_pressure,
         })
     }
 }

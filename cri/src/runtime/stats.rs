@@ -8,6 +8,21 @@ use crate::state::{self, ContainerState};
 use vessel_agent::proto as ap;
 use vessel_cri_api::v1 as cri;
 
+/// CRI's PSI of a cgroup pressure file the agent read (totals in nanoseconds; the kernel's
+/// are microseconds). None where the cgroup has none (cgroup v1, a kernel without PSI).
+fn psi(p: Option<&ap::Pressure>) -> Option<cri::PsiStats> {
+    let data = |l: &ap::PressureLine| cri::PsiData {
+        total: l.total_us.saturating_mul(1000),
+        avg10: l.avg10,
+        avg60: l.avg60,
+        avg300: l.avg300,
+    };
+    p.map(|p| cri::PsiStats {
+        full: p.full.as_ref().map(data),
+        some: p.some.as_ref().map(data),
+    })
+}
+
 impl Runtime {
     pub async fn container_stats(&self, id: &str) -> Result<cri::ContainerStats> {
         let ctr = self.ctr(id)?;
@@ -40,7 +55,12 @@ impl Runtime {
         stats.cpu = Some(cri::CpuUsage {
             timestamp: ts,
             usage_core_nano_seconds: u(s.cpu_usage_ns),
+            psi: psi(s.cpu_pressure.as_ref()),
             ..Default::default()
+        });
+        stats.io = s.io_pressure.as_ref().map(|p| cri::IoUsage {
+            timestamp: ts,
+            psi: psi(Some(p)),
         });
         stats.memory = Some(cri::MemoryUsage {
             timestamp: ts,
@@ -49,6 +69,7 @@ impl Runtime {
             rss_bytes: u(s.memory_rss_bytes),
             page_faults: u(s.page_faults),
             major_page_faults: u(s.major_page_faults),
+            psi: psi(s.memory_pressure.as_ref()),
             ..Default::default()
         });
         stats.writable_layer = Some(cri::FilesystemUsage {
@@ -186,4 +207,39 @@ where
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psi_totals_are_nanoseconds() {
+        assert!(psi(None).is_none());
+        let line = |total_us| ap::PressureLine {
+            avg10: 1.5,
+            avg60: 0.5,
+            avg300: 0.25,
+            total_us,
+        };
+        let p = psi(Some(&ap::Pressure {
+            some: Some(line(7)),
+            full: None,
+        }))
+        .unwrap();
+        let some = p.some.unwrap();
+        assert_eq!((some.total, some.avg10, some.avg300), (7000, 1.5, 0.25));
+        assert!(p.full.is_none());
+        assert_eq!(
+            psi(Some(&ap::Pressure {
+                some: Some(line(u64::MAX)),
+                full: Some(line(1)),
+            }))
+            .unwrap()
+            .some
+            .unwrap()
+            .total,
+            u64::MAX
+        );
+    }
 }

@@ -26,6 +26,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("logs", "ReopenContainerLog of an exited container fails", logs_reopen_exited),
         spec!("stats", "ContainerStats reports cpu and memory of a running container", stats),
         spec!("stats", "ListContainerStats filters by container and pod", list_stats),
+        spec!("stats", "ContainerStats reports pressure stall information where the cgroups have it", stats_psi),
         spec!("multi", "two containers of a pod share localhost", shared_localhost),
         spec!("multi", "containers of a pod have their own pid namespace by default", own_pid_ns),
         spec!("oom", "a container over its memory limit is OOMKilled", oom),
@@ -586,6 +587,52 @@ async fn stats(c: Ctx) -> SpecResult {
         "memory working_set_bytes {:?}",
         mem.working_set_bytes
     );
+    Ok(())
+}
+
+/// PSI (cgroup v2's cpu/memory/io.pressure) in ContainerStats: a VM pod's guest kernel has it;
+/// a flat pod's container has it where the node's cgroups are v2 and its kernel keeps PSI,
+/// and not otherwise (nothing made up on a cgroup v1 node).
+async fn stats_psi(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("psi").await?;
+    let id = c.run(&pod, &pcfg, "psi", "sleep 100000").await?;
+    let Ok(info) = c.c.pod_info(&pod).await else {
+        crate::skip!("the runtime says nothing of its pods' backend");
+    };
+    let expected = info["backend"] == "vm"
+        || (std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
+            && std::path::Path::new("/proc/pressure/cpu").exists());
+    let mut cl = c.c.clone();
+    let st = cl
+        .runtime
+        .container_stats(cri::ContainerStatsRequest {
+            container_id: id.clone(),
+        })
+        .await?
+        .into_inner()
+        .stats
+        .unwrap_or_default();
+    let cpu = st.cpu.and_then(|u| u.psi);
+    let memory = st.memory.and_then(|u| u.psi);
+    let io = st.io.and_then(|u| u.psi);
+    if !expected {
+        check!(
+            cpu.is_none() && memory.is_none() && io.is_none(),
+            "PSI on a node without it: cpu {cpu:?} memory {memory:?} io {io:?}"
+        );
+        return Ok(());
+    }
+    for (what, p) in [("cpu", &cpu), ("memory", &memory), ("io", &io)] {
+        let Some(some) = p.as_ref().and_then(|p| p.some.as_ref()) else {
+            fail!("no {what} PSI: {p:?}");
+        };
+        check!(
+            [some.avg10, some.avg60, some.avg300]
+                .iter()
+                .all(|a| (0.0..=100.0).contains(a)),
+            "{what} PSI averages out of 0..=100: {some:?}"
+        );
+    }
     Ok(())
 }
 
