@@ -3117,6 +3117,18 @@ async fn pod_sandbox_metrics_follow_their_descriptors() {
         .unwrap_or(0);
     assert!(ws > 0, "working set {ws}");
     assert!(c.metrics[0].label_values.contains(&"busy".to_string()));
+    // PSI as cAdvisor's pressure counters: a VM pod's guest has it; this host's cgroup v1 not.
+    let pressure = names
+        .iter()
+        .filter(|n| n.starts_with("container_pressure_"))
+        .count();
+    let psi_host = Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
+        && Path::new("/proc/pressure/cpu").exists();
+    if vm_mode() {
+        assert_eq!(pressure, 6, "{names:?}");
+    } else if !psi_host {
+        assert_eq!(pressure, 0, "{names:?}");
+    }
     h.remove_pod(&pod).await;
     h.assert_clean();
 }

@@ -42,9 +42,8 @@ fn read_pressure(path: &Path) -> Option<crate::proto::Pressure> {
 fn parse_pressure(text: &str) -> Option<crate::proto::Pressure> {
     use crate::proto::{Pressure, PressureLine};
     let mut p = Pressure::default();
-    for l in text.lines() {
-        let mut fields = l.split_whitespace();
-        let kind = fields.next()?;
+    // A line that does not parse is left out, not the file.
+    let line = |fields: std::str::SplitWhitespace| {
         let mut line = PressureLine::default();
         for f in fields {
             let (k, v) = f.split_once('=')?;
@@ -56,9 +55,13 @@ fn parse_pressure(text: &str) -> Option<crate::proto::Pressure> {
                 _ => {}
             }
         }
-        match kind {
-            "some" => p.some = Some(line),
-            "full" => p.full = Some(line),
+        Some(line)
+    };
+    for l in text.lines() {
+        let mut fields = l.split_whitespace();
+        match fields.next() {
+            Some("some") => p.some = line(fields),
+            Some("full") => p.full = line(fields),
             _ => {}
         }
     }
@@ -427,6 +430,8 @@ mod tests {
         assert!(p.full.is_none() && p.some.unwrap().total_us == 7);
         assert!(parse_pressure("").is_none());
         assert!(parse_pressure("some avg10=x total=1\n").is_none());
+        let p = parse_pressure("some avg10=0.00 total=3\n\nfull avg10=x total=1\n").unwrap();
+        assert!(p.full.is_none() && p.some.unwrap().total_us == 3);
     }
 
     #[test]

@@ -957,6 +957,9 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
     {
         return Err(Bad("must be a relative path without `..`".into()));
     }
+    if sub.contains('\0') {
+        return Err(Bad("holds a NUL byte".into()));
+    }
     let node = |what: &str, e: &dyn std::fmt::Display| Node(format!("{what}: {e}"));
     let dir = rustix::fs::open(
         root,
@@ -982,6 +985,10 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
     .map_err(|e| match e {
         Errno::NOENT | Errno::NOTDIR => Bad("does not exist in the image".into()),
         Errno::LOOP => Bad("is a loop of symlinks in the image".into()),
+        Errno::NAMETOOLONG => Bad("is too long a path".into()),
+        Errno::NOSYS => {
+            Node("resolving it inside the image needs openat2 (Linux 5.6 or later)".into())
+        }
         e => node("looking it up", &e),
     })?;
     let st = rustix::fs::fstat(&fd).map_err(|e| node("stat", &e))?;
@@ -1067,6 +1074,7 @@ mod tests {
             ("/usr", "without `..`"),
             ("../x", "without `..`"),
             ("usr/../../x", "without `..`"),
+            ("usr\0x", "NUL"),
         ] {
             let e = bad(sub);
             assert!(e.contains(want), "{sub}: {e}");

@@ -285,6 +285,14 @@ impl Runtime {
         let invalid = |e: &dyn std::fmt::Display| {
             RuntimeError::InvalidArgument(format!("UpdatePodSandboxResources {}: {e}", rec.id))
         };
+        // Some kubelets subtract a RuntimeClass's CPU overhead from an unlimited (-1) quota:
+        // any negative quota here means no limit.
+        let resources = resources.map(|mut r| {
+            if r.cpu_quota < 0 {
+                r.cpu_quota = -1;
+            }
+            r
+        });
         if let Some(r) = &resources {
             crate::spec::check_resources(r).map_err(|e| invalid(&e))?;
         }

@@ -432,9 +432,9 @@ pub fn parse_signal(s: &str) -> Option<i32> {
         "RTMAX" => SIGRTMAX,
         _ => {
             let n = if let Some(rest) = name.strip_prefix("RTMIN+") {
-                SIGRTMIN + rest.parse::<i32>().ok()?
+                SIGRTMIN + i32::from(rest.parse::<u8>().ok()?)
             } else if let Some(rest) = name.strip_prefix("RTMAX-") {
-                SIGRTMAX - rest.parse::<i32>().ok()?
+                SIGRTMAX - i32::from(rest.parse::<u8>().ok()?)
             } else {
                 return None;
             };
@@ -694,6 +694,9 @@ mod tests {
         assert_eq!(parse_signal("bogus"), None);
         assert_eq!(parse_signal(""), None);
         assert_eq!(parse_signal("SIGRTMIN+99"), None);
+        assert_eq!(parse_signal("SIGRTMIN+2147483647"), None);
+        assert_eq!(parse_signal("RTMAX--2147483648"), None);
+        assert_eq!(parse_signal("RTMAX-4"), Some(60));
     }
 
     #[test]

@@ -575,8 +575,10 @@ async fn streamed_lists(c: Ctx) -> SpecResult {
         .await?
         .into_inner()
         .image
-        .map(|i| i.id)
-        .unwrap_or_default();
+        .map(|i| i.id);
+    let Some(busybox) = busybox else {
+        fail!("ImageStatus has no {}", c.env.images.busybox);
+    };
     check!(
         once(&got) && got.contains(&busybox),
         "StreamImages sent {got:?}, want {busybox} among them, each id once"
