@@ -74,6 +74,41 @@ pub struct Ctr {
     /// records an exit, a lost pod marks its containers); true once the record is deleted,
     /// so that such a late write cannot bring a removed container back.
     disk: Mutex<bool>,
+    /// The CPU figure of the container's last stats, for the next one's rate.
+    cpu: Mutex<Option<CpuSample>>,
+}
+
+/// A container's cumulative CPU time at a moment, and the rate worked out then.
+#[derive(Clone, Copy)]
+struct CpuSample {
+    at_ns: i64,
+    usage_ns: u64,
+    nano_cores: Option<u64>,
+}
+
+impl CpuSample {
+    /// The sample to keep after stats at `at_ns` read `usage_ns`; its `nano_cores` is CRI's
+    /// `usage_nano_cores` for them: the container's CPU use since its previous stats (from
+    /// whichever client asked), in billionths of a core, as containerd works it out. None at
+    /// the first stats or when the counter went back (a restarted container). Stats within
+    /// 100 ms of the last sample keep it and its rate (too short a window to measure).
+    fn next(prev: Option<CpuSample>, at_ns: i64, usage_ns: u64) -> CpuSample {
+        let dt = prev.and_then(|p| u64::try_from(at_ns.checked_sub(p.at_ns)?).ok());
+        if let (Some(p), Some(dt)) = (prev, dt) {
+            if dt < 100_000_000 && usage_ns >= p.usage_ns {
+                return p;
+            }
+        }
+        let nano_cores = prev.zip(dt).and_then(|(p, dt)| {
+            let used = u128::from(usage_ns.checked_sub(p.usage_ns)?);
+            u64::try_from(used * 1_000_000_000 / u128::from(dt)).ok()
+        });
+        CpuSample {
+            at_ns,
+            usage_ns,
+            nano_cores,
+        }
+    }
 }
 
 impl Ctr {
@@ -82,7 +117,15 @@ impl Ctr {
             rec: RwLock::new(rec),
             op: tokio::sync::Mutex::new(()),
             disk: Mutex::new(false),
+            cpu: Mutex::new(None),
         }
+    }
+    /// CRI's `usage_nano_cores` of stats taken now (see [`CpuSample::next`]).
+    fn nano_cores(&self, at_ns: i64, usage_ns: u64) -> Option<u64> {
+        let mut last = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
+        let next = CpuSample::next(*last, at_ns, usage_ns);
+        *last = Some(next);
+        next.nano_cores
     }
     /// Writes the record as it is now (so writes that race land newest last); nothing once
     /// the container is removed (false: then its changes are not to be announced either).
@@ -415,6 +458,25 @@ impl Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_rate_between_two_stats() {
+        const S: i64 = 1_000_000_000;
+        let first = CpuSample::next(None, 10 * S, 5_000_000);
+        assert_eq!(first.nano_cores, None);
+        // Half a core over two seconds.
+        let second = CpuSample::next(Some(first), 12 * S, 1_005_000_000);
+        assert_eq!(second.nano_cores, Some(500_000_000));
+        // Asked again 50 ms later: the same sample, the same rate.
+        let again = CpuSample::next(Some(second), 12 * S + 50_000_000, 1_006_000_000);
+        assert_eq!((again.at_ns, again.nano_cores), (12 * S, Some(500_000_000)));
+        // The counter went back (the container restarted), or the clock did: no rate.
+        assert_eq!(CpuSample::next(Some(second), 13 * S, 1).nano_cores, None);
+        assert_eq!(
+            CpuSample::next(Some(second), 11 * S, 2_000_000_000).nano_cores,
+            None
+        );
+    }
 
     #[test]
     fn lookup_by_id_or_unique_prefix() {

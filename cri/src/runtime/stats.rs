@@ -55,8 +55,8 @@ impl Runtime {
         stats.cpu = Some(cri::CpuUsage {
             timestamp: ts,
             usage_core_nano_seconds: u(s.cpu_usage_ns),
+            usage_nano_cores: ctr.nano_cores(ts, s.cpu_usage_ns).and_then(u),
             psi: psi(s.cpu_pressure.as_ref()),
-            ..Default::default()
         });
         stats.io = s.io_pressure.as_ref().map(|p| cri::IoUsage {
             timestamp: ts,
@@ -134,6 +134,7 @@ impl Runtime {
         let cpu = cri::CpuUsage {
             timestamp: ts,
             usage_core_nano_seconds: sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref()),
+            usage_nano_cores: sum(&|c| c.cpu.as_ref()?.usage_nano_cores.as_ref()),
             ..Default::default()
         };
         let memory = cri::MemoryUsage {

@@ -580,6 +580,21 @@ async fn stats(c: Ctx) -> SpecResult {
         "cpu usage_core_nano_seconds {:?}",
         cpu.usage_core_nano_seconds
     );
+    // A second look a while later has the rate over the time between (kubelet's summary).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = cl
+        .runtime
+        .container_stats(cri::ContainerStatsRequest {
+            container_id: id.clone(),
+        })
+        .await?
+        .into_inner()
+        .stats
+        .and_then(|s| s.cpu);
+    check!(
+        again.as_ref().is_some_and(|c| c.usage_nano_cores.is_some()),
+        "no usage_nano_cores at the second ContainerStats: {again:?}"
+    );
     let mem = st.memory.unwrap_or_default();
     check!(mem.timestamp > 0, "memory timestamp {}", mem.timestamp);
     check!(
