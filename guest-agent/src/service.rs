@@ -1007,12 +1007,14 @@ impl AgentState {
     pub fn stats(&self, id: &str) -> Result<proto::StatsResponse, AgentError> {
         let c = self.get(id)?;
         let s = c.cgroup.stats();
+        // The moment of the cgroup figures (a CPU rate divides by it), before the layer walk.
+        let timestamp = crate::now_nanos();
         let (bytes, inodes) = match &c.upperdir {
             Some(u) => crate::rootfs::usage(u),
             None => (0, 0),
         };
         Ok(proto::StatsResponse {
-            timestamp: crate::now_nanos(),
+            timestamp,
             cpu_usage_ns: s.cpu_usage_ns,
             memory_working_set_bytes: s.memory_working_set_bytes,
             memory_usage_bytes: s.memory_usage_bytes,

@@ -93,6 +93,13 @@ impl CpuSample {
     /// the first stats or when the counter went back (a restarted container). Stats within
     /// 100 ms of the last sample keep it and its rate (too short a window to measure).
     fn next(prev: Option<CpuSample>, at_ns: i64, usage_ns: u64) -> CpuSample {
+        // A reading older than the kept one (two callers' stats crossed on their way back):
+        // the newer stays, with its rate.
+        if let Some(p) = prev {
+            if at_ns <= p.at_ns && usage_ns <= p.usage_ns {
+                return p;
+            }
+        }
         let dt = prev.and_then(|p| u64::try_from(at_ns.checked_sub(p.at_ns)?).ok());
         if let (Some(p), Some(dt)) = (prev, dt) {
             if dt < 100_000_000 && usage_ns >= p.usage_ns {
@@ -120,8 +127,12 @@ impl Ctr {
             cpu: Mutex::new(None),
         }
     }
-    /// CRI's `usage_nano_cores` of stats taken now (see [`CpuSample::next`]).
+    /// CRI's `usage_nano_cores` of stats taken now (see [`CpuSample::next`]). A usage of 0
+    /// is no reading (no cpuacct, a failed read): no rate, and the kept sample stays.
     fn nano_cores(&self, at_ns: i64, usage_ns: u64) -> Option<u64> {
+        if usage_ns == 0 {
+            return None;
+        }
         let mut last = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
         let next = CpuSample::next(*last, at_ns, usage_ns);
         *last = Some(next);
@@ -475,6 +486,12 @@ mod tests {
         assert_eq!(
             CpuSample::next(Some(second), 11 * S, 2_000_000_000).nano_cores,
             None
+        );
+        // An older reading that arrives after a newer one leaves the newer and its rate.
+        let crossed = CpuSample::next(Some(second), 11 * S, 900_000_000);
+        assert_eq!(
+            (crossed.at_ns, crossed.nano_cores),
+            (12 * S, Some(500_000_000))
         );
     }
 

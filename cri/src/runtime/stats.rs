@@ -127,14 +127,23 @@ impl Runtime {
         let ts = state::now_nanos();
         let sum = |f: &dyn Fn(&cri::ContainerStats) -> Option<&cri::UInt64Value>| {
             let v: Vec<u64> = containers.iter().filter_map(f).map(|v| v.value).collect();
+            // Saturating: a VM pod's figures come from its guest.
             (!v.is_empty()).then(|| cri::UInt64Value {
-                value: v.iter().sum(),
+                value: v.iter().fold(0u64, |a, b| a.saturating_add(*b)),
             })
         };
         let cpu = cri::CpuUsage {
             timestamp: ts,
             usage_core_nano_seconds: sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref()),
-            usage_nano_cores: sum(&|c| c.cpu.as_ref()?.usage_nano_cores.as_ref()),
+            // Only once every container with a CPU figure has its rate (a new one has none
+            // until its second stats): a partial sum would read as the pod's.
+            usage_nano_cores: sum(&|c| c.cpu.as_ref()?.usage_nano_cores.as_ref()).filter(|_| {
+                containers.iter().all(|c| {
+                    c.cpu.as_ref().is_none_or(|u| {
+                        u.usage_core_nano_seconds.is_none() || u.usage_nano_cores.is_some()
+                    })
+                })
+            }),
             ..Default::default()
         };
         let memory = cri::MemoryUsage {

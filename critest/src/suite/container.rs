@@ -613,13 +613,13 @@ async fn stats_psi(c: Ctx) -> SpecResult {
     let id = c.run(&pod, &pcfg, "psi", "sleep 100000").await?;
     // Whether the container's kernel (the host's, or a VM pod's guest's) keeps PSI and its
     // cgroups are v2, asked from inside it.
-    let (code, _, _) = c
-        .sh(
+    let out = c
+        .sh_ok(
             &id,
-            "test -e /sys/fs/cgroup/cgroup.controllers && test -r /proc/pressure/cpu",
+            "if test -e /sys/fs/cgroup/cgroup.controllers && test -r /proc/pressure/cpu; then echo yes; else echo no; fi",
         )
         .await?;
-    let expected = code == 0;
+    let expected = out.trim() == "yes";
     let mut cl = c.c.clone();
     let st = cl
         .runtime
