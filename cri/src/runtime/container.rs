@@ -306,11 +306,7 @@ impl Runtime {
                         }
                     })
                 });
-                let image_ref = rec
-                    .repo_digests
-                    .first()
-                    .cloned()
-                    .unwrap_or_else(|| rec.id.to_string());
+                let image_ref = image_ref(&rec);
                 match path {
                     Ok(p) => Ok((snap_id, p, image_ref)),
                     Err(e) => {
@@ -502,11 +498,7 @@ impl Runtime {
                     .and_then(spec::parse_signal)
             })
             .unwrap_or(libc::SIGTERM);
-        let image_ref = image
-            .repo_digests
-            .first()
-            .cloned()
-            .unwrap_or_else(|| image.id.to_string());
+        let image_ref = image_ref(&image);
         let mut rec = ContainerRecord {
             id: id.to_string(),
             pod_id: prec.id.clone(),
@@ -911,16 +903,11 @@ async fn apparmor_task<T: Send + 'static>(
 /// directory is resolved here (kubelet's own, trusted), and the file is then opened beneath it
 /// without following links (`vessel_agent::logs::open_log_nofollow`). Empty: no log.
 fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
-    use std::path::Component;
     if log_directory.is_empty() || log_path.is_empty() {
         return Ok(String::new());
     }
     let rel = Path::new(log_path);
-    if !rel
-        .components()
-        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
-        || rel.file_name().is_none()
-    {
+    if !stays_below(rel) || rel.file_name().is_none() {
         return Err(RuntimeError::InvalidArgument(format!(
             "log_path {log_path:?} must be a relative file path inside the pod's log directory {log_directory:?} (no `..`, not absolute)"
         )));
@@ -948,13 +935,9 @@ enum SubPathError {
 fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPathError> {
     use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
     use rustix::io::Errno;
-    use std::path::Component;
     use SubPathError::{Bad, Node};
     let rel = Path::new(sub);
-    if !rel
-        .components()
-        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
-    {
+    if !stays_below(rel) {
         return Err(Bad("must be a relative path without `..`".into()));
     }
     if sub.contains('\0') {
@@ -1011,6 +994,23 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
         .into_os_string()
         .into_string()
         .map_err(|p| Bad(format!("resolves to a name that is not UTF-8: {p:?}")))
+}
+
+/// How ContainerStatus names an image (its `image_ref`, and an image volume's): its first
+/// repo digest, else its id.
+fn image_ref(image: &vessel_images::store::ImageRecord) -> String {
+    image
+        .repo_digests
+        .first()
+        .cloned()
+        .unwrap_or_else(|| image.id.to_string())
+}
+
+/// Whether `rel` names a place under the directory it is taken from: relative, no `..`.
+fn stays_below(rel: &Path) -> bool {
+    use std::path::Component;
+    rel.components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
 }
 
 /// The image a container config asks for, by the name it gives.

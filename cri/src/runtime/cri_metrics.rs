@@ -182,21 +182,6 @@ impl Runtime {
                 let mem = |f: fn(&cri::MemoryUsage) -> Option<&cri::UInt64Value>| {
                     c.memory.as_ref().and_then(f).map(|v| v.value)
                 };
-                // PSI totals (ns) in whole seconds: "waiting" is some tasks stalled, "stalled"
-                // all of them (cAdvisor's names).
-                let pressure = |p: Option<&cri::PsiStats>, full: bool| {
-                    let d = if full {
-                        p?.full.as_ref()
-                    } else {
-                        p?.some.as_ref()
-                    };
-                    d.map(|d| d.total / 1_000_000_000)
-                };
-                let (cpu_psi, mem_psi, io_psi) = (
-                    c.cpu.as_ref().and_then(|u| u.psi.as_ref()),
-                    c.memory.as_ref().and_then(|u| u.psi.as_ref()),
-                    c.io.as_ref().and_then(|u| u.psi.as_ref()),
-                );
                 let started = u64::try_from(rec.started_at / 1_000_000_000)
                     .ok()
                     .filter(|s| *s > 0);
@@ -215,38 +200,24 @@ impl Runtime {
                     ),
                     ("container_memory_rss", Gauge, mem(|m| m.rss_bytes.as_ref())),
                     ("container_start_time_seconds", Gauge, started),
-                    (
-                        "container_pressure_cpu_waiting_seconds_total",
-                        Counter,
-                        pressure(cpu_psi, false),
-                    ),
-                    (
-                        "container_pressure_cpu_stalled_seconds_total",
-                        Counter,
-                        pressure(cpu_psi, true),
-                    ),
-                    (
-                        "container_pressure_memory_waiting_seconds_total",
-                        Counter,
-                        pressure(mem_psi, false),
-                    ),
-                    (
-                        "container_pressure_memory_stalled_seconds_total",
-                        Counter,
-                        pressure(mem_psi, true),
-                    ),
-                    (
-                        "container_pressure_io_waiting_seconds_total",
-                        Counter,
-                        pressure(io_psi, false),
-                    ),
-                    (
-                        "container_pressure_io_stalled_seconds_total",
-                        Counter,
-                        pressure(io_psi, true),
-                    ),
                 ] {
                     ms.extend(metric(name, kind, &labels, value));
+                }
+                // PSI totals (ns) in whole seconds: "waiting" is some tasks stalled, "stalled"
+                // all of them (cAdvisor's names).
+                for (resource, psi) in [
+                    ("cpu", c.cpu.as_ref().and_then(|u| u.psi.as_ref())),
+                    ("memory", c.memory.as_ref().and_then(|u| u.psi.as_ref())),
+                    ("io", c.io.as_ref().and_then(|u| u.psi.as_ref())),
+                ] {
+                    for (stall, data) in [
+                        ("waiting", psi.and_then(|p| p.some.as_ref())),
+                        ("stalled", psi.and_then(|p| p.full.as_ref())),
+                    ] {
+                        let name = format!("container_pressure_{resource}_{stall}_seconds_total");
+                        let value = data.map(|d| d.total / 1_000_000_000);
+                        ms.extend(metric(&name, Counter, &labels, value));
+                    }
                 }
                 container_metrics.push(cri::ContainerMetrics {
                     container_id: ca.id.clone(),

@@ -95,12 +95,7 @@ impl SandboxBackend for VmBackend {
     fn layout(&self, id: &str, config: &cri::PodSandboxConfig, _share: HostShare) -> PodLayout {
         let dir = self.dirs.vm_dir(id);
         let paths = VmPaths::new(&dir);
-        let (vcpus, mem_mib) = shim::size_of(
-            config,
-            self.cfg.vcpus,
-            self.cfg.memory_mib,
-            self.cfg.memory_overhead_mib,
-        );
+        let (vcpus, mem_mib) = self.size_of(config);
         PodLayout {
             agent_socket: paths.vsock.clone(),
             // On the host, the namespace CNI configures and the VM's tap joins; inside the
@@ -246,12 +241,7 @@ impl SandboxBackend for VmBackend {
         let BackendState::Vm { vm } = &rec.backend else {
             return Ok(());
         };
-        let (vcpus, mem_mib) = shim::size_of(
-            config,
-            self.cfg.vcpus,
-            self.cfg.memory_mib,
-            self.cfg.memory_overhead_mib,
-        );
+        let (vcpus, mem_mib) = self.size_of(config);
         if vcpus > vm.vcpus || mem_mib > vm.mem_mib {
             return Err(RuntimeError::FailedPrecondition(format!(
                 "UpdatePodSandboxResources: VM pod {} runs {} vCPU(s) and {} MiB; the new resources need {vcpus} and {mem_mib} MiB, and a running microVM cannot grow (recreate the pod to resize it)",
@@ -405,6 +395,16 @@ impl SandboxBackend for VmBackend {
 }
 
 impl VmBackend {
+    /// The vCPUs and guest memory a pod with `config` gets (at boot; a resize must fit them).
+    fn size_of(&self, config: &cri::PodSandboxConfig) -> (u8, u64) {
+        shim::size_of(
+            config,
+            self.cfg.vcpus,
+            self.cfg.memory_mib,
+            self.cfg.memory_overhead_mib,
+        )
+    }
+
     /// Puts each layer's EROFS image in a disk slot of the pod's VM (reusing the slot of a
     /// layer already there, then empty slots, then slots whose layer no container of the pod
     /// uses any more) and returns their serials, bottom layer first. The caller holds the
