@@ -62,13 +62,8 @@ async fn lifecycle(c: Ctx) -> SpecResult {
         s.started_at,
         s.created_at
     );
+    c.stop(&id, 1).await?;
     let mut cl = c.c.clone();
-    cl.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id.clone(),
-            timeout: 1,
-        })
-        .await?;
     let s = c.status(&id).await?;
     check!(
         s.state == cri::ContainerState::ContainerExited as i32,
@@ -112,13 +107,7 @@ async fn stop_late_trap(c: Ctx) -> SpecResult {
     let id = c.create(&pod, &pcfg, c.ctr_config("late", cmd)).await?;
     c.start(&id).await?;
     let began = std::time::Instant::now();
-    let mut cl = c.c.clone();
-    cl.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id.clone(),
-            timeout: 20,
-        })
-        .await?;
+    c.stop(&id, 20).await?;
     let took = began.elapsed();
     let s = c.status(&id).await?;
     check!(
@@ -150,13 +139,7 @@ async fn stop_signal(c: Ctx) -> SpecResult {
         "status stop_signal {:?}, want SIGUSR1",
         cri::Signal::try_from(s.stop_signal)
     );
-    let mut cl = c.c.clone();
-    cl.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id.clone(),
-            timeout: 30,
-        })
-        .await?;
+    c.stop(&id, 30).await?;
     let s = c.status(&id).await?;
     // SIGTERM would go unhandled by this PID 1 and the stop end in SIGKILL (137).
     check!(
@@ -559,15 +542,9 @@ async fn stats(c: Ctx) -> SpecResult {
         })
         .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut cl = c.c.clone();
-    let s = cl
-        .runtime
-        .container_stats(cri::ContainerStatsRequest {
-            container_id: id.clone(),
-        })
-        .await?
-        .into_inner();
-    let Some(st) = s.stats else { fail!("no stats") };
+    let Some(st) = c.stats(&id).await? else {
+        fail!("no stats")
+    };
     check!(
         st.attributes.as_ref().is_some_and(|a| a.id == id),
         "attributes {:?}",
@@ -582,15 +559,7 @@ async fn stats(c: Ctx) -> SpecResult {
     );
     // A second look a while later has the rate over the time between (kubelet's summary).
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let again = cl
-        .runtime
-        .container_stats(cri::ContainerStatsRequest {
-            container_id: id.clone(),
-        })
-        .await?
-        .into_inner()
-        .stats
-        .and_then(|s| s.cpu);
+    let again = c.stats(&id).await?.and_then(|s| s.cpu);
     check!(
         again.as_ref().is_some_and(|c| c.usage_nano_cores.is_some()),
         "no usage_nano_cores at the second ContainerStats: {again:?}"
@@ -620,16 +589,7 @@ async fn stats_psi(c: Ctx) -> SpecResult {
         )
         .await?;
     let expected = out.trim() == "yes";
-    let mut cl = c.c.clone();
-    let st = cl
-        .runtime
-        .container_stats(cri::ContainerStatsRequest {
-            container_id: id.clone(),
-        })
-        .await?
-        .into_inner()
-        .stats
-        .unwrap_or_default();
+    let st = c.stats(&id).await?.unwrap_or_default();
     let cpu = st.cpu.and_then(|u| u.psi);
     let memory = st.memory.and_then(|u| u.psi);
     let io = st.io.and_then(|u| u.psi);

@@ -339,6 +339,33 @@ impl Ctx {
         self.run_cfg(pod, pcfg, self.ctr_config(name, script)).await
     }
 
+    /// StopContainer with `timeout` seconds before the kill.
+    pub async fn stop(&self, id: &str, timeout: i64) -> Result<(), Stop> {
+        self.c
+            .runtime
+            .clone()
+            .stop_container(cri::StopContainerRequest {
+                container_id: id.into(),
+                timeout,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// ContainerStats of `id` (None where the runtime sends no stats).
+    pub async fn stats(&self, id: &str) -> Result<Option<cri::ContainerStats>, Stop> {
+        Ok(self
+            .c
+            .runtime
+            .clone()
+            .container_stats(cri::ContainerStatsRequest {
+                container_id: id.into(),
+            })
+            .await?
+            .into_inner()
+            .stats)
+    }
+
     pub async fn status(&self, id: &str) -> Result<cri::ContainerStatus, Stop> {
         Ok(self.c.container_status(id).await?)
     }

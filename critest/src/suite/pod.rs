@@ -398,14 +398,8 @@ async fn remove_pod_twice(c: Ctx) -> SpecResult {
 async fn stop_ctr_twice(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("cstop2").await?;
     let id = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
-    let mut cl = c.c.clone();
     for _ in 0..2 {
-        cl.runtime
-            .stop_container(cri::StopContainerRequest {
-                container_id: id.clone(),
-                timeout: 1,
-            })
-            .await?;
+        c.stop(&id, 1).await?;
     }
     Ok(())
 }
@@ -413,13 +407,8 @@ async fn stop_ctr_twice(c: Ctx) -> SpecResult {
 async fn remove_ctr_twice(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("crm2").await?;
     let id = c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    c.stop(&id, 1).await?;
     let mut cl = c.c.clone();
-    cl.runtime
-        .stop_container(cri::StopContainerRequest {
-            container_id: id.clone(),
-            timeout: 1,
-        })
-        .await?;
     for _ in 0..2 {
         cl.runtime
             .remove_container(cri::RemoveContainerRequest {
