@@ -3648,7 +3648,8 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     }];
     let mut cfg = h.ctr_config(
         "tty",
-        "tty > /vol/tty; nc -lk -p 8080 -e echo hi & while true; do date > /vol/now; sleep 0.2; done",
+        "tty > /vol/tty; nc -ll -p 8080 -e echo hi & i=0; \
+         while true; do i=$((i+1)); tty > /vol/now; echo tick $i; sleep 0.2; done",
     );
     cfg.tty = true;
     cfg.stdin = true;
@@ -3669,7 +3670,7 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     cfg.command = vec!["sh".into()];
     cfg.tty = true;
     cfg.stdin = true;
-    cfg.mounts = vol_mount;
+    cfg.mounts = vol_mount.clone();
     let shell = h
         .create(&pod, &pcfg, cfg)
         .await
@@ -3772,7 +3773,7 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
     }
     if !checkpoints.is_empty() {
         // Restored in the pod's shared pid namespace, once the original is gone (its pids
-        // are the restored ones'); a tty container's checkpoint is refused.
+        // are the restored ones').
         h.stop(&sibling, 0).await;
         h.remove(&sibling).await;
         // The checkpoint is the image; the command is the checkpointed one.
@@ -3783,11 +3784,6 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
                 ..sh_container(name, &archive.display().to_string(), "")
             }
         };
-        let e = h
-            .create(&pod, &pcfg, restore_cfg("tty-restored", &id))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
         let restored = h
             .create(&pod, &pcfg, restore_cfg("plain-restored", &sibling))
             .await
@@ -3796,7 +3792,56 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         // It sees the pod's other processes (one pid namespace), its own among them.
         let r = h.exec(&restored, &["ps", "-o", "args"], 5).await.unwrap();
         let ps = String::from_utf8_lossy(&r.stdout);
-        assert!(ps.contains("sleep 1000") && ps.contains("nc -lk"), "{ps}");
+        // (Debian's busybox nc keeps listening with -ll.)
+        let running = |cmd: &str| ps.lines().any(|l| l.trim_start().starts_with(cmd));
+        assert!(running("sleep 1000") && running("nc -ll"), "{ps}");
+
+        // The tty container, restored once its original (pids, port 8080) is gone, with no
+        // tty asked for (the checkpoint's process had one): CRIU makes it a new pty at the
+        // old index, whose master the agent gets as at a tty container's start. Its loop
+        // goes on from its count, writing to the new tty, whose output is the restored
+        // container's log; its listener answers on the pod's network.
+        h.stop(&id, 0).await;
+        h.remove(&id).await;
+        let before = std::fs::read_to_string(&tty).unwrap();
+        let mut tcfg = restore_cfg("tty-restored", &id);
+        tcfg.mounts = vol_mount;
+        let tty_restored = h
+            .create(&pod, &pcfg, tcfg)
+            .await
+            .unwrap_or_else(|e| panic!("CreateContainer (tty restore): {e}"));
+        h.start(&tty_restored).await;
+        let log = h.log_of("tty-ckpt", "tty-restored");
+        let ticks = |log: &Path| -> Vec<u64> {
+            cri_log_lines(log)
+                .iter()
+                .filter_map(|l| l.2.trim().strip_prefix("tick ")?.parse().ok())
+                .collect()
+        };
+        wait_for(
+            "ticks in the restored tty's log",
+            Duration::from_secs(10),
+            || ticks(&log).len() >= 3,
+        )
+        .await;
+        let got = ticks(&log);
+        assert!(got[0] > 1, "the count started over: {got:?}");
+        assert!(got.windows(2).all(|w| w[1] == w[0] + 1), "{got:?}");
+        // Its terminal is the old one's name, in the restored container's devpts.
+        std::fs::remove_file(vol.path().join("now")).unwrap();
+        let now = vol.path().join("now");
+        wait_for("the restored loop's tty", Duration::from_secs(10), || {
+            std::fs::read_to_string(&now).is_ok_and(|t| t.ends_with('\n'))
+        })
+        .await;
+        assert_eq!(std::fs::read_to_string(&now).unwrap(), before);
+        let r = h
+            .exec(&restored, &["sh", "-c", "echo | nc 127.0.0.1 8080"], 5)
+            .await
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "hi", "{r:?}");
+        h.stop(&tty_restored, 0).await;
+        h.remove(&tty_restored).await;
 
         // Not into the user-namespaced pod: CRIU would give the container a user namespace
         // of its own, not the pod's.

@@ -114,6 +114,10 @@ pub enum HelperOp {
         /// The restored stdin/stdout/stderr (where the dumped ones were pipes) are fds 3/4/5.
         #[arg(long)]
         stdio: bool,
+        /// The checkpointed process had a terminal: CRIU makes a new pty pair for it, and
+        /// its master is sent here, as a created tty container's is.
+        #[arg(long)]
+        console_socket: Option<PathBuf>,
     },
 }
 
@@ -434,8 +438,16 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             bundle,
             image_path,
             stdio,
+            console_socket,
         } => {
-            let pid = restore(root, &id, &bundle, &image_path, stdio)?;
+            let pid = restore(
+                root,
+                &id,
+                &bundle,
+                &image_path,
+                stdio,
+                console_socket.as_deref(),
+            )?;
             say(&format!("PID {pid}"));
             Ok(())
         }
@@ -712,6 +724,7 @@ fn restore(
     bundle: &Path,
     image_path: &Path,
     stdio: bool,
+    console_socket: Option<&Path>,
 ) -> Result<i32, LibcontainerError> {
     use libcontainer::container::ContainerStatus;
     use std::os::unix::fs::DirBuilderExt;
@@ -748,6 +761,7 @@ fn restore(
             cgroup: &cgroup,
             stdio: stdio.as_ref(),
             descriptors: &descriptors,
+            console_socket,
         })?;
         let mut c = Container::new(id, ContainerStatus::Running, Some(pid), bundle, &dir)?;
         c.set_creator(nix::unistd::geteuid().as_raw());
@@ -803,6 +817,8 @@ struct RestoreIn<'a> {
     cgroup: &'a libcgroups::common::AnyCgroupManager,
     stdio: Option<&'a [OwnedFd; 3]>,
     descriptors: &'a [String],
+    /// Where the restored terminal's pty master goes (a tty container's checkpoint).
+    console_socket: Option<&'a Path>,
 }
 
 /// Runs the CRIU restore in a forked child of this helper, which first joins the
@@ -923,10 +939,27 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     criu.cgroups_mode(rust_criu::CgMode::IGNORE);
     criu.set_notify_scripts(true);
     criu.set_notify_cb(note_restored_pid);
+    // The dumped pty's master was the agent's, outside the dump: CRIU makes a new pair in
+    // the container's devpts, gives the restored process the slave at its old index, and
+    // hands the master over (its `orphan-pts-master` notification).
+    criu.set_orphan_pts_master(r.console_socket.is_some());
     RESTORED_PID.store(0, std::sync::atomic::Ordering::SeqCst);
     criu.restore()
         .map_err(|e| criu_failed(e, &r.image_path.join(CRIU_RESTORE_LOG)))?;
     drop(inherited);
+    if let Some(socket) = r.console_socket {
+        let master = criu.take_orphan_pts_master_fd().ok_or_else(|| {
+            LibcontainerError::Other(
+                "the checkpointed process had no terminal, so CRIU gave no pty master".into(),
+            )
+        })?;
+        crate::stdio::send_master(socket, &master).map_err(|e| {
+            LibcontainerError::Other(format!(
+                "sending the restored pty master to {}: {e}",
+                socket.display()
+            ))
+        })?;
+    }
     match RESTORED_PID.load(std::sync::atomic::Ordering::SeqCst) {
         pid if pid > 0 => Ok(pid),
         _ => Err(LibcontainerError::Other(

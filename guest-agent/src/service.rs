@@ -336,11 +336,6 @@ impl AgentState {
                     "container {id:?}: a VM pod's guest has no CRIU: checkpoints are restored in flat pods"
                 )))
             }
-            _ if req.tty => {
-                return Err(AgentError::FailedPrecondition(format!(
-                    "container {id:?}: restoring a container with a terminal (tty) is not supported"
-                )))
-            }
             d if Path::new(d).is_absolute() && Path::new(d).is_dir() => Some(PathBuf::from(d)),
             d => {
                 return Err(AgentError::InvalidArgument(format!(
@@ -426,13 +421,14 @@ impl AgentState {
         // Not in the container's dir: a flat pod's is too deep for a socket path.
         let mut console_end = None;
         if c.tty {
+            // The helper's side sends the master before it answers (a connection and its
+            // message wait in the socket's queue), so it is received once the helper is
+            // done: a helper that fails leaves nothing waiting.
             let (end, sock) = ConsoleEndpoint::bind(&self.state_dir)?;
             args.push("--console-socket".into());
             args.push(end.path.clone().into_os_string());
             console_end = Some(end);
-            console = Some(tokio::task::spawn_blocking(move || {
-                sock.recv_master(HELPER_TIMEOUT, None)
-            }));
+            console = Some(sock);
             stdio = None;
         } else {
             let (stdin_r, stdin_w) = if c.want_stdin {
@@ -468,18 +464,12 @@ impl AgentState {
         let pid = match created {
             Ok(Some(pid)) => pid,
             Ok(None) => {
-                if let Some(console) = console {
-                    console.abort();
-                }
                 for p in &pumps {
                     p.abort();
                 }
                 return Err(AgentError::Internal("create reported no pid".into()));
             }
             Err(e) => {
-                if let Some(console) = console {
-                    console.abort();
-                }
                 for p in &pumps {
                     p.abort();
                 }
@@ -489,8 +479,9 @@ impl AgentState {
         // The reaper keeps an exit that came first: a container that exits at once is seen.
         let exit_rx = self.libct.reaper.watch(pid);
 
-        if let Some(console) = console {
-            let master = console.await;
+        if let Some(sock) = console {
+            let master =
+                tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT, None)).await;
             drop(console_end.take());
             let master = master
                 .map_err(|e| AgentError::internal("console socket task", e))?

@@ -1,16 +1,16 @@
 //! Container stdio plumbing: pipes, pty masters received over a console socket, and an
 //! async wrapper for raw fds (pty masters are not pipes, so tokio's pipe types do not fit).
 
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use nix::fcntl::OFlag;
-use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -183,5 +183,46 @@ impl ConsoleSocket {
             set_winsize(master.as_raw_fd(), rows, cols)?;
         }
         Ok(master)
+    }
+}
+
+/// Sends a pty master to a console socket ([`ConsoleSocket::recv_master`]'s end), as
+/// libcontainer does for a container it creates: one message naming it, the fd attached.
+pub fn send_master(socket: &Path, master: &impl AsFd) -> io::Result<()> {
+    let stream = UnixStream::connect(socket)?;
+    let fds = [master.as_fd().as_raw_fd()];
+    let name = b"/dev/ptmx";
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(name)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// What [`send_master`] sends, [`ConsoleSocket::recv_master`] receives: the same open
+    /// file (a pipe's end here, to see it is the same).
+    #[test]
+    fn a_sent_master_arrives_at_the_console_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.sock");
+        let sock = ConsoleSocket::bind(&path).unwrap();
+        let (r, w) = pipe().unwrap();
+        let sender = std::thread::spawn(move || send_master(&path, &w));
+        let got = sock.recv_master(Duration::from_secs(10), None).unwrap();
+        sender.join().unwrap().unwrap();
+        std::fs::File::from(got)
+            .write_all(b"over the socket")
+            .unwrap();
+        let mut text = String::new();
+        std::fs::File::from(r).read_to_string(&mut text).unwrap();
+        assert_eq!(text, "over the socket");
     }
 }

@@ -236,11 +236,6 @@ impl Runtime {
                 prec.id
             )));
         }
-        if ck.terminal() {
-            return Err(RuntimeError::FailedPrecondition(format!(
-                "CreateContainer {key:?}: {what}: restoring a container with a terminal (tty) is not supported"
-            )));
-        }
         let base = base.ok_or_else(|| {
             RuntimeError::NotFound(format!(
                 "CreateContainer {key:?}: image {:?}, which the {what} was taken from, not found; pull it first",

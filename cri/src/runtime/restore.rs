@@ -227,18 +227,16 @@ impl Checkpoint {
         self.base_images().last().unwrap_or("")
     }
 
-    /// Whether the checkpointed process had a terminal (not restorable here).
-    pub fn terminal(&self) -> bool {
-        self.process.terminal
-    }
-
-    /// The container config of the restored container: the request's, with the base image
-    /// and, where the request names no command, the checkpointed process's.
+    /// The container config of the restored container: the request's, with the base image,
+    /// the checkpointed process's terminal (a process that had a tty gets one back, with a
+    /// new pty; one with pipes gets pipes) and, where the request names no command, the
+    /// checkpointed process's.
     pub fn apply(&self, config: &mut cri::ContainerConfig, image_name: &str) {
         config.image = Some(cri::ImageSpec {
             image: image_name.to_string(),
             ..config.image.clone().unwrap_or_default()
         });
+        config.tty = self.process.terminal;
         if config.command.is_empty() && config.args.is_empty() {
             config.command = self.process.args.clone();
             if config.working_dir.is_empty() {
@@ -598,9 +596,12 @@ mod tests {
                 image: "/a.tar".into(),
                 ..Default::default()
             }),
+            // The checkpoint's process decides: it had pipes.
+            tty: true,
             ..Default::default()
         };
         c.apply(&mut cfg, "busybox:latest");
+        assert!(!cfg.tty);
         assert_eq!(cfg.image.unwrap().image, "busybox:latest");
         assert_eq!(cfg.command, ["/bin/sh", "-c", "sleep 9"]);
         assert_eq!(cfg.working_dir, "/w");
@@ -634,5 +635,16 @@ mod tests {
         c.apply(&mut own, "busybox:latest");
         assert_eq!(own.command, ["top"]);
         assert!(own.envs.is_empty());
+        assert!(!own.tty);
+        // A process that had a terminal gets one back.
+        let c = Checkpoint {
+            process: Process {
+                terminal: true,
+                ..c.process
+            },
+            ..c
+        };
+        c.apply(&mut own, "busybox:latest");
+        assert!(own.tty);
     }
 }
