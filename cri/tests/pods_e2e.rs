@@ -3830,16 +3830,27 @@ async fn a_tty_container_and_checkpoints_in_a_shared_pid_pod() {
         // Its terminal is the old one's name, in the restored container's devpts.
         std::fs::remove_file(vol.path().join("now")).unwrap();
         let now = vol.path().join("now");
+        let mut seen = String::new();
         wait_for("the restored loop's tty", Duration::from_secs(10), || {
-            std::fs::read_to_string(&now).is_ok_and(|t| t.ends_with('\n'))
+            // Rewritten (truncated first) every 0.2 s: what one read saw is kept.
+            seen = std::fs::read_to_string(&now).unwrap_or_default();
+            seen.ends_with('\n')
         })
         .await;
-        assert_eq!(std::fs::read_to_string(&now).unwrap(), before);
+        assert_eq!(seen, before);
         let r = h
-            .exec(&restored, &["sh", "-c", "echo | nc 127.0.0.1 8080"], 5)
+            .exec(&restored, &["sh", "-c", "nc 127.0.0.1 8080 </dev/null"], 5)
             .await
             .unwrap();
         assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "hi", "{r:?}");
+        // And it can be checkpointed again, its new pty's master being the agent's.
+        let again = dir.path().join("again.tar");
+        if let Err(e) = h
+            .checkpoint(&tty_restored, again.to_str().unwrap(), 0)
+            .await
+        {
+            panic!("CheckpointContainer (restored tty): {e}\n{}", h.v.log());
+        }
         h.stop(&tty_restored, 0).await;
         h.remove(&tty_restored).await;
 

@@ -696,13 +696,28 @@ pub const CRIU_RESTORE_LOG: &str = "restore.log";
 /// is a plain `fn`; the restoring process is single-threaded).
 static RESTORED_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
+/// How many pty masters CRIU handed over (`orphan-pts-master`) in this restore.
+static ORPHAN_MASTERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 fn note_restored_pid(
     script: &str,
     notify: &rust_criu::rust_criu_protobuf::rpc::Criu_notify,
     _fd: Option<RawFd>,
 ) -> i32 {
-    if script == "post-restore" {
-        RESTORED_PID.store(notify.pid(), std::sync::atomic::Ordering::SeqCst);
+    match script {
+        "post-restore" => {
+            RESTORED_PID.store(notify.pid(), std::sync::atomic::Ordering::SeqCst);
+        }
+        // One terminal per container: a second outside pty (a `setsid cmd &` from an
+        // `exec -it`, say) would replace the first's master, hanging its terminal up.
+        // Refusing aborts the restore.
+        "orphan-pts-master"
+            if ORPHAN_MASTERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 =>
+        {
+            tracing::error!("the checkpoint has more than one terminal from outside the container; only the container's own can be restored");
+            return 1;
+        }
+        _ => {}
     }
     0
 }
@@ -944,13 +959,23 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
     // hands the master over (its `orphan-pts-master` notification).
     criu.set_orphan_pts_master(r.console_socket.is_some());
     RESTORED_PID.store(0, std::sync::atomic::Ordering::SeqCst);
+    ORPHAN_MASTERS.store(0, std::sync::atomic::Ordering::SeqCst);
     criu.restore()
         .map_err(|e| criu_failed(e, &r.image_path.join(CRIU_RESTORE_LOG)))?;
     drop(inherited);
+    let pid = match RESTORED_PID.load(std::sync::atomic::Ordering::SeqCst) {
+        pid if pid > 0 => pid,
+        _ => {
+            return Err(LibcontainerError::Other(
+                "CRIU restored the container but did not say its pid".into(),
+            ))
+        }
+    };
     if let Some(socket) = r.console_socket {
         let master = criu.take_orphan_pts_master_fd().ok_or_else(|| {
             LibcontainerError::Other(
-                "the checkpointed process had no terminal, so CRIU gave no pty master".into(),
+                "the checkpointed process had a terminal, but its stdio was not on it, so CRIU gave no pty master"
+                    .into(),
             )
         })?;
         crate::stdio::send_master(socket, &master).map_err(|e| {
@@ -960,12 +985,7 @@ fn criu_restore(r: &RestoreIn) -> Result<i32, LibcontainerError> {
             ))
         })?;
     }
-    match RESTORED_PID.load(std::sync::atomic::Ordering::SeqCst) {
-        pid if pid > 0 => Ok(pid),
-        _ => Err(LibcontainerError::Other(
-            "CRIU restored the container but did not say its pid".into(),
-        )),
-    }
+    Ok(pid)
 }
 
 fn criu_err(e: rust_criu::CriuError) -> LibcontainerError {

@@ -483,9 +483,21 @@ impl AgentState {
             let master =
                 tokio::task::spawn_blocking(move || sock.recv_master(HELPER_TIMEOUT, None)).await;
             drop(console_end.take());
-            let master = master
-                .map_err(|e| AgentError::internal("console socket task", e))?
-                .map_err(io_internal("receiving the pty master"))?;
+            let master = match master
+                .map_err(|e| AgentError::internal("console socket task", e))
+                .and_then(|m| m.map_err(io_internal("receiving the pty master")))
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    // Made (or restored) and running, but with no terminal anyone could
+                    // read: it goes, as a failed helper's container does.
+                    for p in c.cgroup.procs() {
+                        let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+                    }
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    return Err(e);
+                }
+            };
             if c.want_stdin {
                 keep_stdin = Some(master.try_clone().map_err(io_internal("dup"))?);
             }
