@@ -92,7 +92,7 @@ impl Runtime {
         key: &str,
         mut config: cri::ContainerConfig,
     ) -> Result<()> {
-        let mut image_name = image_name(&config);
+        let mut image_name = image_name_of(&config);
         if image_name.is_empty() {
             return Err(RuntimeError::InvalidArgument(
                 "CreateContainer: no image".into(),
@@ -143,6 +143,13 @@ impl Runtime {
                 .cloned()
                 .unwrap_or_else(|| ck.base_image_name().to_string());
             ck.apply(&mut config, &image_name);
+        } else if let Some(shown) = shown_image_name(&config, &image, &image_name) {
+            // kubelet names the image by the id PullImage answered and gives the pod spec's
+            // name beside it: that name is what status shows (kubectl's `image:`), the
+            // metrics' `image` label and a checkpoint's image name, as with containerd.
+            if let Some(i) = config.image.as_mut() {
+                i.image = shown;
+            }
         }
         // TARGET pid namespace: the target container's pid in the agent's namespace.
         let ns_target = config
@@ -406,7 +413,7 @@ impl Runtime {
         let (config, image, target_pid) = (made.config, made.image, made.target_pid);
         let (volumes, volume_snapshots, restore) =
             (made.volumes, made.volume_snapshots, made.restore);
-        let image_name = image_name(&config);
+        let image_name = image_name_of(&config);
         let backend = self.backend(prec);
         backend.admit_container(prec, &volumes)?;
         // AppArmor confines where the host has it: a flat pod's containers with the host's
@@ -1008,8 +1015,33 @@ fn stays_below(rel: &Path) -> bool {
         .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
 }
 
+/// The name a container's image is shown by, where the request named it by its id (as
+/// kubelet does): the name the user gave (`user_specified_image`), else the image's first
+/// tag (containerd's choice). `None`: keep the name the request gave.
+fn shown_image_name(
+    config: &cri::ContainerConfig,
+    image: &vessel_images::store::ImageRecord,
+    asked: &str,
+) -> Option<String> {
+    let hex = image.id.hex();
+    let by_id = asked == image.id.to_string()
+        || (asked.len() >= 12 && hex.starts_with(asked.strip_prefix("sha256:").unwrap_or(asked)));
+    if !by_id {
+        return None;
+    }
+    let user = config
+        .image
+        .as_ref()
+        .map(|i| i.user_specified_image.as_str())
+        .unwrap_or_default();
+    if !user.is_empty() {
+        return Some(user.to_string());
+    }
+    image.repo_tags.first().cloned()
+}
+
 /// The image a container config asks for, by the name it gives.
-fn image_name(config: &cri::ContainerConfig) -> String {
+fn image_name_of(config: &cri::ContainerConfig) -> String {
     config
         .image
         .as_ref()

@@ -17,10 +17,7 @@ impl Runtime {
             started_at: r.started_at,
             finished_at: r.finished_at,
             exit_code: r.exit_code,
-            image: Some(cri::ImageSpec {
-                image: r.image_name.clone(),
-                ..Default::default()
-            }),
+            image: Some(image_spec(r)),
             image_ref: r.image_ref.clone(),
             reason: r.reason.clone(),
             message: r.message.clone(),
@@ -99,10 +96,7 @@ impl Runtime {
                         id: r.id.clone(),
                         pod_sandbox_id: r.pod_id.clone(),
                         metadata: r.config.metadata.clone(),
-                        image: Some(cri::ImageSpec {
-                            image: r.image_name.clone(),
-                            ..Default::default()
-                        }),
+                        image: Some(image_spec(&r)),
                         image_ref: r.image_ref.clone(),
                         state: cri_state(r.state) as i32,
                         created_at: r.created_at,
@@ -115,6 +109,21 @@ impl Runtime {
             .collect();
         out.sort_by_key(|(t, _)| *t);
         out.into_iter().map(|(_, c)| c).collect()
+    }
+}
+
+/// A container's image as status and lists give it: the name it is shown by and the name
+/// the user gave (kubelet's `user_specified_image`).
+fn image_spec(r: &ContainerRecord) -> cri::ImageSpec {
+    cri::ImageSpec {
+        image: r.image_name.clone(),
+        user_specified_image: r
+            .config
+            .image
+            .as_ref()
+            .map(|i| i.user_specified_image.clone())
+            .unwrap_or_default(),
+        ..Default::default()
     }
 }
 

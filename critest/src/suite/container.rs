@@ -13,6 +13,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "StopContainer sends the config's stop_signal, which status reports", stop_signal),
         spec!("container", "exit code and reason of a finished container", exit_codes),
         spec!("container", "status carries metadata, image, labels, annotations and log path", status_fields),
+        spec!("container", "named by image id as kubelet names it, status shows the user's image name", image_by_id),
         spec!("container", "list filters by id, state, pod and label", list_filters),
         spec!("container", "command, args, env and working dir", command_env),
         spec!("container", "host path mounts, read-write and read-only", host_mounts),
@@ -206,6 +207,79 @@ async fn status_fields(c: Ctx) -> SpecResult {
         std::path::Path::new(&s.log_path) == want || s.log_path == "sleeper.log",
         "log_path {:?}, want {want:?}",
         s.log_path
+    );
+    Ok(())
+}
+
+/// kubelet creates containers with `image` set to the id PullImage answered and the pod
+/// spec's name in `user_specified_image`; status and lists show that name (kubectl's
+/// `image:`), not the id, and keep the id in `image_id`. Without a user's name, an image
+/// named by its id is shown by its first tag, as containerd does.
+async fn image_by_id(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("by-id").await?;
+    c.ensure_image(&c.env.images.busybox).await?;
+    let mut cl = c.c.clone();
+    let img = cl
+        .images
+        .image_status(cri::ImageStatusRequest {
+            image: Some(cri::ImageSpec {
+                image: c.env.images.busybox.clone(),
+                ..Default::default()
+            }),
+            verbose: false,
+        })
+        .await?
+        .into_inner()
+        .image
+        .ok_or_else(|| Stop::Fail("ImageStatus: no image".into()))?;
+    let user = "my-registry.example/team/busybox:pinned";
+    let mut cfg = c.ctr_config("kubelet-style", "sleep 100000");
+    cfg.image = Some(cri::ImageSpec {
+        image: img.id.clone(),
+        user_specified_image: user.into(),
+        ..Default::default()
+    });
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let s = c.status(&id).await?;
+    let shown = s.image.clone().unwrap_or_default();
+    check!(shown.image == user, "image {shown:?}, want {user:?}");
+    check!(
+        shown.user_specified_image == user,
+        "user_specified_image {shown:?}"
+    );
+    check!(
+        s.image_id == img.id,
+        "image_id {:?}, want {:?}",
+        s.image_id,
+        img.id
+    );
+    let listed = cl
+        .runtime
+        .list_containers(cri::ListContainersRequest {
+            filter: Some(cri::ContainerFilter {
+                id: id.clone(),
+                ..Default::default()
+            }),
+        })
+        .await?
+        .into_inner()
+        .containers;
+    check!(
+        listed.len() == 1 && listed[0].image.as_ref() == Some(&shown),
+        "listed {listed:?}"
+    );
+    let mut cfg = c.ctr_config("by-id-only", "sleep 100000");
+    cfg.image = Some(cri::ImageSpec {
+        image: img.id.clone(),
+        ..Default::default()
+    });
+    let id = c.create(&pod, &pcfg, cfg).await?;
+    let s = c.status(&id).await?;
+    let shown = s.image.unwrap_or_default().image;
+    check!(
+        img.repo_tags.first() == Some(&shown),
+        "image {shown:?}, want the first of {:?}",
+        img.repo_tags
     );
     Ok(())
 }
