@@ -87,6 +87,11 @@ pub fn environment(
     };
     set("PATH", DEFAULT_PATH);
     set("HOSTNAME", hostname);
+    if config.tty {
+        // What a terminal is, for programs on it (`kubectl run -it`), as containerd and
+        // CRI-O say; the image's or the request's TERM wins.
+        set("TERM", "xterm");
+    }
     for e in image.env.clone().unwrap_or_default() {
         let (k, v) = e.split_once('=').unwrap_or((e.as_str(), ""));
         set(k, v);
@@ -253,10 +258,10 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
             }
             resources["hugepageLimits"] = json!(limits);
         }
-        if r.oom_score_adj != 0 {
-            // The agent clamps a value it is not allowed to set (no CAP_SYS_RESOURCE).
-            oom_score_adj = Some(r.oom_score_adj);
-        }
+        // Whatever it is, 0 too (as containerd does): the container is not to inherit the
+        // agent's score. The agent clamps a value it is not allowed to set (no
+        // CAP_SYS_RESOURCE).
+        oom_score_adj = Some(r.oom_score_adj);
     }
 
     let caps = capabilities(sc, privileged);
@@ -625,6 +630,79 @@ mod tests {
         };
         let e = environment(&cfg, &img, "h");
         assert_eq!(e, ["PATH=/bin", "HOSTNAME=h", "A=2"]);
+        // A terminal says what it is, unless the image or the request does.
+        let tty = cri::ContainerConfig { tty: true, ..cfg };
+        let e = environment(&tty, &img, "h");
+        assert_eq!(e, ["PATH=/bin", "HOSTNAME=h", "TERM=xterm", "A=2"]);
+        let img = RunConfig {
+            env: Some(vec!["TERM=vt100".into()]),
+            ..Default::default()
+        };
+        assert!(environment(&tty, &img, "h").contains(&"TERM=vt100".to_string()));
+    }
+
+    /// The request's mounts go parents first (stable), replace the standard mount at their
+    /// path (and, at /dev, all those below it); oom_score_adj 0 is written.
+    #[test]
+    fn mounts_are_ordered_and_replace_the_standard_ones() {
+        let (d, layers) = layers_with(&[
+            ("etc/passwd", PASSWD),
+            ("etc/group", GROUP),
+            ("bin/sh", "x"),
+        ]);
+        let src = d.path().display().to_string();
+        let mount = |path: &str| cri::Mount {
+            container_path: path.into(),
+            host_path: src.clone(),
+            ..Default::default()
+        };
+        let pod = cri::PodSandboxConfig::default();
+        let build_with = |paths: &[&str]| {
+            let cfg = cri::ContainerConfig {
+                command: vec!["sh".into()],
+                mounts: paths.iter().map(|p| mount(p)).collect(),
+                linux: Some(cri::LinuxContainerConfig {
+                    resources: Some(cri::LinuxContainerResources::default()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            build(&SpecInput {
+                pod: &pod,
+                config: &cfg,
+                image: &RunConfig::default(),
+                layer_dirs: &layers,
+                hostname: "h",
+                pod_dir: d.path(),
+                cgroups_path: "/vessel/p/c".into(),
+                target_pid: None,
+                cgroup_ns: false,
+                apparmor: None,
+                selinux: false,
+                hugetlb: false,
+                vm_guest: false,
+            })
+            .unwrap()
+            .0
+        };
+        let dests = |spec: &serde_json::Value| -> Vec<String> {
+            spec["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["destination"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let spec = build_with(&["/a/b/c", "/x", "/a/b", "/dev/shm/", "/a", "/y"]);
+        let got = dests(&spec);
+        let tail: Vec<&str> = got[got.len() - 6..].iter().map(String::as_str).collect();
+        assert_eq!(tail, ["/x", "/a", "/y", "/a/b", "/dev/shm/", "/a/b/c"]);
+        assert_eq!(got.iter().filter(|d| d.starts_with("/dev/shm")).count(), 1);
+        assert_eq!(spec["process"]["oomScoreAdj"], 0);
+        let got = dests(&build_with(&["/dev"]));
+        assert!(got.iter().all(|d| !d.starts_with("/dev/")), "{got:?}");
+        assert_eq!(got.iter().filter(|d| *d == "/dev").count(), 1, "{got:?}");
+        assert!(got.contains(&"/sys".to_string()) && got.contains(&"/proc".to_string()));
     }
 
     #[test]

@@ -34,7 +34,15 @@ pub(super) fn build(
         mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
     }
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
-    let dests: Vec<&str> = c.mounts.iter().map(|m| m.container_path.as_str()).collect();
+    let dests: Vec<String> = c.mounts.iter().map(|m| clean(&m.container_path)).collect();
+    // A request's mount replaces the standard one at its path, and one at /dev all of the
+    // standard ones below /dev (as containerd does): nothing is mounted only to be hidden.
+    let dev_given = dests.iter().any(|d| d == "/dev");
+    mounts.retain(|m| {
+        let dest = m["destination"].as_str().unwrap_or_default();
+        !dests.iter().any(|d| d == dest) && !(dev_given && dest.starts_with("/dev/"))
+    });
+    let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
     for (file, dest) in [
         ("hostname", "/etc/hostname"),
         ("hosts", "/etc/hosts"),
@@ -54,7 +62,12 @@ pub(super) fn build(
             "destination": dest, "type": "bind", "source": src, "options": opts
         }));
     }
-    for m in &c.mounts {
+    // Parents before children, whatever order the request has them in (kubelet keeps the pod
+    // spec's): a volume at /a/b listed before one at /a would otherwise be hidden by it.
+    // Stable, so mounts at one depth keep the request's order (containerd's rule).
+    let mut requested: Vec<&cri::Mount> = c.mounts.iter().collect();
+    requested.sort_by_key(|m| depth(&m.container_path));
+    for m in requested {
         if m.container_path.is_empty() || !m.container_path.starts_with('/') {
             return Err(invalid(format!(
                 "mount container path {:?} must be absolute",
@@ -114,6 +127,21 @@ pub(super) fn build(
         mounts.push(json!({"destination": m.container_path, "type": "bind", "source": m.host_path, "options": opts}));
     }
     Ok(mounts)
+}
+
+/// A container path without `.`, doubled or trailing slashes (`..` is kept: the runtime
+/// resolves it inside the root).
+fn clean(path: &str) -> String {
+    let parts: Vec<&str> = path
+        .split('/')
+        .filter(|p| !p.is_empty() && *p != ".")
+        .collect();
+    format!("/{}", parts.join("/"))
+}
+
+/// How many components a container path has (`/` has none).
+fn depth(path: &str) -> usize {
+    clean(path).split('/').filter(|p| !p.is_empty()).count()
 }
 
 fn propagation(p: i32) -> &'static str {

@@ -16,7 +16,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "named by image id as kubelet names it, status shows the user's image name", image_by_id),
         spec!("container", "list filters by id, state, pod and label", list_filters),
         spec!("container", "command, args, env and working dir", command_env),
-        spec!("container", "host path mounts, read-write and read-only", host_mounts),
+        spec!("container", "host path mounts, read-write, read-only, nested (inner listed first) and over /dev/shm", host_mounts),
         spec!("container", "UpdateContainerResources changes the memory limit", update_resources),
         spec!("exec", "ExecSync returns stdout, stderr and the exit code", exec_sync),
         spec!("exec", "ExecSync past its timeout returns DeadlineExceeded", exec_timeout),
@@ -392,9 +392,27 @@ async fn host_mounts(c: Ctx) -> SpecResult {
     let rw = c.dir("rw")?;
     let ro = c.dir("ro")?;
     std::fs::write(ro.join("hello"), "from-host").map_err(|e| Stop::Fail(e.to_string()))?;
+    // A volume inside another, listed first (kubelet keeps the pod spec's order), and one
+    // over the standard /dev/shm.
+    let inner = c.dir("inner")?;
+    let shm = c.dir("shm")?;
+    let io = |e: std::io::Error| Stop::Fail(e.to_string());
+    std::fs::create_dir_all(ro.join("inner")).map_err(io)?;
+    std::fs::write(inner.join("marker"), "inner").map_err(io)?;
+    std::fs::write(shm.join("marker"), "shm").map_err(io)?;
     let id = c
         .sleeper_with("mnt", |cfg| {
             cfg.mounts = vec![
+                cri::Mount {
+                    container_path: "/mnt/ro/inner".into(),
+                    host_path: inner.display().to_string(),
+                    ..Default::default()
+                },
+                cri::Mount {
+                    container_path: "/dev/shm".into(),
+                    host_path: shm.display().to_string(),
+                    ..Default::default()
+                },
                 cri::Mount {
                     container_path: "/mnt/rw".into(),
                     host_path: rw.display().to_string(),
@@ -422,6 +440,13 @@ async fn host_mounts(c: Ctx) -> SpecResult {
     );
     let (code, _, _) = c.sh(&id, "echo x > /mnt/ro/new").await?;
     check!(code != 0, "writing to the read-only mount succeeded");
+    let got = c
+        .sh_ok(&id, "cat /mnt/ro/inner/marker /dev/shm/marker")
+        .await?;
+    check!(
+        got == "innershm",
+        "the nested volume and the one over /dev/shm show {got:?}"
+    );
     Ok(())
 }
 
