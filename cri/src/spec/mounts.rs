@@ -40,7 +40,9 @@ pub(super) fn build(
     let dev_given = dests.iter().any(|d| d == "/dev");
     mounts.retain(|m| {
         let dest = m["destination"].as_str().unwrap_or_default();
-        !dests.iter().any(|d| d == dest) && !(dev_given && dest.starts_with("/dev/"))
+        let replaced = dests.iter().any(|d| d == dest);
+        let below_dev = dev_given && dest.starts_with("/dev/");
+        !replaced && !below_dev
     });
     let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
     for (file, dest) in [
