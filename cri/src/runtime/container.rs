@@ -99,6 +99,25 @@ impl Runtime {
             ));
         }
         // Fields checked before anything is made (mounts relabelled, profiles loaded).
+        let ctr_privileged = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .is_some_and(|s| s.privileged);
+        let pod_privileged = prec
+            .config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .is_some_and(|s| s.privileged);
+        if ctr_privileged && !pod_privileged {
+            // kubelet marks the pod privileged when any container is (containerd and CRI-O
+            // refuse the pair too); a VM pod's backend is chosen from the pod's flag.
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CreateContainer {key:?}: a privileged container needs a privileged pod, and pod {} is not",
+                prec.id
+            )));
+        }
         if config.stop_signal != 0 && spec::cri_signal(config.stop_signal).is_none() {
             return Err(RuntimeError::InvalidArgument(format!(
                 "CreateContainer {key:?}: stop_signal {} is not a CRI Signal",
@@ -861,6 +880,8 @@ impl Runtime {
             RuntimeError::InvalidArgument(format!("UpdateContainerResources {}: {e}", rec.id))
         })?;
         let pod = self.pod(&rec.pod_id)?;
+        // As at create: the host's cpusets are not a VM pod guest's.
+        let host_cpus = pod.record().backend.kind() != crate::state::BackendKind::Vm;
         let mut c = pod.client().await?;
         c.update_resources(ap::UpdateResourcesRequest {
             id: rec.id.clone(),
@@ -869,8 +890,16 @@ impl Runtime {
                 cpu_quota: r.cpu_quota,
                 cpu_shares: r.cpu_shares,
                 memory_limit_in_bytes: r.memory_limit_in_bytes,
-                cpuset_cpus: r.cpuset_cpus.clone(),
-                cpuset_mems: r.cpuset_mems.clone(),
+                cpuset_cpus: if host_cpus {
+                    r.cpuset_cpus.clone()
+                } else {
+                    String::new()
+                },
+                cpuset_mems: if host_cpus {
+                    r.cpuset_mems.clone()
+                } else {
+                    String::new()
+                },
                 memory_swap_limit_in_bytes: r.memory_swap_limit_in_bytes,
                 unified: r.unified.clone(),
             }),

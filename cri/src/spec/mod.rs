@@ -209,10 +209,12 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         if r.cpu_period > 0 {
             cpu.insert("period".into(), json!(r.cpu_period));
         }
-        if !r.cpuset_cpus.is_empty() {
+        // The host's CPU and NUMA node numbers (kubelet's CPU and memory managers) mean
+        // nothing in a VM pod's guest, whose vCPUs are numbered from 0: not applied there.
+        if !r.cpuset_cpus.is_empty() && !input.vm_guest {
             cpu.insert("cpus".into(), json!(r.cpuset_cpus));
         }
-        if !r.cpuset_mems.is_empty() {
+        if !r.cpuset_mems.is_empty() && !input.vm_guest {
             cpu.insert("mems".into(), json!(r.cpuset_mems));
         }
         if !cpu.is_empty() {
@@ -641,22 +643,75 @@ mod tests {
         assert!(environment(&tty, &img, "h").contains(&"TERM=vt100".to_string()));
     }
 
-    /// The request's mounts go parents first (stable), replace the standard mount at their
-    /// path (and, at /dev, all those below it); oom_score_adj 0 is written.
-    #[test]
-    fn mounts_are_ordered_and_replace_the_standard_ones() {
+    /// A spec for `cfg` (a shell command) in a plain image, flat or in a VM guest.
+    fn simple_spec(cfg: &cri::ContainerConfig, vm_guest: bool) -> serde_json::Value {
         let (d, layers) = layers_with(&[
             ("etc/passwd", PASSWD),
             ("etc/group", GROUP),
             ("bin/sh", "x"),
         ]);
-        let src = d.path().display().to_string();
+        build(&SpecInput {
+            pod: &cri::PodSandboxConfig::default(),
+            config: cfg,
+            image: &RunConfig::default(),
+            layer_dirs: &layers,
+            hostname: "h",
+            pod_dir: d.path(),
+            cgroups_path: "/vessel/p/c".into(),
+            target_pid: None,
+            cgroup_ns: false,
+            apparmor: None,
+            selinux: false,
+            hugetlb: false,
+            vm_guest,
+        })
+        .unwrap()
+        .0
+    }
+
+    /// The host's cpusets (kubelet's CPU manager) are applied in a flat pod, not in a VM
+    /// pod's guest, whose CPUs are its own.
+    #[test]
+    fn host_cpusets_stay_out_of_vm_guests() {
+        let cfg = cri::ContainerConfig {
+            command: vec!["sh".into()],
+            linux: Some(cri::LinuxContainerConfig {
+                resources: Some(cri::LinuxContainerResources {
+                    cpuset_cpus: "6-7".into(),
+                    cpuset_mems: "1".into(),
+                    cpu_shares: 512,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let flat = simple_spec(&cfg, false);
+        assert_eq!(flat["linux"]["resources"]["cpu"]["cpus"], "6-7");
+        assert_eq!(flat["linux"]["resources"]["cpu"]["mems"], "1");
+        let vm = simple_spec(&cfg, true);
+        assert!(
+            vm["linux"]["resources"]["cpu"].get("cpus").is_none(),
+            "{vm}"
+        );
+        assert!(
+            vm["linux"]["resources"]["cpu"].get("mems").is_none(),
+            "{vm}"
+        );
+        assert_eq!(vm["linux"]["resources"]["cpu"]["shares"], 512);
+    }
+
+    /// The request's mounts go parents first (stable), replace the standard mount at their
+    /// path (and, at /dev, all those below it); oom_score_adj 0 is written.
+    #[test]
+    fn mounts_are_ordered_and_replace_the_standard_ones() {
+        let src = tempfile::tempdir().unwrap();
+        let src = src.path().display().to_string();
         let mount = |path: &str| cri::Mount {
             container_path: path.into(),
             host_path: src.clone(),
             ..Default::default()
         };
-        let pod = cri::PodSandboxConfig::default();
         let build_with = |paths: &[&str]| {
             let cfg = cri::ContainerConfig {
                 command: vec!["sh".into()],
@@ -667,23 +722,7 @@ mod tests {
                 }),
                 ..Default::default()
             };
-            build(&SpecInput {
-                pod: &pod,
-                config: &cfg,
-                image: &RunConfig::default(),
-                layer_dirs: &layers,
-                hostname: "h",
-                pod_dir: d.path(),
-                cgroups_path: "/vessel/p/c".into(),
-                target_pid: None,
-                cgroup_ns: false,
-                apparmor: None,
-                selinux: false,
-                hugetlb: false,
-                vm_guest: false,
-            })
-            .unwrap()
-            .0
+            simple_spec(&cfg, false)
         };
         let dests = |spec: &serde_json::Value| -> Vec<String> {
             spec["mounts"]

@@ -859,19 +859,25 @@ async fn propagation(
     privileged: bool,
 ) -> Result<(String, std::path::PathBuf), Stop> {
     let d = shared_dir(c, "prop")?;
-    let id = c
-        .sleeper_with("prop", |cfg| {
-            cfg.mounts = vec![cri::Mount {
-                container_path: "/mnt/prop".into(),
-                host_path: d.display().to_string(),
-                propagation: mode as i32,
-                ..Default::default()
-            }];
-            if privileged {
-                Ctx::sec(cfg).privileged = true;
-            }
-        })
-        .await?;
+    // A privileged container needs a privileged pod.
+    let mut pcfg = c.pod_config("prop");
+    pcfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .privileged = privileged;
+    let pod = c.run_pod_with(&pcfg).await?;
+    let mut cfg = c.ctr_config("sleeper", "sleep 100000");
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/mnt/prop".into(),
+        host_path: d.display().to_string(),
+        propagation: mode as i32,
+        ..Default::default()
+    }];
+    if privileged {
+        Ctx::sec(&mut cfg).privileged = true;
+    }
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     Ok((id, d))
 }
 

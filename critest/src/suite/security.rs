@@ -17,7 +17,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "the image's User applies when the pod sets none", image_user),
         spec!("security", "readonly_rootfs makes / read-only", readonly_rootfs),
         spec!("security", "a default container lacks CAP_SYS_ADMIN", default_caps),
-        spec!("security", "privileged: every capability, and mount works", privileged),
+        spec!("security", "privileged: every capability, and mount works; refused in a pod that is not privileged", privileged),
         spec!("security", "dropping CAP_CHOWN makes chown fail", drop_chown),
         spec!("security", "adding CAP_SYS_ADMIN shows in CapEff", add_sys_admin),
         spec!("security", "masked paths read empty", masked_paths),
@@ -142,6 +142,15 @@ async fn privileged(c: Ctx) -> SpecResult {
         "mkdir -p /tmp/m && mount -t tmpfs tmpfs /tmp/m && umount /tmp/m",
     )
     .await?;
+    // Not in a pod that is not privileged (kubelet never asks; containerd refuses too).
+    let (plain, plain_cfg) = c.run_pod("unpriv").await?;
+    let mut cfg = c.ctr_config("priv", "sleep 100000");
+    Ctx::sec(&mut cfg).privileged = true;
+    let e = c.c.create_container(&plain, &plain_cfg, cfg).await.err();
+    check!(
+        e.as_ref().map(|e| e.code()) == Some(tonic::Code::InvalidArgument),
+        "a privileged container in an unprivileged pod: {e:?}"
+    );
     Ok(())
 }
 
