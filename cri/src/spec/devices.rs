@@ -9,6 +9,7 @@ use vessel_cri_api::v1 as cri;
 pub(super) fn build(
     c: &cri::ContainerConfig,
     privileged: bool,
+    vm_guest: bool,
 ) -> Result<(Vec<Value>, Vec<Value>), SpecError> {
     let mut devices = Vec::new();
     let mut dev_rules = vec![json!({"allow": false, "access": "rwm"})];
@@ -65,5 +66,117 @@ pub(super) fn build(
         dev_rules
             .push(json!({"allow": true, "type": t, "major": maj, "minor": min, "access": perms}));
     }
+    // A privileged container of a flat pod sees the host's device nodes, as with containerd
+    // and CRI-O (CSI and device plugins find the node's disks, loop devices, /dev/fuse);
+    // a VM pod's guest has its own devices.
+    if privileged && !vm_guest {
+        let asked: Vec<String> = devices
+            .iter()
+            .filter_map(|d| d["path"].as_str().map(str::to_string))
+            .collect();
+        let mut host = Vec::new();
+        host_devices(std::path::Path::new("/dev"), &mut host);
+        devices.extend(host.into_iter().filter(|d| {
+            d["path"]
+                .as_str()
+                .is_some_and(|p| !asked.iter().any(|a| a == p))
+        }));
+    }
     Ok((devices, dev_rules))
+}
+
+/// Nodes every container gets anyway (libcontainer makes them, or its devpts does).
+const STANDARD: &[&str] = &[
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/tty",
+    "/dev/ptmx",
+    "/dev/console",
+];
+
+/// The character and block device nodes under `dir` (the host's /dev), as spec devices,
+/// without the standard ones and the directories other mounts own (pts, shm, mqueue) or
+/// that are not devices (fd). Symlinks are not followed; unreadable entries are skipped.
+fn host_devices(dir: &std::path::Path, out: &mut Vec<Value>) {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let Ok(m) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let ft = m.file_type();
+        if ft.is_dir() {
+            let name = e.file_name();
+            if !matches!(
+                name.to_str(),
+                Some("pts" | "shm" | "mqueue" | "fd" | ".lxc" | ".lxd-mounts" | ".udev")
+            ) {
+                host_devices(&path, out);
+            }
+            continue;
+        }
+        let t = if ft.is_char_device() {
+            "c"
+        } else if ft.is_block_device() {
+            "b"
+        } else {
+            continue;
+        };
+        let Some(p) = path.to_str() else {
+            continue;
+        };
+        if STANDARD.contains(&p) {
+            continue;
+        }
+        let rdev = m.rdev();
+        out.push(json!({
+            "path": p, "type": t, "major": libc::major(rdev), "minor": libc::minor(rdev),
+            "fileMode": m.mode() & 0o7777, "uid": m.uid(), "gid": m.gid()
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A privileged flat container lists the host's nodes (not the standard ones, not twice
+    /// one the request names); a VM guest's or an unprivileged one's does not.
+    #[test]
+    fn privileged_flat_containers_get_the_hosts_devices() {
+        if std::fs::metadata("/dev/kmsg").is_err() {
+            return; // no such host node to look for
+        }
+        let c = cri::ContainerConfig {
+            devices: vec![cri::Device {
+                container_path: "/dev/kmsg".into(),
+                host_path: "/dev/kmsg".into(),
+                permissions: "r".into(),
+            }],
+            ..Default::default()
+        };
+        let paths = |privileged, vm| -> Vec<String> {
+            build(&c, privileged, vm)
+                .unwrap()
+                .0
+                .iter()
+                .map(|d| d["path"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let all = paths(true, false);
+        assert_eq!(all.iter().filter(|p| *p == "/dev/kmsg").count(), 1);
+        assert!(
+            !all.iter().any(|p| STANDARD.contains(&p.as_str())),
+            "{all:?}"
+        );
+        assert!(!all.iter().any(|p| p.starts_with("/dev/pts/")), "{all:?}");
+        assert_eq!(paths(true, true), ["/dev/kmsg"]);
+        assert_eq!(paths(false, false), ["/dev/kmsg"]);
+    }
 }

@@ -192,7 +192,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
 
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
     let mounts = mounts::build(input, sc, userns.as_ref(), pid_mode, privileged)?;
-    let (devices, dev_rules) = devices::build(c, privileged)?;
+    let (devices, dev_rules) = devices::build(c, privileged, input.vm_guest)?;
 
     // Resources.
     let mut resources = json!({"devices": dev_rules});

@@ -17,7 +17,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "the image's User applies when the pod sets none", image_user),
         spec!("security", "readonly_rootfs makes / read-only", readonly_rootfs),
         spec!("security", "a default container lacks CAP_SYS_ADMIN", default_caps),
-        spec!("security", "privileged: every capability, and mount works; refused in a pod that is not privileged", privileged),
+        spec!("security", "privileged: every capability, mount works and the host's devices are there; refused in a pod that is not privileged", privileged),
         spec!("security", "dropping CAP_CHOWN makes chown fail", drop_chown),
         spec!("security", "adding CAP_SYS_ADMIN shows in CapEff", add_sys_admin),
         spec!("security", "masked paths read empty", masked_paths),
@@ -142,6 +142,25 @@ async fn privileged(c: Ctx) -> SpecResult {
         "mkdir -p /tmp/m && mount -t tmpfs tmpfs /tmp/m && umount /tmp/m",
     )
     .await?;
+    // A flat pod's privileged container sees the host's device nodes (a VM pod's, its
+    // guest's): one that only the host has, by its numbers.
+    if !c.env.vm_pods {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let host_only = ["/dev/fuse", "/dev/loop-control", "/dev/kvm", "/dev/net/tun"]
+            .into_iter()
+            .find_map(|p| {
+                let m = std::fs::metadata(p).ok()?;
+                m.file_type().is_char_device().then(|| (p, m.rdev()))
+            });
+        if let Some((path, rdev)) = host_only {
+            let got = c.sh_ok(&id, &format!("stat -c '%t:%T' {path}")).await?;
+            let want = format!("{:x}:{:x}", libc::major(rdev), libc::minor(rdev));
+            check!(
+                got == want,
+                "{path} in the privileged container: {got:?}, want {want}"
+            );
+        }
+    }
     // Not in a pod that is not privileged (kubelet never asks; containerd refuses too).
     let (plain, plain_cfg) = c.run_pod("unpriv").await?;
     let mut cfg = c.ctr_config("priv", "sleep 100000");
