@@ -63,6 +63,11 @@ pub struct PodRecord {
     /// vesseld that starts and finds this finishes the stop.
     #[serde(default)]
     pub stopping: bool,
+    /// The pod's containers that share its IPC namespace share one /dev/shm, which its
+    /// agent keeps (pods started by earlier vesselds, whose agents do not: false, each
+    /// container its own).
+    #[serde(default)]
+    pub shared_shm: bool,
 }
 
 impl PodRecord {
@@ -514,6 +519,7 @@ mod tests {
             reason: String::new(),
             ips: vec![],
             stopping: false,
+            shared_shm: true,
         }
     }
 

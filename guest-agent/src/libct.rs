@@ -253,6 +253,9 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
         .map_err(|e| other(format!("reading the bundle spec: {e}")))?;
     let mut mounts = spec.mounts().clone().unwrap_or_default();
     let is_idmap = |o: &String| o == "idmap" || o == "ridmap";
+    // The agent's own (the pod's /dev/shm): in its containers' dir, which is the bundle's
+    // grandparent, and mounted in its namespace only.
+    let agents = bundle.parent().and_then(Path::parent);
     let todo: Vec<(usize, PathBuf, bool, bool)> = mounts
         .iter()
         .enumerate()
@@ -262,7 +265,8 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
             let bind = rbind || opts.iter().any(|o| o == "bind");
             let idmap = opts.iter().any(is_idmap);
             let src = m.source().clone()?;
-            (bind && src.is_absolute()).then_some((i, src, rbind, idmap))
+            let own = agents.is_some_and(|a| src.starts_with(a));
+            (bind && src.is_absolute() && !own).then_some((i, src, rbind, idmap))
         })
         .collect();
     if todo.is_empty() {

@@ -345,6 +345,7 @@ impl AgentState {
         };
         let mut spec = crate::spec::prepare(&req.oci_spec, id, &rootfs, req.tty, self.pid)?;
         clamp_oom_score_adj(&mut spec);
+        crate::spec::bind_pod_shm(&mut spec, &self.containers_dir)?;
         let cgroup = Cgroup::new(&crate::spec::cgroups_path(&spec, id));
         let bundle = dir.join("bundle");
         // Root's only: the spec holds the environment (secrets), and a user-namespaced pod's

@@ -139,6 +139,63 @@ pub fn prepare(
     Ok(spec)
 }
 
+/// The source of a spec's bind mount that is the pod's shared /dev/shm (the containers in
+/// the pod's IPC namespace share one, as with containerd's sandbox shm), which the agent
+/// keeps in its own mount namespace (gone with it: nothing is left on the host).
+pub const POD_SHM: &str = "agent:shm";
+
+/// Where the agent keeps the pod's /dev/shm: in its containers' dir, which every id the
+/// pod's containers run as can traverse (a pod with its own user namespace too).
+pub fn pod_shm_dir(containers_dir: &Path) -> PathBuf {
+    containers_dir.join(".pod-shm")
+}
+
+/// Points the spec's [`POD_SHM`] binds at the pod's /dev/shm under `containers_dir`,
+/// mounting its tmpfs (64 MiB, as containerd's) the first time.
+pub fn bind_pod_shm(spec: &mut Spec, containers_dir: &Path) -> Result<(), AgentError> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(mut mounts) = spec.mounts().clone() else {
+        return Ok(());
+    };
+    if !mounts
+        .iter()
+        .any(|m| m.source().as_deref() == Some(Path::new(POD_SHM)))
+    {
+        return Ok(());
+    }
+    static MOUNTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = MOUNTING.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = pod_shm_dir(containers_dir);
+    let internal = |what: &str, e: std::io::Error| {
+        AgentError::Internal(format!(
+            "the pod's /dev/shm at {}: {what}: {e}",
+            dir.display()
+        ))
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| internal("mkdir", e))?;
+    let here = std::fs::metadata(&dir).map_err(|e| internal("stat", e))?;
+    let parent = std::fs::metadata(containers_dir).map_err(|e| internal("stat", e))?;
+    if here.dev() == parent.dev() {
+        nix::mount::mount(
+            Some("shm"),
+            &dir,
+            Some("tmpfs"),
+            nix::mount::MsFlags::MS_NOSUID
+                | nix::mount::MsFlags::MS_NODEV
+                | nix::mount::MsFlags::MS_NOEXEC,
+            Some("mode=1777,size=65536k"),
+        )
+        .map_err(|e| internal("mounting its tmpfs", e.into()))?;
+    }
+    for m in mounts.iter_mut() {
+        if m.source().as_deref() == Some(Path::new(POD_SHM)) {
+            m.set_source(Some(dir.clone()));
+        }
+    }
+    spec.set_mounts(Some(mounts));
+    Ok(())
+}
+
 /// libcontainer 0.7 reads SCMP_CMP_MASKED_EQ the other way round from runc: it masks with
 /// `valueTwo` and compares with `value`, where runc, and every profile written for it (Docker's
 /// and containerd's defaults, vessel's RuntimeDefault, a node's Localhost profiles), masks

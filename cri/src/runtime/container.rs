@@ -471,6 +471,7 @@ impl Runtime {
             // The host's, for flat pods; the guest kernel has no SELinux.
             selinux: backend.kind() == crate::state::BackendKind::Flat && crate::selinux::enabled(),
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
+            shared_shm: prec.shared_shm,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         if let Some(ck) = &restore {

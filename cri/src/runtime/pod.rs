@@ -101,6 +101,7 @@ impl Runtime {
             reason: String::new(),
             ips: Vec::new(),
             stopping: false,
+            shared_shm: true,
         };
         // The record comes first: a crash from here on leaves something recovery cleans. If
         // it cannot be written (a full disk), nothing of the pod is left either.

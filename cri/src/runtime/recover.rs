@@ -324,6 +324,7 @@ impl Runtime {
             ),
             ips: Vec::new(),
             stopping: false,
+            shared_shm: false,
         }
     }
 }

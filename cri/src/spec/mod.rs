@@ -124,6 +124,8 @@ pub struct SpecInput<'a> {
     pub hugetlb: bool,
     /// Whether the container runs in a VM pod's guest, where vsock reaches the host.
     pub vm_guest: bool,
+    /// The pod's agent keeps one /dev/shm for the containers in the pod's IPC namespace.
+    pub shared_shm: bool,
 }
 
 /// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
@@ -187,11 +189,12 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         list: namespaces,
         userns,
         pid: pid_mode,
+        ipc: ipc_mode,
         host_net,
     } = namespaces::build(input, sc, &user, privileged)?;
 
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
-    let mounts = mounts::build(input, sc, userns.as_ref(), pid_mode, privileged)?;
+    let mounts = mounts::build(input, sc, userns.as_ref(), (pid_mode, ipc_mode), privileged)?;
     let (devices, dev_rules) = devices::build(c, privileged, input.vm_guest)?;
 
     // Resources.
@@ -664,6 +667,7 @@ mod tests {
             selinux: false,
             hugetlb: false,
             vm_guest,
+            shared_shm: true,
         })
         .unwrap()
         .0
@@ -699,6 +703,56 @@ mod tests {
             "{vm}"
         );
         assert_eq!(vm["linux"]["resources"]["cpu"]["shares"], 512);
+    }
+
+    /// /dev/shm: the pod's (kept by its agent) in the pod's IPC namespace, in a VM guest for
+    /// the host's too; the host's for a flat container in the host's; its own tmpfs with its
+    /// own IPC namespace.
+    #[test]
+    fn dev_shm_follows_the_ipc_namespace() {
+        let shm_of = |ipc: Option<cri::NamespaceMode>, vm: bool| -> serde_json::Value {
+            let cfg = cri::ContainerConfig {
+                command: vec!["sh".into()],
+                linux: Some(cri::LinuxContainerConfig {
+                    security_context: ipc.map(|ipc| cri::LinuxContainerSecurityContext {
+                        namespace_options: Some(cri::NamespaceOption {
+                            ipc: ipc as i32,
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let spec = simple_spec(&cfg, vm);
+            let shm = spec["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["destination"] == "/dev/shm")
+                .cloned()
+                .collect::<Vec<_>>();
+            assert_eq!(shm.len(), 1, "{shm:?}");
+            shm[0].clone()
+        };
+        let pod = shm_of(Some(cri::NamespaceMode::Pod), false);
+        assert_eq!(pod["source"], vessel_agent::spec::POD_SHM);
+        assert_eq!(pod["type"], "bind");
+        let vm_node = shm_of(Some(cri::NamespaceMode::Node), true);
+        assert_eq!(vm_node["source"], vessel_agent::spec::POD_SHM);
+        if std::path::Path::new("/dev/shm").is_dir() {
+            assert_eq!(
+                shm_of(Some(cri::NamespaceMode::Node), false)["source"],
+                "/dev/shm"
+            );
+        }
+        for own in [
+            shm_of(Some(cri::NamespaceMode::Container), false),
+            shm_of(None, true),
+        ] {
+            assert_eq!(own["type"], "tmpfs", "{own}");
+        }
     }
 
     /// The request's mounts go parents first (stable), replace the standard mount at their
@@ -908,6 +962,7 @@ mod tests {
             selinux: true,
             hugetlb: true,
             vm_guest: false,
+            shared_shm: true,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);

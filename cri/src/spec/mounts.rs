@@ -11,7 +11,7 @@ pub(super) fn build(
     input: &SpecInput<'_>,
     sc: Option<&cri::LinuxContainerSecurityContext>,
     userns: Option<&PodUserns>,
-    pid_mode: cri::NamespaceMode,
+    (pid_mode, ipc_mode): (cri::NamespaceMode, cri::NamespaceMode),
     privileged: bool,
 ) -> Result<Vec<Value>, SpecError> {
     let c = input.config;
@@ -32,6 +32,22 @@ pub(super) fn build(
     if userns.is_some() && !input.cgroup_ns && pid_mode == cri::NamespaceMode::Pod {
         mounts.pop();
         mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
+    }
+    // /dev/shm: a container in the pod's IPC namespace shares the pod's (its agent's; a VM
+    // pod's host IPC namespace is its guest's), one in the host's shares the host's, as
+    // with containerd; one with its own IPC namespace (or in a pod started before pods had
+    // one) has its own.
+    let shm = match ipc_mode {
+        cri::NamespaceMode::Node if !input.vm_guest => Some("/dev/shm"),
+        cri::NamespaceMode::Pod | cri::NamespaceMode::Node if input.shared_shm => {
+            Some(vessel_agent::spec::POD_SHM)
+        }
+        _ => None,
+    };
+    if let Some(source) = shm.filter(|s| !s.starts_with('/') || std::path::Path::new(s).is_dir()) {
+        if let Some(m) = mounts.iter_mut().find(|m| m["destination"] == "/dev/shm") {
+            *m = json!({"destination": "/dev/shm", "type": "bind", "source": source, "options": ["rbind", "rprivate", "nosuid", "noexec", "nodev", "rw"]});
+        }
     }
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
     let dests: Vec<String> = c.mounts.iter().map(|m| clean(&m.container_path)).collect();

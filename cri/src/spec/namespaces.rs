@@ -14,6 +14,8 @@ pub(super) struct Namespaces {
     pub userns: Option<PodUserns>,
     /// The container's pid namespace mode.
     pub pid: cri::NamespaceMode,
+    /// The container's ipc namespace mode.
+    pub ipc: cri::NamespaceMode,
     /// Whether the pod is on the host's network (and UTS) namespace.
     pub host_net: bool,
 }
@@ -113,6 +115,7 @@ pub(super) fn build(
         list: namespaces,
         userns,
         pid: ns_mode(ns.pid),
+        ipc: ns_mode(ns.ipc),
         host_net,
     })
 }

@@ -13,6 +13,7 @@ pub(super) fn specs() -> Vec<Spec> {
     vec![
         spec!("volume", "a 50 MB write with fsync is on the host while the container runs and after the pod is gone", big_write),
         spec!("volume", "two containers of a pod share a host directory", shared_between_containers),
+        spec!("volume", "containers in the pod's IPC namespace share its /dev/shm; one with its own IPC namespace has its own", shared_shm),
         spec!("volume", "programs on a host-path volume run: a script, a static binary, one the container wrote", programs_run_from_a_volume),
         spec!("volume", "a ConfigMap-style symlink swap on the host is seen by the container within 3 s", configmap_swap),
         spec!("volume", "a socket as a host path: bound into a flat pod, InvalidArgument for a VM pod", socket_source),
@@ -113,6 +114,47 @@ async fn shared_between_containers(c: Ctx) -> SpecResult {
         d.join("sub").is_dir() && !d.join("note").exists(),
         "the host directory does not show the containers' changes"
     );
+    Ok(())
+}
+
+/// POSIX shared memory between a pod's containers (a sidecar reading what the app put in
+/// /dev/shm), as kubelet's pods have it with containerd and CRI-O: the containers that
+/// share the pod's IPC namespace (kubelet's NamespaceOption, ipc POD) share one /dev/shm, a
+/// tmpfs, writable by any user; a container with an IPC namespace of its own has its own.
+async fn shared_shm(c: Ctx) -> SpecResult {
+    let mut pcfg = c.pod_config("shm");
+    pcfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options = Some(cri::NamespaceOption::default());
+    let pod = c.run_pod_with(&pcfg).await?;
+    let mut ids = Vec::new();
+    for name in ["app", "sidecar"] {
+        let mut cfg = c.ctr_config(name, "sleep 100000");
+        Ctx::sec(&mut cfg).namespace_options = Some(cri::NamespaceOption::default());
+        ids.push(c.run_cfg(&pod, &pcfg, cfg).await?);
+    }
+    let mut cfg = c.ctr_config("own-ipc", "sleep 100000");
+    Ctx::sec(&mut cfg).namespace_options = Some(cri::NamespaceOption {
+        ipc: cri::NamespaceMode::Container as i32,
+        ..Default::default()
+    });
+    let own = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.sh_ok(&ids[0], "echo from-app > /dev/shm/segment").await?;
+    let got = c.sh_ok(&ids[1], "cat /dev/shm/segment").await?;
+    check!(got == "from-app", "the sidecar reads {got:?} from /dev/shm");
+    let got = c
+        .sh_ok(&ids[1], "stat -f -c %T /dev/shm; stat -c %a /dev/shm")
+        .await?;
+    check!(got == "tmpfs\n1777", "the pod's /dev/shm: {got:?}");
+    let (code, _, _) = c.sh(&own, "test -e /dev/shm/segment").await?;
+    check!(
+        code != 0,
+        "a container with its own IPC namespace sees the pod's /dev/shm"
+    );
+    let got = c.sh_ok(&own, "stat -f -c %T /dev/shm").await?;
+    check!(got == "tmpfs", "its own /dev/shm: {got:?}");
     Ok(())
 }
 
