@@ -3,6 +3,7 @@
 
 use super::{invalid, SpecError};
 use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
 use vessel_cri_api::v1 as cri;
 
 /// The spec's `linux.devices` and the device cgroup rules (`linux.resources.devices`).
@@ -32,21 +33,6 @@ pub(super) fn build(
         dev_rules = vec![json!({"allow": true, "access": "rwm"})];
     }
     for d in &c.devices {
-        use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let m = std::fs::metadata(&d.host_path)
-            .map_err(|e| invalid(format!("device {:?}: {e}", d.host_path)))?;
-        let t = if m.file_type().is_char_device() {
-            "c"
-        } else if m.file_type().is_block_device() {
-            "b"
-        } else {
-            return Err(invalid(format!(
-                "device {:?} is not a device node",
-                d.host_path
-            )));
-        };
-        let rdev = m.rdev();
-        let (maj, min) = (libc::major(rdev), libc::minor(rdev));
         let perms = if d.permissions.is_empty() {
             "rwm"
         } else {
@@ -58,13 +44,48 @@ pub(super) fn build(
                 d.host_path
             )));
         }
-        devices.push(json!({
-            "path": if d.container_path.is_empty() { &d.host_path } else { &d.container_path },
-            "type": t, "major": maj, "minor": min,
-            "fileMode": m.mode() & 0o7777, "uid": m.uid(), "gid": m.gid()
-        }));
-        dev_rules
-            .push(json!({"allow": true, "type": t, "major": maj, "minor": min, "access": perms}));
+        let m = std::fs::metadata(&d.host_path)
+            .map_err(|e| invalid(format!("device {:?}: {e}", d.host_path)))?;
+        let at = if d.container_path.is_empty() {
+            &d.host_path
+        } else {
+            &d.container_path
+        };
+        // A directory (`/dev/dri`, `/dev/snd`) gives the nodes in it, at the same places
+        // under the container path, as containerd and CRI-O give them.
+        let nodes = if m.is_dir() {
+            let mut found = Vec::new();
+            device_nodes(Path::new(&d.host_path), &[], &mut found);
+            if found.is_empty() {
+                return Err(invalid(format!(
+                    "device directory {:?} has no device nodes",
+                    d.host_path
+                )));
+            }
+            found
+                .into_iter()
+                .filter_map(|(p, m)| {
+                    let rel = p.strip_prefix(&d.host_path).ok()?;
+                    Some((Path::new(at).join(rel), m))
+                })
+                .collect()
+        } else if node_type(&m).is_some() {
+            vec![(PathBuf::from(at), m)]
+        } else {
+            return Err(invalid(format!(
+                "device {:?} is not a device node",
+                d.host_path
+            )));
+        };
+        for (path, m) in nodes {
+            let Some((t, maj, min)) = node_type(&m) else {
+                continue;
+            };
+            devices.push(node_json(&path, &m));
+            dev_rules.push(
+                json!({"allow": true, "type": t, "major": maj, "minor": min, "access": perms}),
+            );
+        }
     }
     // A privileged container of a flat pod sees the host's device nodes, as with containerd
     // and CRI-O (CSI and device plugins find the node's disks, loop devices, /dev/fuse);
@@ -75,7 +96,7 @@ pub(super) fn build(
             .filter_map(|d| d["path"].as_str().map(str::to_string))
             .collect();
         let mut host = Vec::new();
-        host_devices(std::path::Path::new("/dev"), &mut host);
+        host_devices(Path::new("/dev"), &mut host);
         devices.extend(host.into_iter().filter(|d| {
             d["path"]
                 .as_str()
@@ -97,11 +118,27 @@ const STANDARD: &[&str] = &[
     "/dev/console",
 ];
 
-/// The character and block device nodes under `dir` (the host's /dev), as spec devices,
-/// without the standard ones and the directories other mounts own (pts, shm, mqueue) or
-/// that are not devices (fd). Symlinks are not followed; unreadable entries are skipped.
-fn host_devices(dir: &std::path::Path, out: &mut Vec<Value>) {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+/// The device nodes of the host's /dev, as spec devices, without the standard ones and
+/// the directories other mounts own (pts, shm, mqueue) or that hold no devices (fd).
+fn host_devices(dir: &Path, out: &mut Vec<Value>) {
+    let mut found = Vec::new();
+    device_nodes(
+        dir,
+        &["pts", "shm", "mqueue", "fd", ".lxc", ".lxd-mounts", ".udev"],
+        &mut found,
+    );
+    out.extend(
+        found
+            .iter()
+            .filter(|(p, _)| !p.to_str().is_some_and(|p| STANDARD.contains(&p)))
+            .map(|(p, m)| node_json(p, m)),
+    );
+}
+
+/// The character and block device nodes under `dir`, recursively, but for the
+/// subdirectories named in `skip`. Symlinks are not followed; unreadable entries are
+/// skipped.
+fn device_nodes(dir: &Path, skip: &[&str], out: &mut Vec<(PathBuf, std::fs::Metadata)>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -110,36 +147,38 @@ fn host_devices(dir: &std::path::Path, out: &mut Vec<Value>) {
         let Ok(m) = std::fs::symlink_metadata(&path) else {
             continue;
         };
-        let ft = m.file_type();
-        if ft.is_dir() {
-            let name = e.file_name();
-            if !matches!(
-                name.to_str(),
-                Some("pts" | "shm" | "mqueue" | "fd" | ".lxc" | ".lxd-mounts" | ".udev")
-            ) {
-                host_devices(&path, out);
+        if m.is_dir() {
+            if !e.file_name().to_str().is_some_and(|n| skip.contains(&n)) {
+                device_nodes(&path, skip, out);
             }
-            continue;
+        } else if node_type(&m).is_some() {
+            out.push((path, m));
         }
-        let t = if ft.is_char_device() {
-            "c"
-        } else if ft.is_block_device() {
-            "b"
-        } else {
-            continue;
-        };
-        let Some(p) = path.to_str() else {
-            continue;
-        };
-        if STANDARD.contains(&p) {
-            continue;
-        }
-        let rdev = m.rdev();
-        out.push(json!({
-            "path": p, "type": t, "major": libc::major(rdev), "minor": libc::minor(rdev),
-            "fileMode": m.mode() & 0o7777, "uid": m.uid(), "gid": m.gid()
-        }));
     }
+}
+
+/// A device node's type (`c` or `b`) and numbers; `None` for anything else.
+fn node_type(m: &std::fs::Metadata) -> Option<(&'static str, u32, u32)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let t = if m.file_type().is_char_device() {
+        "c"
+    } else if m.file_type().is_block_device() {
+        "b"
+    } else {
+        return None;
+    };
+    let rdev = m.rdev();
+    Some((t, libc::major(rdev), libc::minor(rdev)))
+}
+
+/// A spec device at container path `path` for the node `m` describes.
+fn node_json(path: &Path, m: &std::fs::Metadata) -> Value {
+    use std::os::unix::fs::MetadataExt;
+    let (t, maj, min) = node_type(m).unwrap_or(("c", 0, 0));
+    json!({
+        "path": path, "type": t, "major": maj, "minor": min,
+        "fileMode": m.mode() & 0o7777, "uid": m.uid(), "gid": m.gid()
+    })
 }
 
 #[cfg(test)]
@@ -178,5 +217,41 @@ mod tests {
         assert!(!all.iter().any(|p| p.starts_with("/dev/pts/")), "{all:?}");
         assert_eq!(paths(true, true), ["/dev/kmsg"]);
         assert_eq!(paths(false, false), ["/dev/kmsg"]);
+    }
+
+    /// A device directory gives the nodes in it under the container path, each with its
+    /// rule; one without nodes, or a file that is no node, is refused.
+    #[test]
+    fn a_device_directory_gives_its_nodes() {
+        let dev = |host: &str, at: &str| cri::ContainerConfig {
+            devices: vec![cri::Device {
+                container_path: at.into(),
+                host_path: host.into(),
+                permissions: "rw".into(),
+            }],
+            ..Default::default()
+        };
+        if std::fs::metadata("/dev/net/tun").is_ok() {
+            let (devices, rules) = build(&dev("/dev/net", "/dev/vnet"), false, false).unwrap();
+            assert!(
+                devices
+                    .iter()
+                    .any(|d| d["path"] == "/dev/vnet/tun" && d["type"] == "c"),
+                "{devices:?}"
+            );
+            assert!(
+                rules
+                    .iter()
+                    .any(|r| r["major"] == 10 && r["access"] == "rw"),
+                "{rules:?}"
+            );
+        }
+        let empty = tempfile::tempdir().unwrap();
+        let e = build(&dev(empty.path().to_str().unwrap(), "/dev/x"), false, false).unwrap_err();
+        assert!(e.to_string().contains("no device nodes"), "{e}");
+        let file = empty.path().join("f");
+        std::fs::write(&file, "").unwrap();
+        let e = build(&dev(file.to_str().unwrap(), "/dev/x"), false, false).unwrap_err();
+        assert!(e.to_string().contains("not a device node"), "{e}");
     }
 }
