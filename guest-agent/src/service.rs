@@ -553,6 +553,33 @@ impl AgentState {
         }
     }
 
+    /// New limits for a container: written into its cgroup once it runs; before that (created,
+    /// not started: its cgroup is made at start from its bundle's spec) into the spec, as
+    /// containerd updates a created container's. Zero or empty fields are left alone.
+    pub async fn update_resources(
+        &self,
+        id: &str,
+        res: &proto::LinuxResources,
+    ) -> Result<(), AgentError> {
+        let c = self.get(id)?;
+        // A start under way holds the lock: afterwards the container runs, and its cgroup
+        // takes the update.
+        let _guard = match c.launched() || c.is_exited() {
+            true => None,
+            false => Some(self.lifecycle.lock().await),
+        };
+        let bad = |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported => {
+                AgentError::InvalidArgument(format!("container {id}: {e}"))
+            }
+            _ => AgentError::FailedPrecondition(format!("container {id}: {e}")),
+        };
+        if c.launched() || c.is_exited() {
+            return c.cgroup.update(res).map_err(bad);
+        }
+        update_spec_resources(&c.dir.join("bundle").join("config.json"), res).map_err(bad)
+    }
+
     /// Starts a created container; returns its init's pid.
     pub async fn start(&self, id: &str) -> Result<i32, AgentError> {
         let c = self.get(id)?;
@@ -1033,6 +1060,73 @@ impl AgentState {
             io_pressure: s.io_pressure,
         })
     }
+}
+
+/// Writes new limits into a created container's spec (`linux.resources` of its bundle's
+/// `config.json`, replaced atomically): what its cgroup gets at start. Zero or empty fields
+/// are left alone; a negative CPU quota removes the quota.
+fn update_spec_resources(config: &Path, r: &proto::LinuxResources) -> std::io::Result<()> {
+    use serde_json::{json, Value};
+    let mut spec: Value = serde_json::from_slice(&std::fs::read(config)?)
+        .map_err(|e| std::io::Error::other(format!("{}: {e}", config.display())))?;
+    for k in r.unified.keys() {
+        if k.contains('/') || k.starts_with('.') {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("bad cgroup file name {k:?}"),
+            ));
+        }
+    }
+    let res = &mut spec["linux"]["resources"];
+    if !res.is_object() {
+        *res = json!({});
+    }
+    let cpu = &mut res["cpu"];
+    if !cpu.is_object() {
+        *cpu = json!({});
+    }
+    if r.cpu_shares > 0 {
+        cpu["shares"] = json!(r.cpu_shares);
+    }
+    if r.cpu_quota > 0 {
+        cpu["quota"] = json!(r.cpu_quota);
+    } else if r.cpu_quota < 0 {
+        if let Some(o) = cpu.as_object_mut() {
+            o.remove("quota");
+        }
+    }
+    if r.cpu_period > 0 {
+        cpu["period"] = json!(r.cpu_period);
+    }
+    if !r.cpuset_cpus.is_empty() {
+        cpu["cpus"] = json!(r.cpuset_cpus);
+    }
+    if !r.cpuset_mems.is_empty() {
+        cpu["mems"] = json!(r.cpuset_mems);
+    }
+    if r.memory_limit_in_bytes > 0 {
+        let mem = &mut res["memory"];
+        if !mem.is_object() {
+            *mem = json!({});
+        }
+        mem["limit"] = json!(r.memory_limit_in_bytes);
+        if r.memory_swap_limit_in_bytes > 0 {
+            mem["swap"] = json!(r.memory_swap_limit_in_bytes);
+        }
+    }
+    if !r.unified.is_empty() {
+        let unified = &mut res["unified"];
+        if !unified.is_object() {
+            *unified = json!({});
+        }
+        for (k, v) in &r.unified {
+            unified[k] = json!(v);
+        }
+    }
+    let bytes = serde_json::to_vec(&spec).map_err(std::io::Error::other)?;
+    let tmp = config.with_extension("json.tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, config)
 }
 
 /// The console socket of one libcontainer helper (a tty container's launch, a tty exec),
@@ -1550,14 +1644,8 @@ impl Agent for AgentService {
         req: Request<proto::UpdateResourcesRequest>,
     ) -> Result<Response<proto::UpdateResourcesResponse>, Status> {
         let r = req.into_inner();
-        let c = self.state.get(&r.id)?;
         let res = r.resources.unwrap_or_default();
-        c.cgroup.update(&res).map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported => {
-                Status::invalid_argument(format!("container {}: {e}", r.id))
-            }
-            _ => Status::failed_precondition(format!("container {}: {e}", r.id)),
-        })?;
+        self.state.update_resources(&r.id, &res).await?;
         Ok(Response::new(proto::UpdateResourcesResponse {}))
     }
 
@@ -1627,6 +1715,44 @@ impl Agent for AgentService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A created container's new limits land in its spec: set fields replace, zero ones
+    /// leave what was there, a negative quota removes the quota, bad unified names refused.
+    #[test]
+    fn a_created_containers_limits_go_into_its_spec() {
+        let d = tempfile::tempdir().unwrap();
+        let config = d.path().join("config.json");
+        let spec = serde_json::json!({"process": {"args": ["sh"]}, "linux": {"resources": {
+            "cpu": {"shares": 2, "quota": 50000, "period": 100000},
+            "memory": {"limit": 1048576}
+        }}});
+        std::fs::write(&config, spec.to_string()).unwrap();
+        let r = proto::LinuxResources {
+            cpu_shares: 512,
+            cpu_quota: -1,
+            memory_limit_in_bytes: 64 << 20,
+            cpuset_cpus: "0-1".into(),
+            unified: [("memory.high".to_string(), "50M".to_string())].into(),
+            ..Default::default()
+        };
+        update_spec_resources(&config, &r).unwrap();
+        let got: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+        let res = &got["linux"]["resources"];
+        assert_eq!(res["cpu"]["shares"], 512);
+        assert!(res["cpu"].get("quota").is_none(), "{res}");
+        assert_eq!(res["cpu"]["period"], 100000);
+        assert_eq!(res["cpu"]["cpus"], "0-1");
+        assert_eq!(res["memory"]["limit"], 64 << 20);
+        assert_eq!(res["unified"]["memory.high"], "50M");
+        assert_eq!(got["process"]["args"][0], "sh");
+        let bad = proto::LinuxResources {
+            unified: [("../x".to_string(), "1".to_string())].into(),
+            ..Default::default()
+        };
+        let e = update_spec_resources(&config, &bad).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    }
 
     #[test]
     fn console_sockets_go_in_a_short_dir_or_a_private_one() {

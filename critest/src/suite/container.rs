@@ -17,7 +17,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "list filters by id, state, pod and label", list_filters),
         spec!("container", "command, args, env and working dir", command_env),
         spec!("container", "host path mounts, read-write, read-only, nested (inner listed first) and over /dev/shm", host_mounts),
-        spec!("container", "UpdateContainerResources changes the memory limit", update_resources),
+        spec!("container", "UpdateContainerResources changes the memory limit of a running container and of a created one", update_resources),
         spec!("exec", "ExecSync returns stdout, stderr and the exit code", exec_sync),
         spec!("exec", "ExecSync past its timeout returns DeadlineExceeded", exec_timeout),
         spec!("exec", "ExecSync in an exited container fails", exec_exited),
@@ -450,27 +450,38 @@ async fn host_mounts(c: Ctx) -> SpecResult {
     Ok(())
 }
 
+/// The limit is in the container's cgroup when it runs; one given to a created container
+/// (kubelet resizing a container that has not started yet) is what it starts with.
 async fn update_resources(c: Ctx) -> SpecResult {
-    let id = c.sleeper_with("upd", |_| {}).await?;
-    let mut cl = c.c.clone();
-    cl.runtime
-        .update_container_resources(cri::UpdateContainerResourcesRequest {
-            container_id: id.clone(),
-            linux: Some(cri::LinuxContainerResources {
-                memory_limit_in_bytes: 64 << 20,
+    let (pod, pcfg) = c.run_pod("upd").await?;
+    let running = c.run(&pod, &pcfg, "running", "sleep 100000").await?;
+    let created = c
+        .create(&pod, &pcfg, c.ctr_config("created", "sleep 100000"))
+        .await?;
+    for (id, mib) in [(&running, 64u64), (&created, 96)] {
+        let mut cl = c.c.clone();
+        cl.runtime
+            .update_container_resources(cri::UpdateContainerResourcesRequest {
+                container_id: id.clone(),
+                linux: Some(cri::LinuxContainerResources {
+                    memory_limit_in_bytes: (mib << 20) as i64,
+                    ..Default::default()
+                }),
                 ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await?;
-    let got = c
-        .sh_ok(&id, "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
-        .await?;
-    check!(
-        got == (64u64 << 20).to_string(),
-        "memory limit in the container's cgroup {got:?}, want {}",
-        64u64 << 20
-    );
+            })
+            .await?;
+    }
+    c.start(&created).await?;
+    for (id, mib) in [(&running, 64u64), (&created, 96)] {
+        let got = c
+            .sh_ok(id, "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
+            .await?;
+        check!(
+            got == (mib << 20).to_string(),
+            "memory limit in the cgroup of {id}: {got:?}, want {}",
+            mib << 20
+        );
+    }
     Ok(())
 }
 
