@@ -142,6 +142,9 @@ pub struct PodNetwork {
     pub uid: String,
     /// CNI `runtimeConfig.portMappings` entries.
     pub port_mappings: Vec<Value>,
+    /// CNI `runtimeConfig.bandwidth`, from the pod's bandwidth annotations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth: Option<Value>,
 }
 
 /// What ADD was asked and answered: enough to DEL it.
@@ -523,17 +526,22 @@ impl Cni {
             if let Some(p) = prev {
                 o.insert("prevResult".into(), p.clone());
             }
-            let wants_ports = o
-                .get("capabilities")
-                .and_then(|c| c.get("portMappings"))
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
+            let wants = |cap: &str| {
+                o.get("capabilities")
+                    .and_then(|c| c.get(cap))
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false)
+            };
+            let mut runtime = serde_json::Map::new();
+            if wants("portMappings") && !a.pod.port_mappings.is_empty() {
+                runtime.insert("portMappings".into(), json!(a.pod.port_mappings));
+            }
+            if let Some(b) = a.pod.bandwidth.as_ref().filter(|_| wants("bandwidth")) {
+                runtime.insert("bandwidth".into(), b.clone());
+            }
             o.remove("runtimeConfig");
-            if wants_ports && !a.pod.port_mappings.is_empty() {
-                o.insert(
-                    "runtimeConfig".into(),
-                    json!({ "portMappings": a.pod.port_mappings }),
-                );
+            if !runtime.is_empty() {
+                o.insert("runtimeConfig".into(), Value::Object(runtime));
             }
         }
         let stdin = serde_json::to_vec(&conf).map_err(|e| fail(e.to_string()))?;
@@ -616,6 +624,81 @@ impl Cni {
         }
         Ok(stdout)
     }
+}
+
+/// The pod's traffic limits (`kubernetes.io/ingress-bandwidth` and `egress-bandwidth`
+/// annotations, in bits per second as Kubernetes quantities: `10M`, `1Gi`) as CNI
+/// `runtimeConfig.bandwidth`, which a chain with the bandwidth plugin applies, with the
+/// burst containerd gives (no limit of its own). Kubernetes' bounds: 1k to 1P.
+pub fn bandwidth(
+    annotations: &std::collections::HashMap<String, String>,
+) -> Result<Option<Value>, String> {
+    let mut out = serde_json::Map::new();
+    for (key, rate, burst) in [
+        (
+            "kubernetes.io/ingress-bandwidth",
+            "ingressRate",
+            "ingressBurst",
+        ),
+        (
+            "kubernetes.io/egress-bandwidth",
+            "egressRate",
+            "egressBurst",
+        ),
+    ] {
+        let Some(v) = annotations.get(key) else {
+            continue;
+        };
+        let bits =
+            quantity(v).ok_or_else(|| format!("annotation {key}: {v:?} is not a quantity"))?;
+        if !(1_000..=1_000_000_000_000_000).contains(&bits) {
+            return Err(format!(
+                "annotation {key}: {v:?} is outside 1k to 1P bits per second"
+            ));
+        }
+        out.insert(rate.into(), json!(bits));
+        out.insert(burst.into(), json!(u32::MAX));
+    }
+    Ok((!out.is_empty()).then_some(Value::Object(out)))
+}
+
+/// A Kubernetes quantity as a whole number (`100`, `1.5M`, `10Mi`, `2e3`, `500m` rounds
+/// up, as Quantity.Value() does); `None` if it is not one or does not fit.
+fn quantity(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, suffix) = s.split_at(split);
+    let (mul, div): (u128, u128) = match suffix {
+        "" => (1, 1),
+        "m" => (1, 1000),
+        "k" => (1_000, 1),
+        "M" => (1_000_000, 1),
+        "G" => (1_000_000_000, 1),
+        "T" => (1_000_000_000_000, 1),
+        "P" => (1_000_000_000_000_000, 1),
+        "E" => (1_000_000_000_000_000_000, 1),
+        "Ki" => (1 << 10, 1),
+        "Mi" => (1 << 20, 1),
+        "Gi" => (1 << 30, 1),
+        "Ti" => (1 << 40, 1),
+        "Pi" => (1 << 50, 1),
+        "Ei" => (1 << 60, 1),
+        e if e.starts_with(['e', 'E']) => {
+            let exp: u32 = e[1..].parse().ok().filter(|x| *x <= 18)?;
+            (10u128.pow(exp), 1)
+        }
+        _ => return None,
+    };
+    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
+    if (whole.is_empty() && frac.is_empty()) || frac.len() > 9 {
+        return None;
+    }
+    let scale = 10u128.pow(u32::try_from(frac.len()).ok()?);
+    let digits: u128 = format!("{whole}{frac}").parse().ok()?;
+    let value = (digits * mul).div_ceil(scale * div);
+    u64::try_from(value).ok()
 }
 
 /// CRI port mappings as CNI `portMappings` (ports 0 are left out: no host port).
@@ -759,6 +842,37 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn quantities_and_bandwidth_annotations() {
+        for (q, want) in [
+            ("100", Some(100)),
+            ("10M", Some(10_000_000)),
+            ("1.5k", Some(1_500)),
+            ("10Mi", Some(10 << 20)),
+            ("2e3", Some(2_000)),
+            ("1500m", Some(2)),
+            ("", None),
+            ("lots", None),
+            ("1.2.3", None),
+            ("10Q", None),
+            ("-5", None),
+        ] {
+            assert_eq!(quantity(q), want, "{q:?}");
+        }
+        let ann =
+            |k: &str, v: &str| std::collections::HashMap::from([(k.to_string(), v.to_string())]);
+        assert_eq!(bandwidth(&Default::default()).unwrap(), None);
+        let b = bandwidth(&ann("kubernetes.io/egress-bandwidth", "1G"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            b,
+            json!({"egressRate": 1_000_000_000u64, "egressBurst": u32::MAX})
+        );
+        assert!(bandwidth(&ann("kubernetes.io/ingress-bandwidth", "10")).is_err());
+        assert!(bandwidth(&ann("kubernetes.io/ingress-bandwidth", "2P")).is_err());
     }
 
     #[test]

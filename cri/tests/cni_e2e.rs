@@ -403,6 +403,66 @@ async fn failed_add_leaves_nothing() {
     assert!(h.network_ready().await.status);
 }
 
+/// A pod's `kubernetes.io/ingress-bandwidth` annotation reaches a chain with the bandwidth
+/// plugin as `runtimeConfig.bandwidth` (the capability its config declares): the traffic
+/// to the pod is shaped on its host-side interface at that rate. A rate that is not a
+/// quantity is refused with nothing left; the shaping goes with the pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bandwidth_annotations_shape_the_pods_traffic() {
+    let Some(cni) = test_cni() else { return };
+    if !std::path::Path::new("/usr/lib/cni/bandwidth").exists() {
+        println!("SKIP bandwidth_annotations_shape_the_pods_traffic: no bandwidth plugin");
+        return;
+    }
+    let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
+    let mut conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&conf_path).unwrap()).unwrap();
+    conf["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"type": "bandwidth", "capabilities": {"bandwidth": true}}));
+    std::fs::write(&conf_path, conf.to_string()).unwrap();
+    let mut h = harness(&cni.config_toml()).await;
+    let tbf = || {
+        let out = Command::new("tc")
+            .args(["qdisc", "show"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        out.lines()
+            .filter(|l| l.contains("tbf"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let before = tbf();
+    let mut cfg = h.pod_config("shaped");
+    cfg.annotations
+        .insert("kubernetes.io/ingress-bandwidth".into(), "10M".into());
+    let pod = h
+        .run_pod(&cfg)
+        .await
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}"));
+    let added: Vec<String> = tbf().into_iter().filter(|l| !before.contains(l)).collect();
+    assert!(
+        added.iter().any(|l| l.contains("rate 10Mbit")),
+        "no 10Mbit tbf qdisc for the pod: {added:?}"
+    );
+    h.remove_pod(&pod).await;
+    let left: Vec<String> = tbf().into_iter().filter(|l| !before.contains(l)).collect();
+    assert!(left.is_empty(), "shaping left: {left:?}");
+    let mut bad = h.pod_config("badly-shaped");
+    bad.annotations
+        .insert("kubernetes.io/ingress-bandwidth".into(), "lots".into());
+    let e = h
+        .run_pod(&bad)
+        .await
+        .expect_err("a bad rate must be refused");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("ingress-bandwidth"), "{e}");
+    assert!(bridge_ports(&cni.bridge).is_empty(), "veths left");
+    assert!(cni.allocated_ips().is_empty(), "IPs left");
+}
+
 /// Without a CNI config, NetworkReady is false and says what is missing; pods still run,
 /// with loopback only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

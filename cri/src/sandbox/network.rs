@@ -17,6 +17,9 @@ pub async fn attach(cni: &Cni, pod: &Pod, config: &cri::PodSandboxConfig) -> Res
         return Ok(());
     }
     let meta = config.metadata.clone().unwrap_or_default();
+    let bandwidth = crate::cni::bandwidth(&config.annotations).map_err(|e| {
+        crate::errors::RuntimeError::InvalidArgument(format!("pod {}: {e}", rec.id))
+    })?;
     let a = cni
         .add(crate::cni::PodNetwork {
             id: rec.id.clone(),
@@ -25,6 +28,7 @@ pub async fn attach(cni: &Cni, pod: &Pod, config: &cri::PodSandboxConfig) -> Res
             name: meta.name,
             uid: meta.uid,
             port_mappings: crate::cni::port_mappings(&config.port_mappings),
+            bandwidth,
         })
         .await
         .map_err(cni_err)?;
