@@ -72,6 +72,12 @@ pub mod vsock;
 /// The agent's version, reported by `Ping`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// The agent keeps the pod's /dev/shm (a spec bind from [`spec::POD_SHM`]).
+pub const FEATURE_POD_SHM: &str = "pod-shm";
+
+/// What this agent answers in `PingResponse.features`.
+pub const FEATURES: &[&str] = &[FEATURE_POD_SHM];
+
 /// Nanoseconds since the Unix epoch, now.
 pub fn now_nanos() -> i64 {
     std::time::SystemTime::now()

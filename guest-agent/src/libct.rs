@@ -254,8 +254,12 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
     let mut mounts = spec.mounts().clone().unwrap_or_default();
     let is_idmap = |o: &String| o == "idmap" || o == "ridmap";
     // The agent's own (the pod's /dev/shm): in its containers' dir, which is the bundle's
-    // grandparent, and mounted in its namespace only.
-    let agents = bundle.parent().and_then(Path::parent);
+    // grandparent, and mounted in its namespace only. Exactly that path: a request's source
+    // under the containers' dir is a host path like any other.
+    let own_shm = bundle
+        .parent()
+        .and_then(Path::parent)
+        .map(crate::spec::pod_shm_dir);
     let todo: Vec<(usize, PathBuf, bool, bool)> = mounts
         .iter()
         .enumerate()
@@ -265,7 +269,7 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
             let bind = rbind || opts.iter().any(|o| o == "bind");
             let idmap = opts.iter().any(is_idmap);
             let src = m.source().clone()?;
-            let own = agents.is_some_and(|a| src.starts_with(a));
+            let own = own_shm.as_ref() == Some(&src);
             (bind && src.is_absolute() && !own).then_some((i, src, rbind, idmap))
         })
         .collect();

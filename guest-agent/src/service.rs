@@ -1465,6 +1465,7 @@ impl Agent for AgentService {
                 .and_then(|h| h.into_string().ok())
                 .unwrap_or_else(|| self.state.hostname.clone()),
             started_at: self.state.started_at,
+            features: crate::FEATURES.iter().map(|f| f.to_string()).collect(),
         }))
     }
 

@@ -101,7 +101,8 @@ impl Runtime {
             reason: String::new(),
             ips: Vec::new(),
             stopping: false,
-            shared_shm: true,
+            // Once the agent says it keeps one (below).
+            shared_shm: false,
         };
         // The record comes first: a crash from here on leaves something recovery cleans. If
         // it cannot be written (a full disk), nothing of the pod is left either.
@@ -113,15 +114,19 @@ impl Runtime {
         // The host process goes into the pod's cgroup unit (systemd driver) before any
         // container can start beneath it; a flat pod's agent moves on into a leaf.
         let setup = match backend.start(&pod, &config).await {
-            Ok(()) => match self
-                .opts
-                .cgroups
-                .adopt(&pod.record(), kind == BackendKind::Flat)
-                .await
-            {
-                Ok(()) => sandbox::save(&self.dirs, &pod.record()),
-                Err(e) => Err(e),
-            },
+            Ok(()) => {
+                // The agent may be older than vesseld (a VM image built before, or
+                // `runtime.agent_binary`): what it keeps is what it says it keeps.
+                let features = agent_features(&pod).await;
+                let shm = features.iter().any(|f| f == vessel_agent::FEATURE_POD_SHM);
+                pod.update(|r| r.shared_shm = shm);
+                let adopted = self
+                    .opts
+                    .cgroups
+                    .adopt(&pod.record(), kind == BackendKind::Flat)
+                    .await;
+                adopted.and_then(|()| sandbox::save(&self.dirs, &pod.record()))
+            }
             Err(e) => Err(e),
         };
         match setup {
@@ -428,4 +433,16 @@ impl Runtime {
         out.sort_by_key(|p| p.created_at);
         out
     }
+}
+
+/// What the pod's agent says it does beyond the first agents (`PingResponse.features`);
+/// none from an agent that cannot be asked.
+async fn agent_features(pod: &Pod) -> Vec<String> {
+    let Ok(mut c) = pod.client().await else {
+        return Vec::new();
+    };
+    c.ping(vessel_agent::proto::PingRequest {})
+        .await
+        .map(|r| r.into_inner().features)
+        .unwrap_or_default()
 }

@@ -188,6 +188,12 @@ impl Checkpoint {
         if missing.is_empty() {
             return Ok(());
         }
+        if missing == ["/dev/shm"] {
+            return Err(format!(
+                "the {} shared its pod's /dev/shm, which CRIU restores onto the new pod's: restore it into a container in its pod's IPC namespace (ipc POD)",
+                self.source
+            ));
+        }
         Err(format!(
             "the {} has a volume or bind mount at {}, which CRIU restores onto a mount at the same path: give the container a mount there",
             self.source,

@@ -98,6 +98,12 @@ pub(super) fn build(
                 m.container_path
             )));
         }
+        if !m.host_path.starts_with('/') {
+            return Err(invalid(format!(
+                "mount source {:?} (for {:?}) must be an absolute path",
+                m.host_path, m.container_path
+            )));
+        }
         // kubelet gives a pod without host users its volumes with the pod's mappings: the
         // agent idmaps them through the pod's user namespace. Other mappings are refused.
         let idmap = !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty();
