@@ -51,14 +51,13 @@ pub(super) fn build(
     }
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
     let dests: Vec<String> = c.mounts.iter().map(|m| clean(&m.container_path)).collect();
-    // A request's mount replaces the standard one at its path, and one at /dev all of the
-    // standard ones below /dev (as containerd does): nothing is mounted only to be hidden.
-    let dev_given = dests.iter().any(|d| d == "/dev");
+    // A request's mount replaces the standard one at its path (as containerd does): nothing
+    // is mounted only to be hidden. But /dev: the runtime makes its nodes and links in its
+    // own tmpfs there, and the agent puts a request's /dev over it once the container is
+    // made (see the agent's `defer_dev_binds`), so the host's /dev is never written.
     mounts.retain(|m| {
         let dest = m["destination"].as_str().unwrap_or_default();
-        let replaced = dests.iter().any(|d| d == dest);
-        let below_dev = dev_given && dest.starts_with("/dev/");
-        !replaced && !below_dev
+        dest == "/dev" || !dests.iter().any(|d| d == dest)
     });
     let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
     for (file, dest) in [
