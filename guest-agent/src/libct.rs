@@ -1033,6 +1033,23 @@ pub fn criu_errors(log: &Path) -> String {
         .join(" | ")
 }
 
+/// The propagation a mount's options ask for (`rslave`, `private`, ...): mount(2) flags.
+fn propagation_flags(opts: &[String]) -> nix::mount::MsFlags {
+    use nix::mount::MsFlags;
+    opts.iter().fold(MsFlags::empty(), |flags, o| {
+        flags
+            | match o.as_str() {
+                "rprivate" => MsFlags::MS_PRIVATE | MsFlags::MS_REC,
+                "private" => MsFlags::MS_PRIVATE,
+                "rslave" => MsFlags::MS_SLAVE | MsFlags::MS_REC,
+                "slave" => MsFlags::MS_SLAVE,
+                "rshared" => MsFlags::MS_SHARED | MsFlags::MS_REC,
+                "shared" => MsFlags::MS_SHARED,
+                _ => MsFlags::empty(),
+            }
+    })
+}
+
 /// A bind mount put in place after libcontainer made the container (see
 /// [`defer_dev_binds`]).
 struct Deferred {
@@ -1050,7 +1067,6 @@ struct Deferred {
 /// container is made with the standard /dev tmpfs; [`attach_deferred`] then puts these over
 /// it, as runc leaves a bound /dev alone.
 fn defer_dev_binds(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
-    use nix::mount::MsFlags;
     let other = |m: String| LibcontainerError::Other(m);
     let config = bundle.join("config.json");
     let mut spec = oci_spec::runtime::Spec::load(&config)
@@ -1077,18 +1093,7 @@ fn defer_dev_binds(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
             continue;
         }
         let opts = m.options().clone().unwrap_or_default();
-        let mut propagation = MsFlags::empty();
-        for o in &opts {
-            propagation |= match o.as_str() {
-                "rprivate" => MsFlags::MS_PRIVATE | MsFlags::MS_REC,
-                "private" => MsFlags::MS_PRIVATE,
-                "rslave" => MsFlags::MS_SLAVE | MsFlags::MS_REC,
-                "slave" => MsFlags::MS_SLAVE,
-                "rshared" => MsFlags::MS_SHARED | MsFlags::MS_REC,
-                "shared" => MsFlags::MS_SHARED,
-                _ => MsFlags::empty(),
-            };
-        }
+        let propagation = propagation_flags(&opts);
         let source = m
             .source()
             .clone()
@@ -1182,7 +1187,6 @@ fn attach_deferred(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerEr
 /// separate mount(2) per mount point. Safe here: this helper is single-threaded (setns into a
 /// mount namespace requires that) and goes back to its own namespace afterwards.
 fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerError> {
-    use nix::mount::MsFlags;
     let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
         .map_err(|e| LibcontainerError::Other(format!("reading the bundle spec: {e}")))?;
     let mut wanted = Vec::new();
@@ -1196,18 +1200,7 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
         if !opts.iter().any(|o| o == "bind" || o == "rbind") {
             continue;
         }
-        let mut flags = MsFlags::empty();
-        for o in &opts {
-            flags |= match o.as_str() {
-                "rprivate" => MsFlags::MS_PRIVATE | MsFlags::MS_REC,
-                "private" => MsFlags::MS_PRIVATE,
-                "rslave" => MsFlags::MS_SLAVE | MsFlags::MS_REC,
-                "slave" => MsFlags::MS_SLAVE,
-                "rshared" => MsFlags::MS_SHARED | MsFlags::MS_REC,
-                "shared" => MsFlags::MS_SHARED,
-                _ => MsFlags::empty(),
-            };
-        }
+        let flags = propagation_flags(&opts);
         if !flags.is_empty() {
             wanted.push((m.destination().clone(), flags));
         }

@@ -870,14 +870,7 @@ async fn propagation(
     privileged: bool,
 ) -> Result<(String, std::path::PathBuf), Stop> {
     let d = shared_dir(c, "prop")?;
-    // A privileged container needs a privileged pod.
-    let mut pcfg = c.pod_config("prop");
-    pcfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = privileged;
-    let pod = c.run_pod_with(&pcfg).await?;
+    let (pod, pcfg) = c.run_pod_privileged("prop", privileged).await?;
     let mut cfg = c.ctr_config("sleeper", "sleep 100000");
     cfg.mounts = vec![cri::Mount {
         container_path: "/mnt/prop".into(),

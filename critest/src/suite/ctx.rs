@@ -212,6 +212,22 @@ impl Ctx {
         }
     }
 
+    /// Runs a pod named `name`, privileged or not (a privileged container needs a
+    /// privileged pod).
+    pub async fn run_pod_privileged(
+        &self,
+        name: &str,
+        privileged: bool,
+    ) -> Result<(String, cri::PodSandboxConfig), Stop> {
+        let mut pcfg = self.pod_config(name);
+        pcfg.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+            .privileged = privileged;
+        Ok((self.run_pod_with(&pcfg).await?, pcfg))
+    }
+
     pub async fn run_pod_with(&self, cfg: &cri::PodSandboxConfig) -> Result<String, Stop> {
         self.c
             .run_pod(cfg, &self.env.runtime_handler)

@@ -120,16 +120,7 @@ async fn default_caps(c: Ctx) -> SpecResult {
 }
 
 async fn privileged(c: Ctx) -> SpecResult {
-    let (pod, pcfg) = {
-        let mut pcfg = c.pod_config("priv");
-        pcfg.linux
-            .get_or_insert_with(Default::default)
-            .security_context = Some(cri::LinuxSandboxSecurityContext {
-            privileged: true,
-            ..Default::default()
-        });
-        (c.run_pod_with(&pcfg).await?, pcfg)
-    };
+    let (pod, pcfg) = c.run_pod_privileged("priv", true).await?;
     let mut cfg = c.ctr_config("priv", "sleep 100000");
     Ctx::sec(&mut cfg).privileged = true;
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
@@ -191,13 +182,7 @@ async fn host_dev(c: Ctx) -> SpecResult {
         Ok(v)
     };
     let before = listing()?;
-    let mut pcfg = c.pod_config("hostdev");
-    pcfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = true;
-    let pod = c.run_pod_with(&pcfg).await?;
+    let (pod, pcfg) = c.run_pod_privileged("hostdev", true).await?;
     let mut cfg = c.ctr_config("csi", "sleep 100000");
     Ctx::sec(&mut cfg).privileged = true;
     cfg.mounts = vec![cri::Mount {
