@@ -391,7 +391,6 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             if let Some(host_ns) = take_host_mount_ns() {
                 stage_binds(&host_ns, &bundle)?;
             }
-            let deferred = defer_dev_binds(&bundle)?;
             let mut b = ContainerBuilder::new(id, SyscallType::default())
                 .with_root_path(root)?
                 .with_console_socket(console_socket);
@@ -410,7 +409,6 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
                 .ok_or_else(|| LibcontainerError::Other("created container has no pid".into()))
                 .and_then(|pid| {
                     apply_bind_propagation(pid.as_raw(), &bundle)?;
-                    attach_deferred(pid.as_raw(), &deferred)?;
                     if start {
                         c.start()?;
                     }
@@ -1048,135 +1046,6 @@ fn propagation_flags(opts: &[String]) -> nix::mount::MsFlags {
                 _ => MsFlags::empty(),
             }
     })
-}
-
-/// A bind mount put in place after libcontainer made the container (see
-/// [`defer_dev_binds`]).
-struct Deferred {
-    source: PathBuf,
-    destination: PathBuf,
-    recursive: bool,
-    readonly: bool,
-    propagation: nix::mount::MsFlags,
-}
-
-/// A bind at /dev (a CSI node plugin's host /dev) and the binds below it, taken out of the
-/// bundle's spec: libcontainer 0.7 always makes its nodes, /dev/ptmx and the /dev/fd and
-/// stdio links in the container's /dev, which through such a bind would be the host's (it
-/// failed on the host's existing links, and would have replaced the host's /dev/ptmx). The
-/// container is made with the standard /dev tmpfs; [`attach_deferred`] then puts these over
-/// it, as runc leaves a bound /dev alone.
-fn defer_dev_binds(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
-    let other = |m: String| LibcontainerError::Other(m);
-    let config = bundle.join("config.json");
-    let mut spec = oci_spec::runtime::Spec::load(&config)
-        .map_err(|e| other(format!("reading the bundle spec: {e}")))?;
-    let mounts = spec.mounts().clone().unwrap_or_default();
-    let is_bind = |m: &oci_spec::runtime::Mount| {
-        m.options()
-            .iter()
-            .flatten()
-            .any(|o| o == "bind" || o == "rbind")
-    };
-    if !mounts
-        .iter()
-        .any(|m| is_bind(m) && m.destination() == Path::new("/dev"))
-    {
-        return Ok(Vec::new());
-    }
-    let mut keep = Vec::new();
-    let mut deferred = Vec::new();
-    for m in mounts {
-        let dest = m.destination().clone();
-        if !(is_bind(&m) && dest.starts_with("/dev")) {
-            keep.push(m);
-            continue;
-        }
-        let opts = m.options().clone().unwrap_or_default();
-        let propagation = propagation_flags(&opts);
-        let source = m
-            .source()
-            .clone()
-            .ok_or_else(|| other(format!("the bind at {} has no source", dest.display())))?;
-        deferred.push(Deferred {
-            source,
-            destination: dest,
-            recursive: opts.iter().any(|o| o == "rbind"),
-            readonly: opts.iter().any(|o| o == "ro"),
-            propagation,
-        });
-    }
-    spec.set_mounts(Some(keep));
-    spec.save(&config)
-        .map_err(|e| other(format!("writing the bundle spec: {e}")))?;
-    Ok(deferred)
-}
-
-/// Puts [`defer_dev_binds`]'s mounts in place in the mount namespace of the made (not yet
-/// started) container `pid`: each source cloned here (open_tree), attached there
-/// (move_mount), then made read-only and given its propagation.
-fn attach_deferred(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerError> {
-    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
-    if deferred.is_empty() {
-        return Ok(());
-    }
-    let other = |m: String| LibcontainerError::Other(m);
-    let mut trees = Vec::new();
-    for d in deferred {
-        let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
-        if d.recursive {
-            flags |= OpenTreeFlags::AT_RECURSIVE;
-        }
-        let tree = rustix::mount::open_tree(rustix::fs::CWD, &d.source, flags)
-            .map_err(|e| other(format!("cloning {}: {e}", d.source.display())))?;
-        trees.push(tree);
-    }
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
-        .map_err(|e| other(format!("opening the container's mount namespace: {e}")))?;
-    let own = std::fs::File::open("/proc/self/ns/mnt")
-        .map_err(|e| other(format!("opening the helper's mount namespace: {e}")))?;
-    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS)
-        .map_err(|e| other(format!("joining the container's mount namespace: {e}")))?;
-    let attached = deferred.iter().zip(&trees).try_for_each(|(d, tree)| {
-        let at = d.destination.display();
-        std::fs::create_dir_all(&d.destination).ok();
-        rustix::mount::move_mount(
-            tree,
-            "",
-            rustix::fs::CWD,
-            &d.destination,
-            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-        )
-        .map_err(|e| other(format!("mounting over {at}: {e}")))?;
-        if d.readonly {
-            let flags = nix::mount::MsFlags::MS_REMOUNT
-                | nix::mount::MsFlags::MS_BIND
-                | nix::mount::MsFlags::MS_RDONLY;
-            nix::mount::mount(
-                None::<&str>,
-                &d.destination,
-                None::<&str>,
-                flags,
-                None::<&str>,
-            )
-            .map_err(|e| other(format!("making {at} read-only: {e}")))?;
-        }
-        if !d.propagation.is_empty() {
-            nix::mount::mount(
-                None::<&str>,
-                &d.destination,
-                None::<&str>,
-                d.propagation,
-                None::<&str>,
-            )
-            .map_err(|e| other(format!("setting the propagation of {at}: {e}")))?;
-        }
-        Ok(())
-    });
-    // Back home whatever happened.
-    nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS)
-        .map_err(|e| other(format!("returning to the helper's mount namespace: {e}")))?;
-    attached
 }
 
 /// Applies the propagation options (`rprivate`, `rslave`, `rshared` and their non-recursive

@@ -648,6 +648,13 @@ mod tests {
 
     /// A spec for `cfg` (a shell command) in a plain image, flat or in a VM guest.
     fn simple_spec(cfg: &cri::ContainerConfig, vm_guest: bool) -> serde_json::Value {
+        try_simple_spec(cfg, vm_guest).unwrap()
+    }
+
+    fn try_simple_spec(
+        cfg: &cri::ContainerConfig,
+        vm_guest: bool,
+    ) -> std::result::Result<serde_json::Value, SpecError> {
         let (d, layers) = layers_with(&[
             ("etc/passwd", PASSWD),
             ("etc/group", GROUP),
@@ -669,8 +676,7 @@ mod tests {
             vm_guest,
             shared_shm: true,
         })
-        .unwrap()
-        .0
+        .map(|(spec, _)| spec)
     }
 
     /// The host's cpusets (kubelet's CPU manager) are applied in a flat pod, not in a VM
@@ -756,7 +762,7 @@ mod tests {
     }
 
     /// The request's mounts go parents first (stable), replace the standard mount at their
-    /// path (not /dev's tmpfs); oom_score_adj 0 is written.
+    /// path (and, at /dev, all those below it); oom_score_adj 0 is written.
     #[test]
     fn mounts_are_ordered_and_replace_the_standard_ones() {
         let src = tempfile::tempdir().unwrap();
@@ -792,20 +798,14 @@ mod tests {
         assert_eq!(tail, ["/x", "/a", "/y", "/a/b", "/dev/shm/", "/a/b/c"]);
         assert_eq!(got.iter().filter(|d| d.starts_with("/dev/shm")).count(), 1);
         assert_eq!(spec["process"]["oomScoreAdj"], 0);
-        // At /dev: the standard tmpfs stays, for the runtime's nodes (the agent puts the
-        // request's over it once the container is made), then the request's.
-        let spec = build_with(&["/dev"]);
-        let devs: Vec<&serde_json::Value> = spec["mounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|m| m["destination"] == "/dev")
-            .collect();
-        assert_eq!(devs.len(), 2, "{devs:?}");
-        assert_eq!(
-            (devs[0]["type"].as_str(), devs[1]["type"].as_str()),
-            (Some("tmpfs"), Some("bind"))
-        );
+        // A volume at /dev is refused: the runtime would write into it.
+        let cfg = cri::ContainerConfig {
+            command: vec!["sh".into()],
+            mounts: vec![mount("/dev/")],
+            ..Default::default()
+        };
+        let e = try_simple_spec(&cfg, false).unwrap_err();
+        assert!(e.to_string().contains("/dev"), "{e}");
     }
 
     #[test]

@@ -52,12 +52,10 @@ pub(super) fn build(
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
     let dests: Vec<String> = c.mounts.iter().map(|m| clean(&m.container_path)).collect();
     // A request's mount replaces the standard one at its path (as containerd does): nothing
-    // is mounted only to be hidden. But /dev: the runtime makes its nodes and links in its
-    // own tmpfs there, and the agent puts a request's /dev over it once the container is
-    // made (see the agent's `defer_dev_binds`), so the host's /dev is never written.
+    // is mounted only to be hidden. (One at /dev is refused below.)
     mounts.retain(|m| {
         let dest = m["destination"].as_str().unwrap_or_default();
-        dest == "/dev" || !dests.iter().any(|d| d == dest)
+        !dests.iter().any(|d| d == dest)
     });
     let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
     for (file, dest) in [
@@ -95,6 +93,14 @@ pub(super) fn build(
             return Err(invalid(format!(
                 "mount at {:?} has no host path",
                 m.container_path
+            )));
+        }
+        if clean(&m.container_path) == "/dev" {
+            // libcontainer 0.7 makes its device nodes, /dev/ptmx and the /dev/fd and stdio
+            // links in whatever is at /dev: through such a volume, the host's /dev.
+            return Err(invalid(format!(
+                "a volume at /dev (from {:?}) is not supported: the runtime would write its device nodes and links into it",
+                m.host_path
             )));
         }
         if !m.host_path.starts_with('/') {

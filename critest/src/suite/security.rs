@@ -18,7 +18,6 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "readonly_rootfs makes / read-only", readonly_rootfs),
         spec!("security", "a default container lacks CAP_SYS_ADMIN", default_caps),
         spec!("security", "privileged: every capability, mount works and the host's devices are there; refused in a pod that is not privileged", privileged),
-        spec!("security", "privileged with the host's /dev at /dev (a CSI node plugin's): the host's nodes, live, and the host's /dev untouched", host_dev),
         spec!("security", "dropping CAP_CHOWN makes chown fail", drop_chown),
         spec!("security", "adding CAP_SYS_ADMIN shows in CapEff", add_sys_admin),
         spec!("security", "masked paths read empty", masked_paths),
@@ -162,61 +161,6 @@ async fn privileged(c: Ctx) -> SpecResult {
         e.as_ref().map(|e| e.code()) == Some(tonic::Code::InvalidArgument),
         "a privileged container in an unprivileged pod: {e:?}"
     );
-    Ok(())
-}
-
-/// What CSI node plugins and device operators run: a privileged container with the host's
-/// /dev bound at /dev. It sees the host's nodes, also one made after it started, and its
-/// runtime writes nothing into the host's /dev (no symlinks, no nodes, /dev/ptmx left a
-/// device).
-async fn host_dev(c: Ctx) -> SpecResult {
-    use std::os::unix::fs::FileTypeExt;
-    let io = |e: std::io::Error| Stop::Fail(e.to_string());
-    let listing = || -> Result<Vec<String>, Stop> {
-        let mut v: Vec<String> = std::fs::read_dir("/dev")
-            .map_err(io)?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        Ok(v)
-    };
-    let before = listing()?;
-    let (pod, pcfg) = c.run_pod_privileged("hostdev", true).await?;
-    let mut cfg = c.ctr_config("csi", "sleep 100000");
-    Ctx::sec(&mut cfg).privileged = true;
-    cfg.mounts = vec![cri::Mount {
-        container_path: "/dev".into(),
-        host_path: "/dev".into(),
-        propagation: cri::MountPropagation::PropagationHostToContainer as i32,
-        ..Default::default()
-    }];
-    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
-    let after = listing()?;
-    check!(
-        after == before,
-        "the host's /dev changed: {before:?} -> {after:?}"
-    );
-    let ptmx = std::fs::symlink_metadata("/dev/ptmx").map_err(io)?;
-    check!(
-        ptmx.file_type().is_char_device(),
-        "the host's /dev/ptmx is no longer a device"
-    );
-    // A node the host makes now shows in the container (the bind is live).
-    let marker = format!("/dev/vessel-critest-{}", c.id);
-    std::fs::write(&marker, "").map_err(io)?;
-    let seen = c.sh(&id, &format!("test -e {marker}")).await;
-    let _ = std::fs::remove_file(&marker);
-    let (code, _, _) = seen?;
-    check!(
-        code == 0,
-        "{marker}, made on the host, is not in the container"
-    );
-    c.sh_ok(
-        &id,
-        "test -c /dev/null && test -c /dev/tty && echo hi > /dev/null",
-    )
-    .await?;
     Ok(())
 }
 
