@@ -61,7 +61,7 @@ fi
 step "coverage-guided fuzzing: every target ${VESSEL_FUZZ_SECONDS:-20}s from the committed seeds (scripts/fuzz.sh)"
 if ! bash scripts/fuzz.sh "${VESSEL_FUZZ_SECONDS:-20}"; then
   echo "tests: ${n_passed:-0} passed, 0 failed, ${n_skipped:-0} skipped; fuzzing FAILED"
-  echo "test.sh: FAILED (fuzzing found a crash: images/fuzz/artifacts/)" >&2
+  echo "test.sh: FAILED (fuzzing: a target did not build, or found a crash in images/fuzz/artifacts/; see above)" >&2
   exit 1
 fi
 echo

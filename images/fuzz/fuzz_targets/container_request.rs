@@ -64,6 +64,7 @@ fuzz_target!(|data: &[u8]| {
             selinux: false,
             hugetlb: !vm_guest,
             vm_guest,
+            shared_shm: !vm_guest,
         });
         if let Ok((spec, _user)) = r {
             assert!(spec["process"]["args"]
