@@ -157,6 +157,15 @@ fn test_cni() -> Option<TestCni> {
     }
 }
 
+/// Appends `plugin` to the end of the test network's chain.
+fn append_plugin(cni: &TestCni, plugin: serde_json::Value) {
+    let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
+    let mut conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&conf_path).unwrap()).unwrap();
+    conf["plugins"].as_array_mut().unwrap().push(plugin);
+    std::fs::write(&conf_path, conf.to_string()).unwrap();
+}
+
 /// Interfaces enslaved to a bridge.
 fn bridge_ports(bridge: &str) -> Vec<String> {
     let out = Command::new("ip")
@@ -375,14 +384,10 @@ async fn pods_get_ips_talk_and_leave_nothing() {
 async fn failed_add_leaves_nothing() {
     let Some(cni) = test_cni() else { return };
     // Append a tuning plugin that sets a sysctl that does not exist.
-    let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
-    let mut conf: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&conf_path).unwrap()).unwrap();
-    conf["plugins"]
-        .as_array_mut()
-        .unwrap()
-        .push(serde_json::json!({"type": "tuning", "sysctl": {"net.ipv4.no_such_knob": "1"}}));
-    std::fs::write(&conf_path, conf.to_string()).unwrap();
+    append_plugin(
+        &cni,
+        serde_json::json!({"type": "tuning", "sysctl": {"net.ipv4.no_such_knob": "1"}}),
+    );
     let mut h = harness(&cni.config_toml()).await;
     let cfg = h.pod_config("failing");
     let e = h.run_pod(&cfg).await.expect_err("ADD must fail");
@@ -414,14 +419,10 @@ async fn bandwidth_annotations_shape_the_pods_traffic() {
         println!("SKIP bandwidth_annotations_shape_the_pods_traffic: no bandwidth plugin");
         return;
     }
-    let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
-    let mut conf: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&conf_path).unwrap()).unwrap();
-    conf["plugins"]
-        .as_array_mut()
-        .unwrap()
-        .push(serde_json::json!({"type": "bandwidth", "capabilities": {"bandwidth": true}}));
-    std::fs::write(&conf_path, conf.to_string()).unwrap();
+    append_plugin(
+        &cni,
+        serde_json::json!({"type": "bandwidth", "capabilities": {"bandwidth": true}}),
+    );
     let mut h = harness(&cni.config_toml()).await;
     let tbf = || {
         let out = Command::new("tc")
