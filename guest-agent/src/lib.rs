@@ -48,6 +48,7 @@ pub mod cgroups;
 pub mod client;
 pub mod container;
 pub mod debug_client;
+pub mod devbind;
 pub mod disks;
 pub mod error;
 pub mod files;

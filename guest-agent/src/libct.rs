@@ -137,8 +137,12 @@ fn error_kind(e: &LibcontainerError) -> &'static str {
 }
 
 /// An error and its sources, on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    // libcontainer's InvalidInput shows only "invalid input": its message is the point.
+    let mut s = match e.downcast_ref::<LibcontainerError>() {
+        Some(LibcontainerError::InvalidInput(m)) => format!("invalid input: {m}"),
+        _ => e.to_string(),
+    };
     let mut cur = e.source();
     while let Some(c) = cur {
         let m = c.to_string();
@@ -391,6 +395,7 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             if let Some(host_ns) = take_host_mount_ns() {
                 stage_binds(&host_ns, &bundle)?;
             }
+            let dev_binds = crate::devbind::split(&bundle)?;
             let mut b = ContainerBuilder::new(id, SyscallType::default())
                 .with_root_path(root)?
                 .with_console_socket(console_socket);
@@ -409,6 +414,7 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
                 .ok_or_else(|| LibcontainerError::Other("created container has no pid".into()))
                 .and_then(|pid| {
                     apply_bind_propagation(pid.as_raw(), &bundle)?;
+                    crate::devbind::attach(pid.as_raw(), &dev_binds)?;
                     if start {
                         c.start()?;
                     }
@@ -1032,7 +1038,7 @@ pub fn criu_errors(log: &Path) -> String {
 }
 
 /// The propagation a mount's options ask for (`rslave`, `private`, ...): mount(2) flags.
-fn propagation_flags(opts: &[String]) -> nix::mount::MsFlags {
+pub(crate) fn propagation_flags(opts: &[String]) -> nix::mount::MsFlags {
     use nix::mount::MsFlags;
     opts.iter().fold(MsFlags::empty(), |flags, o| {
         flags

@@ -698,6 +698,13 @@ impl AgentState {
             )));
         }
         let c = self.get(&req.id)?;
+        if c.dir.join("bundle").join(crate::devbind::MARKER).exists() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {:?} has the host's /dev bound at /dev, put in place after the \
+                 runtime made it: CRIU cannot restore those mounts, so it is not checkpointed",
+                req.id
+            )));
+        }
         let guard = {
             let _lifecycle = self.lifecycle.lock().await;
             if !c.launched() || c.is_exited() {

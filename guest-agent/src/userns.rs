@@ -425,26 +425,7 @@ pub fn idmap_tree(
         propagation: 0,
         userns_fd: userns.as_raw_fd() as u64,
     };
-    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
-    if recursive {
-        flags |= libc::AT_RECURSIVE as libc::c_uint;
-    }
-    // SAFETY: mount_setattr(2) reads `attr` (a live, initialised mount_attr whose size we
-    // pass) and the empty path string; it writes nothing of ours.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            flags,
-            &attr as *const libc::mount_attr,
-            std::mem::size_of::<libc::mount_attr>(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    crate::devbind::setattr_tree(tree, &attr, recursive)
 }
 
 /// An idmapped clone of `src` (recursive for `rbind`), detached, ready to attach.

@@ -762,7 +762,7 @@ mod tests {
     }
 
     /// The request's mounts go parents first (stable), replace the standard mount at their
-    /// path (and, at /dev, all those below it); oom_score_adj 0 is written.
+    /// path (not /dev's: see below); oom_score_adj 0 is written.
     #[test]
     fn mounts_are_ordered_and_replace_the_standard_ones() {
         let src = tempfile::tempdir().unwrap();
@@ -798,14 +798,45 @@ mod tests {
         assert_eq!(tail, ["/x", "/a", "/y", "/a/b", "/dev/shm/", "/a/b/c"]);
         assert_eq!(got.iter().filter(|d| d.starts_with("/dev/shm")).count(), 1);
         assert_eq!(spec["process"]["oomScoreAdj"], 0);
-        // A volume at /dev is refused: the runtime would write into it.
+        // At /dev: the standard tmpfs and those below it stay, for the runtime's nodes (the
+        // agent puts the request's over them once the container is made), then the
+        // request's. Refused in a VM pod, whose guest has its own devices.
         let cfg = cri::ContainerConfig {
             command: vec!["sh".into()],
             mounts: vec![mount("/dev/")],
             ..Default::default()
         };
-        let e = try_simple_spec(&cfg, false).unwrap_err();
-        assert!(e.to_string().contains("/dev"), "{e}");
+        let spec = simple_spec(&cfg, false);
+        let got = dests(&spec);
+        let devs: Vec<(&str, &str)> = spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| {
+                m["destination"]
+                    .as_str()
+                    .is_some_and(|d| d.starts_with("/dev"))
+            })
+            .map(|m| {
+                (
+                    m["destination"].as_str().unwrap(),
+                    m["type"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            devs,
+            [
+                ("/dev", "tmpfs"),
+                ("/dev/pts", "devpts"),
+                ("/dev/shm", "tmpfs"),
+                ("/dev/mqueue", "mqueue"),
+                ("/dev/", "bind")
+            ],
+            "{got:?}"
+        );
+        let e = try_simple_spec(&cfg, true).unwrap_err();
+        assert!(e.to_string().contains("VM pod"), "{e}");
     }
 
     #[test]

@@ -52,10 +52,13 @@ pub(super) fn build(
     let readonly_root = sc.map(|s| s.readonly_rootfs).unwrap_or(false);
     let dests: Vec<String> = c.mounts.iter().map(|m| clean(&m.container_path)).collect();
     // A request's mount replaces the standard one at its path (as containerd does): nothing
-    // is mounted only to be hidden. (One at /dev is refused below.)
+    // is mounted only to be hidden. But /dev: the runtime makes its nodes and links in the
+    // standard tmpfs there, and the agent puts a request's /dev (and the mounts below it)
+    // over it once the container is made, then the container's own pts, shm and mqueue
+    // back over the host's (the agent's `devbind`), so the host's /dev is never written.
     mounts.retain(|m| {
         let dest = m["destination"].as_str().unwrap_or_default();
-        !dests.iter().any(|d| d == dest)
+        dest == "/dev" || !dests.iter().any(|d| d == dest)
     });
     let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
     for (file, dest) in [
@@ -96,12 +99,18 @@ pub(super) fn build(
             )));
         }
         if clean(&m.container_path) == "/dev" {
-            // libcontainer 0.7 makes its device nodes, /dev/ptmx and the /dev/fd and stdio
-            // links in whatever is at /dev: through such a volume, the host's /dev.
-            return Err(invalid(format!(
-                "a volume at /dev (from {:?}) is not supported: the runtime would write its device nodes and links into it",
-                m.host_path
-            )));
+            if input.vm_guest {
+                return Err(invalid(format!(
+                    "a volume at /dev (from {:?}) is not supported in a VM pod: its guest kernel has its own devices, and the host's nodes mean nothing there (run the pod with a flat runtime handler)",
+                    m.host_path
+                )));
+            }
+            if userns.is_some() {
+                return Err(invalid(format!(
+                    "a volume at /dev (from {:?}) is not supported in a pod with its own user namespace",
+                    m.host_path
+                )));
+            }
         }
         if !m.host_path.starts_with('/') {
             return Err(invalid(format!(

@@ -825,7 +825,7 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-fn mount(
+pub(super) fn mount(
     src: &str,
     target: &std::path::Path,
     fstype: &str,

@@ -18,6 +18,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "readonly_rootfs makes / read-only", readonly_rootfs),
         spec!("security", "a default container lacks CAP_SYS_ADMIN", default_caps),
         spec!("security", "privileged: every capability, mount works and the host's devices are there; refused in a pod that is not privileged", privileged),
+        spec!("security", "privileged with the host's /dev at /dev (a CSI node plugin's): the host's nodes, live, its own ptys and termination log, the host's /dev untouched; refused in a VM pod", host_dev),
         spec!("security", "dropping CAP_CHOWN makes chown fail", drop_chown),
         spec!("security", "adding CAP_SYS_ADMIN shows in CapEff", add_sys_admin),
         spec!("security", "masked paths read empty", masked_paths),
@@ -161,6 +162,200 @@ async fn privileged(c: Ctx) -> SpecResult {
         e.as_ref().map(|e| e.code()) == Some(tonic::Code::InvalidArgument),
         "a privileged container in an unprivileged pod: {e:?}"
     );
+    Ok(())
+}
+
+/// What CSI node plugins and device operators run: a privileged container with the host's
+/// /dev at /dev, and kubelet's termination log below it. It sees the host's nodes, also one
+/// made after it started; keeps its own ptys (its console, `exec -t`) and writes its
+/// termination log. The host's /dev keeps its entries (but for the termination log's mount
+/// point, which runc makes there too), its /dev/ptmx and its mounts. A VM pod's guest has
+/// its own devices: refused there (a privileged pod, as this one, runs flat by policy).
+async fn host_dev(c: Ctx) -> SpecResult {
+    use std::os::unix::fs::FileTypeExt;
+    let io = |e: std::io::Error| Stop::Fail(e.to_string());
+    let (pod, pcfg) = c.run_pod_privileged("hostdev", true).await?;
+    let log = c.dir("hostdev")?.join("termination-log");
+    std::fs::write(&log, "").map_err(io)?;
+    let mut cfg = c.ctr_config("csi", "sleep 100000");
+    Ctx::sec(&mut cfg).privileged = true;
+    cfg.tty = true;
+    cfg.mounts = vec![
+        cri::Mount {
+            container_path: "/dev".into(),
+            host_path: "/dev".into(),
+            propagation: cri::MountPropagation::PropagationHostToContainer as i32,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev/termination-log".into(),
+            host_path: log.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    if c.env.vm_pods {
+        // A privileged pod runs flat by policy (that is where CSI node plugins run); a VM
+        // pod's containers cannot have the host's /dev.
+        c.ensure_image(&c.env.images.busybox).await?;
+        let (vm_pod, vm_cfg) = c.run_pod("hostdev-vm").await?;
+        let mut plain = cfg.clone();
+        Ctx::sec(&mut plain).privileged = false;
+        let e = c.c.create_container(&vm_pod, &vm_cfg, plain).await.err();
+        check!(
+            e.as_ref().map(|e| e.code()) == Some(tonic::Code::InvalidArgument),
+            "the host's /dev in a VM pod: {e:?}"
+        );
+    }
+    let entries = || -> Result<Vec<String>, Stop> {
+        let mut v: Vec<String> = std::fs::read_dir("/dev")
+            .map_err(io)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "termination-log")
+            .collect();
+        v.sort();
+        Ok(v)
+    };
+    // The host's mounts at and below /dev: mount point, type, source, options.
+    let mounts = || -> Result<Vec<String>, Stop> {
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(io)?;
+        Ok(mi
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                let point = *f.get(4)?;
+                let tail = l.split(" - ").nth(1)?;
+                (point == "/dev" || point.starts_with("/dev/")).then(|| format!("{point} {tail}"))
+            })
+            .collect())
+    };
+    let (entries_before, mounts_before) = (entries()?, mounts()?);
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let (entries_after, mounts_after) = (entries()?, mounts()?);
+    check!(
+        entries_after == entries_before,
+        "the host's /dev changed: {entries_before:?} -> {entries_after:?}"
+    );
+    check!(
+        mounts_after == mounts_before,
+        "the host's mounts below /dev changed: {mounts_before:?} -> {mounts_after:?}"
+    );
+    let ptmx = std::fs::symlink_metadata("/dev/ptmx").map_err(io)?;
+    check!(
+        ptmx.file_type().is_char_device(),
+        "the host's /dev/ptmx is no longer a device"
+    );
+    // A node the host makes now shows in the container (the bind is live).
+    let marker = format!("/dev/vessel-critest-{}", c.id);
+    std::fs::write(&marker, "").map_err(io)?;
+    let seen = c.sh(&id, &format!("test -e {marker}")).await;
+    let _ = std::fs::remove_file(&marker);
+    let (code, _, _) = seen?;
+    check!(
+        code == 0,
+        "{marker}, made on the host, is not in the container"
+    );
+    // Its own devpts (the runtime's options, not the host's), its console a pty of it.
+    c.sh_ok(
+        &id,
+        "test -c /dev/null && echo hi > /dev/null && grep -q ' /dev/pts .*ptmxmode=666' /proc/self/mountinfo && test \"$(stat -c %t /dev/console)\" = 88 && echo bye > /dev/termination-log",
+    )
+    .await?;
+    let written = std::fs::read_to_string(&log).map_err(io)?;
+    check!(
+        written == "bye\n",
+        "the termination log on the host has {written:?}"
+    );
+    let o = crate::stream_client::ExecOptions {
+        stdout: true,
+        tty: true,
+        ..Default::default()
+    };
+    let r = super::streaming::run(&c, &id, &["sh", "-c", "test -t 1 && echo is-a-tty"], o).await?;
+    check!(
+        r.stdout_str().contains("is-a-tty\r\n") && r.exit_code() == Some(0),
+        "exec -t in the container: {:?}, {:?}",
+        r.stdout_str(),
+        r.error
+    );
+    fake_dev(&c, &pod, &pcfg).await
+}
+
+/// [`host_dev`] with a /dev of the test's own: a nosuid tmpfs, a shared mount point
+/// (systemd makes the host's /dev one; this host's is private), read-only and
+/// Bidirectional. The container's ptys and termination log stay out of it (nothing mounted
+/// on the host below it), it stays read-only with its nosuid, and the runtime writes
+/// nothing in it.
+async fn fake_dev(c: &Ctx, pod: &str, pcfg: &cri::PodSandboxConfig) -> SpecResult {
+    use super::container::mount;
+    let io = |e: std::io::Error| Stop::Fail(e.to_string());
+    let d = c.dir("fakedev")?;
+    mount("tmpfs", &d, "tmpfs", libc::MS_NOSUID)?;
+    c.track_host_mount(&d);
+    mount("", &d, "", libc::MS_SHARED | libc::MS_REC)?;
+    let null = std::ffi::CString::new(d.join("null").as_os_str().as_encoded_bytes())
+        .map_err(|e| Stop::Fail(e.to_string()))?;
+    // SAFETY: mknod(2) with a valid NUL-terminated path; it writes nothing of ours.
+    if unsafe { libc::mknod(null.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) } != 0 {
+        fail!("mknod {null:?}: {}", std::io::Error::last_os_error());
+    }
+    for sub in ["pts", "shm", "mqueue"] {
+        std::fs::create_dir(d.join(sub)).map_err(io)?;
+    }
+    for file in ["ptmx", "termination-log"] {
+        std::fs::write(d.join(file), "").map_err(io)?;
+    }
+    let listing = || -> Result<Vec<String>, Stop> {
+        let mut v: Vec<String> = std::fs::read_dir(&d)
+            .map_err(io)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        Ok(v)
+    };
+    let before = listing()?;
+    let below = || -> Result<Vec<String>, Stop> {
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").map_err(io)?;
+        Ok(mi
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|p| std::path::Path::new(p).starts_with(&d) && std::path::Path::new(p) != d)
+            .map(str::to_string)
+            .collect())
+    };
+    let log = c.dir("fakedev-log")?.join("termination-log");
+    std::fs::write(&log, "").map_err(io)?;
+    let mut cfg = c.ctr_config("fakedev", "sleep 100000");
+    Ctx::sec(&mut cfg).privileged = true;
+    cfg.mounts = vec![
+        cri::Mount {
+            container_path: "/dev".into(),
+            host_path: d.display().to_string(),
+            readonly: true,
+            propagation: cri::MountPropagation::PropagationBidirectional as i32,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev/termination-log".into(),
+            host_path: log.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    let id = c.run_cfg(pod, pcfg, cfg).await?;
+    let got = below()?;
+    check!(got.is_empty(), "mounts on the host below its /dev: {got:?}");
+    c.sh_ok(
+        &id,
+        "test -c /dev/null && ! touch /dev/x 2>/dev/null && awk '$5==\"/dev\"{o=$6} END{print o}' /proc/self/mountinfo | grep -q 'ro,nosuid' && grep -q ' /dev/pts .*ptmxmode=666' /proc/self/mountinfo && echo bye > /dev/termination-log",
+    )
+    .await?;
+    check!(
+        std::fs::read_to_string(&log).map_err(io)? == "bye\n",
+        "the termination log was not written"
+    );
+    let after = listing()?;
+    check!(after == before, "its /dev changed: {before:?} -> {after:?}");
     Ok(())
 }
 

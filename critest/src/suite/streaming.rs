@@ -117,7 +117,12 @@ fn check_url(rpc: &str, url: &str) -> SpecResult {
 }
 
 /// Asks for an Exec URL and runs it.
-async fn run(c: &Ctx, id: &str, cmd: &[&str], o: ExecOptions) -> Result<ExecOutcome, super::Stop> {
+pub(super) async fn run(
+    c: &Ctx,
+    id: &str,
+    cmd: &[&str],
+    o: ExecOptions,
+) -> Result<ExecOutcome, super::Stop> {
     let mut cl = c.c.clone();
     let r = cl
         .runtime

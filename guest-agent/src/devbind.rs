@@ -1,0 +1,469 @@
+//! A volume at `/dev` (a CSI node plugin's or a device operator's host `/dev`), put in place
+//! once libcontainer has made the container.
+//!
+//! libcontainer 0.7 always makes its device nodes, `/dev/ptmx` and the `/dev/fd`, stdio and
+//! kcore links in the container's `/dev`. Through a bind of the host's `/dev` those would be
+//! the host's: it fails on the links the host has, and would replace the host's `/dev/ptmx`.
+//! runc leaves a bound `/dev` alone. So the create helper takes the `/dev` bind, and the
+//! binds the spec puts below it, out of the spec libcontainer reads ([`split`]), lets
+//! libcontainer work in the standard `/dev` tmpfs, and then, in the made (not yet started)
+//! container's mount namespace ([`attach`]):
+//!
+//! 1. clones the container's own mounts below `/dev` (devpts, shm, mqueue, console) and its
+//!    devpts' `ptmx`;
+//! 2. puts the `/dev` tree over `/dev` and makes it a slave (private, if asked) at once, so
+//!    nothing mounted below it from here on reaches the host;
+//! 3. puts those clones back over the host's `/dev/pts`, `/dev/shm`, ... and the devpts'
+//!    `ptmx` over `/dev/ptmx`: the container keeps its own ptys (a pty from the host's
+//!    devpts fails libcontainer's ptmx checks, so `exec -t` would), shared memory and
+//!    queues, among the host's device nodes;
+//! 4. puts the request's binds below `/dev` (kubelet's `/dev/termination-log`) on top, in
+//!    spec order. A missing mount point is made in the host's `/dev`, as runc makes it
+//!    there (an empty file or directory, left for the next container);
+//! 5. gives `/dev` the requested propagation. Bidirectional acts as HostToContainer: the
+//!    container's mounts below `/dev` (its ptys, its termination log) must not reach the
+//!    host's `/dev`.
+//!
+//! The container's checkpoint is refused (CRIU would not know these mounts): [`MARKER`]
+//! in the bundle says the container has them.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use libcontainer::error::LibcontainerError;
+use nix::mount::MsFlags;
+
+/// In a bundle: the container has a bound `/dev` (the file lists the deferred mounts).
+pub const MARKER: &str = "dev-binds";
+
+/// A bind mount put in place by [`attach`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Deferred {
+    pub source: PathBuf,
+    pub destination: PathBuf,
+    /// `rbind`: the source's submounts too.
+    pub recursive: bool,
+    pub readonly: bool,
+    /// `rro`: read-only all the way down.
+    pub recursive_readonly: bool,
+    pub propagation: MsFlags,
+}
+
+fn other(m: String) -> LibcontainerError {
+    LibcontainerError::Other(m)
+}
+
+fn is_bind(opts: &[String]) -> bool {
+    opts.iter().any(|o| o == "bind" || o == "rbind")
+}
+
+/// Takes a bind at `/dev` and every mount the spec has after it below `/dev` out of the
+/// bundle's spec, and returns them (the `/dev` one first); nothing when the spec binds
+/// nothing at `/dev`. A mount after it below `/dev` that is not a bind, or an idmapped one,
+/// is refused.
+pub fn split(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
+    let config = bundle.join("config.json");
+    let mut spec = oci_spec::runtime::Spec::load(&config)
+        .map_err(|e| other(format!("reading the bundle spec: {e}")))?;
+    let mounts = spec.mounts().clone().unwrap_or_default();
+    let dev = Path::new("/dev");
+    let Some(at) = mounts.iter().position(|m| {
+        m.destination() == dev && is_bind(m.options().as_deref().unwrap_or_default())
+    }) else {
+        return Ok(Vec::new());
+    };
+    let (mut keep, rest) = (mounts[..at].to_vec(), &mounts[at..]);
+    let mut deferred = Vec::new();
+    for m in rest {
+        let dest = m.destination();
+        if !dest.starts_with(dev) {
+            keep.push(m.clone());
+            continue;
+        }
+        let opts = m.options().clone().unwrap_or_default();
+        let invalid = |why: &str| {
+            LibcontainerError::InvalidInput(format!(
+                "mount at {} below a bound /dev: {why}",
+                dest.display()
+            ))
+        };
+        if !is_bind(&opts) {
+            return Err(invalid("only bind mounts can go over the host's /dev"));
+        }
+        if opts.iter().any(|o| o == "idmap" || o == "ridmap") {
+            return Err(invalid("idmapped mounts are not supported there"));
+        }
+        let source = m
+            .source()
+            .clone()
+            .ok_or_else(|| invalid("the bind has no source"))?;
+        deferred.push(Deferred {
+            source,
+            destination: dest.clone(),
+            recursive: opts.iter().any(|o| o == "rbind"),
+            readonly: opts.iter().any(|o| o == "ro" || o == "rro"),
+            recursive_readonly: opts.iter().any(|o| o == "rro"),
+            propagation: crate::libct::propagation_flags(&opts),
+        });
+    }
+    let listed: String = deferred
+        .iter()
+        .map(|d| format!("{}\n", d.destination.display()))
+        .collect();
+    std::fs::write(bundle.join(MARKER), listed)
+        .map_err(|e| other(format!("writing the bundle's {MARKER}: {e}")))?;
+    spec.set_mounts(Some(keep));
+    spec.save(&config)
+        .map_err(|e| other(format!("writing the bundle spec: {e}")))?;
+    Ok(deferred)
+}
+
+/// A detached clone of the mount tree at `path` (recursive for `recursive`).
+fn clone_tree(path: &Path, recursive: bool) -> std::io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags;
+    let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
+    if recursive {
+        flags |= OpenTreeFlags::AT_RECURSIVE;
+    }
+    Ok(rustix::mount::open_tree(rustix::fs::CWD, path, flags)?)
+}
+
+/// Attaches the detached tree `tree` at `path` (not following a link there).
+fn attach_tree(tree: BorrowedFd<'_>, path: &Path) -> std::io::Result<()> {
+    use rustix::mount::MoveMountFlags;
+    Ok(rustix::mount::move_mount(
+        tree,
+        "",
+        rustix::fs::CWD,
+        path,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )?)
+}
+
+/// mount_setattr(2) on the detached tree `tree`: sets `attr.attr_set`, clears
+/// `attr.attr_clr`, on its top mount or (`recursive`) on all of it. The mount's other
+/// flags (nosuid, nodev, ...) are kept, unlike a remount.
+pub fn setattr_tree(
+    tree: BorrowedFd<'_>,
+    attr: &libc::mount_attr,
+    recursive: bool,
+) -> std::io::Result<()> {
+    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+    if recursive {
+        flags |= libc::AT_RECURSIVE as libc::c_uint;
+    }
+    // SAFETY: mount_setattr(2) reads `attr` (a live, initialised mount_attr whose size we
+    // pass) and the empty path string; it writes nothing of ours.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            flags,
+            attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The outermost mount points strictly below `/dev` in a mountinfo (`/proc/<pid>/mountinfo`,
+/// paths as that process sees them), in mount order.
+pub fn own_dev_mounts(mountinfo: &str) -> Vec<PathBuf> {
+    let below_dev = |p: &Path| p.starts_with("/dev") && p != Path::new("/dev");
+    let points: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape(p)))
+        .filter(|p| below_dev(p))
+        .collect();
+    let mut out: Vec<PathBuf> = Vec::new();
+    for p in &points {
+        let nested = points.iter().any(|q| q != p && p.starts_with(q));
+        if !nested && !out.contains(p) {
+            out.push(p.clone());
+        }
+    }
+    out
+}
+
+/// A mountinfo path with its `\ooo` escapes (space, tab, newline, backslash) undone.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Puts [`split`]'s mounts in place in the mount namespace of the made, not yet started,
+/// container `pid` (see the module's steps). Must run single-threaded (setns of a mount
+/// namespace requires it); the create helper is.
+pub fn attach(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerError> {
+    if deferred.is_empty() {
+        return Ok(());
+    }
+    // The sources are this namespace's paths (flat pods: binds staged from the host's).
+    let mut trees = Vec::new();
+    for d in deferred {
+        let tree = clone_tree(&d.source, d.recursive)
+            .map_err(|e| other(format!("cloning {}: {e}", d.source.display())))?;
+        if d.readonly {
+            let attr = libc::mount_attr {
+                attr_set: libc::MOUNT_ATTR_RDONLY,
+                attr_clr: 0,
+                propagation: 0,
+                userns_fd: 0,
+            };
+            setattr_tree(tree.as_fd(), &attr, d.recursive_readonly)
+                .map_err(|e| other(format!("making {} read-only: {e}", d.destination.display())))?;
+        }
+        let dir = std::fs::metadata(&d.source)
+            .map(|m| m.is_dir())
+            .map_err(|e| other(format!("{}: {e}", d.source.display())))?;
+        trees.push((tree, dir));
+    }
+    // The container's mounts as it sees them (read before joining: its /proc has no entry
+    // for this helper).
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .map_err(|e| other(format!("reading the container's mountinfo: {e}")))?;
+    let own = own_dev_mounts(&mountinfo);
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+        .map_err(|e| other(format!("opening the container's mount namespace: {e}")))?;
+    let home = std::fs::File::open("/proc/self/ns/mnt")
+        .map_err(|e| other(format!("opening the helper's mount namespace: {e}")))?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| other(format!("joining the container's mount namespace: {e}")))?;
+    let attached = attach_inside(deferred, trees, &own);
+    // Back home whatever happened: starting the container reads this helper's /proc.
+    nix::sched::setns(&home, nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| other(format!("returning to the helper's mount namespace: {e}")))?;
+    attached
+}
+
+/// [`attach`], in the container's mount namespace (paths are the container's).
+fn attach_inside(
+    deferred: &[Deferred],
+    trees: Vec<(OwnedFd, bool)>,
+    own: &[PathBuf],
+) -> Result<(), LibcontainerError> {
+    let set = |path: &Path, flags: MsFlags| {
+        nix::mount::mount(None::<&str>, path, None::<&str>, flags, None::<&str>).map_err(|e| {
+            other(format!(
+                "setting the propagation of {} ({flags:?}): {e}",
+                path.display()
+            ))
+        })
+    };
+    // 1. The container's own mounts below /dev, and its devpts' ptmx.
+    let mut kept = Vec::new();
+    for p in own {
+        let tree = clone_tree(p, true)
+            .map_err(|e| other(format!("cloning the container's {}: {e}", p.display())))?;
+        kept.push((p, tree));
+    }
+    let ptmx = Path::new("/dev/pts/ptmx");
+    let ptmx_tree = if own.iter().any(|p| p == Path::new("/dev/pts")) {
+        Some(
+            clone_tree(ptmx, false)
+                .map_err(|e| other(format!("cloning the container's {}: {e}", ptmx.display())))?,
+        )
+    } else {
+        None
+    };
+    // 2. /dev, a slave (or private) before anything goes below it.
+    let mut trees = trees.into_iter();
+    let (dev, dev_tree) = match (deferred.first(), trees.next()) {
+        (Some(d), Some((t, _))) => (d, t),
+        _ => return Ok(()),
+    };
+    attach_tree(dev_tree.as_fd(), &dev.destination)
+        .map_err(|e| other(format!("mounting over {}: {e}", dev.destination.display())))?;
+    let first = if dev.propagation.contains(MsFlags::MS_PRIVATE) {
+        MsFlags::MS_PRIVATE
+    } else {
+        MsFlags::MS_SLAVE
+    };
+    set(&dev.destination, first | MsFlags::MS_REC)?;
+    // 3. The container's own back over the host's (where the host's /dev has the place).
+    for (p, tree) in &kept {
+        match std::fs::symlink_metadata(p) {
+            Ok(m) if !m.file_type().is_symlink() => attach_tree(tree.as_fd(), p)
+                .map_err(|e| other(format!("mounting the container's {}: {e}", p.display())))?,
+            _ => tracing::debug!(path = %p.display(), "not in the host's /dev; left out"),
+        }
+    }
+    if let Some(tree) = ptmx_tree {
+        let at = Path::new("/dev/ptmx");
+        if std::fs::symlink_metadata(at).is_ok_and(|m| !m.file_type().is_symlink()) {
+            attach_tree(tree.as_fd(), at)
+                .map_err(|e| other(format!("mounting the container's ptmx: {e}")))?;
+        }
+    }
+    // 4. The request's binds below /dev.
+    for (d, (tree, dir)) in deferred[1..].iter().zip(trees) {
+        let at = &d.destination;
+        mount_point(at, dir)?;
+        attach_tree(tree.as_fd(), at)
+            .map_err(|e| other(format!("mounting over {}: {e}", at.display())))?;
+        if !d.propagation.is_empty() {
+            set(at, d.propagation)?;
+        }
+    }
+    // 5. /dev's own propagation, if it is to be shared.
+    if dev.propagation.contains(MsFlags::MS_SHARED) {
+        set(&dev.destination, MsFlags::MS_SHARED | MsFlags::MS_REC)?;
+    }
+    Ok(())
+}
+
+/// Makes `at` a mount point for a directory (`dir`) or a file, when it is not there: its
+/// parents and itself, none through a link.
+fn mount_point(at: &Path, dir: bool) -> Result<(), LibcontainerError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let bad = |why: String| {
+        LibcontainerError::InvalidInput(format!("mount point {}: {why}", at.display()))
+    };
+    match std::fs::symlink_metadata(at) {
+        Ok(m) if m.file_type().is_symlink() => return Err(bad("is a link".into())),
+        Ok(m) if m.is_dir() != dir => {
+            return Err(bad(format!(
+                "is {}, the source {}",
+                if m.is_dir() { "a directory" } else { "a file" },
+                if dir { "a directory" } else { "a file" }
+            )))
+        }
+        Ok(_) => return Ok(()),
+        Err(_) => {}
+    }
+    let mut here = PathBuf::from("/");
+    for part in at.parent().into_iter().flat_map(Path::components).skip(1) {
+        here.push(part);
+        match std::fs::symlink_metadata(&here) {
+            Ok(m) if m.is_dir() => continue,
+            Ok(_) => return Err(bad(format!("{} is not a directory", here.display()))),
+            Err(_) => std::fs::create_dir(&here).map_err(|e| bad(e.to_string()))?,
+        }
+    }
+    if dir {
+        std::fs::create_dir(at).map_err(|e| bad(e.to_string()))?;
+    } else {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(at)
+            .map_err(|e| bad(e.to_string()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_spec(dir: &Path, mounts: serde_json::Value) {
+        let spec = serde_json::json!({
+            "ociVersion": "1.0.2",
+            "root": {"path": "rootfs"},
+            "mounts": mounts,
+        });
+        std::fs::write(dir.join("config.json"), spec.to_string()).unwrap();
+    }
+
+    /// Nothing changes without a bind at /dev; with one, it and the binds below /dev after
+    /// it leave the spec (the standard ones before it stay), in order, with their options.
+    #[test]
+    fn split_takes_the_dev_bind_and_those_below_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let std_dev = serde_json::json!([
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts"},
+        ]);
+        write_spec(dir.path(), std_dev.clone());
+        assert_eq!(split(dir.path()).unwrap(), Vec::new());
+        assert!(!dir.path().join(MARKER).exists());
+
+        let mut mounts = std_dev.as_array().unwrap().clone();
+        mounts.extend([
+            serde_json::json!({"destination": "/dev", "type": "bind", "source": "/srv/dev", "options": ["rbind", "rslave", "rw"]}),
+            serde_json::json!({"destination": "/etc/hosts", "type": "bind", "source": "/srv/hosts", "options": ["rbind", "rprivate", "ro"]}),
+            serde_json::json!({"destination": "/dev/termination-log", "type": "bind", "source": "/srv/log", "options": ["rbind", "rprivate", "ro", "rro"]}),
+        ]);
+        write_spec(dir.path(), serde_json::Value::Array(mounts));
+        let got = split(dir.path()).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].destination, Path::new("/dev"));
+        assert!(got[0].recursive && !got[0].readonly);
+        assert_eq!(got[0].propagation, MsFlags::MS_SLAVE | MsFlags::MS_REC);
+        assert_eq!(got[1].source, Path::new("/srv/log"));
+        assert!(got[1].readonly && got[1].recursive_readonly);
+        let spec = oci_spec::runtime::Spec::load(dir.path().join("config.json")).unwrap();
+        let left: Vec<_> = spec
+            .mounts()
+            .iter()
+            .flatten()
+            .map(|m| m.destination().display().to_string())
+            .collect();
+        assert_eq!(left, ["/proc", "/dev", "/dev/pts", "/etc/hosts"]);
+        let marker = std::fs::read_to_string(dir.path().join(MARKER)).unwrap();
+        assert_eq!(marker, "/dev\n/dev/termination-log\n");
+    }
+
+    #[test]
+    fn split_refuses_what_cannot_go_over_the_host_dev() {
+        let dir = tempfile::tempdir().unwrap();
+        write_spec(
+            dir.path(),
+            serde_json::json!([
+                {"destination": "/dev", "type": "bind", "source": "/dev", "options": ["rbind"]},
+                {"destination": "/dev/x", "type": "tmpfs", "source": "tmpfs"},
+            ]),
+        );
+        let e = split(dir.path()).unwrap_err();
+        let msg = crate::libct::error_chain(&e);
+        assert!(matches!(e, LibcontainerError::InvalidInput(_)), "{msg}");
+        assert!(msg.contains("/dev/x"), "{msg}");
+    }
+
+    #[test]
+    fn own_dev_mounts_are_the_outermost_below_dev() {
+        let mi = "\
+22 1 0:1 / / rw - overlay overlay rw
+23 22 0:2 / /proc rw - proc proc rw
+24 22 0:3 / /dev rw - tmpfs tmpfs rw
+25 24 0:4 / /dev/pts rw - devpts devpts rw
+26 24 0:5 / /dev/shm rw - tmpfs shm rw
+27 26 0:6 / /dev/shm/in\\040it rw - tmpfs x rw
+28 24 0:7 / /dev/mqueue rw - mqueue mqueue rw
+29 22 0:8 / /devices rw - tmpfs x rw
+30 24 0:4 /0 /dev/console rw - devpts devpts rw
+";
+        let got = own_dev_mounts(mi);
+        let want: Vec<PathBuf> = ["/dev/pts", "/dev/shm", "/dev/mqueue", "/dev/console"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
+    }
+}
