@@ -6,6 +6,7 @@ use super::restore::{self, Checkpoint};
 use super::{config_with_metadata, Ctr, Runtime};
 use crate::errors::{agent_err, if_found, internal, Result, RuntimeError};
 use crate::sandbox::{ContainerRequest, Pod};
+use crate::spec::apparmor::Wanted;
 use crate::spec::{self, SpecInput};
 use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState};
 use std::io;
@@ -437,21 +438,30 @@ impl Runtime {
         backend.admit_container(prec, &volumes)?;
         // AppArmor confines where the host has it: a flat pod's containers with the host's
         // kernel, a VM pod's with its guest kernel, which is given the host's compiled policy.
-        // The loaded profiles are read only for a container that asks for one.
+        // The loaded profiles are read only for a container that may be confined.
         let sc = config
             .linux
             .as_ref()
             .and_then(|l| l.security_context.as_ref());
         let wanted = spec::apparmor::wanted(sc)
             .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}")))?;
-        let apparmor = wanted
-            .is_some()
+        let privileged = sc.is_some_and(|s| s.privileged);
+        let mut apparmor = (wanted != Wanted::Unconfined)
             .then(spec::apparmor::host_profiles)
             .flatten();
-        if let (Some(loaded), Some(sc)) = (&apparmor, sc) {
-            if wanted == Some(spec::apparmor::Wanted::RuntimeDefault) && !sc.privileged {
-                let loaded = loaded.clone();
-                apparmor_task(key, move || spec::apparmor::ensure_default(&loaded)).await?;
+        if let Some(loaded) = &mut apparmor {
+            let default = matches!(wanted, Wanted::RuntimeDefault | Wanted::Unset);
+            if default && !privileged && !loaded.contains(spec::apparmor::DEFAULT_PROFILE) {
+                let have = loaded.clone();
+                let load = apparmor_task(key, move || spec::apparmor::ensure_default(&have));
+                match (load.await, &wanted) {
+                    (Ok(()), _) => {
+                        loaded.insert(spec::apparmor::DEFAULT_PROFILE.to_string());
+                    }
+                    // Asked for: the container is not made unconfined instead.
+                    (Err(e), Wanted::RuntimeDefault) => return Err(e),
+                    (Err(e), _) => unset_apparmor_unconfined(&e.to_string()),
+                }
             }
         }
         let (mut spec, user) = spec::build(&SpecInput {
@@ -483,7 +493,17 @@ impl Runtime {
         let apparmor_policy = match spec["process"]["apparmorProfile"].as_str() {
             Some(name) if backend.kind() == crate::state::BackendKind::Vm => {
                 let name = name.to_string();
-                apparmor_task(key, move || spec::apparmor::host_policy(&name)).await?
+                match apparmor_task(key, move || spec::apparmor::host_policy(&name)).await {
+                    Ok(policy) => policy,
+                    Err(e) if wanted == Wanted::Unset => {
+                        unset_apparmor_unconfined(&e.to_string());
+                        if let Some(p) = spec["process"].as_object_mut() {
+                            p.remove("apparmorProfile");
+                        }
+                        Vec::new()
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             _ => Vec::new(),
         };
@@ -920,6 +940,17 @@ impl Runtime {
 
 /// Runs blocking AppArmor work (`apparmor_parser`, securityfs) off the runtime's threads; its
 /// failure fails CreateContainer `key` with FailedPrecondition.
+/// A container that asked for no AppArmor profile runs unconfined where the default cannot
+/// be had (`why`): said once as a warning, then at debug level.
+fn unset_apparmor_unconfined(why: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::debug!(error = %why, "AppArmor default not applied");
+    } else {
+        tracing::warn!(error = %why, "AppArmor: containers that ask for no profile run unconfined, as the default profile cannot be applied");
+    }
+}
+
 async fn apparmor_task<T: Send + 'static>(
     key: &str,
     f: impl FnOnce() -> std::result::Result<T, String> + Send + 'static,

@@ -8,6 +8,9 @@
 //!   can have what the host has. The policy the host's kernel compiled for the profile
 //!   ([`host_policy`], securityfs `raw_data`) goes to the agent, which loads it into the guest
 //!   kernel before it makes the container.
+//! - Nothing asked is RuntimeDefault, as with containerd and CRI-O, but for privileged
+//!   containers and where the default cannot be loaded (no `apparmor_parser`; a VM pod
+//!   where the host's kernel does not give compiled policies): then unconfined, logged once.
 //! - On a host without AppArmor, RuntimeDefault and Unconfined are accepted and there is
 //!   nothing to apply, while a Localhost profile is refused, naming it, as containerd and
 //!   CRI-O do.
@@ -52,19 +55,23 @@ profile vessel-default flags=(attach_disconnected,mediate_deleted) {
 /// What the container asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Wanted {
+    /// Nothing asked (no field, no string, or no security context): RuntimeDefault where it
+    /// can be had, as containerd and CRI-O apply their default then (kubernetes#51746), and
+    /// unconfined where the default cannot be loaded (logged), as before vessel had it.
+    Unset,
     RuntimeDefault,
     Unconfined,
     Localhost(String),
 }
 
-/// The container's AppArmor request, if any.
-pub fn wanted(
-    sc: Option<&cri::LinuxContainerSecurityContext>,
-) -> Result<Option<Wanted>, SpecError> {
+/// The container's AppArmor request.
+pub fn wanted(sc: Option<&cri::LinuxContainerSecurityContext>) -> Result<Wanted, SpecError> {
     use cri::security_profile::ProfileType;
-    let Some(sc) = sc else { return Ok(None) };
+    let Some(sc) = sc else {
+        return Ok(Wanted::Unset);
+    };
     if let Some(p) = &sc.apparmor {
-        return Ok(Some(
+        return Ok(
             match ProfileType::try_from(p.profile_type).unwrap_or(ProfileType::Unconfined) {
                 ProfileType::RuntimeDefault => Wanted::RuntimeDefault,
                 ProfileType::Unconfined => Wanted::Unconfined,
@@ -77,17 +84,17 @@ pub fn wanted(
                     Wanted::Localhost(name.to_string())
                 }
             },
-        ));
+        );
     }
     // The deprecated field is still what older kubelets send.
     #[allow(deprecated)]
     let old = sc.apparmor_profile.trim();
     Ok(match old {
-        "" => None,
-        "runtime/default" => Some(Wanted::RuntimeDefault),
-        "unconfined" => Some(Wanted::Unconfined),
+        "" => Wanted::Unset,
+        "runtime/default" => Wanted::RuntimeDefault,
+        "unconfined" => Wanted::Unconfined,
         _ => match old.strip_prefix("localhost/") {
-            Some(n) if !n.is_empty() => Some(Wanted::Localhost(n.to_string())),
+            Some(n) if !n.is_empty() => Wanted::Localhost(n.to_string()),
             _ => {
                 return Err(invalid(format!(
                 "AppArmor profile {old:?} is not runtime/default, unconfined or localhost/<name>"
@@ -146,20 +153,21 @@ fn host_policy_in(dir: &Path, name: &str) -> Result<Vec<u8>, String> {
 }
 
 /// The OCI `process.apparmorProfile` for `wanted`, where `loaded` is what the container's
-/// kernel has (`None`: no AppArmor there).
+/// kernel has (`None`: no AppArmor there). For [`Wanted::Unset`], the default only where
+/// `loaded` has it (the caller loads it first, and leaves it out where that failed).
 pub fn profile(
-    wanted: Option<&Wanted>,
+    wanted: &Wanted,
     privileged: bool,
     loaded: Option<&HashSet<String>>,
 ) -> Result<Option<String>, SpecError> {
-    let Some(w) = wanted else { return Ok(None) };
-    match (w, loaded) {
-        (Wanted::Unconfined, _) | (Wanted::RuntimeDefault, None) => Ok(None),
+    match (wanted, loaded) {
+        (Wanted::Unconfined, _) | (Wanted::RuntimeDefault | Wanted::Unset, None) => Ok(None),
         (Wanted::Localhost(name), None) => Err(invalid(format!(
             "AppArmor profile localhost/{name}: AppArmor is not enabled where this container runs (it cannot be confined by it)"
         ))),
-        (Wanted::RuntimeDefault, Some(_)) if privileged => Ok(None),
+        (Wanted::RuntimeDefault | Wanted::Unset, Some(_)) if privileged => Ok(None),
         (Wanted::RuntimeDefault, Some(_)) => Ok(Some(DEFAULT_PROFILE.to_string())),
+        (Wanted::Unset, Some(l)) => Ok(l.contains(DEFAULT_PROFILE).then(|| DEFAULT_PROFILE.into())),
         (Wanted::Localhost(name), Some(l)) if l.contains(name) => Ok(Some(name.clone())),
         (Wanted::Localhost(name), Some(_)) => Err(invalid(format!(
             "AppArmor profile {name:?} is not loaded on this host (apparmor_parser -r <file> loads it)"
@@ -220,16 +228,18 @@ mod tests {
     fn requests_read_from_both_fields() {
         use cri::security_profile::ProfileType as P;
         let w = |s| wanted(Some(&s)).unwrap();
-        assert_eq!(w(sc(None, "")), None);
-        assert_eq!(w(sc(None, "runtime/default")), Some(Wanted::RuntimeDefault));
-        assert_eq!(
-            w(sc(None, "localhost/p")),
-            Some(Wanted::Localhost("p".into()))
-        );
+        assert_eq!(w(sc(None, "")), Wanted::Unset);
+        assert_eq!(wanted(None).unwrap(), Wanted::Unset);
+        assert_eq!(w(sc(None, "runtime/default")), Wanted::RuntimeDefault);
+        assert_eq!(w(sc(None, "localhost/p")), Wanted::Localhost("p".into()));
         assert_eq!(
             w(sc(Some((P::Localhost as i32, "localhost/q")), "unconfined")),
-            Some(Wanted::Localhost("q".into())),
+            Wanted::Localhost("q".into()),
             "the field wins over the deprecated string"
+        );
+        assert_eq!(
+            w(sc(Some((P::Unconfined as i32, "")), "")),
+            Wanted::Unconfined
         );
         assert!(wanted(Some(&sc(None, "bogus"))).is_err());
         assert!(wanted(Some(&sc(Some((P::Localhost as i32, "")), ""))).is_err());
@@ -272,35 +282,43 @@ mod tests {
     fn applied_where_apparmor_runs_refused_where_localhost_cannot_be() {
         let l = |p: &str| Wanted::Localhost(p.into());
         // No AppArmor where the container runs.
-        assert_eq!(
-            profile(Some(&Wanted::RuntimeDefault), false, None).unwrap(),
-            None
-        );
-        assert_eq!(
-            profile(Some(&Wanted::Unconfined), false, None).unwrap(),
-            None
-        );
-        let e = profile(Some(&l("deny-write")), false, None)
+        assert_eq!(profile(&Wanted::RuntimeDefault, false, None).unwrap(), None);
+        assert_eq!(profile(&Wanted::Unconfined, false, None).unwrap(), None);
+        let e = profile(&l("deny-write"), false, None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("localhost/deny-write"), "{e}");
         // AppArmor there.
         let loaded: HashSet<String> = ["deny-write".to_string()].into();
         assert_eq!(
-            profile(Some(&l("deny-write")), false, Some(&loaded))
+            profile(&l("deny-write"), false, Some(&loaded))
                 .unwrap()
                 .as_deref(),
             Some("deny-write")
         );
-        assert!(profile(Some(&l("other")), false, Some(&loaded)).is_err());
+        assert!(profile(&l("other"), false, Some(&loaded)).is_err());
         assert_eq!(
-            profile(Some(&Wanted::RuntimeDefault), false, Some(&loaded))
+            profile(&Wanted::RuntimeDefault, false, Some(&loaded))
                 .unwrap()
                 .as_deref(),
             Some(DEFAULT_PROFILE)
         );
         assert_eq!(
-            profile(Some(&Wanted::RuntimeDefault), true, Some(&loaded)).unwrap(),
+            profile(&Wanted::RuntimeDefault, true, Some(&loaded)).unwrap(),
+            None
+        );
+        // Nothing asked: the default where it is loaded, and never for privileged.
+        assert_eq!(profile(&Wanted::Unset, false, None).unwrap(), None);
+        assert_eq!(profile(&Wanted::Unset, false, Some(&loaded)).unwrap(), None);
+        let with_default: HashSet<String> = [DEFAULT_PROFILE.to_string()].into();
+        assert_eq!(
+            profile(&Wanted::Unset, false, Some(&with_default))
+                .unwrap()
+                .as_deref(),
+            Some(DEFAULT_PROFILE)
+        );
+        assert_eq!(
+            profile(&Wanted::Unset, true, Some(&with_default)).unwrap(),
             None
         );
     }

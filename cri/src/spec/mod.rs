@@ -354,7 +354,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         linux["seccomp"] = s;
     }
     let wanted = apparmor::wanted(sc)?;
-    if let Some(p) = apparmor::profile(wanted.as_ref(), privileged, input.apparmor)? {
+    if let Some(p) = apparmor::profile(&wanted, privileged, input.apparmor)? {
         process["apparmorProfile"] = json!(p);
     }
     // A Bidirectional mount needs the container's root to stay shared (as containerd sets
