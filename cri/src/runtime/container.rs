@@ -478,6 +478,9 @@ impl Runtime {
             // HugeTLB limits need the hugetlb controller: the host's, for flat pods; a VM
             // guest has no huge pages.
             hugetlb: backend.kind() == crate::state::BackendKind::Flat && host_has_hugetlb(),
+            // The host's, for flat pods; a VM guest has no swap.
+            swap_accounting: backend.kind() == crate::state::BackendKind::Flat
+                && host_accounts_swap(),
             // The host's, for flat pods; the guest kernel has no SELinux.
             selinux: backend.kind() == crate::state::BackendKind::Flat && crate::selinux::enabled(),
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
@@ -921,7 +924,10 @@ impl Runtime {
                 } else {
                     String::new()
                 },
-                memory_swap_limit_in_bytes: r.memory_swap_limit_in_bytes,
+                memory_swap_limit_in_bytes: spec::default_swap(
+                    &r,
+                    host_cpus && host_accounts_swap(),
+                ),
                 unified: r.unified.clone(),
             }),
         })
@@ -1112,6 +1118,22 @@ fn image_name_of(config: &cri::ContainerConfig) -> String {
 
 /// Whether this host has the hugetlb cgroup controller, a v1 hierarchy or in v2's list (a
 /// fact of the boot: read once).
+/// Whether the host's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
+/// `swapaccount=1`, the default), or v2's memory.swap.max in the cgroups below the root.
+fn host_accounts_swap() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let root = std::path::Path::new("/sys/fs/cgroup");
+        if root.join("memory").is_dir() {
+            return root.join("memory/memory.memsw.limit_in_bytes").exists();
+        }
+        std::fs::read_dir(root).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.path().join("memory.swap.max").exists())
+        })
+    })
+}
+
 fn host_has_hugetlb() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {

@@ -122,6 +122,10 @@ pub struct SpecInput<'a> {
     pub selinux: bool,
     /// Whether the hugetlb cgroup controller is there where the container runs.
     pub hugetlb: bool,
+    /// Whether the memory cgroup accounts swap where the container runs (cgroup v1's
+    /// memsw, v2's memory.swap.max): a memory limit then also caps swap unless the request
+    /// gives a swap limit (containerd's default).
+    pub swap_accounting: bool,
     /// Whether the container runs in a VM pod's guest, where vsock reaches the host.
     pub vm_guest: bool,
     /// The pod's agent keeps one /dev/shm for the containers in the pod's IPC namespace.
@@ -225,8 +229,9 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         }
         if r.memory_limit_in_bytes > 0 {
             let mut mem = json!({"limit": r.memory_limit_in_bytes});
-            if r.memory_swap_limit_in_bytes > 0 {
-                mem["swap"] = json!(r.memory_swap_limit_in_bytes);
+            let swap = default_swap(r, input.swap_accounting);
+            if swap > 0 {
+                mem["swap"] = json!(swap);
             }
             resources["memory"] = mem;
         }
@@ -474,6 +479,17 @@ pub fn signal_to_cri(n: i32) -> cri::Signal {
         .unwrap_or(cri::Signal::RuntimeDefault)
 }
 
+/// The swap limit (cgroup v1's memory+swap) for `r`: the request's, else, where swap is
+/// accounted and memory is limited, the memory limit, so that a container does not swap
+/// beyond its limit, as containerd makes it (kubelet sends none on cgroup v1, nor crictl);
+/// 0 for none.
+pub fn default_swap(r: &cri::LinuxContainerResources, swap_accounting: bool) -> i64 {
+    match (r.memory_swap_limit_in_bytes, r.memory_limit_in_bytes) {
+        (0, limit) if limit > 0 && swap_accounting => limit,
+        (swap, _) => swap.max(0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -673,6 +689,7 @@ mod tests {
             apparmor: None,
             selinux: false,
             hugetlb: false,
+            swap_accounting: !vm_guest,
             vm_guest,
             shared_shm: true,
         })
@@ -839,6 +856,35 @@ mod tests {
         assert!(e.to_string().contains("VM pod"), "{e}");
     }
 
+    /// A memory limit caps swap too where swap is accounted, unless the request says.
+    #[test]
+    fn swap_defaults_to_the_memory_limit() {
+        let r = |limit: i64, swap: i64| cri::LinuxContainerResources {
+            memory_limit_in_bytes: limit,
+            memory_swap_limit_in_bytes: swap,
+            ..Default::default()
+        };
+        assert_eq!(default_swap(&r(64, 0), true), 64);
+        assert_eq!(default_swap(&r(64, 0), false), 0);
+        assert_eq!(default_swap(&r(64, 128), true), 128);
+        assert_eq!(
+            default_swap(&r(64, -1), true),
+            0,
+            "unlimited: nothing written"
+        );
+        assert_eq!(default_swap(&r(0, 0), true), 0);
+        let cfg = cri::ContainerConfig {
+            command: vec!["sh".into()],
+            linux: Some(cri::LinuxContainerConfig {
+                resources: Some(r(64 << 20, 0)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let spec = simple_spec(&cfg, false);
+        assert_eq!(spec["linux"]["resources"]["memory"]["swap"], 64 << 20);
+    }
+
     #[test]
     fn caps_add_drop() {
         let sc = cri::LinuxContainerSecurityContext {
@@ -1002,6 +1048,7 @@ mod tests {
             apparmor: Some(&["vessel-test".to_string()].into()),
             selinux: true,
             hugetlb: true,
+            swap_accounting: true,
             vm_guest: false,
             shared_shm: true,
         })

@@ -472,13 +472,34 @@ async fn update_resources(c: Ctx) -> SpecResult {
             .await?;
     }
     c.start(&created).await?;
-    for (id, mib) in [(&running, 64u64), (&created, 96)] {
+    // One made with a limit, for the swap default at create.
+    let mut cfg = c.ctr_config("limited", "sleep 100000");
+    cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
+        memory_limit_in_bytes: 48 << 20,
+        ..Default::default()
+    });
+    let limited = c.run_cfg(&pod, &pcfg, cfg).await?;
+    for (id, mib) in [(&running, 64u64), (&created, 96), (&limited, 48)] {
         let got = c
             .sh_ok(id, "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
             .await?;
         check!(
             got == (mib << 20).to_string(),
             "memory limit in the cgroup of {id}: {got:?}, want {}",
+            mib << 20
+        );
+        // No swap beyond the limit where the host accounts swap (containerd's default
+        // when the request gives no swap limit): v1's memory+swap is the limit, v2's swap
+        // is 0. A VM guest has no swap.
+        if c.env.vm_pods {
+            continue;
+        }
+        let swap = c
+            .sh_ok(id, "f=/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes; if [ -e $f ]; then cat $f; else cat /sys/fs/cgroup/memory.swap.max 2>/dev/null || echo none; fi")
+            .await?;
+        check!(
+            swap == (mib << 20).to_string() || swap == "0" || swap == "none",
+            "swap limit in the cgroup of {id}: {swap:?}, want {} (or 0 on cgroup v2)",
             mib << 20
         );
     }

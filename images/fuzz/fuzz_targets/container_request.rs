@@ -63,6 +63,7 @@ fuzz_target!(|data: &[u8]| {
             apparmor: None,
             selinux: false,
             hugetlb: !vm_guest,
+            swap_accounting: !vm_guest,
             vm_guest,
             shared_shm: !vm_guest,
         });
