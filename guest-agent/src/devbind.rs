@@ -12,17 +12,18 @@
 //! 1. clones the container's own mounts below `/dev` (devpts, shm, mqueue, console) and its
 //!    devpts' `ptmx`;
 //! 2. puts the `/dev` tree over `/dev` and makes it a slave (private, if asked) at once, so
-//!    nothing mounted below it from here on reaches the host;
+//!    nothing mounted below it from here on reaches the host; then shared, if asked, in a
+//!    peer group of its own: Bidirectional acts as HostToContainer, as the container's
+//!    mounts below `/dev` (its ptys, its termination log) must not reach the host's;
 //! 3. puts those clones back over the host's `/dev/pts`, `/dev/shm`, ... and the devpts'
 //!    `ptmx` over `/dev/ptmx`: the container keeps its own ptys (a pty from the host's
 //!    devpts fails libcontainer's ptmx checks, so `exec -t` would), shared memory and
 //!    queues, among the host's device nodes;
 //! 4. puts the request's binds below `/dev` (kubelet's `/dev/termination-log`) on top, in
 //!    spec order. A missing mount point is made in the host's `/dev`, as runc makes it
-//!    there (an empty file or directory, left for the next container);
-//! 5. gives `/dev` the requested propagation. Bidirectional acts as HostToContainer: the
-//!    container's mounts below `/dev` (its ptys, its termination log) must not reach the
-//!    host's `/dev`.
+//!    there (an empty file or directory, left for the next container).
+//!
+//! A bind elsewhere that the image's links would land on `/dev` is refused.
 //!
 //! The container's checkpoint is refused (CRIU would not know these mounts): [`MARKER`]
 //! in the bundle says the container has them.
@@ -67,15 +68,45 @@ pub fn split(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
         .map_err(|e| other(format!("reading the bundle spec: {e}")))?;
     let mounts = spec.mounts().clone().unwrap_or_default();
     let dev = Path::new("/dev");
-    let Some(at) = mounts.iter().position(|m| {
-        m.destination() == dev && is_bind(m.options().as_deref().unwrap_or_default())
-    }) else {
+    let bind = |m: &oci_spec::runtime::Mount| is_bind(m.options().as_deref().unwrap_or_default());
+    // libcontainer follows the image's links in a destination: a bind that lands on /dev
+    // through them would have the runtime's nodes and links written into its source.
+    let rootfs = spec.root().as_ref().map(|r| bundle.join(r.path()));
+    if let Some(rootfs) = &rootfs {
+        for m in mounts
+            .iter()
+            .filter(|m| bind(m) && lexical(m.destination()) != dev)
+        {
+            if resolved_in_root(rootfs, m.destination()).as_deref() == Some(dev) {
+                return Err(LibcontainerError::InvalidInput(format!(
+                    "the bind mount at {} lands on /dev through the image's links: give the volume /dev as its path",
+                    m.destination().display()
+                )));
+            }
+        }
+    }
+    let Some(at) = mounts
+        .iter()
+        .position(|m| bind(m) && lexical(m.destination()) == dev)
+    else {
         return Ok(Vec::new());
     };
+    let userns = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().clone())
+        .unwrap_or_default()
+        .iter()
+        .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User);
+    if userns {
+        return Err(LibcontainerError::InvalidInput(
+            "a bind mount at /dev is not supported in a user namespace".into(),
+        ));
+    }
     let (mut keep, rest) = (mounts[..at].to_vec(), &mounts[at..]);
     let mut deferred = Vec::new();
     for m in rest {
-        let dest = m.destination();
+        let dest = lexical(m.destination());
         if !dest.starts_with(dev) {
             keep.push(m.clone());
             continue;
@@ -99,7 +130,7 @@ pub fn split(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
             .ok_or_else(|| invalid("the bind has no source"))?;
         deferred.push(Deferred {
             source,
-            destination: dest.clone(),
+            destination: dest,
             recursive: opts.iter().any(|o| o == "rbind"),
             readonly: opts.iter().any(|o| o == "ro" || o == "rro"),
             recursive_readonly: opts.iter().any(|o| o == "rro"),
@@ -116,6 +147,53 @@ pub fn split(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
     spec.save(&config)
         .map_err(|e| other(format!("writing the bundle spec: {e}")))?;
     Ok(deferred)
+}
+
+/// `path` with `.`, `..` and doubled slashes worked out by name (`..` at `/` stays there).
+fn lexical(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::Normal(p) => out.push(p),
+            Component::ParentDir => {
+                out.pop();
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Where `dest` is inside `rootfs` with the image's links followed there (as libcontainer
+/// follows them); `None` when it is not there (yet).
+fn resolved_in_root(rootfs: &Path, dest: &Path) -> Option<PathBuf> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let open = |p: &Path| {
+        rustix::fs::open(
+            p,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    };
+    let root = open(rootfs).ok()?;
+    let rel = dest.strip_prefix("/").unwrap_or(dest);
+    let rel = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    };
+    let fd = rustix::fs::openat2(
+        &root,
+        rel,
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+    )
+    .ok()?;
+    let real = |fd: &OwnedFd| std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok();
+    let (at, top) = (real(&fd)?, real(&root)?);
+    at.strip_prefix(&top).ok().map(|r| Path::new("/").join(r))
 }
 
 /// A detached clone of the mount tree at `path` (recursive for `recursive`).
@@ -237,7 +315,7 @@ pub fn attach(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerError> 
         }
         let dir = std::fs::metadata(&d.source)
             .map(|m| m.is_dir())
-            .map_err(|e| other(format!("{}: {e}", d.source.display())))?;
+            .map_err(|e| other(format!("bind source {}: {e}", d.source.display())))?;
         trees.push((tree, dir));
     }
     // The container's mounts as it sees them (read before joining: its /proc has no entry
@@ -252,9 +330,12 @@ pub fn attach(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerError> 
     nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS)
         .map_err(|e| other(format!("joining the container's mount namespace: {e}")))?;
     let attached = attach_inside(deferred, trees, &own);
-    // Back home whatever happened: starting the container reads this helper's /proc.
-    nix::sched::setns(&home, nix::sched::CloneFlags::CLONE_NEWNS)
-        .map_err(|e| other(format!("returning to the helper's mount namespace: {e}")))?;
+    // Back home whatever happened: starting the container, or deleting it, reads this
+    // helper's /proc and the container's state in its namespace. Stuck in the container's,
+    // it can do neither safely: it stops here (the container's removal deletes it).
+    if let Err(e) = nix::sched::setns(&home, nix::sched::CloneFlags::CLONE_NEWNS) {
+        crate::libct::abort_helper(&format!("returning to the helper's mount namespace: {e}"));
+    }
     attached
 }
 
@@ -302,12 +383,33 @@ fn attach_inside(
         MsFlags::MS_SLAVE
     };
     set(&dev.destination, first | MsFlags::MS_REC)?;
-    // 3. The container's own back over the host's (where the host's /dev has the place).
+    // Shared, if asked, now: its new peer group has nothing of the host's, and what goes
+    // below it next keeps the propagation it is given.
+    if dev.propagation.contains(MsFlags::MS_SHARED) {
+        set(&dev.destination, MsFlags::MS_SHARED | MsFlags::MS_REC)?;
+    }
+    // 3. The container's own back over the host's. The host's /dev has these places (but
+    // /dev/mqueue, which hosts without systemd lack: the container then has none, as with
+    // runc); one that is a link (an old /dev/shm -> /run/shm) would put the mount elsewhere.
     for (p, tree) in &kept {
         match std::fs::symlink_metadata(p) {
             Ok(m) if !m.file_type().is_symlink() => attach_tree(tree.as_fd(), p)
                 .map_err(|e| other(format!("mounting the container's {}: {e}", p.display())))?,
-            _ => tracing::debug!(path = %p.display(), "not in the host's /dev; left out"),
+            Err(_) if p.as_path() == Path::new("/dev/mqueue") => {
+                tracing::debug!("no /dev/mqueue in the bound /dev; the container has none")
+            }
+            Ok(_) => {
+                return Err(LibcontainerError::InvalidInput(format!(
+                    "{} in the bound /dev is a link: the container's own cannot go there",
+                    p.display()
+                )))
+            }
+            Err(e) => {
+                return Err(LibcontainerError::InvalidInput(format!(
+                    "the bound /dev has no {} for the container's own: {e}",
+                    p.display()
+                )))
+            }
         }
     }
     if let Some(tree) = ptmx_tree {
@@ -327,10 +429,6 @@ fn attach_inside(
             set(at, d.propagation)?;
         }
     }
-    // 5. /dev's own propagation, if it is to be shared.
-    if dev.propagation.contains(MsFlags::MS_SHARED) {
-        set(&dev.destination, MsFlags::MS_SHARED | MsFlags::MS_REC)?;
-    }
     Ok(())
 }
 
@@ -341,8 +439,14 @@ fn mount_point(at: &Path, dir: bool) -> Result<(), LibcontainerError> {
     let bad = |why: String| {
         LibcontainerError::InvalidInput(format!("mount point {}: {why}", at.display()))
     };
+    let mut here = PathBuf::from("/");
+    for part in at.components().skip(1) {
+        here.push(part);
+        if std::fs::symlink_metadata(&here).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(bad(format!("{} is a link", here.display())));
+        }
+    }
     match std::fs::symlink_metadata(at) {
-        Ok(m) if m.file_type().is_symlink() => return Err(bad("is a link".into())),
         Ok(m) if m.is_dir() != dir => {
             return Err(bad(format!(
                 "is {}, the source {}",
@@ -443,6 +547,57 @@ mod tests {
         let msg = crate::libct::error_chain(&e);
         assert!(matches!(e, LibcontainerError::InvalidInput(_)), "{msg}");
         assert!(msg.contains("/dev/x"), "{msg}");
+    }
+
+    /// A /dev spelt otherwise is /dev; a bind the image's links land on /dev is refused; so
+    /// is a bound /dev in a user namespace.
+    #[test]
+    fn split_sees_through_spellings_and_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let rootfs = dir.path().join("rootfs");
+        std::fs::create_dir_all(rootfs.join("dev")).unwrap();
+        std::fs::create_dir_all(rootfs.join("etc")).unwrap();
+        std::os::unix::fs::symlink("/dev", rootfs.join("hostdev")).unwrap();
+        std::os::unix::fs::symlink("../../dev", rootfs.join("etc/up")).unwrap();
+        assert_eq!(lexical(Path::new("/x/../dev/")), Path::new("/dev"));
+        assert_eq!(
+            lexical(Path::new("/../../dev/./pts")),
+            Path::new("/dev/pts")
+        );
+        assert_eq!(
+            resolved_in_root(&rootfs, Path::new("/etc/up")).as_deref(),
+            Some(Path::new("/dev"))
+        );
+        assert_eq!(resolved_in_root(&rootfs, Path::new("/absent")), None);
+
+        write_spec(
+            dir.path(),
+            serde_json::json!([
+                {"destination": "/x/../dev", "type": "bind", "source": "/srv/dev", "options": ["rbind"]},
+            ]),
+        );
+        let got = split(dir.path()).unwrap();
+        assert_eq!(got[0].destination, Path::new("/dev"));
+        for link in ["/hostdev", "/etc/up"] {
+            write_spec(
+                dir.path(),
+                serde_json::json!([
+                    {"destination": link, "type": "bind", "source": "/srv/dev", "options": ["rbind"]},
+                ]),
+            );
+            let e = split(dir.path()).unwrap_err();
+            let msg = crate::libct::error_chain(&e);
+            assert!(msg.contains("lands on /dev"), "{msg}");
+        }
+        let spec = serde_json::json!({
+            "ociVersion": "1.0.2",
+            "root": {"path": "rootfs"},
+            "mounts": [{"destination": "/dev", "type": "bind", "source": "/dev", "options": ["rbind"]}],
+            "linux": {"namespaces": [{"type": "user"}, {"type": "mount"}]},
+        });
+        std::fs::write(dir.path().join("config.json"), spec.to_string()).unwrap();
+        let msg = crate::libct::error_chain(&split(dir.path()).unwrap_err());
+        assert!(msg.contains("user namespace"), "{msg}");
     }
 
     #[test]

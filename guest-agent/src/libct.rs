@@ -155,6 +155,15 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     s.replace('\n', " ")
 }
 
+/// Ends the helper at once with an internal error: for a helper that could not get back to
+/// its own mount namespace, where going on (starting or deleting the container) would act
+/// on the container's paths. The container is left for its removal to delete.
+pub(crate) fn abort_helper(msg: &str) -> ! {
+    tracing::error!(error = %msg, "libcontainer helper");
+    say(&format!("ERR internal {msg}"));
+    std::process::exit(1)
+}
+
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
@@ -1098,9 +1107,9 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
     })?;
     let applied = set_propagation(wanted, ro_cgroup.then_some(mountinfo.as_str()));
     // Back home whatever happened: starting the container reads this helper's /proc.
-    nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| {
-        LibcontainerError::Other(format!("returning to the helper's mount namespace: {e}"))
-    })?;
+    if let Err(e) = nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS) {
+        abort_helper(&format!("returning to the helper's mount namespace: {e}"));
+    }
     applied
 }
 

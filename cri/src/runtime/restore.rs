@@ -179,6 +179,15 @@ impl Checkpoint {
             ));
         }
         let have = bind_destinations(spec);
+        if have
+            .iter()
+            .any(|d| std::path::Path::new(d) == std::path::Path::new("/dev"))
+        {
+            return Err(format!(
+                "the {}: a restored container cannot have a volume at /dev (the host's /dev is put in place after the runtime made the container, which a restore does not do)",
+                self.source
+            ));
+        }
         let missing: Vec<&str> = self
             .binds
             .iter()
@@ -634,6 +643,13 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.contains("at /vol,") || e.contains("at /vol "), "{e}");
+        let mut with_dev = spec.clone();
+        with_dev["mounts"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"destination": "/dev", "type": "bind", "source": "/dev"}));
+        let e = c.check_spec(&with_dev).unwrap_err();
+        assert!(e.contains("volume at /dev"), "{e}");
         let mut own = cri::ContainerConfig {
             command: vec!["top".into()],
             ..Default::default()
