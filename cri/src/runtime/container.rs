@@ -682,6 +682,7 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.to_string(), Arc::new(Ctr::new(rec.clone())));
+        self.pin_vm_pod(&prec.id);
         self.emit(&rec, cri::ContainerEventType::ContainerCreatedEvent);
         tracing::info!(container = %id, pod = %prec.id, name = %key, image = %image_name, "container created");
         Ok(())
@@ -869,6 +870,7 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&rec.id);
+        self.pin_vm_pod(&rec.pod_id);
         self.release(&rec.name_key, &rec.id);
         self.emit(&rec, cri::ContainerEventType::ContainerDeletedEvent);
         tracing::info!(container = %rec.id, "container removed");
@@ -939,13 +941,42 @@ impl Runtime {
         });
         ctr.persist(&self.dirs)
             .map_err(internal("saving container record"))?;
+        self.pin_vm_pod(&rec.pod_id);
         tracing::info!(container = %rec.id, "container resources updated");
         Ok(())
     }
+
+    /// A VM pod's process pinned to the host CPUs its created and running containers were
+    /// given (kubelet's CPU manager; see `sandbox::vm::pin`), or to all. Failures are logged:
+    /// the containers run either way.
+    fn pin_vm_pod(&self, pod_id: &str) {
+        let Ok(pod) = self.pod(pod_id) else { return };
+        let prec = pod.record();
+        if prec.backend.kind() != crate::state::BackendKind::Vm {
+            return;
+        }
+        let lists: Vec<String> = self
+            .ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.record())
+            .filter(|r| r.pod_id == pod_id)
+            .filter(|r| matches!(r.state, ContainerState::Created | ContainerState::Running))
+            .filter_map(|r| r.config.linux?.resources.map(|x| x.cpuset_cpus))
+            .collect();
+        let cpus = crate::sandbox::vm::pin::wanted(lists.iter().map(String::as_str));
+        match crate::sandbox::vm::pin::pin_process(prec.agent_pid, prec.agent_start_time, &cpus) {
+            Ok(threads) => {
+                tracing::debug!(pod = %pod_id, ?cpus, threads, "VM pod's process pinned")
+            }
+            Err(e) => {
+                tracing::warn!(pod = %pod_id, error = %e, "pinning the VM pod's process to its containers' CPUs")
+            }
+        }
+    }
 }
 
-/// Runs blocking AppArmor work (`apparmor_parser`, securityfs) off the runtime's threads; its
-/// failure fails CreateContainer `key` with FailedPrecondition.
 /// A container that asked for no AppArmor profile runs unconfined where the default cannot
 /// be had (`why`): said once as a warning, then at debug level.
 fn unset_apparmor_unconfined(why: &str) {
@@ -957,6 +988,8 @@ fn unset_apparmor_unconfined(why: &str) {
     }
 }
 
+/// Runs blocking AppArmor work (`apparmor_parser`, securityfs) off the runtime's threads; its
+/// failure fails CreateContainer `key` with FailedPrecondition.
 async fn apparmor_task<T: Send + 'static>(
     key: &str,
     f: impl FnOnce() -> std::result::Result<T, String> + Send + 'static,

@@ -18,6 +18,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "command, args, env and working dir", command_env),
         spec!("container", "host path mounts, read-write, read-only, nested (inner listed first) and over /dev/shm", host_mounts),
         spec!("container", "UpdateContainerResources changes the memory limit of a running container and of a created one", update_resources),
+        spec!("container", "cpuset_cpus (kubelet's CPU manager): a flat container runs on its CPUs; a VM pod's process on its containers' CPUs, and where it started once they are gone", cpuset),
         spec!("exec", "ExecSync returns stdout, stderr and the exit code", exec_sync),
         spec!("exec", "ExecSync past its timeout returns DeadlineExceeded", exec_timeout),
         spec!("exec", "ExecSync in an exited container fails", exec_exited),
@@ -503,6 +504,77 @@ async fn update_resources(c: Ctx) -> SpecResult {
             mib << 20
         );
     }
+    Ok(())
+}
+
+/// The CPUs a process may run on (`Cpus_allowed_list` of a /proc status).
+fn cpus_allowed(status: &str) -> String {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+async fn cpuset(c: Ctx) -> SpecResult {
+    let io = |e: std::io::Error| Stop::Fail(e.to_string());
+    // The host's last online CPU (not where anything starts pinned, on a host with two).
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online").map_err(io)?;
+    let last = online
+        .trim()
+        .rsplit([',', '-'])
+        .next()
+        .unwrap_or("0")
+        .to_string();
+    let (pod, pcfg) = c.run_pod("cpuset").await?;
+    let mut cfg = c.ctr_config("pinned", "sleep 100000");
+    cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
+        cpuset_cpus: last.clone(),
+        ..Default::default()
+    });
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    if !c.env.vm_pods {
+        let got = cpus_allowed(&c.sh_ok(&id, "cat /proc/self/status").await?);
+        check!(
+            got == last,
+            "the container runs on CPUs {got:?}, want {last}"
+        );
+        return Ok(());
+    }
+    // Every thread of the VM pod's process (its vCPUs among them).
+    let pid = c.c.pod_info(&pod).await?["pid"].as_u64().unwrap_or(0);
+    check!(pid != 0, "no pid in the pod's verbose status");
+    let threads = || -> Result<Vec<String>, Stop> {
+        let dir = format!("/proc/{pid}/task");
+        Ok(std::fs::read_dir(&dir)
+            .map_err(io)?
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("status")).ok())
+            .map(|s| cpus_allowed(&s))
+            .collect())
+    };
+    let got = threads()?;
+    check!(
+        !got.is_empty() && got.iter().all(|t| *t == last),
+        "the VM pod's threads run on {got:?}, want {last}"
+    );
+    let mut cl = c.c.clone();
+    cl.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 0,
+        })
+        .await?;
+    cl.runtime
+        .remove_container(cri::RemoveContainerRequest { container_id: id })
+        .await?;
+    let own = cpus_allowed(&std::fs::read_to_string("/proc/self/status").map_err(io)?);
+    let got = threads()?;
+    check!(
+        got.iter().all(|t| *t == own || *t == online.trim()),
+        "once its container is gone the VM pod's threads run on {got:?}, want {own}"
+    );
     Ok(())
 }
 

@@ -5,6 +5,7 @@
 //! hands it (`set_log`); the host paths of CRI mounts are shared with virtio-fs
 //! ([`volumes`]). See docs/vm-pods.md.
 
+pub mod pin;
 pub mod shim;
 pub mod volumes;
 
