@@ -77,10 +77,12 @@ pub fn split(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
             .iter()
             .filter(|m| bind(m) && lexical(m.destination()) != dev)
         {
-            if resolved_in_root(rootfs, m.destination()).as_deref() == Some(dev) {
+            let at = resolved_in_root(rootfs, m.destination());
+            if at.as_deref() == Some(dev) || at.as_deref() == Some(Path::new("/")) {
                 return Err(LibcontainerError::InvalidInput(format!(
-                    "the bind mount at {} lands on /dev through the image's links: give the volume /dev as its path",
-                    m.destination().display()
+                    "the bind mount at {} lands on {} through the image's links, where the runtime would write its device nodes (a volume for /dev takes /dev as its path)",
+                    m.destination().display(),
+                    at.unwrap_or_default().display()
                 )));
             }
         }
@@ -334,7 +336,10 @@ pub fn attach(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerError> 
     // helper's /proc and the container's state in its namespace. Stuck in the container's,
     // it can do neither safely: it stops here (the container's removal deletes it).
     if let Err(e) = nix::sched::setns(&home, nix::sched::CloneFlags::CLONE_NEWNS) {
-        crate::libct::abort_helper(&format!("returning to the helper's mount namespace: {e}"));
+        crate::libct::abort_helper(
+            &format!("returning to the helper's mount namespace: {e}"),
+            pid,
+        );
     }
     attached
 }

@@ -157,9 +157,11 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// Ends the helper at once with an internal error: for a helper that could not get back to
 /// its own mount namespace, where going on (starting or deleting the container) would act
-/// on the container's paths. The container is left for its removal to delete.
-pub(crate) fn abort_helper(msg: &str) -> ! {
+/// on the container's paths. The made container's init (`pid`) is killed (a signal needs no
+/// path); its state and cgroup are left for its removal to delete.
+pub(crate) fn abort_helper(msg: &str, pid: i32) -> ! {
     tracing::error!(error = %msg, "libcontainer helper");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
     say(&format!("ERR internal {msg}"));
     std::process::exit(1)
 }
@@ -1108,7 +1110,10 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
     let applied = set_propagation(wanted, ro_cgroup.then_some(mountinfo.as_str()));
     // Back home whatever happened: starting the container reads this helper's /proc.
     if let Err(e) = nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS) {
-        abort_helper(&format!("returning to the helper's mount namespace: {e}"));
+        abort_helper(
+            &format!("returning to the helper's mount namespace: {e}"),
+            pid,
+        );
     }
     applied
 }

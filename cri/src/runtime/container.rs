@@ -11,6 +11,7 @@ use crate::spec::{self, SpecInput};
 use crate::state::{self, ContainerRecord, ContainerState, PodRecord, PodState};
 use std::io;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -446,12 +447,23 @@ impl Runtime {
         let wanted = spec::apparmor::wanted(sc)
             .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {key:?}: {e}")))?;
         let privileged = sc.is_some_and(|s| s.privileged);
+        // Nothing asked, in a VM pod: its own kernel is the boundary, and a guest kernel that
+        // refused the host's compiled default would fail every such container: none.
+        let wanted = match wanted {
+            Wanted::Unset if backend.kind() == crate::state::BackendKind::Vm => Wanted::Unconfined,
+            w => w,
+        };
         let mut apparmor = (wanted != Wanted::Unconfined)
             .then(spec::apparmor::host_profiles)
             .flatten();
         if let Some(loaded) = &mut apparmor {
             let default = matches!(wanted, Wanted::RuntimeDefault | Wanted::Unset);
-            if default && !privileged && !loaded.contains(spec::apparmor::DEFAULT_PROFILE) {
+            let gave_up = wanted == Wanted::Unset && UNSET_APPARMOR_FAILED.load(Ordering::Relaxed);
+            if default
+                && !privileged
+                && !gave_up
+                && !loaded.contains(spec::apparmor::DEFAULT_PROFILE)
+            {
                 let have = loaded.clone();
                 let load = apparmor_task(key, move || spec::apparmor::ensure_default(&have));
                 match (load.await, &wanted) {
@@ -496,17 +508,7 @@ impl Runtime {
         let apparmor_policy = match spec["process"]["apparmorProfile"].as_str() {
             Some(name) if backend.kind() == crate::state::BackendKind::Vm => {
                 let name = name.to_string();
-                match apparmor_task(key, move || spec::apparmor::host_policy(&name)).await {
-                    Ok(policy) => policy,
-                    Err(e) if wanted == Wanted::Unset => {
-                        unset_apparmor_unconfined(&e.to_string());
-                        if let Some(p) = spec["process"].as_object_mut() {
-                            p.remove("apparmorProfile");
-                        }
-                        Vec::new()
-                    }
-                    Err(e) => return Err(e),
-                }
+                apparmor_task(key, move || spec::apparmor::host_policy(&name)).await?
             }
             _ => Vec::new(),
         };
@@ -977,11 +979,16 @@ impl Runtime {
     }
 }
 
+/// Set once the AppArmor default could not be loaded for a container that asked for no
+/// profile: later ones run unconfined without trying again (an explicit RuntimeDefault
+/// still tries, and fails).
+static UNSET_APPARMOR_FAILED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// A container that asked for no AppArmor profile runs unconfined where the default cannot
-/// be had (`why`): said once as a warning, then at debug level.
+/// be had (`why`): said once as a warning.
 fn unset_apparmor_unconfined(why: &str) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+    if UNSET_APPARMOR_FAILED.swap(true, Ordering::Relaxed) {
         tracing::debug!(error = %why, "AppArmor default not applied");
     } else {
         tracing::warn!(error = %why, "AppArmor: containers that ask for no profile run unconfined, as the default profile cannot be applied");
@@ -1149,10 +1156,9 @@ fn image_name_of(config: &cri::ContainerConfig) -> String {
         .unwrap_or_default()
 }
 
-/// Whether this host has the hugetlb cgroup controller, a v1 hierarchy or in v2's list (a
-/// fact of the boot: read once).
 /// Whether the host's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
-/// `swapaccount=1`, the default), or v2's memory.swap.max in the cgroups below the root.
+/// `swapaccount=1`, the default), or v2's memory.swap.max in vesseld's own cgroup or one
+/// below the root. Read once.
 fn host_accounts_swap() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
@@ -1160,13 +1166,23 @@ fn host_accounts_swap() -> bool {
         if root.join("memory").is_dir() {
             return root.join("memory/memory.memsw.limit_in_bytes").exists();
         }
-        std::fs::read_dir(root).is_ok_and(|d| {
-            d.flatten()
-                .any(|e| e.path().join("memory.swap.max").exists())
-        })
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
+            })
+            .map(|p| root.join(p.trim_start_matches('/')));
+        own.is_some_and(|d| d != root && d.join("memory.swap.max").exists())
+            || std::fs::read_dir(root).is_ok_and(|d| {
+                d.flatten()
+                    .any(|e| e.path().join("memory.swap.max").exists())
+            })
     })
 }
 
+/// Whether this host has the hugetlb cgroup controller, a v1 hierarchy or in v2's list (a
+/// fact of the boot: read once).
 fn host_has_hugetlb() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {

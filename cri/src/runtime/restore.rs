@@ -179,10 +179,7 @@ impl Checkpoint {
             ));
         }
         let have = bind_destinations(spec);
-        if have
-            .iter()
-            .any(|d| std::path::Path::new(d) == std::path::Path::new("/dev"))
-        {
+        if have.iter().any(|d| crate::spec::clean_path(d) == "/dev") {
             return Err(format!(
                 "the {}: a restored container cannot have a volume at /dev (the host's /dev is put in place after the runtime made the container, which a restore does not do)",
                 self.source

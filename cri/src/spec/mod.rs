@@ -15,6 +15,7 @@ mod seccomp;
 mod security;
 mod user;
 
+pub(crate) use mounts::clean as clean_path;
 use resources::check_envs;
 pub use resources::{check_resources, MIN_MEMORY_LIMIT};
 use security::{capabilities, DEFAULT_MASKED, DEFAULT_READONLY};
@@ -852,6 +853,13 @@ mod tests {
             ],
             "{got:?}"
         );
+        let e = try_simple_spec(&cfg, true).unwrap_err();
+        assert!(e.to_string().contains("VM pod"), "{e}");
+        // Spelt with `..`, it is /dev all the same.
+        let cfg = cri::ContainerConfig {
+            mounts: vec![mount("/x/../dev")],
+            ..cfg
+        };
         let e = try_simple_spec(&cfg, true).unwrap_err();
         assert!(e.to_string().contains("VM pod"), "{e}");
     }

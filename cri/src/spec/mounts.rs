@@ -167,13 +167,20 @@ pub(super) fn build(
     Ok(mounts)
 }
 
-/// A container path without `.`, doubled or trailing slashes (`..` is kept: the runtime
-/// resolves it inside the root).
-fn clean(path: &str) -> String {
-    let parts: Vec<&str> = path
-        .split('/')
-        .filter(|p| !p.is_empty() && *p != ".")
-        .collect();
+/// A container path without `.`, `..`, doubled or trailing slashes, worked out by name as
+/// the runtime resolves it inside the root (`..` at `/` stays there), so that `/x/../dev`
+/// is `/dev` for ordering, replacement and refusals alike.
+pub(crate) fn clean(path: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for p in path.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
     format!("/{}", parts.join("/"))
 }
 

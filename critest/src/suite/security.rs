@@ -234,7 +234,7 @@ async fn host_dev(c: Ctx) -> SpecResult {
     // Its mount point, made in the host's /dev as runc makes it, unless an earlier
     // container made it: removed at the end if this one did.
     let term_log = std::path::Path::new("/dev/termination-log");
-    let made_log = !term_log.exists();
+    let _made_log = RemoveOnDrop((!term_log.exists()).then_some(term_log));
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     check!(term_log.is_file(), "no {term_log:?} mount point was made");
     let (entries_after, mounts_after) = (entries()?, mounts()?);
@@ -291,10 +291,18 @@ async fn host_dev(c: Ctx) -> SpecResult {
         fake_dev(&c, &pod, &pcfg, readonly, propagation).await?;
     }
     c.c.stop_and_remove_pod(&pod).await?;
-    if made_log {
-        std::fs::remove_file(term_log).map_err(io)?;
-    }
     Ok(())
+}
+
+/// Removes a file this spec made on the host when the spec ends, whichever way.
+struct RemoveOnDrop(Option<&'static std::path::Path>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// [`host_dev`] with a /dev of the test's own: a nosuid tmpfs, a shared mount point
