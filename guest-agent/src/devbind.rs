@@ -28,7 +28,9 @@
 //! The container's checkpoint is refused (CRIU would not know these mounts): [`MARKER`]
 //! in the bundle says the container has them.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use crate::mount_tree::{attach_tree, clone_tree, is_bind, lexical, setattr_tree};
 use std::path::{Path, PathBuf};
 
 use libcontainer::error::LibcontainerError;
@@ -52,10 +54,6 @@ pub struct Deferred {
 
 fn other(m: String) -> LibcontainerError {
     LibcontainerError::Other(m)
-}
-
-fn is_bind(opts: &[String]) -> bool {
-    opts.iter().any(|o| o == "bind" || o == "rbind")
 }
 
 /// Takes a bind at `/dev` and every mount the spec has after it below `/dev` out of the
@@ -151,22 +149,6 @@ pub fn split(bundle: &Path) -> Result<Vec<Deferred>, LibcontainerError> {
     Ok(deferred)
 }
 
-/// `path` with `.`, `..` and doubled slashes worked out by name (`..` at `/` stays there).
-fn lexical(path: &Path) -> PathBuf {
-    use std::path::Component;
-    let mut out = PathBuf::from("/");
-    for c in path.components() {
-        match c {
-            Component::Normal(p) => out.push(p),
-            Component::ParentDir => {
-                out.pop();
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
 /// Where `dest` is inside `rootfs` with the image's links followed there (as libcontainer
 /// follows them); `None` when it is not there (yet).
 fn resolved_in_root(rootfs: &Path, dest: &Path) -> Option<PathBuf> {
@@ -196,58 +178,6 @@ fn resolved_in_root(rootfs: &Path, dest: &Path) -> Option<PathBuf> {
     let real = |fd: &OwnedFd| std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok();
     let (at, top) = (real(&fd)?, real(&root)?);
     at.strip_prefix(&top).ok().map(|r| Path::new("/").join(r))
-}
-
-/// A detached clone of the mount tree at `path` (recursive for `recursive`).
-fn clone_tree(path: &Path, recursive: bool) -> std::io::Result<OwnedFd> {
-    use rustix::mount::OpenTreeFlags;
-    let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
-    if recursive {
-        flags |= OpenTreeFlags::AT_RECURSIVE;
-    }
-    Ok(rustix::mount::open_tree(rustix::fs::CWD, path, flags)?)
-}
-
-/// Attaches the detached tree `tree` at `path` (not following a link there).
-fn attach_tree(tree: BorrowedFd<'_>, path: &Path) -> std::io::Result<()> {
-    use rustix::mount::MoveMountFlags;
-    Ok(rustix::mount::move_mount(
-        tree,
-        "",
-        rustix::fs::CWD,
-        path,
-        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-    )?)
-}
-
-/// mount_setattr(2) on the detached tree `tree`: sets `attr.attr_set`, clears
-/// `attr.attr_clr`, on its top mount or (`recursive`) on all of it. The mount's other
-/// flags (nosuid, nodev, ...) are kept, unlike a remount.
-pub fn setattr_tree(
-    tree: BorrowedFd<'_>,
-    attr: &libc::mount_attr,
-    recursive: bool,
-) -> std::io::Result<()> {
-    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
-    if recursive {
-        flags |= libc::AT_RECURSIVE as libc::c_uint;
-    }
-    // SAFETY: mount_setattr(2) reads `attr` (a live, initialised mount_attr whose size we
-    // pass) and the empty path string; it writes nothing of ours.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            flags,
-            attr as *const libc::mount_attr,
-            std::mem::size_of::<libc::mount_attr>(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The outermost mount points strictly below `/dev` in a mountinfo (`/proc/<pid>/mountinfo`,
@@ -325,23 +255,7 @@ pub fn attach(pid: i32, deferred: &[Deferred]) -> Result<(), LibcontainerError> 
     let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
         .map_err(|e| other(format!("reading the container's mountinfo: {e}")))?;
     let own = own_dev_mounts(&mountinfo);
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
-        .map_err(|e| other(format!("opening the container's mount namespace: {e}")))?;
-    let home = std::fs::File::open("/proc/self/ns/mnt")
-        .map_err(|e| other(format!("opening the helper's mount namespace: {e}")))?;
-    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS)
-        .map_err(|e| other(format!("joining the container's mount namespace: {e}")))?;
-    let attached = attach_inside(deferred, trees, &own);
-    // Back home whatever happened: starting the container, or deleting it, reads this
-    // helper's /proc and the container's state in its namespace. Stuck in the container's,
-    // it can do neither safely: it stops here (the container's removal deletes it).
-    if let Err(e) = nix::sched::setns(&home, nix::sched::CloneFlags::CLONE_NEWNS) {
-        crate::libct::abort_helper(
-            &format!("returning to the helper's mount namespace: {e}"),
-            pid,
-        );
-    }
-    attached
+    crate::libct::in_mount_ns_of(pid, || attach_inside(deferred, trees, &own))
 }
 
 /// [`attach`], in the container's mount namespace (paths are the container's).

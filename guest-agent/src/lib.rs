@@ -57,6 +57,7 @@ pub mod forward;
 pub mod libct;
 pub mod listener;
 pub mod logs;
+pub mod mount_tree;
 pub mod net;
 pub mod netlink;
 pub mod reaper;

@@ -159,7 +159,7 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// its own mount namespace, where going on (starting or deleting the container) would act
 /// on the container's paths. The made container's init (`pid`) is killed (a signal needs no
 /// path); its state and cgroup are left for its removal to delete.
-pub(crate) fn abort_helper(msg: &str, pid: i32) -> ! {
+fn abort_helper(msg: &str, pid: i32) -> ! {
     tracing::error!(error = %msg, "libcontainer helper");
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
     say(&format!("ERR internal {msg}"));
@@ -261,7 +261,6 @@ fn take_host_mount_ns() -> Option<OwnedFd> {
 /// with move_mount(2), and the spec's source is rewritten to it. Must run single-threaded
 /// (setns of a mount namespace requires it); this helper is.
 fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError> {
-    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
     let other = |m: String| LibcontainerError::Other(m);
     let config = bundle.join("config.json");
     let mut spec = oci_spec::runtime::Spec::load(&config)
@@ -316,11 +315,7 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
         .map_err(|e| other(format!("joining the host's mount namespace: {e}")))?;
     let mut trees = Vec::new();
     let cloned = todo.iter().try_for_each(|(i, src, rbind, _)| {
-        let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
-        if *rbind {
-            flags |= OpenTreeFlags::AT_RECURSIVE;
-        }
-        let fd = rustix::mount::open_tree(rustix::fs::CWD, src, flags)
+        let fd = crate::mount_tree::clone_tree(src, *rbind)
             .map_err(|e| other(format!("bind source {}: {e}", src.display())))?;
         trees.push((*i, fd));
         Ok::<_, LibcontainerError>(())
@@ -357,14 +352,7 @@ fn stage_binds(host_ns: &OwnedFd, bundle: &Path) -> Result<(), LibcontainerError
         } else {
             std::fs::File::create(&target).map_err(LibcontainerError::OtherIO)?;
         }
-        rustix::mount::move_mount(
-            &fd,
-            "",
-            rustix::fs::CWD,
-            &target,
-            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-        )
-        .map_err(|e| {
+        crate::mount_tree::attach_tree(fd.as_fd(), &target).map_err(|e| {
             other(format!(
                 "attaching a bind source at {}: {e}",
                 target.display()
@@ -1083,7 +1071,7 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
     });
     for m in spec.mounts().iter().flatten() {
         let opts = m.options().clone().unwrap_or_default();
-        if !opts.iter().any(|o| o == "bind" || o == "rbind") {
+        if !crate::mount_tree::is_bind(&opts) {
             continue;
         }
         let flags = propagation_flags(&opts);
@@ -1098,24 +1086,35 @@ fn apply_bind_propagation(pid: i32, bundle: &Path) -> Result<(), LibcontainerErr
     // container's /proc has no entry for this helper).
     let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
         .map_err(|e| LibcontainerError::Other(format!("reading the container's mountinfo: {e}")))?;
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt")).map_err(|e| {
-        LibcontainerError::Other(format!("opening the container's mount namespace: {e}"))
-    })?;
-    let own = std::fs::File::open("/proc/self/ns/mnt").map_err(|e| {
-        LibcontainerError::Other(format!("opening the helper's mount namespace: {e}"))
-    })?;
-    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| {
-        LibcontainerError::Other(format!("joining the container's mount namespace: {e}"))
-    })?;
-    let applied = set_propagation(wanted, ro_cgroup.then_some(mountinfo.as_str()));
-    // Back home whatever happened: starting the container reads this helper's /proc.
+    in_mount_ns_of(pid, || {
+        set_propagation(wanted, ro_cgroup.then_some(mountinfo.as_str()))
+    })
+}
+
+/// Runs `f` in the mount namespace of the made container `pid`, then comes back, whatever
+/// `f` did: starting the container, or deleting it, reads this helper's /proc and the
+/// container's state in the helper's namespace. A helper that cannot come back can do
+/// neither safely: it stops there ([`abort_helper`]). Must run single-threaded (setns of a
+/// mount namespace requires it); the helper is.
+pub(crate) fn in_mount_ns_of<T>(
+    pid: i32,
+    f: impl FnOnce() -> Result<T, LibcontainerError>,
+) -> Result<T, LibcontainerError> {
+    let other = |m: String| LibcontainerError::Other(m);
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+        .map_err(|e| other(format!("opening the container's mount namespace: {e}")))?;
+    let own = std::fs::File::open("/proc/self/ns/mnt")
+        .map_err(|e| other(format!("opening the helper's mount namespace: {e}")))?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| other(format!("joining the container's mount namespace: {e}")))?;
+    let done = f();
     if let Err(e) = nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNS) {
         abort_helper(
             &format!("returning to the helper's mount namespace: {e}"),
             pid,
         );
     }
-    applied
+    done
 }
 
 /// In the container's mount namespace: the propagation of its bind mounts, and its cgroup

@@ -134,7 +134,7 @@ impl IdmappedLayers {
                          Linux 5.19+ and a filesystem that supports idmapped mounts): {e}"
                     ))
                 })?;
-            crate::userns::attach(tree.as_fd(), &at)
+            crate::mount_tree::attach_tree(tree.as_fd(), &at)
                 .map_err(|e| AgentError::internal(format!("attaching {}", at.display()), e))?;
             layers.attached.push(at);
         }

@@ -425,7 +425,7 @@ pub fn idmap_tree(
         propagation: 0,
         userns_fd: userns.as_raw_fd() as u64,
     };
-    crate::devbind::setattr_tree(tree, &attr, recursive)
+    crate::mount_tree::setattr_tree(tree, &attr, recursive)
 }
 
 /// An idmapped clone of `src` (recursive for `rbind`), detached, ready to attach.
@@ -434,26 +434,9 @@ pub fn idmapped_clone(
     userns: BorrowedFd<'_>,
     recursive: bool,
 ) -> std::io::Result<OwnedFd> {
-    use rustix::mount::OpenTreeFlags;
-    let mut flags = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
-    if recursive {
-        flags |= OpenTreeFlags::AT_RECURSIVE;
-    }
-    let tree = rustix::mount::open_tree(rustix::fs::CWD, src, flags)?;
+    let tree = crate::mount_tree::clone_tree(src, recursive)?;
     idmap_tree(tree.as_fd(), userns, recursive)?;
     Ok(tree)
-}
-
-/// Attaches the detached tree `tree` at `target` (which must exist).
-pub fn attach(tree: BorrowedFd<'_>, target: &Path) -> std::io::Result<()> {
-    rustix::mount::move_mount(
-        tree,
-        "",
-        rustix::fs::CWD,
-        target,
-        rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-    )?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -171,17 +171,10 @@ pub(super) fn build(
 /// the runtime resolves it inside the root (`..` at `/` stays there), so that `/x/../dev`
 /// is `/dev` for ordering, replacement and refusals alike.
 pub(crate) fn clean(path: &str) -> String {
-    let mut parts: Vec<&str> = Vec::new();
-    for p in path.split('/') {
-        match p {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
-            }
-            p => parts.push(p),
-        }
-    }
-    format!("/{}", parts.join("/"))
+    // The agent's rule, which places the mount.
+    vessel_agent::mount_tree::lexical(std::path::Path::new(path))
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// How many components a container path has (`/` has none).

@@ -39,9 +39,9 @@ fn online() -> BTreeSet<usize> {
         })
 }
 
-/// The CPUs this process (vesseld) may run on, which its pods' processes started with.
-fn own() -> BTreeSet<usize> {
-    let online = online();
+/// The CPUs of `online` this process (vesseld) may run on, which its pods' processes
+/// started with.
+fn own(online: BTreeSet<usize>) -> BTreeSet<usize> {
     match rustix::thread::sched_getaffinity(None) {
         Ok(set) => {
             let own: BTreeSet<usize> = online.iter().copied().filter(|&c| set.is_set(c)).collect();
@@ -67,7 +67,7 @@ pub fn wanted<'a>(lists: impl IntoIterator<Item = &'a str>) -> BTreeSet<usize> {
         .filter(|c| online.contains(c))
         .collect();
     if given.is_empty() {
-        own()
+        own(online)
     } else {
         given
     }
@@ -119,7 +119,7 @@ mod tests {
         assert_eq!(parse_cpus("3-1"), None);
         assert_eq!(parse_cpus("a"), None);
         assert_eq!(parse_cpus("0-99999"), None);
-        let own = own();
+        let own = own(online());
         assert!(!own.is_empty());
         assert_eq!(wanted(["", "junk"]), own, "none given: where vesseld runs");
         let first = *online().iter().next().unwrap();
