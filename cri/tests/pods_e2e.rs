@@ -2792,7 +2792,9 @@ fn id_map(container_id: u32, host_id: u32, length: u32) -> cri::IdMapping {
 /// writable layer of their root's), over the pod's network (ping sockets, binding port 80)
 /// and over their volumes, whose files show with their owners on disk (idmapped mounts), and
 /// what they write there is root's on the host. A container sharing the pod's pid namespace
-/// sees its holder as PID 1. What CRI leaves undefined or kubelet never sends is refused;
+/// sees its holder as PID 1. kubelet's `procMount: Unmasked` (empty masked and read-only
+/// paths) leaves a container's /proc bare, so that a runtime in it can mount one of its own;
+/// kubelet's default lists keep that from it. What CRI leaves undefined or kubelet never sends is refused;
 /// NODE is the host's user namespace. Status advertises them for every handler. The same
 /// holds in a VM pod (its guest's namespaces; its volumes through its file server's id
 /// shift). Nothing is left afterwards, the holder process included.
@@ -2969,9 +2971,29 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(vol.path().join("from-ctr")).unwrap();
     assert_eq!((m.uid(), m.gid()), (0, 0));
-    // A container in the pod's pid namespace sees the namespace's holder as PID 1.
+    // kubelet sends empty masked and read-only paths for `procMount: Unmasked`, allowed
+    // only in such a pod: the container's /proc has nothing over it, so a container runtime
+    // in it can mount a /proc of its own (a new user and pid namespace under the pod's).
+    let nested = "echo $(grep -c ' /proc/' /proc/self/mountinfo)-over-proc; \
+                  unshare -Urpf --mount-proc sh -c 'echo nested-pid-$$' 2>&1";
+    let out = h
+        .exec(&c, &["sh", "-c", nested], 20)
+        .await
+        .expect("ExecSync (unmasked)");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "0-over-proc\nnested-pid-1",
+        "{out:?}"
+    );
+    // A container in the pod's pid namespace sees the namespace's holder as PID 1. It gets
+    // kubelet's lists for `procMount: Default`, which mask /proc and so keep a /proc from
+    // being mounted under it.
     let mut cfg = h.ctr_config("p", "sleep 1000");
     cfg.linux = ns(cri::NamespaceMode::Pod);
+    if let Some(sc) = cfg.linux.as_mut().and_then(|l| l.security_context.as_mut()) {
+        sc.masked_paths = vec!["/proc/kcore".into(), "/proc/keys".into()];
+        sc.readonly_paths = vec!["/proc/sys".into()];
+    }
     let p = h
         .create(&pod, &pcfg, cfg)
         .await
@@ -2984,6 +3006,15 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
         .await
         .expect("ExecSync");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "vessel-pidns");
+    let out = h
+        .exec(&p, &["sh", "-c", nested], 20)
+        .await
+        .expect("ExecSync (masked)");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        !text.starts_with("0-over-proc") && !text.contains("nested-pid"),
+        "{out:?}"
+    );
     // ... which is the pod's root without a capability, and not a way to the host's files
     // (its root is an empty directory of its own).
     let script = "grep -E '^(Uid|CapEff|CapPrm|CapBnd):' /proc/1/status; \

@@ -325,9 +325,19 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
         process["oomScoreAdj"] = json!(adj);
     }
 
-    let masked = protected_paths(privileged, sc.map(|s| &s.masked_paths), DEFAULT_MASKED);
-    let readonly_paths =
-        protected_paths(privileged, sc.map(|s| &s.readonly_paths), DEFAULT_READONLY);
+    let own_userns = userns.is_some();
+    let masked = protected_paths(
+        privileged,
+        own_userns,
+        sc.map(|s| &s.masked_paths),
+        DEFAULT_MASKED,
+    );
+    let readonly_paths = protected_paths(
+        privileged,
+        own_userns,
+        sc.map(|s| &s.readonly_paths),
+        DEFAULT_READONLY,
+    );
     // net.* sysctls are the pod network namespace's, set once by vesseld at RunPodSandbox.
     let sysctl: HashMap<String, String> = input
         .pod
@@ -386,12 +396,24 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
 
 /// The masked or read-only paths of a container: none for a privileged one, else those its
 /// security context asks for (`asked`), or `default` where it asks for none.
-fn protected_paths(privileged: bool, asked: Option<&Vec<String>>, default: &[&str]) -> Vec<String> {
+/// The masked or read-only paths of a container. kubelet sends its default lists for
+/// `procMount: Default` and empty ones for `procMount: Unmasked`, which the Kubernetes API
+/// allows only in a pod with its own user namespace (`hostUsers: false`); containerd and
+/// CRI-O apply the lists as sent. So an empty list in such a pod is none (a nested container
+/// runtime can mount its own /proc); elsewhere it is a client that sent none (crictl,
+/// critest), and the defaults apply.
+fn protected_paths(
+    privileged: bool,
+    own_userns: bool,
+    asked: Option<&Vec<String>>,
+    default: &[&str],
+) -> Vec<String> {
     if privileged {
         return vec![];
     }
     match asked {
         Some(m) if !m.is_empty() => m.clone(),
+        _ if own_userns => vec![],
         _ => default.iter().map(|s| s.to_string()).collect(),
     }
 }
@@ -554,6 +576,29 @@ mod tests {
         for k in ["", "A=B", "A\nB"] {
             assert!(check_envs(&envs(k)).is_err(), "{k:?}");
         }
+    }
+
+    #[test]
+    fn empty_protected_paths_are_none_only_in_a_user_namespace() {
+        let asked = vec!["/proc/kcore".to_string()];
+        let none = Vec::new();
+        let default = ["/proc/acpi", "/proc/keys"];
+        for userns in [false, true] {
+            assert_eq!(
+                protected_paths(false, userns, Some(&asked), &default),
+                asked
+            );
+            assert!(protected_paths(true, userns, Some(&asked), &default).is_empty());
+        }
+        // kubelet's procMount: Unmasked (hostUsers: false only).
+        assert!(protected_paths(false, true, Some(&none), &default).is_empty());
+        assert!(protected_paths(false, true, None, &default).is_empty());
+        // crictl and critest, which send none, outside a user namespace.
+        assert_eq!(
+            protected_paths(false, false, Some(&none), &default),
+            default
+        );
+        assert_eq!(protected_paths(false, false, None, &default), default);
     }
 
     #[test]
