@@ -183,6 +183,12 @@ pub struct ContainerRecord {
     /// removed with the container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volume_snapshots: Vec<String>,
+    /// The OCI runtime spec the container was created with (its resources as
+    /// UpdateContainerResources last set them), shown by a verbose ContainerStatus as
+    /// `info.runtimeSpec`, where containerd and CRI-O show theirs. The JSON text as the agent
+    /// got it, shared and not parsed again; records written before it have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<std::sync::Arc<serde_json::value::RawValue>>,
 }
 
 impl ContainerRecord {

@@ -192,10 +192,23 @@ impl CriClient {
             .await?
             .into_inner()
             .info;
-        let text = info
-            .get("info")
-            .ok_or_else(|| tonic::Status::internal("no verbose info"))?;
-        serde_json::from_str(text).map_err(|e| tonic::Status::internal(e.to_string()))
+        info_object(&info)
+    }
+
+    /// The `info` object of a container's verbose ContainerStatus (what `crictl inspect`
+    /// prints under `info`: sandboxID, pid, config, runtimeSpec, ...).
+    pub async fn container_info(&self, id: &str) -> CriResult<serde_json::Value> {
+        let info = self
+            .runtime
+            .clone()
+            .container_status(cri::ContainerStatusRequest {
+                container_id: id.into(),
+                verbose: true,
+            })
+            .await?
+            .into_inner()
+            .info;
+        info_object(&info)
     }
 
     /// StopPodSandbox then RemovePodSandbox, as kubelet does.
@@ -280,4 +293,12 @@ pub fn pod_metadata(name: &str, namespace: &str) -> Option<cri::PodSandboxMetada
         namespace: namespace.into(),
         attempt: 0,
     })
+}
+
+/// The JSON under `info` in a verbose status reply's info map.
+fn info_object(info: &std::collections::HashMap<String, String>) -> CriResult<serde_json::Value> {
+    let text = info
+        .get("info")
+        .ok_or_else(|| tonic::Status::internal("no verbose info"))?;
+    serde_json::from_str(text).map_err(|e| tonic::Status::internal(e.to_string()))
 }

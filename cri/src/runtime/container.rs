@@ -570,6 +570,7 @@ impl Runtime {
             snapshot: id.to_string(),
             layers: image.layers.iter().map(|l| l.diff_id.to_string()).collect(),
             volume_snapshots,
+            spec: None,
         };
         // The record (state Creating) and the writable layer are independent, each durable
         // on its own (a crash between them leaves what recovery cleans: a Creating record,
@@ -643,9 +644,15 @@ impl Runtime {
                     },
                 )
                 .await?;
+            let text = serde_json::to_string(&spec).map_err(internal("spec"))?;
+            rec.spec = Some(
+                serde_json::value::RawValue::from_string(text.clone())
+                    .map_err(internal("spec"))?
+                    .into(),
+            );
             let req = ap::CreateContainerRequest {
                 id: id.to_string(),
-                oci_spec: serde_json::to_vec(&spec).map_err(internal("spec"))?,
+                oci_spec: text.into_bytes(),
                 rootfs: Some(prepared.rootfs),
                 log_path: prepared.log_path,
                 tty: config.tty,
@@ -910,6 +917,7 @@ impl Runtime {
         let pod = self.pod(&rec.pod_id)?;
         // As at create: the host's cpusets are not a VM pod guest's.
         let host_cpus = pod.record().backend.kind() != crate::state::BackendKind::Vm;
+        let swap_accounting = host_cpus && host_accounts_swap();
         let mut c = pod.client().await?;
         c.update_resources(ap::UpdateResourcesRequest {
             id: rec.id.clone(),
@@ -928,10 +936,7 @@ impl Runtime {
                 } else {
                     String::new()
                 },
-                memory_swap_limit_in_bytes: spec::default_swap(
-                    &r,
-                    host_cpus && host_accounts_swap(),
-                ),
+                memory_swap_limit_in_bytes: spec::default_swap(&r, swap_accounting),
                 unified: r.unified.clone(),
             }),
         })
@@ -940,6 +945,13 @@ impl Runtime {
         let rec = ctr.update(|c| {
             let l = c.config.linux.get_or_insert_with(Default::default);
             l.resources = Some(r.clone());
+            let updated = c.spec.as_ref().and_then(|s| {
+                let text = spec::with_resources(s.get(), &r, !host_cpus, swap_accounting)?;
+                serde_json::value::RawValue::from_string(text).ok()
+            });
+            if let Some(s) = updated {
+                c.spec = Some(s.into());
+            }
         });
         ctr.persist(&self.dirs)
             .map_err(internal("saving container record"))?;

@@ -367,6 +367,7 @@ async fn a_removed_containers_record_is_not_written_back() {
         snapshot: "c1".into(),
         layers: Vec::new(),
         volume_snapshots: Vec::new(),
+        spec: None,
     };
     let ctr = Ctr::new(rec);
     assert!(ctr.persist(&f.rt.dirs).unwrap());

@@ -67,6 +67,10 @@ impl Runtime {
                     "pid": r.pid,
                     "snapshot": r.snapshot,
                     "stopSignal": r.stop_signal,
+                    // As containerd shows them: the container's CRI config as kubelet sent
+                    // it (resources as last updated) and the OCI spec it runs with.
+                    "config": r.config,
+                    "runtimeSpec": r.spec,
                 })
                 .to_string(),
             );

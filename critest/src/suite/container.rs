@@ -489,6 +489,19 @@ async fn update_resources(c: Ctx) -> SpecResult {
             "memory limit in the cgroup of {id}: {got:?}, want {}",
             mib << 20
         );
+        // `crictl inspect` shows the spec the container runs with, as containerd does
+        // (scripts read `info.runtimeSpec.process.args`), its limit as last updated.
+        let info = c.c.container_info(id).await?;
+        let spec = &info["runtimeSpec"];
+        check!(
+            spec["process"]["args"][0] == "sh"
+                && spec["linux"]["resources"]["memory"]["limit"] == mib << 20
+                && info["config"]["metadata"]["name"].is_string(),
+            "verbose ContainerStatus of {id}: runtimeSpec process {} resources {}, config metadata {}",
+            spec["process"],
+            spec["linux"]["resources"],
+            info["config"]["metadata"]
+        );
         // No swap beyond the limit where the host accounts swap (containerd's default
         // when the request gives no swap limit): v1's memory+swap is the limit, v2's swap
         // is 0. A VM guest has no swap.
