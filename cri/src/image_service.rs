@@ -120,7 +120,9 @@ impl ImageService {
                 "platform": rec.platform,
                 "layers": rec.layers,
                 "pulledAt": rec.pulled_at,
-                "imageConfig": config,
+                // The image's OCI config under the name containerd and CRI-O give it
+                // (`crictl inspecti` users read `info.imageSpec.config`).
+                "imageSpec": config,
             });
             info.insert("info".to_string(), v.to_string());
         }

@@ -241,6 +241,26 @@ async fn uid_field(c: Ctx) -> SpecResult {
         "username {:?}, want empty",
         img.username
     );
+    // `crictl inspecti` shows the image's OCI config as containerd and CRI-O do.
+    let mut cl = c.c.clone();
+    let info = cl
+        .images
+        .image_status(cri::ImageStatusRequest {
+            image: ispec(&name),
+            verbose: true,
+        })
+        .await?
+        .into_inner()
+        .info;
+    let info: serde_json::Value = info
+        .get("info")
+        .and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or_default();
+    check!(
+        info["imageSpec"]["config"]["User"] == "1000",
+        "verbose ImageStatus info.imageSpec.config: {}",
+        info["imageSpec"]["config"]
+    );
     Ok(())
 }
 
