@@ -547,6 +547,60 @@ mod tests {
     }
 
     #[test]
+    fn a_containers_spec_survives_its_record_and_older_records_have_none() {
+        let t = tempfile::tempdir().unwrap();
+        let dirs = StateDirs::new(&t.path().join("root"), &t.path().join("run")).unwrap();
+        let text = r#"{"ociVersion":"1.0.2","process":{"args":["sh","-c","x"]},"linux":{"resources":{"memory":{"limit":1048576}}}}"#;
+        let rec = ContainerRecord {
+            id: "c1".into(),
+            pod_id: "p1".into(),
+            name_key: "k".into(),
+            config: Default::default(),
+            image_name: String::new(),
+            image_id: String::new(),
+            image_ref: String::new(),
+            log_path: String::new(),
+            state: ContainerState::Created,
+            created_at: 1,
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            pid: 7,
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            stop_signal: 15,
+            snapshot: "c1".into(),
+            layers: Vec::new(),
+            volume_snapshots: Vec::new(),
+            spec: Some(
+                serde_json::value::RawValue::from_string(text.into())
+                    .unwrap()
+                    .into(),
+            ),
+        };
+        dirs.save_container(&rec).unwrap();
+        let mut old = serde_json::to_value(&rec).unwrap();
+        old.as_object_mut().unwrap().remove("spec");
+        old["id"] = serde_json::json!("c0");
+        fs::write(
+            dirs.containers_dir().join("c0.json"),
+            serde_json::to_vec(&old).unwrap(),
+        )
+        .unwrap();
+        let mut loaded = dirs.load_containers();
+        loaded.sort_by(|a, b| a.id.cmp(&b.id));
+        assert_eq!(loaded.len(), 2, "{:?}", dirs.quarantined());
+        assert!(loaded[0].spec.is_none());
+        assert_eq!(loaded[1].spec.as_ref().unwrap().get(), text);
+        // As verbose ContainerStatus puts it: the spec as JSON, not a string.
+        let info = serde_json::json!({"runtimeSpec": loaded[1].spec});
+        assert_eq!(info["runtimeSpec"]["process"]["args"][0], "sh");
+    }
+
+    #[test]
     fn configs_written_before_a_cri_api_update_still_load() {
         // A container config as vesseld wrote it with cri-api 0.32: no stop_signal, no
         // image_sub_path, no image_ref (the fields Kubernetes 1.33-1.36 added).

@@ -1073,63 +1073,9 @@ impl AgentState {
 /// `config.json`, replaced atomically): what its cgroup gets at start. Zero or empty fields
 /// are left alone; a negative CPU quota removes the quota.
 fn update_spec_resources(config: &Path, r: &proto::LinuxResources) -> std::io::Result<()> {
-    use serde_json::{json, Value};
-    let mut spec: Value = serde_json::from_slice(&std::fs::read(config)?)
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(config)?)
         .map_err(|e| std::io::Error::other(format!("{}: {e}", config.display())))?;
-    for k in r.unified.keys() {
-        if k.contains('/') || k.starts_with('.') {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("bad cgroup file name {k:?}"),
-            ));
-        }
-    }
-    let res = &mut spec["linux"]["resources"];
-    if !res.is_object() {
-        *res = json!({});
-    }
-    let cpu = &mut res["cpu"];
-    if !cpu.is_object() {
-        *cpu = json!({});
-    }
-    if r.cpu_shares > 0 {
-        cpu["shares"] = json!(r.cpu_shares);
-    }
-    if r.cpu_quota > 0 {
-        cpu["quota"] = json!(r.cpu_quota);
-    } else if r.cpu_quota < 0 {
-        if let Some(o) = cpu.as_object_mut() {
-            o.remove("quota");
-        }
-    }
-    if r.cpu_period > 0 {
-        cpu["period"] = json!(r.cpu_period);
-    }
-    if !r.cpuset_cpus.is_empty() {
-        cpu["cpus"] = json!(r.cpuset_cpus);
-    }
-    if !r.cpuset_mems.is_empty() {
-        cpu["mems"] = json!(r.cpuset_mems);
-    }
-    if r.memory_limit_in_bytes > 0 {
-        let mem = &mut res["memory"];
-        if !mem.is_object() {
-            *mem = json!({});
-        }
-        mem["limit"] = json!(r.memory_limit_in_bytes);
-        if r.memory_swap_limit_in_bytes > 0 {
-            mem["swap"] = json!(r.memory_swap_limit_in_bytes);
-        }
-    }
-    if !r.unified.is_empty() {
-        let unified = &mut res["unified"];
-        if !unified.is_object() {
-            *unified = json!({});
-        }
-        for (k, v) in &r.unified {
-            unified[k] = json!(v);
-        }
-    }
+    crate::spec::merge_resources(&mut spec, r)?;
     let bytes = serde_json::to_vec(&spec).map_err(std::io::Error::other)?;
     let tmp = config.with_extension("json.tmp");
     std::fs::write(&tmp, bytes)?;

@@ -270,6 +270,78 @@ pub fn cgroups_path(spec: &Spec, id: &str) -> PathBuf {
         .unwrap_or_else(|| default_cgroups_path(id))
 }
 
+/// Merges an UpdateContainerResources request into an OCI spec's `linux.resources`, as the
+/// container's cgroup takes it (`crate::cgroups`): zero and empty fields leave what is there,
+/// a negative CPU quota removes the quota, `unified` keys are added to those there. vesseld
+/// keeps the spec it shows (`crictl inspect`) current with the same merge.
+pub fn merge_resources(
+    spec: &mut serde_json::Value,
+    r: &crate::proto::LinuxResources,
+) -> std::io::Result<()> {
+    use serde_json::json;
+    if !spec.is_object() || !(spec["linux"].is_object() || spec["linux"].is_null()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the spec's linux member is not an object",
+        ));
+    }
+    for k in r.unified.keys() {
+        if k.contains('/') || k.starts_with('.') {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("bad cgroup file name {k:?}"),
+            ));
+        }
+    }
+    let res = &mut spec["linux"]["resources"];
+    if !res.is_object() {
+        *res = json!({});
+    }
+    let cpu = &mut res["cpu"];
+    if !cpu.is_object() {
+        *cpu = json!({});
+    }
+    if r.cpu_shares > 0 {
+        cpu["shares"] = json!(r.cpu_shares);
+    }
+    if r.cpu_quota > 0 {
+        cpu["quota"] = json!(r.cpu_quota);
+    } else if r.cpu_quota < 0 {
+        if let Some(o) = cpu.as_object_mut() {
+            o.remove("quota");
+        }
+    }
+    if r.cpu_period > 0 {
+        cpu["period"] = json!(r.cpu_period);
+    }
+    if !r.cpuset_cpus.is_empty() {
+        cpu["cpus"] = json!(r.cpuset_cpus);
+    }
+    if !r.cpuset_mems.is_empty() {
+        cpu["mems"] = json!(r.cpuset_mems);
+    }
+    if r.memory_limit_in_bytes > 0 {
+        let mem = &mut res["memory"];
+        if !mem.is_object() {
+            *mem = json!({});
+        }
+        mem["limit"] = json!(r.memory_limit_in_bytes);
+        if r.memory_swap_limit_in_bytes > 0 {
+            mem["swap"] = json!(r.memory_swap_limit_in_bytes);
+        }
+    }
+    if !r.unified.is_empty() {
+        let unified = &mut res["unified"];
+        if !unified.is_object() {
+            *unified = json!({});
+        }
+        for (k, v) in &r.unified {
+            unified[k] = json!(v);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -917,39 +917,43 @@ impl Runtime {
         let pod = self.pod(&rec.pod_id)?;
         // As at create: the host's cpusets are not a VM pod guest's.
         let host_cpus = pod.record().backend.kind() != crate::state::BackendKind::Vm;
-        let swap_accounting = host_cpus && host_accounts_swap();
+        let resources = ap::LinuxResources {
+            cpu_period: r.cpu_period,
+            cpu_quota: r.cpu_quota,
+            cpu_shares: r.cpu_shares,
+            memory_limit_in_bytes: r.memory_limit_in_bytes,
+            cpuset_cpus: if host_cpus {
+                r.cpuset_cpus.clone()
+            } else {
+                String::new()
+            },
+            cpuset_mems: if host_cpus {
+                r.cpuset_mems.clone()
+            } else {
+                String::new()
+            },
+            memory_swap_limit_in_bytes: spec::default_swap(&r, host_cpus && host_accounts_swap()),
+            unified: r.unified.clone(),
+        };
         let mut c = pod.client().await?;
         c.update_resources(ap::UpdateResourcesRequest {
             id: rec.id.clone(),
-            resources: Some(ap::LinuxResources {
-                cpu_period: r.cpu_period,
-                cpu_quota: r.cpu_quota,
-                cpu_shares: r.cpu_shares,
-                memory_limit_in_bytes: r.memory_limit_in_bytes,
-                cpuset_cpus: if host_cpus {
-                    r.cpuset_cpus.clone()
-                } else {
-                    String::new()
-                },
-                cpuset_mems: if host_cpus {
-                    r.cpuset_mems.clone()
-                } else {
-                    String::new()
-                },
-                memory_swap_limit_in_bytes: spec::default_swap(&r, swap_accounting),
-                unified: r.unified.clone(),
-            }),
+            resources: Some(resources.clone()),
         })
         .await
         .map_err(|s| agent_err(&format!("UpdateContainerResources {}", rec.id), s))?;
+        // The spec `crictl inspect` shows takes the update as the agent's copy does (zero
+        // fields leave what is there). Worked out before the record's lock is taken; `op`
+        // keeps the record's spec from changing meanwhile.
+        let spec = rec.spec.as_ref().and_then(|s| {
+            let mut v: serde_json::Value = serde_json::from_str(s.get()).ok()?;
+            vessel_agent::spec::merge_resources(&mut v, &resources).ok()?;
+            serde_json::value::RawValue::from_string(v.to_string()).ok()
+        });
         let rec = ctr.update(|c| {
             let l = c.config.linux.get_or_insert_with(Default::default);
             l.resources = Some(r.clone());
-            let updated = c.spec.as_ref().and_then(|s| {
-                let text = spec::with_resources(s.get(), &r, !host_cpus, swap_accounting)?;
-                serde_json::value::RawValue::from_string(text).ok()
-            });
-            if let Some(s) = updated {
+            if let Some(s) = spec {
                 c.spec = Some(s.into());
             }
         });

@@ -207,8 +207,37 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
     let mut oom_score_adj = None;
     if let Some(r) = lc.and_then(|l| l.resources.as_ref()) {
         check_resources(r)?;
-        for (k, v) in resource_limits(r, input.vm_guest, input.swap_accounting) {
-            resources[k] = v;
+        let mut cpu = serde_json::Map::new();
+        if r.cpu_shares > 0 {
+            cpu.insert("shares".into(), json!(r.cpu_shares));
+        }
+        if r.cpu_quota > 0 {
+            cpu.insert("quota".into(), json!(r.cpu_quota));
+        }
+        if r.cpu_period > 0 {
+            cpu.insert("period".into(), json!(r.cpu_period));
+        }
+        // The host's CPU and NUMA node numbers (kubelet's CPU and memory managers) mean
+        // nothing in a VM pod's guest, whose vCPUs are numbered from 0: not applied there.
+        if !r.cpuset_cpus.is_empty() && !input.vm_guest {
+            cpu.insert("cpus".into(), json!(r.cpuset_cpus));
+        }
+        if !r.cpuset_mems.is_empty() && !input.vm_guest {
+            cpu.insert("mems".into(), json!(r.cpuset_mems));
+        }
+        if !cpu.is_empty() {
+            resources["cpu"] = Value::Object(cpu);
+        }
+        if r.memory_limit_in_bytes > 0 {
+            let mut mem = json!({"limit": r.memory_limit_in_bytes});
+            let swap = default_swap(r, input.swap_accounting);
+            if swap > 0 {
+                mem["swap"] = json!(swap);
+            }
+            resources["memory"] = mem;
+        }
+        if !r.unified.is_empty() {
+            resources["unified"] = json!(r.unified);
         }
         // kubelet sends a limit for every huge page size the node has, 0 where the pod asks
         // for none. Where there is no hugetlb controller nothing can be limited: the zero
@@ -366,71 +395,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<(Value, ResolvedUser), SpecError> 
 }
 
 /// The masked or read-only paths of a container: none for a privileged one, else those its
-/// security context asks for (`asked`), or `default` where it asks for none.
-/// The `cpu`, `memory` and `unified` members of an OCI spec's `linux.resources` for `r`,
-/// each absent where `r` sets nothing of it.
-fn resource_limits(
-    r: &cri::LinuxContainerResources,
-    vm_guest: bool,
-    swap_accounting: bool,
-) -> Vec<(&'static str, Value)> {
-    let mut out = Vec::new();
-    let mut cpu = serde_json::Map::new();
-    if r.cpu_shares > 0 {
-        cpu.insert("shares".into(), json!(r.cpu_shares));
-    }
-    if r.cpu_quota > 0 {
-        cpu.insert("quota".into(), json!(r.cpu_quota));
-    }
-    if r.cpu_period > 0 {
-        cpu.insert("period".into(), json!(r.cpu_period));
-    }
-    // The host's CPU and NUMA node numbers (kubelet's CPU and memory managers) mean
-    // nothing in a VM pod's guest, whose vCPUs are numbered from 0: not applied there.
-    if !r.cpuset_cpus.is_empty() && !vm_guest {
-        cpu.insert("cpus".into(), json!(r.cpuset_cpus));
-    }
-    if !r.cpuset_mems.is_empty() && !vm_guest {
-        cpu.insert("mems".into(), json!(r.cpuset_mems));
-    }
-    if !cpu.is_empty() {
-        out.push(("cpu", Value::Object(cpu)));
-    }
-    if r.memory_limit_in_bytes > 0 {
-        let mut mem = json!({"limit": r.memory_limit_in_bytes});
-        let swap = default_swap(r, swap_accounting);
-        if swap > 0 {
-            mem["swap"] = json!(swap);
-        }
-        out.push(("memory", mem));
-    }
-    if !r.unified.is_empty() {
-        out.push(("unified", json!(r.unified)));
-    }
-    out
-}
-
-/// A container's spec text with its `cpu`, `memory` and `unified` resources replaced by
-/// those of `r` (UpdateContainerResources), the rest as it was. None where the text is not
-/// a spec with `linux.resources`.
-pub fn with_resources(
-    spec: &str,
-    r: &cri::LinuxContainerResources,
-    vm_guest: bool,
-    swap_accounting: bool,
-) -> Option<String> {
-    let mut v: Value = serde_json::from_str(spec).ok()?;
-    let res = v.get_mut("linux")?.get_mut("resources")?.as_object_mut()?;
-    for k in ["cpu", "memory", "unified"] {
-        res.remove(k);
-    }
-    for (k, val) in resource_limits(r, vm_guest, swap_accounting) {
-        res.insert(k.to_string(), val);
-    }
-    serde_json::to_string(&v).ok()
-}
-
-/// The masked or read-only paths of a container. kubelet sends its default lists for
+/// security context asks for (`asked`). kubelet sends its default lists for
 /// `procMount: Default` and empty ones for `procMount: Unmasked`, which the Kubernetes API
 /// allows only in a pod with its own user namespace (`hostUsers: false`); containerd and
 /// CRI-O apply the lists as sent. So an empty list in such a pod is none (a nested container
@@ -610,50 +575,6 @@ mod tests {
         for k in ["", "A=B", "A\nB"] {
             assert!(check_envs(&envs(k)).is_err(), "{k:?}");
         }
-    }
-
-    #[test]
-    fn updated_resources_replace_the_specs_limits_only() {
-        let spec = json!({
-            "process": {"args": ["sh"]},
-            "linux": {"resources": {
-                "devices": [{"allow": false, "access": "rwm"}],
-                "cpu": {"shares": 2, "cpus": "0-1"},
-                "memory": {"limit": 1, "swap": 1},
-                "pids": {"limit": 10},
-            }},
-        })
-        .to_string();
-        let r = cri::LinuxContainerResources {
-            cpu_shares: 512,
-            cpuset_cpus: "3".into(),
-            memory_limit_in_bytes: 64 << 20,
-            memory_swap_limit_in_bytes: 0,
-            ..Default::default()
-        };
-        let v: Value =
-            serde_json::from_str(&with_resources(&spec, &r, false, true).unwrap()).unwrap();
-        let res = &v["linux"]["resources"];
-        assert_eq!(res["cpu"], json!({"shares": 512, "cpus": "3"}));
-        assert_eq!(res["memory"], json!({"limit": 64 << 20, "swap": 64 << 20}));
-        assert_eq!(res["pids"], json!({"limit": 10}));
-        assert_eq!(res["devices"][0]["access"], "rwm");
-        assert_eq!(v["process"]["args"], json!(["sh"]));
-        // A VM guest gets no host cpuset; nothing set clears what was there.
-        let v: Value =
-            serde_json::from_str(&with_resources(&spec, &r, true, false).unwrap()).unwrap();
-        assert_eq!(v["linux"]["resources"]["cpu"], json!({"shares": 512}));
-        assert_eq!(
-            v["linux"]["resources"]["memory"],
-            json!({"limit": 64 << 20})
-        );
-        let none = cri::LinuxContainerResources::default();
-        let v: Value =
-            serde_json::from_str(&with_resources(&spec, &none, false, true).unwrap()).unwrap();
-        assert!(v["linux"]["resources"].get("cpu").is_none());
-        assert!(v["linux"]["resources"].get("memory").is_none());
-        assert!(with_resources("{}", &r, false, true).is_none());
-        assert!(with_resources("not json", &r, false, true).is_none());
     }
 
     #[test]

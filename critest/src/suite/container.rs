@@ -517,6 +517,25 @@ async fn update_resources(c: Ctx) -> SpecResult {
             mib << 20
         );
     }
+    // An update that sets only some fields (kubelet's CPU manager sends only cpuset_cpus)
+    // leaves the others as they were, in the cgroup and in the spec `crictl inspect` shows.
+    let mut cl = c.c.clone();
+    cl.runtime
+        .update_container_resources(cri::UpdateContainerResourcesRequest {
+            container_id: limited.clone(),
+            linux: Some(cri::LinuxContainerResources {
+                cpu_shares: 512,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await?;
+    let info = c.c.container_info(&limited).await?;
+    let res = &info["runtimeSpec"]["linux"]["resources"];
+    check!(
+        res["memory"]["limit"] == 48u64 << 20 && res["cpu"]["shares"] == 512,
+        "runtimeSpec resources after a shares-only update: {res}"
+    );
     Ok(())
 }
 
