@@ -13,6 +13,7 @@ pub(super) fn specs() -> Vec<Spec> {
     vec![
         spec!("volume", "a 50 MB write with fsync is on the host while the container runs and after the pod is gone", big_write),
         spec!("volume", "two containers of a pod share a host directory", shared_between_containers),
+        spec!("volume", "a host path that is not there is made, a directory, as containerd makes it", missing_source_made),
         spec!("volume", "containers in the pod's IPC namespace share its /dev/shm; one with its own IPC namespace has its own", shared_shm),
         spec!("volume", "programs on a host-path volume run: a script, a static binary, one the container wrote", programs_run_from_a_volume),
         spec!("volume", "a ConfigMap-style symlink swap on the host is seen by the container within 3 s", configmap_swap),
@@ -114,6 +115,29 @@ async fn shared_between_containers(c: Ctx) -> SpecResult {
         d.join("sub").is_dir() && !d.join("note").exists(),
         "the host directory does not show the containers' changes"
     );
+    Ok(())
+}
+
+/// kubelet's hostPath volume without a `type` (the default) checks and makes nothing: the
+/// runtime makes a missing host path, a directory, as containerd and CRI-O do.
+async fn missing_source_made(c: Ctx) -> SpecResult {
+    let d = c.dir("made")?;
+    let missing = d.join("not/there");
+    let (pod, pcfg) = c.run_pod("made").await?;
+    let mut cfg = c.ctr_config("one", "sleep 100000");
+    cfg.mounts = vec![vol(&missing, "/data")];
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.sh_ok(&id, "echo hi > /data/note").await?;
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(&missing).map_err(io("the made host path"))?;
+    check!(
+        m.is_dir() && m.uid() == 0,
+        "the made host path: directory {}, owner {}",
+        m.is_dir(),
+        m.uid()
+    );
+    let got = std::fs::read_to_string(missing.join("note")).map_err(io("the note"))?;
+    check!(got == "hi\n", "the host reads {got:?}");
     Ok(())
 }
 
