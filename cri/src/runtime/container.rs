@@ -1209,6 +1209,32 @@ fn host_has_hugetlb() -> bool {
     })
 }
 
+/// Makes the missing host paths of a container's volumes as directories (0755, root's), as
+/// containerd and CRI-O do: kubelet checks and makes nothing for a hostPath volume without a
+/// `type`, the default, and leaves a missing one to the runtime. A path that is not absolute
+/// is left to the spec's refusal; an image volume has none.
+fn make_missing_sources(key: &str, mounts: &[cri::Mount]) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    for m in mounts {
+        let p = Path::new(&m.host_path);
+        if !p.is_absolute() || std::fs::symlink_metadata(p).is_ok() {
+            continue;
+        }
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(p)
+            .map_err(|e| {
+                RuntimeError::InvalidArgument(format!(
+                    "CreateContainer {key:?}: making the missing host path {:?} of the volume at {:?}: {e}",
+                    m.host_path, m.container_path
+                ))
+            })?;
+        tracing::info!(container = %key, path = %m.host_path, "made the volume's missing host path");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1281,30 +1307,4 @@ mod tests {
         assert_eq!(container_log_path(ds, "").unwrap(), "");
         assert_eq!(container_log_path("", "x.log").unwrap(), "");
     }
-}
-
-/// Makes the missing host paths of a container's volumes as directories (0755, root's), as
-/// containerd and CRI-O do: kubelet checks and makes nothing for a hostPath volume without a
-/// `type`, the default, and leaves a missing one to the runtime. A path that is not absolute
-/// is left to the spec's refusal; an image volume has none.
-fn make_missing_sources(key: &str, mounts: &[cri::Mount]) -> Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    for m in mounts {
-        let p = Path::new(&m.host_path);
-        if !p.is_absolute() || std::fs::symlink_metadata(p).is_ok() {
-            continue;
-        }
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(p)
-            .map_err(|e| {
-                RuntimeError::InvalidArgument(format!(
-                    "CreateContainer {key:?}: making the missing host path {:?} of the volume at {:?}: {e}",
-                    m.host_path, m.container_path
-                ))
-            })?;
-        tracing::info!(container = %key, path = %m.host_path, "made the volume's missing host path");
-    }
-    Ok(())
 }
