@@ -953,7 +953,7 @@ impl Runtime {
         });
         let rec = ctr.update(|c| {
             let l = c.config.linux.get_or_insert_with(Default::default);
-            l.resources = Some(r.clone());
+            l.resources = Some(spec::merge_update(l.resources.take(), &r));
             if let Some(s) = spec {
                 c.spec = Some(s.into());
             }

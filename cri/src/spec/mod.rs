@@ -17,7 +17,7 @@ mod user;
 
 pub(crate) use mounts::clean as clean_path;
 use resources::check_envs;
-pub use resources::{check_resources, MIN_MEMORY_LIMIT};
+pub use resources::{check_resources, merge_update, MIN_MEMORY_LIMIT};
 use security::{capabilities, DEFAULT_MASKED, DEFAULT_READONLY};
 pub use security::{ALL_CAPS, DEFAULT_CAPS};
 pub use user::{image_has_command, read_image_file, resolve_user};
@@ -575,6 +575,50 @@ mod tests {
         for k in ["", "A=B", "A\nB"] {
             assert!(check_envs(&envs(k)).is_err(), "{k:?}");
         }
+    }
+
+    #[test]
+    fn updates_merge_into_the_resources_as_the_cgroup_takes_them() {
+        let created = cri::LinuxContainerResources {
+            cpu_shares: 256,
+            cpu_quota: 50_000,
+            cpu_period: 100_000,
+            memory_limit_in_bytes: 64 << 20,
+            oom_score_adj: 900,
+            unified: [("memory.high".to_string(), "60M".to_string())].into(),
+            ..Default::default()
+        };
+        // kubelet's CPU manager: the cpuset alone.
+        let cpus = cri::LinuxContainerResources {
+            cpuset_cpus: "2-3".into(),
+            ..Default::default()
+        };
+        let r = merge_update(Some(created.clone()), &cpus);
+        assert_eq!(
+            r,
+            cri::LinuxContainerResources {
+                cpuset_cpus: "2-3".into(),
+                ..created.clone()
+            }
+        );
+        // An in-place resize: every value it sends; no CPU limit any more (quota -1).
+        let resize = cri::LinuxContainerResources {
+            cpu_shares: 512,
+            cpu_quota: -1,
+            cpu_period: 100_000,
+            memory_limit_in_bytes: 128 << 20,
+            unified: [("memory.max".to_string(), "max".to_string())].into(),
+            ..Default::default()
+        };
+        let r = merge_update(Some(r), &resize);
+        assert_eq!(
+            (r.cpu_shares, r.cpu_quota, r.cpu_period),
+            (512, -1, 100_000)
+        );
+        assert_eq!(r.memory_limit_in_bytes, 128 << 20);
+        assert_eq!((r.cpuset_cpus.as_str(), r.oom_score_adj), ("2-3", 900));
+        assert_eq!(r.unified.len(), 2);
+        assert_eq!(merge_update(None, &cpus), cpus);
     }
 
     #[test]

@@ -60,3 +60,40 @@ pub(super) fn check_envs(envs: &[cri::KeyValue]) -> Result<(), SpecError> {
     }
     Ok(())
 }
+
+/// The resources a container has after UpdateContainerResources `new`, as its cgroup takes
+/// them (and `vessel_agent::spec::merge_resources` for its spec): zero and empty fields keep
+/// their value (kubelet's CPU manager sends only `cpuset_cpus`), `unified` keys add to those
+/// there. `oom_score_adj` and huge page limits are not changed by an update and keep theirs.
+/// ContainerStatus reports the result, which kubelet's in-place resize compares.
+pub fn merge_update(
+    old: Option<cri::LinuxContainerResources>,
+    new: &cri::LinuxContainerResources,
+) -> cri::LinuxContainerResources {
+    let mut r = old.unwrap_or_default();
+    if new.cpu_shares > 0 {
+        r.cpu_shares = new.cpu_shares;
+    }
+    if new.cpu_quota != 0 {
+        r.cpu_quota = new.cpu_quota;
+    }
+    if new.cpu_period > 0 {
+        r.cpu_period = new.cpu_period;
+    }
+    if !new.cpuset_cpus.is_empty() {
+        r.cpuset_cpus = new.cpuset_cpus.clone();
+    }
+    if !new.cpuset_mems.is_empty() {
+        r.cpuset_mems = new.cpuset_mems.clone();
+    }
+    if new.memory_limit_in_bytes > 0 {
+        r.memory_limit_in_bytes = new.memory_limit_in_bytes;
+    }
+    if new.memory_swap_limit_in_bytes != 0 {
+        r.memory_swap_limit_in_bytes = new.memory_swap_limit_in_bytes;
+    }
+    for (k, v) in &new.unified {
+        r.unified.insert(k.clone(), v.clone());
+    }
+    r
+}

@@ -536,6 +536,13 @@ async fn update_resources(c: Ctx) -> SpecResult {
         res["memory"]["limit"] == 48u64 << 20 && res["cpu"]["shares"] == 512,
         "runtimeSpec resources after a shares-only update: {res}"
     );
+    // ... and in ContainerStatus.resources, which kubelet's in-place resize compares.
+    let st = c.c.container_status(&limited).await?;
+    let r = st.resources.and_then(|r| r.linux).unwrap_or_default();
+    check!(
+        r.memory_limit_in_bytes == 48 << 20 && r.cpu_shares == 512,
+        "ContainerStatus.resources after a shares-only update: {r:?}"
+    );
     Ok(())
 }
 
