@@ -136,6 +136,16 @@ fn crictl_every_verb() {
     );
     let ids = c.ok(&["images", "-q"]);
     assert_eq!(ids.lines().count(), 1, "{ids}");
+    // The ID as the `crictl images` table prints it (13 digits) names the image too, as
+    // with containerd: `crictl inspecti` and `crictl rmi` take it.
+    let id = ids.trim().to_string();
+    let short = id
+        .strip_prefix("sha256:")
+        .map(|h| h[..13].to_string())
+        .unwrap_or_default();
+    assert!(out.contains(&short), "{out}");
+    let img = c.json(&["inspecti", &short]);
+    assert_eq!(img["status"]["id"], id.as_str(), "{img}");
     let img = c.json(&["inspecti", IMAGE]);
     assert!(
         img["status"]["id"]
@@ -469,7 +479,7 @@ fn crictl_every_verb() {
     c.ok(&["rmp", "-f", "-a"]);
     assert_eq!(c.ok(&["pods", "-q"]).trim(), "");
     assert_eq!(c.ok(&["ps", "-a", "-q"]).trim(), "");
-    c.ok(&["rmi", IMAGE]);
+    c.ok(&["rmi", &short]);
     assert_eq!(c.ok(&["images", "-q"]).trim(), "");
     c.ok(&["pull", IMAGE]);
     let out = c.ok(&["rmi", "--prune"]);

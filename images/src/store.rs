@@ -730,7 +730,8 @@ impl ImageStore {
         }
     }
 
-    /// Finds an image by ID (`sha256:<hex>` or bare hex), by tag, or by repo digest.
+    /// Finds an image by ID (`sha256:<hex>` or bare hex), by tag, by repo digest, or by a
+    /// unique prefix of its ID (as `crictl images` prints IDs) that names no tag.
     pub fn find(&self, query: &str) -> Result<Option<ImageRecord>> {
         let q = query.trim();
         if let Ok(d) = q.parse::<Digest>() {
@@ -743,8 +744,33 @@ impl ImageStore {
                 }
             }
         }
-        let r = Reference::parse(q)?;
-        Ok(self.list()?.into_iter().find(|rec| rec.matches(&r)))
+        let by_name = match Reference::parse(q) {
+            Ok(r) => self.list()?.into_iter().find(|rec| rec.matches(&r)),
+            Err(e) => return self.by_id_prefix(q)?.map_or(Err(e.into()), |r| Ok(Some(r))),
+        };
+        match by_name {
+            Some(r) => Ok(Some(r)),
+            None => self.by_id_prefix(q),
+        }
+    }
+
+    /// The one image whose ID starts with `q` (4 to 63 hex digits, `sha256:` optional), as
+    /// containerd resolves the short IDs `crictl images` prints (`crictl rmi`, `inspecti`);
+    /// none where no image's or several images' IDs do.
+    fn by_id_prefix(&self, q: &str) -> Result<Option<ImageRecord>> {
+        let hex = q.strip_prefix("sha256:").unwrap_or(q);
+        if !(4..64).contains(&hex.len()) || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+            return Ok(None);
+        }
+        let hex = hex.to_ascii_lowercase();
+        let mut found = self
+            .list()?
+            .into_iter()
+            .filter(|r| r.id.hex().starts_with(&hex));
+        Ok(match (found.next(), found.next()) {
+            (Some(r), None) => Some(r),
+            _ => None,
+        })
     }
 
     fn write_record(&self, rec: &ImageRecord) -> Result<()> {
@@ -815,8 +841,18 @@ impl ImageStore {
             let victims: Vec<ImageRecord> = if let Some(id) = &by_id {
                 self.get(id)?.into_iter().collect()
             } else {
-                let r = Reference::parse(q)?;
-                self.list()?.into_iter().filter(|x| x.matches(&r)).collect()
+                let named = match Reference::parse(q) {
+                    Ok(r) => Ok(self.list()?.into_iter().filter(|x| x.matches(&r)).collect()),
+                    Err(e) => Err(e),
+                };
+                match named {
+                    Ok(v) if !Vec::is_empty(&v) => v,
+                    Ok(_) => self.by_id_prefix(q)?.into_iter().collect(),
+                    Err(e) => match self.by_id_prefix(q)? {
+                        Some(r) => vec![r],
+                        None => return Err(e.into()),
+                    },
+                }
             };
             for rec in victims {
                 if let Some(users) = in_use(&rec.id) {
@@ -927,5 +963,73 @@ impl ImageStore {
     /// Where container root filesystems (snapshots) live.
     pub fn snapshots_root(&self) -> PathBuf {
         self.root.join("snapshots")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(hex: &str, tag: &str) -> ImageRecord {
+        let d = |h: &str| format!("sha256:{h}").parse::<Digest>().unwrap();
+        let desc = |h: &str| Descriptor {
+            media_type: "application/vnd.oci.image.config.v1+json".into(),
+            digest: d(h),
+            size: 2,
+            platform: None,
+            annotations: Default::default(),
+            urls: Vec::new(),
+        };
+        ImageRecord {
+            id: d(hex),
+            repo_tags: vec![tag.to_string()],
+            repo_digests: Vec::new(),
+            manifest: desc(&"f".repeat(64)),
+            config: desc(hex),
+            layers: Vec::new(),
+            platform: "linux/amd64".into(),
+            run_config: Default::default(),
+            size: 2,
+            pulled_at: 0,
+            pinned: false,
+            checkpoint_of: None,
+        }
+    }
+
+    #[test]
+    fn short_ids_as_crictl_prints_them_find_and_remove_one_image() {
+        let t = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(t.path()).unwrap();
+        let a = format!("3f57d9401f8d{}", "a".repeat(52));
+        let b = format!("3f57d9401f8e{}", "b".repeat(52));
+        store
+            .commit_image(record(&a, "docker.io/library/a:1"))
+            .unwrap();
+        store
+            .commit_image(record(&b, "docker.io/library/b:1"))
+            .unwrap();
+        // The 13 characters `crictl images` prints, with and without the algorithm.
+        for q in ["3f57d9401f8da", "sha256:3f57d9401f8da", "3F57D9401F8DA"] {
+            let got = store.find(q).unwrap().map(|r| r.id.hex().to_string());
+            assert_eq!(got.as_deref(), Some(a.as_str()), "{q}");
+        }
+        // A prefix of both, or too short, is none of them.
+        assert!(store.find("3f57d9401f8").unwrap().is_none());
+        assert!(store.find("3f5").unwrap().is_none());
+        // A tag is a tag first.
+        store
+            .commit_image(record(
+                &"c".repeat(64),
+                "docker.io/library/3f57d9401f8e:latest",
+            ))
+            .unwrap();
+        let got = store.find("3f57d9401f8e").unwrap().unwrap();
+        assert_eq!(got.id.hex(), "c".repeat(64));
+        let gone = store.remove("3f57d9401f8eb", &|_| None).unwrap();
+        assert_eq!(gone.len(), 1);
+        assert_eq!(gone[0].hex(), b);
+        assert!(store.find(&b).unwrap().is_none());
+        assert!(store.find(&a).unwrap().is_some());
+        assert!(store.remove("0123456789ab", &|_| None).unwrap().is_empty());
     }
 }
