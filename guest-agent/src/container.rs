@@ -69,6 +69,9 @@ pub struct Container {
     /// CRIU images to restore the container's processes from at start (a restored
     /// checkpoint), instead of running its command.
     pub restore: Option<PathBuf>,
+    /// The working directory to make in the root filesystem at launch where the image has
+    /// none, and who owns what is made (the container's root as the host sees it).
+    pub make_cwd: Option<(PathBuf, (u32, u32))>,
 }
 
 impl Container {
@@ -85,6 +88,7 @@ impl Container {
         tty: bool,
         stdin_once: bool,
         restore: Option<PathBuf>,
+        make_cwd: Option<(PathBuf, (u32, u32))>,
     ) -> Arc<Container> {
         let (exit_tx, _) = watch::channel(None);
         Arc::new(Container {
@@ -110,6 +114,7 @@ impl Container {
             libct_deleted: tokio::sync::Mutex::new(false),
             dumping: Arc::new(tokio::sync::Mutex::new(())),
             restore,
+            make_cwd,
         })
     }
 

@@ -311,9 +311,93 @@ pub fn usage(dir: &Path) -> (u64, u64) {
     (bytes, inodes)
 }
 
+/// Makes a container's working directory in its root filesystem where the image has none,
+/// as runc does: each missing directory 0755, owned by `owner` (the container's root as the
+/// host sees it). Every step is resolved inside the root (the image's links stay in it); a
+/// file where a directory should be fails.
+pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result<()> {
+    use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
+    let root = rustix::fs::open(
+        rootfs,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let resolve = |rel: &Path| {
+        let rel = if rel.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            rel
+        };
+        rustix::fs::openat2(
+            &root,
+            rel,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+        )
+    };
+    let rel = cwd.strip_prefix("/").unwrap_or(cwd);
+    if resolve(rel).is_ok() {
+        return Ok(());
+    }
+    let mut done = PathBuf::new();
+    for part in cwd.components() {
+        let std::path::Component::Normal(name) = part else {
+            if part == std::path::Component::ParentDir {
+                done.push("..");
+            }
+            continue;
+        };
+        let parent = resolve(&done)?;
+        done.push(name);
+        match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o755)) {
+            Ok(()) => {
+                // The mode as asked, whatever the umask; the owner the container's root.
+                rustix::fs::chmodat(&parent, name, Mode::from_raw_mode(0o755), AtFlags::empty())?;
+                rustix::fs::chownat(
+                    &parent,
+                    name,
+                    Some(rustix::fs::Uid::from_raw(owner.0)),
+                    Some(rustix::fs::Gid::from_raw(owner.1)),
+                    AtFlags::SYMLINK_NOFOLLOW,
+                )?;
+            }
+            Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    resolve(&done).map(drop).map_err(Into::into)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_working_directory_is_made_inside_the_root() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path();
+        std::fs::create_dir(root.join("usr")).unwrap();
+        std::fs::write(root.join("file"), "").unwrap();
+        std::os::unix::fs::symlink("/", root.join("up")).unwrap();
+        make_cwd(root, Path::new("/workspace/a/b"), (1234, 5678)).unwrap();
+        for d in ["workspace", "workspace/a", "workspace/a/b"] {
+            let m = std::fs::metadata(root.join(d)).unwrap();
+            assert!(m.is_dir(), "{d}");
+            assert_eq!((m.uid(), m.gid()), (1234, 5678), "{d}");
+            assert_eq!(m.permissions().mode() & 0o7777, 0o755, "{d}");
+        }
+        // What is there stays as it is; a link leads inside the root, never out of it.
+        make_cwd(root, Path::new("/usr"), (1, 1)).unwrap();
+        assert_eq!(std::fs::metadata(root.join("usr")).unwrap().uid(), 0);
+        let name = format!("vessel-cwd-{}", std::process::id());
+        make_cwd(root, &Path::new("/up/..").join(&name), (0, 0)).unwrap();
+        assert!(root.join(&name).is_dir());
+        assert!(!Path::new("/").join(&name).exists());
+        // A file where a directory should be is an error.
+        assert!(make_cwd(root, Path::new("/file/x"), (0, 0)).is_err());
+    }
 
     #[test]
     fn options() {

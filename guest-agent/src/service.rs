@@ -344,6 +344,17 @@ impl AgentState {
             }
         };
         let mut spec = crate::spec::prepare(&req.oci_spec, id, &rootfs, req.tty, self.pid)?;
+        // runc makes a missing working directory (kubelet passes a pod's workingDir as it
+        // is); libcontainer fails the start instead. A restore's processes have theirs.
+        let make_cwd = match (&restore, spec.process().as_ref()) {
+            (None, Some(p)) if p.cwd() != Path::new("/") => {
+                let owner = crate::userns::pod()
+                    .map(|u| (u.uid.to_host(0).unwrap_or(0), u.gid.to_host(0).unwrap_or(0)))
+                    .unwrap_or((0, 0));
+                Some((p.cwd().clone(), owner))
+            }
+            _ => None,
+        };
         clamp_oom_score_adj(&mut spec);
         crate::spec::bind_pod_shm(&mut spec, &self.containers_dir)?;
         let cgroup = Cgroup::new(&crate::spec::cgroups_path(&spec, id));
@@ -382,6 +393,7 @@ impl AgentState {
             req.tty,
             req.stdin_once,
             restore,
+            make_cwd,
         );
         tracing::info!(id, "container created");
         Ok(c)
@@ -396,6 +408,14 @@ impl AgentState {
         let dir = c.dir.as_path();
         if let Some(overlay) = &c.overlay {
             crate::rootfs::mount_prepared(&c.rootfs, overlay)?;
+        }
+        if let Some((cwd, owner)) = &c.make_cwd {
+            crate::rootfs::make_cwd(&c.rootfs, cwd, *owner).map_err(|e| {
+                AgentError::InvalidArgument(format!(
+                    "container {id:?}: making its working directory {}: {e}",
+                    cwd.display()
+                ))
+            })?;
         }
         let mut args: Vec<OsString> = match &c.restore {
             None => vec!["create".into()],

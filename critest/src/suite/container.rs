@@ -16,6 +16,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "named by image id as kubelet names it, status shows the user's image name", image_by_id),
         spec!("container", "list filters by id, state, pod and label", list_filters),
         spec!("container", "command, args, env and working dir", command_env),
+        spec!("container", "a working dir the image lacks is made, read-only root too (as runc makes it)", missing_working_dir),
         spec!("container", "host path mounts, read-write, read-only, nested (inner listed first) and over /dev/shm", host_mounts),
         spec!("container", "UpdateContainerResources changes the memory limit of a running container and of a created one", update_resources),
         spec!("container", "cpuset_cpus (kubelet's CPU manager): a flat container runs on its CPUs; a VM pod's process on its containers' CPUs, and where it started once they are gone", cpuset),
@@ -386,6 +387,27 @@ async fn command_env(c: Ctx) -> SpecResult {
         got == vec!["bar baz /tmp zero"],
         "output {got:?}, want [\"bar baz /tmp zero\"]"
     );
+    Ok(())
+}
+
+/// kubelet passes a pod's `workingDir` as it is (Tekton's /workspace, CI pods' checkout
+/// directories): runc makes a missing one, owned by root, before the root goes read-only.
+async fn missing_working_dir(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("wd").await?;
+    let mut ids = Vec::new();
+    for (name, readonly) in [("wd", false), ("wdro", true)] {
+        let mut cfg = c.ctr_config(name, "sleep 100000");
+        cfg.working_dir = "/workspace/src".into();
+        Ctx::sec(&mut cfg).readonly_rootfs = readonly;
+        ids.push(c.run_cfg(&pod, &pcfg, cfg).await?);
+    }
+    for id in &ids {
+        let got = c.sh_ok(id, "pwd; stat -c %u:%a /workspace/src").await?;
+        check!(
+            got == "/workspace/src\n0:755",
+            "{id}: pwd and owner:mode {got:?}"
+        );
+    }
     Ok(())
 }
 
