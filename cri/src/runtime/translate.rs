@@ -60,11 +60,21 @@ impl Runtime {
         }
         let mut info = HashMap::new();
         if verbose {
+            // `pid` is the host's, as containerd gives it (`nsenter -t <pid>` recipes): a
+            // flat container's, found from its pid in the pod agent's namespace (`podPid`);
+            // none (0) for a VM pod's, whose processes the host does not run.
+            let host_pid = match self.pod(&r.pod_id).map(|p| p.record()) {
+                Ok(p) if p.backend.kind() == crate::state::BackendKind::Flat && r.pid > 0 => {
+                    host_pid(p.agent_pid, r.pid).unwrap_or(0)
+                }
+                _ => 0,
+            };
             info.insert(
                 "info".into(),
                 serde_json::json!({
                     "sandboxID": r.pod_id,
-                    "pid": r.pid,
+                    "pid": host_pid,
+                    "podPid": r.pid,
                     "snapshot": r.snapshot,
                     "stopSignal": r.stop_signal,
                     // As containerd shows them: the container's CRI config as kubelet sent
@@ -147,4 +157,35 @@ pub(super) fn pod_state(r: &crate::state::PodRecord) -> i32 {
     } else {
         cri::PodSandboxState::SandboxNotready as i32
     }
+}
+
+/// The host pid of the process that is `pod_pid` in the pid namespace of the pod agent
+/// `agent_pid` (the second entry of its `NSpid`, the agent's namespace being one below the
+/// host's), among the agent's descendants; None where there is none.
+fn host_pid(agent_pid: u32, pod_pid: u32) -> Option<u32> {
+    let field = |pid: &str, name: &str| -> Option<Vec<u32>> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix(name))?;
+        line.split_whitespace().map(|n| n.parse().ok()).collect()
+    };
+    let descends = |mut pid: u32| {
+        for _ in 0..64 {
+            if pid == agent_pid {
+                return true;
+            }
+            match field(&pid.to_string(), "PPid:").and_then(|p| p.first().copied()) {
+                Some(p) if p > 1 => pid = p,
+                _ => return false,
+            }
+        }
+        false
+    };
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&pid| {
+            field(&pid.to_string(), "NSpid:").is_some_and(|ns| ns.get(1) == Some(&pod_pid))
+                && descends(pid)
+        })
 }

@@ -553,6 +553,27 @@ async fn update_resources(c: Ctx) -> SpecResult {
         })
         .await?;
     let info = c.c.container_info(&limited).await?;
+    // `info.pid` is the host's (`nsenter -t <pid>` recipes), as containerd gives it: the
+    // process that is `podPid` in the pod's pid namespace; none for a VM pod's.
+    let (pid, pod_pid) = (info["pid"].as_u64(), info["podPid"].as_u64());
+    if c.env.vm_pods {
+        check!(pid == Some(0), "a VM pod's container has host pid {pid:?}");
+    } else {
+        let nspid = pid
+            .filter(|&p| p > 0)
+            .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("NSpid:"))
+                    .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+            })
+            .unwrap_or_default();
+        check!(
+            nspid.first().map(String::as_str) == pid.map(|p| p.to_string()).as_deref()
+                && nspid.get(1).map(String::as_str) == pod_pid.map(|p| p.to_string()).as_deref(),
+            "info.pid {pid:?}, podPid {pod_pid:?}: the host's NSpid of that pid is {nspid:?}"
+        );
+    }
     let res = &info["runtimeSpec"]["linux"]["resources"];
     check!(
         res["memory"]["limit"] == 48u64 << 20 && res["cpu"]["shares"] == 512,
