@@ -226,7 +226,10 @@ impl Container {
         pumps: Vec<JoinHandle<()>>,
     ) -> ExitInfo {
         let oom_after = self.cgroup.oom_kill_count().unwrap_or(0);
-        let oom_killed = status.signal == libc::SIGKILL as u32 && oom_after > oom_before;
+        // Any OOM kill in the container's cgroup during its life, as containerd reports it
+        // (its TaskOOM event): a worker the kernel killed under a shell or supervisor that
+        // then exits on its own too.
+        let oom_killed = oom_after > oom_before;
         let info = ExitInfo {
             exit_code: status.code,
             signal: status.signal,

@@ -989,6 +989,22 @@ async fn oom(c: Ctx) -> SpecResult {
         s.exit_code
     );
     check!(s.exit_code == 137, "exit code {}, want 137", s.exit_code);
+    // A worker killed under a shell that then exits on its own: OOMKilled too, with the
+    // shell's exit code, as containerd reports it.
+    let mut cfg = c.ctr_config("worker", "tail /dev/zero; exit 3");
+    cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
+        memory_limit_in_bytes: 16 << 20,
+        memory_swap_limit_in_bytes: 16 << 20,
+        ..Default::default()
+    });
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let s = c.wait_exit(&id).await?;
+    check!(
+        s.reason == "OOMKilled" && s.exit_code == 3,
+        "a shell whose worker was OOM-killed: reason {:?}, exit code {}; want OOMKilled, 3",
+        s.reason,
+        s.exit_code
+    );
     Ok(())
 }
 
