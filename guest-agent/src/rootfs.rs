@@ -337,8 +337,11 @@ pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result
         )
     };
     let rel = cwd.strip_prefix("/").unwrap_or(cwd);
-    if resolve(rel).is_ok() {
-        return Ok(());
+    match resolve(rel) {
+        // A component missing: made below. Anything else (there, a file in the way, a
+        // kernel before 5.6 without openat2) is left to libcontainer's chdir, as before.
+        Err(rustix::io::Errno::NOENT) => {}
+        _ => return Ok(()),
     }
     let mut done = PathBuf::new();
     for part in cwd.components() {
@@ -395,8 +398,9 @@ mod tests {
         make_cwd(root, &Path::new("/up/..").join(&name), (0, 0)).unwrap();
         assert!(root.join(&name).is_dir());
         assert!(!Path::new("/").join(&name).exists());
-        // A file where a directory should be is an error.
-        assert!(make_cwd(root, Path::new("/file/x"), (0, 0)).is_err());
+        // A file where a directory should be is left as it is, to libcontainer's chdir.
+        make_cwd(root, Path::new("/file/x"), (0, 0)).unwrap();
+        assert!(root.join("file").is_file());
     }
 
     #[test]

@@ -411,10 +411,17 @@ impl AgentState {
         }
         if let Some((cwd, owner)) = &c.make_cwd {
             crate::rootfs::make_cwd(&c.rootfs, cwd, *owner).map_err(|e| {
-                AgentError::InvalidArgument(format!(
+                let m = format!(
                     "container {id:?}: making its working directory {}: {e}",
                     cwd.display()
-                ))
+                );
+                // What the image has in the way is the request's; the rest the node's.
+                match e.raw_os_error() {
+                    Some(libc::ENOTDIR | libc::ENOENT | libc::ELOOP | libc::EEXIST) => {
+                        AgentError::InvalidArgument(m)
+                    }
+                    _ => AgentError::Internal(m),
+                }
             })?;
         }
         let mut args: Vec<OsString> = match &c.restore {

@@ -953,7 +953,11 @@ impl Runtime {
         });
         let rec = ctr.update(|c| {
             let l = c.config.linux.get_or_insert_with(Default::default);
-            l.resources = Some(spec::merge_update(l.resources.take(), &r));
+            l.resources = Some(spec::merge_update(
+                l.resources.take(),
+                &r,
+                resources.memory_swap_limit_in_bytes,
+            ));
             if let Some(s) = spec {
                 c.spec = Some(s.into());
             }

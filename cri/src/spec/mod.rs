@@ -593,7 +593,7 @@ mod tests {
             cpuset_cpus: "2-3".into(),
             ..Default::default()
         };
-        let r = merge_update(Some(created.clone()), &cpus);
+        let r = merge_update(Some(created.clone()), &cpus, 0);
         assert_eq!(
             r,
             cri::LinuxContainerResources {
@@ -610,7 +610,7 @@ mod tests {
             unified: [("memory.max".to_string(), "max".to_string())].into(),
             ..Default::default()
         };
-        let r = merge_update(Some(r), &resize);
+        let r = merge_update(Some(r), &resize, 0);
         assert_eq!(
             (r.cpu_shares, r.cpu_quota, r.cpu_period),
             (512, -1, 100_000)
@@ -618,7 +618,16 @@ mod tests {
         assert_eq!(r.memory_limit_in_bytes, 128 << 20);
         assert_eq!((r.cpuset_cpus.as_str(), r.oom_score_adj), ("2-3", 900));
         assert_eq!(r.unified.len(), 2);
-        assert_eq!(merge_update(None, &cpus), cpus);
+        assert_eq!(merge_update(None, &cpus, 0), cpus);
+        // Swap as the agent got it, and only with a memory limit.
+        let r = merge_update(Some(created.clone()), &resize, 128 << 20);
+        assert_eq!(r.memory_swap_limit_in_bytes, 128 << 20);
+        let swap_only = cri::LinuxContainerResources {
+            memory_swap_limit_in_bytes: 1 << 30,
+            ..Default::default()
+        };
+        let r = merge_update(Some(created.clone()), &swap_only, 1 << 30);
+        assert_eq!(r.memory_swap_limit_in_bytes, 0);
     }
 
     #[test]

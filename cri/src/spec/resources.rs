@@ -64,11 +64,12 @@ pub(super) fn check_envs(envs: &[cri::KeyValue]) -> Result<(), SpecError> {
 /// The resources a container has after UpdateContainerResources `new`, as its cgroup takes
 /// them (and `vessel_agent::spec::merge_resources` for its spec): zero and empty fields keep
 /// their value (kubelet's CPU manager sends only `cpuset_cpus`), `unified` keys add to those
-/// there. `oom_score_adj` and huge page limits are not changed by an update and keep theirs.
+/// there; swap as sent to the agent (`sent_swap`). `oom_score_adj` and huge page limits are not changed by an update and keep theirs.
 /// ContainerStatus reports the result, which kubelet's in-place resize compares.
 pub fn merge_update(
     old: Option<cri::LinuxContainerResources>,
     new: &cri::LinuxContainerResources,
+    sent_swap: i64,
 ) -> cri::LinuxContainerResources {
     let mut r = old.unwrap_or_default();
     if new.cpu_shares > 0 {
@@ -86,11 +87,13 @@ pub fn merge_update(
     if !new.cpuset_mems.is_empty() {
         r.cpuset_mems = new.cpuset_mems.clone();
     }
+    // Swap goes with a memory limit, as the agent applies it: the value sent to it
+    // (`default_swap`: the limit where the host accounts swap and none was asked).
     if new.memory_limit_in_bytes > 0 {
         r.memory_limit_in_bytes = new.memory_limit_in_bytes;
-    }
-    if new.memory_swap_limit_in_bytes != 0 {
-        r.memory_swap_limit_in_bytes = new.memory_swap_limit_in_bytes;
+        if sent_swap > 0 {
+            r.memory_swap_limit_in_bytes = sent_swap;
+        }
     }
     for (k, v) in &new.unified {
         r.unified.insert(k.clone(), v.clone());
