@@ -29,6 +29,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "seccomp RuntimeDefault is an allow-list: no namespaces without CAP_SYS_ADMIN", seccomp_allow_list),
         spec!("security", "no container opens an AF_VSOCK socket under RuntimeDefault, nor in a VM pod at all", seccomp_vsock),
         spec!("security", "pid namespace POD: containers see each other's processes", pid_pod),
+        spec!("security", "pid namespace POD with CAP_SYS_PTRACE: refused in a flat pod (PID 1 is the agent, root the host's); a VM pod's PID 1 is its guest's", pid_pod_ptrace),
         spec!("security", "pid namespace NODE: the host's pid namespace", pid_node,
             vm = "a VM pod's processes run under the guest kernel; the host's pid namespace is out of reach"),
         spec!("security", "ipc namespace is shared by the pod's containers", ipc_pod),
@@ -681,6 +682,57 @@ async fn pid_pod(c: Ctx) -> SpecResult {
         "container b does not see a's process: {ps}"
     );
     Ok(())
+}
+
+/// In a flat pod the shared pid namespace is the pod agent's, whose root is the host's `/`:
+/// a container that may ptrace it (`kubectl debug --share-processes --profile=general`
+/// adds SYS_PTRACE) would reach the host's files through /proc/1/root.
+async fn pid_pod_ptrace(c: Ctx) -> SpecResult {
+    let ns = cri::NamespaceOption {
+        pid: cri::NamespaceMode::Pod as i32,
+        ..Default::default()
+    };
+    let mut pcfg = c.pod_config("pidptrace");
+    pcfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context = Some(cri::LinuxSandboxSecurityContext {
+        namespace_options: Some(ns.clone()),
+        ..Default::default()
+    });
+    let pod = c.run_pod_with(&pcfg).await?;
+    let mut cfg = c.ctr_config("tracer", "sleep 100000");
+    Ctx::sec(&mut cfg).namespace_options = Some(ns);
+    Ctx::sec(&mut cfg).capabilities = Some(cri::Capability {
+        add_capabilities: vec!["SYS_PTRACE".into()],
+        ..Default::default()
+    });
+    c.ensure_image(&c.env.images.busybox).await?;
+    let created = c.c.create_container(&pod, &pcfg, cfg).await;
+    match (c.env.vm_pods, created) {
+        (false, Err(e)) if e.code() == tonic::Code::InvalidArgument => {
+            check!(e.message().contains("SYS_PTRACE"), "{}", e.message());
+            Ok(())
+        }
+        (true, Ok(id)) => {
+            c.start(&id).await?;
+            let host = std::fs::read_dir("/").map_err(|e| Stop::Fail(e.to_string()))?;
+            let names: Vec<String> = host
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect();
+            let seen = c.sh_ok(&id, "ls -A /proc/1/root/").await?;
+            let mut seen: Vec<&str> = seen.lines().collect();
+            seen.sort();
+            let mut host: Vec<&str> = names.iter().map(String::as_str).collect();
+            host.sort();
+            check!(
+                seen != host,
+                "a VM pod's PID 1 has the host's root: {seen:?}"
+            );
+            Ok(())
+        }
+        (vm, r) => fail!("vm pods {vm}: CreateContainer gave {r:?}"),
+    }
 }
 
 async fn pid_node(c: Ctx) -> SpecResult {
