@@ -971,15 +971,20 @@ async fn own_pid_ns(c: Ctx) -> SpecResult {
     Ok(())
 }
 
-async fn oom(c: Ctx) -> SpecResult {
-    let (pod, pcfg) = c.run_pod("oom").await?;
-    let mut cfg = c.ctr_config("hog", "");
-    cfg.command = vec!["tail".into(), "/dev/zero".into()];
+/// 16 MiB of memory and no swap beyond it.
+fn limit_16m(cfg: &mut cri::ContainerConfig) {
     cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
         memory_limit_in_bytes: 16 << 20,
         memory_swap_limit_in_bytes: 16 << 20,
         ..Default::default()
     });
+}
+
+async fn oom(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("oom").await?;
+    let mut cfg = c.ctr_config("hog", "");
+    cfg.command = vec!["tail".into(), "/dev/zero".into()];
+    limit_16m(&mut cfg);
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     let s = c.wait_exit(&id).await?;
     check!(
@@ -992,11 +997,7 @@ async fn oom(c: Ctx) -> SpecResult {
     // A worker killed under a shell that then exits on its own: OOMKilled too, with the
     // shell's exit code, as containerd reports it.
     let mut cfg = c.ctr_config("worker", "tail /dev/zero; exit 3");
-    cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
-        memory_limit_in_bytes: 16 << 20,
-        memory_swap_limit_in_bytes: 16 << 20,
-        ..Default::default()
-    });
+    limit_16m(&mut cfg);
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     let s = c.wait_exit(&id).await?;
     check!(

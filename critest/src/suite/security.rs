@@ -657,12 +657,17 @@ async fn pid1_status_field(c: &Ctx, id: &str, field: &str) -> Result<String, Sto
     }
 }
 
-async fn pid_pod(c: Ctx) -> SpecResult {
+/// A running pod whose containers share its pid namespace (kubelet's
+/// `shareProcessNamespace`), and the namespace options its containers carry.
+async fn pid_pod_run(
+    c: &Ctx,
+    name: &str,
+) -> Result<(String, cri::PodSandboxConfig, cri::NamespaceOption), Stop> {
     let ns = cri::NamespaceOption {
         pid: cri::NamespaceMode::Pod as i32,
         ..Default::default()
     };
-    let mut pcfg = c.pod_config("pidpod");
+    let mut pcfg = c.pod_config(name);
     pcfg.linux
         .get_or_insert_with(Default::default)
         .security_context = Some(cri::LinuxSandboxSecurityContext {
@@ -670,6 +675,11 @@ async fn pid_pod(c: Ctx) -> SpecResult {
         ..Default::default()
     });
     let pod = c.run_pod_with(&pcfg).await?;
+    Ok((pod, pcfg, ns))
+}
+
+async fn pid_pod(c: Ctx) -> SpecResult {
+    let (pod, pcfg, ns) = pid_pod_run(&c, "pidpod").await?;
     let mut a = c.ctr_config("a", "sleep 100001");
     Ctx::sec(&mut a).namespace_options = Some(ns.clone());
     c.run_cfg(&pod, &pcfg, a).await?;
@@ -688,18 +698,7 @@ async fn pid_pod(c: Ctx) -> SpecResult {
 /// a container that may ptrace it (`kubectl debug --share-processes --profile=general`
 /// adds SYS_PTRACE) would reach the host's files through /proc/1/root.
 async fn pid_pod_ptrace(c: Ctx) -> SpecResult {
-    let ns = cri::NamespaceOption {
-        pid: cri::NamespaceMode::Pod as i32,
-        ..Default::default()
-    };
-    let mut pcfg = c.pod_config("pidptrace");
-    pcfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context = Some(cri::LinuxSandboxSecurityContext {
-        namespace_options: Some(ns.clone()),
-        ..Default::default()
-    });
-    let pod = c.run_pod_with(&pcfg).await?;
+    let (pod, pcfg, ns) = pid_pod_run(&c, "pidptrace").await?;
     let mut cfg = c.ctr_config("tracer", "sleep 100000");
     Ctx::sec(&mut cfg).namespace_options = Some(ns);
     Ctx::sec(&mut cfg).capabilities = Some(cri::Capability {
