@@ -192,6 +192,37 @@ pub struct ContainerRecord {
 }
 
 impl ContainerRecord {
+    /// A running container's record with empty names and no layers, for tests.
+    #[cfg(test)]
+    pub fn for_test(id: &str, pod_id: &str) -> ContainerRecord {
+        ContainerRecord {
+            id: id.into(),
+            pod_id: pod_id.into(),
+            name_key: "k".into(),
+            config: Default::default(),
+            image_name: String::new(),
+            image_id: String::new(),
+            image_ref: String::new(),
+            log_path: String::new(),
+            state: ContainerState::Running,
+            created_at: 1,
+            started_at: 2,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            pid: 7,
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            stop_signal: 15,
+            snapshot: id.into(),
+            layers: Vec::new(),
+            volume_snapshots: Vec::new(),
+            spec: None,
+        }
+    }
+
     /// Every snapshot the container owns: its root filesystem and its image volumes.
     pub fn snapshots(&self) -> impl Iterator<Item = &String> {
         std::iter::once(&self.snapshot).chain(&self.volume_snapshots)
@@ -552,34 +583,14 @@ mod tests {
         let dirs = StateDirs::new(&t.path().join("root"), &t.path().join("run")).unwrap();
         let text = r#"{"ociVersion":"1.0.2","process":{"args":["sh","-c","x"]},"linux":{"resources":{"memory":{"limit":1048576}}}}"#;
         let rec = ContainerRecord {
-            id: "c1".into(),
-            pod_id: "p1".into(),
-            name_key: "k".into(),
-            config: Default::default(),
-            image_name: String::new(),
-            image_id: String::new(),
-            image_ref: String::new(),
-            log_path: String::new(),
             state: ContainerState::Created,
-            created_at: 1,
             started_at: 0,
-            finished_at: 0,
-            exit_code: 0,
-            reason: String::new(),
-            message: String::new(),
-            pid: 7,
-            uid: 0,
-            gid: 0,
-            groups: Vec::new(),
-            stop_signal: 15,
-            snapshot: "c1".into(),
-            layers: Vec::new(),
-            volume_snapshots: Vec::new(),
             spec: Some(
                 serde_json::value::RawValue::from_string(text.into())
                     .unwrap()
                     .into(),
             ),
+            ..ContainerRecord::for_test("c1", "p1")
         };
         dirs.save_container(&rec).unwrap();
         let mut old = serde_json::to_value(&rec).unwrap();

@@ -5,7 +5,7 @@ use super::*;
 use crate::sandbox::{
     AgentAddr, ContainerRequest, Dump, ForwardTarget, HostShare, PodLayout, PreparedContainer,
 };
-use crate::state::{BackendState, ContainerState, PodState};
+use crate::state::{BackendState, PodState};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -343,32 +343,7 @@ async fn checkpoint_and_restore_can_be_turned_off() {
 #[tokio::test]
 async fn a_removed_containers_record_is_not_written_back() {
     let f = fixture("flat", false).await;
-    let rec = ContainerRecord {
-        id: "c1".into(),
-        pod_id: "p1".into(),
-        name_key: "k".into(),
-        config: Default::default(),
-        image_name: String::new(),
-        image_id: String::new(),
-        image_ref: String::new(),
-        log_path: String::new(),
-        state: ContainerState::Running,
-        created_at: 1,
-        started_at: 2,
-        finished_at: 0,
-        exit_code: 0,
-        reason: String::new(),
-        message: String::new(),
-        pid: 7,
-        uid: 0,
-        gid: 0,
-        groups: Vec::new(),
-        stop_signal: 15,
-        snapshot: "c1".into(),
-        layers: Vec::new(),
-        volume_snapshots: Vec::new(),
-        spec: None,
-    };
+    let rec = ContainerRecord::for_test("c1", "p1");
     let ctr = Ctr::new(rec);
     assert!(ctr.persist(&f.rt.dirs).unwrap());
     let saved = || f.rt.dirs.load_containers();
