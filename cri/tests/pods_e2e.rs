@@ -3349,9 +3349,15 @@ async fn restore_a_checkpoint_into_another_pod() {
         host_path: host.display().to_string(),
         ..Default::default()
     };
+    // A file held open while it is renamed back and forth every 10 ms: CRIU records it open
+    // under one name, and the root filesystem's changes must be archived before the dumped
+    // tasks run on (a diff taken after had the other name, and the restore failed with
+    // "Can't open file tmp/held").
     let mut cfg = h.ctr_config(
         "counter",
         "rm /bin/ls; echo kept > /kept; i=0; \
+         (exec 3>/tmp/held; while true; do mv /tmp/held /tmp/held2; sleep 0.01; \
+         mv /tmp/held2 /tmp/held; sleep 0.01; done) & \
          while true; do i=$((i+1)); echo $i; echo $i > /vol/last; echo $i > /tmp/c.new; \
          mv /tmp/c.new /tmp/count; sleep 0.1; done",
     );

@@ -62,6 +62,7 @@ pub mod net;
 pub mod netlink;
 pub mod reaper;
 pub mod rootfs;
+pub mod rootfs_diff;
 pub mod service;
 pub mod signals;
 pub mod spec;

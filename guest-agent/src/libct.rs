@@ -101,6 +101,12 @@ pub enum HelperOp {
         image_path: PathBuf,
         #[arg(long)]
         work_path: Option<PathBuf>,
+        /// The container's overlay upper directory: archived into `--diff-dir` while CRIU
+        /// holds the dumped tasks ([`crate::rootfs_diff`]).
+        #[arg(long, requires = "diff_dir")]
+        upper_dir: Option<PathBuf>,
+        #[arg(long)]
+        diff_dir: Option<PathBuf>,
     },
     /// Restores a created container's processes from CRIU images (a checkpoint) instead of
     /// starting its command; prints `PID <init pid>`.
@@ -445,7 +451,12 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             id,
             image_path,
             work_path,
-        } => checkpoint(root, &id, image_path, work_path),
+            upper_dir,
+            diff_dir,
+        } => {
+            let diff = upper_dir.zip(diff_dir);
+            checkpoint(root, &id, image_path, work_path, diff)
+        }
         HelperOp::Restore {
             id,
             bundle,
@@ -597,11 +608,17 @@ fn external_mounts(spec: &oci_spec::runtime::Spec, pid: Option<i32>) -> Vec<ExtM
 /// are recorded as external; its cgroups are recorded, not made (soft mode). Where the
 /// container's stdio went is kept in `descriptors.json`, as runc and libcontainer do. The
 /// helper is single-threaded, which the fd juggling below relies on.
+///
+/// With `diff` (the container's overlay upper directory, and where its archive goes) the
+/// root filesystem's changes are archived at CRIU's `post-dump` notification, while the
+/// tasks are still stopped: a file the dump records open by name (a shell's `> c.new`) is
+/// in the diff under that name, not under the one the resumed task renames it to.
 fn checkpoint(
     root: &Path,
     id: &str,
     image_path: PathBuf,
     work_path: Option<PathBuf>,
+    diff: Option<(PathBuf, PathBuf)>,
 ) -> Result<(), LibcontainerError> {
     use std::os::unix::fs::DirBuilderExt;
     // Closed: criu swrk is not to inherit the host's mount namespace.
@@ -673,6 +690,12 @@ fn checkpoint(
     criu.cgroups_mode(rust_criu::CgMode::SOFT);
     criu.set_root(rootfs);
     criu.set_link_remap(true);
+    let wants_diff = diff.is_some();
+    if let Some(d) = diff {
+        *lock_diff() = DiffJob::Wanted(d.0, d.1);
+        criu.set_notify_scripts(true);
+        criu.set_notify_cb(diff_at_post_dump);
+    }
 
     // `criu swrk` inherits stdout, which is our answer pipe: it writes to stderr (the
     // agent's log) while it runs, and stdout is put back for the answer.
@@ -699,7 +722,57 @@ fn checkpoint(
         .as_deref()
         .unwrap_or(&image_path)
         .join(CRIU_DUMP_LOG);
-    r.map_err(|e| criu_failed(e, &log))
+    r.map_err(|e| criu_failed(e, &log))?;
+    if !wants_diff {
+        return Ok(());
+    }
+    match std::mem::replace(&mut *lock_diff(), DiffJob::None) {
+        DiffJob::Done => Ok(()),
+        DiffJob::Failed(e) => Err(LibcontainerError::Other(format!(
+            "archiving the root filesystem's changes while CRIU held the tasks: {e}"
+        ))),
+        DiffJob::Wanted(..) | DiffJob::None => Err(LibcontainerError::Other(
+            "CRIU sent no post-dump notification: the root filesystem's changes were not archived"
+                .into(),
+        )),
+    }
+}
+
+/// The rootfs diff a dump is to write at CRIU's `post-dump` (a notify callback is a plain
+/// `fn`; the helper is single-threaded).
+enum DiffJob {
+    None,
+    /// The upper directory, and the directory the archive goes into.
+    Wanted(PathBuf, PathBuf),
+    Done,
+    Failed(String),
+}
+
+static DIFF_JOB: std::sync::Mutex<DiffJob> = std::sync::Mutex::new(DiffJob::None);
+
+fn lock_diff() -> std::sync::MutexGuard<'static, DiffJob> {
+    DIFF_JOB.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// CRIU's notifications during a dump: at `post-dump` the tasks are dumped and still
+/// stopped (CRIU resumes them after the answer). A failure is kept for the dump's caller,
+/// not answered to CRIU: the tasks are resumed either way.
+fn diff_at_post_dump(
+    script: &str,
+    _notify: &rust_criu::rust_criu_protobuf::rpc::Criu_notify,
+    _fd: Option<RawFd>,
+) -> i32 {
+    if script != "post-dump" {
+        return 0;
+    }
+    let mut job = lock_diff();
+    if let DiffJob::Wanted(upper, out) = &*job {
+        *job = match crate::rootfs_diff::write(upper, out) {
+            Ok(()) => DiffJob::Done,
+            Err(e) => DiffJob::Failed(format!("{} into {}: {e}", upper.display(), out.display())),
+        };
+    }
+    0
 }
 
 /// The log [`restore`] has CRIU write into the image directory.

@@ -718,10 +718,17 @@ impl AgentState {
             )));
         }
         let absolute = |p: &str| p.is_empty() || Path::new(p).is_absolute();
-        if req.image_dir.is_empty() || !absolute(&req.image_dir) || !absolute(&req.work_dir) {
+        if req.image_dir.is_empty()
+            || !absolute(&req.image_dir)
+            || !absolute(&req.work_dir)
+            || !absolute(&req.upper_dir)
+            || !absolute(&req.diff_dir)
+            || (!req.upper_dir.is_empty() && req.diff_dir.is_empty())
+        {
             return Err(AgentError::InvalidArgument(format!(
-                "checkpoint directories must be absolute paths: {:?}, {:?}",
-                req.image_dir, req.work_dir
+                "checkpoint directories must be absolute paths (a diff directory with an upper \
+                 directory): {:?}, {:?}, {:?}, {:?}",
+                req.image_dir, req.work_dir, req.upper_dir, req.diff_dir
             )));
         }
         let c = self.get(&req.id)?;
@@ -757,6 +764,12 @@ impl AgentState {
         if !req.work_dir.is_empty() {
             args.push("--work-path".into());
             args.push(req.work_dir.clone().into());
+        }
+        if !req.upper_dir.is_empty() {
+            args.push("--upper-dir".into());
+            args.push(req.upper_dir.clone().into());
+            args.push("--diff-dir".into());
+            args.push(req.diff_dir.clone().into());
         }
         let limit = match req.timeout_secs {
             0 => CHECKPOINT_LIMIT,

@@ -10,7 +10,8 @@
 //!   sources are the agent's staged copies of the volume paths), with `io.kubernetes.cri.*`
 //!   annotations naming the container, its pod, namespace and image;
 //! - `rootfs-diff.tar`: files the container added or changed in its root filesystem (its
-//!   overlay upper directory), and `deleted.files` (JSON) the image files it removed
+//!   overlay upper directory, archived by the agent while CRIU still holds the dumped tasks,
+//!   so that the files are those the dump's open files name), and `deleted.files` (JSON) the image files it removed
 //!   (whiteouts; a directory it replaced whole, an opaque one, is in the diff as it is now).
 //!
 //! kubelet's deadline for the call is its `timeout`: vessel answers DeadlineExceeded at that
@@ -27,12 +28,12 @@ use crate::errors::{Result, RuntimeError};
 use crate::sandbox::{Dump, Pod, SandboxBackend};
 use crate::state::{ContainerRecord, ContainerState, PodRecord};
 use serde::Serialize;
-use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use vessel_agent::rootfs_diff;
 use vessel_images::fsutil;
 use vessel_images::ImageStore;
 
@@ -156,8 +157,17 @@ impl Job {
         std::fs::create_dir_all(&staging).map_err(io_err(id, "making", &staging))?;
         let clean = RemoveOnDrop(staging.clone());
         let t = std::time::Instant::now();
+        let upper = self
+            .store
+            .snapshot(&rec.snapshot)
+            .ok()
+            .flatten()
+            .map(|s| s.upper())
+            .filter(|u| u.is_dir());
         let dump = Dump {
             image_dir: staging.join("checkpoint"),
+            upper: upper.clone(),
+            diff_dir: staging.clone(),
         };
         let spec = match self.backend.checkpoint(&self.pod, &rec, &dump).await {
             Ok(spec) => spec,
@@ -181,12 +191,6 @@ impl Job {
         let config = serde_json::to_vec_pretty(&config).map_err(|e| {
             RuntimeError::Internal(format!("CheckpointContainer {id}: config.dump: {e}"))
         })?;
-        let upper = self
-            .store
-            .snapshot(&rec.snapshot)
-            .ok()
-            .flatten()
-            .map(|s| s.upper());
         let out = self.archive.clone();
         let deadline = self.deadline;
         // The staging dir (the dump: gigabytes, maybe) goes on the blocking thread too.
@@ -281,12 +285,11 @@ fn write_archive(
 ) -> io::Result<u64> {
     std::fs::write(staging.join("config.dump"), config)?;
     std::fs::write(staging.join("spec.dump"), spec)?;
-    if let Some(upper) = upper.filter(|u| u.is_dir()) {
-        let deleted = write_rootfs_diff(upper, &staging.join("rootfs-diff.tar"))?;
-        if !deleted.is_empty() {
-            let json = serde_json::to_vec(&deleted).map_err(io::Error::other)?;
-            std::fs::write(staging.join("deleted.files"), json)?;
-        }
+    // The agent wrote the diff while CRIU held the tasks; an agent too old to leaves it to
+    // us, after the dump, with the container running on.
+    let agent_wrote = staging.join(rootfs_diff::DIFF_TAR).exists();
+    if let Some(upper) = upper.filter(|u| u.is_dir() && !agent_wrote) {
+        rootfs_diff::write(upper, staging)?;
     }
     let dir = archive.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir)?;
@@ -329,73 +332,10 @@ fn write_archive(
     r
 }
 
-/// Archives an overlay upper directory: directories, files and symlinks the container made
-/// or changed, with their modes, owners and times. Answers the paths it deleted from the
-/// image (overlayfs whiteouts, character devices 0:0), which are not archived. Other special
-/// files (sockets, fifos, devices) are left out.
-fn write_rootfs_diff(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
-    let mut b = tar::Builder::new(io::BufWriter::new(File::create(out)?));
-    b.follow_symlinks(false);
-    let mut deleted = Vec::new();
-    let mut stack = vec![PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let dir = upper.join(&rel);
-        let mut entries: Vec<_> = std::fs::read_dir(&dir)?.collect::<io::Result<_>>()?;
-        entries.sort_by_key(|e| e.file_name());
-        for e in entries {
-            let name = rel.join(e.file_name());
-            let path = e.path();
-            // The container runs on: what it removes meanwhile is left out.
-            let gone = |r: io::Result<()>| match r {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-                r => r,
-            };
-            let m = match std::fs::symlink_metadata(&path) {
-                Ok(m) => m,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(e),
-            };
-            let ft = m.file_type();
-            if ft.is_char_device() && m.rdev() == 0 {
-                deleted.push(format!("/{}", name.display()));
-            } else if ft.is_dir() {
-                gone(b.append_path_with_name(&path, &name))?;
-                stack.push(name);
-            } else if ft.is_file() {
-                gone(append_file(&mut b, &path, &name))?;
-            } else if ft.is_symlink() {
-                gone(b.append_path_with_name(&path, &name))?;
-            } else {
-                tracing::debug!(path = %path.display(), "checkpoint: special file left out of rootfs-diff.tar");
-            }
-        }
-    }
-    b.into_inner()?
-        .into_inner()
-        .map_err(|e| e.into_error())?
-        .sync_all()?;
-    deleted.sort();
-    Ok(deleted)
-}
-
-/// Appends a regular file as it is now, though the container may be writing it: the
-/// header's size is the one read at open, and exactly that many bytes follow (cut, or padded
-/// with zeros where it shrank), so that a file that changes cannot misalign the archive.
-fn append_file<W: io::Write>(b: &mut tar::Builder<W>, path: &Path, name: &Path) -> io::Result<()> {
-    use io::Read;
-    let mut f = File::open(path)?;
-    let m = f.metadata()?;
-    let mut h = tar::Header::new_gnu();
-    h.set_metadata_in_mode(&m, tar::HeaderMode::Complete);
-    let size = m.len();
-    h.set_size(size);
-    let data = (&mut f).take(size).chain(io::repeat(0)).take(size);
-    b.append_data(&mut h, name, data)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
     use std::os::unix::fs::PermissionsExt;
 
     /// The entries of a tar file, sorted, directories without their trailing slash.

@@ -214,6 +214,12 @@ impl SandboxBackend for FlatBackend {
                 image_dir: dump.image_dir.display().to_string(),
                 work_dir: String::new(),
                 timeout_secs: 0,
+                upper_dir: dump
+                    .upper
+                    .as_ref()
+                    .map(|u| u.display().to_string())
+                    .unwrap_or_default(),
+                diff_dir: dump.diff_dir.display().to_string(),
             })
             .await
             .map_err(|s| agent_err(&format!("CheckpointContainer {}", rec.id), s))?;

@@ -203,6 +203,11 @@ impl Pod {
 pub struct Dump {
     /// The host directory for CRIU's images (made if missing).
     pub image_dir: PathBuf,
+    /// The container's overlay upper directory, whose changes go into `diff_dir` while
+    /// CRIU holds the dumped tasks ([`vessel_agent::rootfs_diff`]); none for no diff.
+    pub upper: Option<PathBuf>,
+    /// Where `rootfs-diff.tar` and `deleted.files` go.
+    pub diff_dir: PathBuf,
 }
 
 /// Everything that differs between the flat and the VM sandbox. Methods that take a pod are

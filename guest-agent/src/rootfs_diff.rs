@@ -1,0 +1,145 @@
+//! A container's root filesystem changes as a checkpoint archive holds them: its overlay
+//! upper directory as `rootfs-diff.tar`, and the image files it deleted as `deleted.files`
+//! (the layout CRI-O, Podman and containerd's CRI write, which they all restore from).
+//!
+//! The checkpoint helper ([`crate::libct`]) writes them while CRIU still holds the dumped
+//! tasks (its `post-dump` notification), so that the files match the dumped processes: a
+//! file a task had open under a name it then renamed is in the diff under the name CRIU
+//! recorded. vesseld writes them itself only for an agent too old to.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+/// The archive of changed files in a checkpoint.
+pub const DIFF_TAR: &str = "rootfs-diff.tar";
+/// The JSON list of deleted image paths in a checkpoint (absent when none were deleted).
+pub const DELETED: &str = "deleted.files";
+
+/// Writes [`DIFF_TAR`] (and [`DELETED`], when the container deleted image files) for the
+/// overlay upper directory `upper` into the directory `out`; both are synced.
+pub fn write(upper: &Path, out: &Path) -> io::Result<()> {
+    let deleted = write_tar(upper, &out.join(DIFF_TAR))?;
+    if !deleted.is_empty() {
+        let json = serde_json::to_vec(&deleted).map_err(io::Error::other)?;
+        let f = File::create(out.join(DELETED))?;
+        io::Write::write_all(&mut &f, &json)?;
+        f.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Archives an overlay upper directory: directories, files and symlinks the container made
+/// or changed, with their modes, owners and times. Answers the paths it deleted from the
+/// image (overlayfs whiteouts, character devices 0:0), which are not archived. Other special
+/// files (sockets, fifos, devices) are left out.
+fn write_tar(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
+    let mut b = tar::Builder::new(io::BufWriter::new(File::create(out)?));
+    b.follow_symlinks(false);
+    let mut deleted = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = upper.join(&rel);
+        let mut entries: Vec<_> = std::fs::read_dir(&dir)?.collect::<io::Result<_>>()?;
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let name = rel.join(e.file_name());
+            let path = e.path();
+            // Where the container runs on (an old agent's diff, written after the dump):
+            // what it removes meanwhile is left out.
+            let gone = |r: io::Result<()>| match r {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            };
+            let m = match std::fs::symlink_metadata(&path) {
+                Ok(m) => m,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            let ft = m.file_type();
+            if ft.is_char_device() && m.rdev() == 0 {
+                deleted.push(format!("/{}", name.display()));
+            } else if ft.is_dir() {
+                gone(b.append_path_with_name(&path, &name))?;
+                stack.push(name);
+            } else if ft.is_file() {
+                gone(append_file(&mut b, &path, &name))?;
+            } else if ft.is_symlink() {
+                gone(b.append_path_with_name(&path, &name))?;
+            } else {
+                tracing::debug!(path = %path.display(), "checkpoint: special file left out of rootfs-diff.tar");
+            }
+        }
+    }
+    b.into_inner()?
+        .into_inner()
+        .map_err(|e| e.into_error())?
+        .sync_all()?;
+    deleted.sort();
+    Ok(deleted)
+}
+
+/// Appends a regular file as it is now, though a running container may be writing it: the
+/// header's size is the one read at open, and exactly that many bytes follow (cut, or padded
+/// with zeros where it shrank), so that a file that changes cannot misalign the archive.
+fn append_file<W: io::Write>(b: &mut tar::Builder<W>, path: &Path, name: &Path) -> io::Result<()> {
+    use io::Read;
+    let mut f = File::open(path)?;
+    let m = f.metadata()?;
+    let mut h = tar::Header::new_gnu();
+    h.set_metadata_in_mode(&m, tar::HeaderMode::Complete);
+    let size = m.len();
+    h.set_size(size);
+    let data = (&mut f).take(size).chain(io::repeat(0)).take(size);
+    b.append_data(&mut h, name, data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(path: &Path) -> Vec<String> {
+        let mut names: Vec<String> = tar::Archive::new(File::open(path).unwrap())
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().display().to_string())
+            .map(|n| n.trim_end_matches('/').to_string())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn the_diff_holds_changes_and_names_whiteouts_as_deleted() {
+        let d = tempfile::tempdir().unwrap();
+        let upper = d.path().join("upper");
+        std::fs::create_dir_all(upper.join("etc/app")).unwrap();
+        std::fs::write(upper.join("etc/app/conf"), b"x=1").unwrap();
+        std::os::unix::fs::symlink("conf", upper.join("etc/app/link")).unwrap();
+        // A whiteout: what overlayfs makes when a container deletes an image file.
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            upper.join("etc/gone"),
+            rustix::fs::FileType::CharacterDevice,
+            rustix::fs::Mode::empty(),
+            0,
+        )
+        .unwrap();
+        let out = d.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        write(&upper, &out).unwrap();
+        assert_eq!(
+            names(&out.join(DIFF_TAR)),
+            ["etc", "etc/app", "etc/app/conf", "etc/app/link"]
+        );
+        let deleted = std::fs::read_to_string(out.join(DELETED)).unwrap();
+        assert_eq!(deleted, r#"["/etc/gone"]"#);
+        // Nothing deleted: no list.
+        std::fs::remove_file(upper.join("etc/gone")).unwrap();
+        let out2 = d.path().join("out2");
+        std::fs::create_dir(&out2).unwrap();
+        write(&upper, &out2).unwrap();
+        assert!(!out2.join(DELETED).exists());
+    }
+}
