@@ -3063,21 +3063,23 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
     let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     assert!(e.message().contains("not mapped"), "{e}");
+    // The pod's pid namespace holder goes with it. (In a VM pod the holder is in the guest,
+    // gone with it.)
+    let agent = h.c.pod_info(&pod).await.unwrap()["pid"]
+        .as_u64()
+        .unwrap_or(0);
+    let holders = holders_of(agent);
+    assert_eq!(vm_mode(), holders.is_empty(), "holders {holders:?}");
     h.remove_pod(&pod).await;
     h.assert_clean();
-    // (In a VM pod the holder is in the guest, gone with it.)
-    let holders: Vec<String> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter(|e| {
-            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "vessel-pidns")
+    let left: Vec<&String> = holders
+        .iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "vessel-pidns")
         })
-        .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
-    assert!(
-        holders.is_empty(),
-        "pid namespace holders left: {holders:?}"
-    );
+    assert!(left.is_empty(), "pid namespace holders left: {left:?}");
 }
 
 /// ListMetricDescriptors and ListPodSandboxMetrics (kubelet's /metrics/cadvisor from CRI):
@@ -3190,6 +3192,22 @@ fn tar_names(data: &[u8]) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// The pid namespace holders (`vessel-pidns`) whose parent is the process `agent`.
+fn holders_of(agent: u64) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "vessel-pidns")
+                && std::fs::read_to_string(e.path().join("status")).is_ok_and(|s| {
+                    s.lines()
+                        .any(|l| l.strip_prefix("PPid:").map(str::trim) == Some(&agent.to_string()))
+                })
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
 }
 
 /// One file of a tar archive.

@@ -308,6 +308,9 @@ fn setup_pod(args: &FlatArgs) -> Result<AgentListener, FlatError> {
             gid,
             pid_holder: made.pid_holder,
         });
+    } else if !args.shares(HostNs::Pid) {
+        crate::userns::create_pid_holder()
+            .map_err(|e| FlatError::Agent(format!("the pod's pid namespace holder: {e}")))?;
     }
     if !args.shares(HostNs::Net) {
         nix::unistd::sethostname(&args.hostname).map_err(sys("sethostname"))?;

@@ -8,7 +8,8 @@
 //!   a namespace without `path` is created; an absent type is inherited from the agent.
 //!   In a pod with its own user namespace (`crate::userns`), `"agent"` is the pod's
 //!   namespace held by the pod's pid namespace holder, `user` included; a pod without one
-//!   refuses `user`.
+//!   refuses `user`. In a flat pod with a pid namespace of its own, `pid` `"agent"` is the
+//!   one below the agent's whose PID 1 is a holder ([`crate::userns::create_pid_holder`]).
 //! - `linux.cgroupsPath` is a cgroupfs path (`/a/b/c`, taken from each hierarchy's root);
 //!   systemd-style `slice:prefix:name` paths are refused (no systemd manager). Absent, it
 //!   defaults to `/vessel/<id>`.
@@ -129,6 +130,11 @@ pub fn prepare(
                 return Err(AgentError::InvalidArgument(
                     "the spec joins the pod's user namespace, but this pod has none".into(),
                 ));
+            } else if let Some(holder) =
+                crate::userns::pid_holder().filter(|_| ns.typ() == LinuxNamespaceType::Pid)
+            {
+                // A flat pod's shared pid namespace is its holder's, below the agent's.
+                PathBuf::from(format!("/proc/{holder}/ns/pid"))
             } else {
                 PathBuf::from(format!("/proc/{agent_pid}/ns/{}", ns_file_name(ns.typ())))
             };

@@ -202,55 +202,146 @@ fn helper(from_parent: OwnedFd, to_parent: OwnedFd, inside: CloneFlags) -> i32 {
     if !inside.is_empty() && !send(&mut tx, nix::sched::unshare(inside)) {
         return 1;
     }
-    if inside.contains(CloneFlags::CLONE_NEWPID) {
-        let Ok((ok_r, ok_w)) = crate::stdio::pipe() else {
-            let _ = tx.write_all(&(-(libc::EMFILE)).to_ne_bytes());
-            return 1;
-        };
-        // SAFETY: this process is single-threaded (a fork of a single-threaded caller).
-        match unsafe { fork() } {
-            Ok(ForkResult::Child) => hold(ok_w),
-            Ok(ForkResult::Parent { child }) => {
-                drop(ok_w);
-                // The holder says it has dropped its privileges; one that could not is gone
-                // (and its pid namespace with it), which the parent hears as EPERM.
-                let mut ok = [0u8; 1];
-                let held = std::fs::File::from(ok_r).read_exact(&mut ok).is_ok() && ok[0] == 1;
-                let word = if held { child.as_raw() } else { -libc::EPERM };
-                if tx.write_all(&word.to_ne_bytes()).is_err() || !held {
-                    return 1;
-                }
-            }
-            Err(e) => {
-                let _ = tx.write_all(&(-(e as i32)).to_ne_bytes());
-                return 1;
-            }
-        }
+    if inside.contains(CloneFlags::CLONE_NEWPID) && !fork_holder(&mut tx, HolderId::PodRoot) {
+        return 1;
     }
     // Held until the parent has opened what it needs and kills us.
     let _ = rx.read(&mut go);
     0
 }
 
+/// Who a pid namespace holder becomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HolderId {
+    /// Root of the pod's user namespace (an unprivileged id on the host), dumpable: the
+    /// containers open its namespaces from inside that user namespace.
+    PodRoot,
+    /// No user namespace: the host's uid and gid 65535, as Kubernetes' pause image runs;
+    /// not dumpable (the agent, privileged, opens its namespace for the containers).
+    Nobody,
+}
+
+/// In a single-threaded process that has unshared a pid namespace: forks its PID 1, the
+/// holder ([`hold`]), and sends the holder's pid on `tx` (a negative errno if it could not
+/// be made or could not drop its privileges). Answers whether it was made.
+fn fork_holder(tx: &mut std::fs::File, who: HolderId) -> bool {
+    let Ok((ok_r, ok_w)) = crate::stdio::pipe() else {
+        let _ = tx.write_all(&(-(libc::EMFILE)).to_ne_bytes());
+        return false;
+    };
+    // SAFETY: this process is single-threaded (a fork of a single-threaded caller).
+    match unsafe { fork() } {
+        Ok(ForkResult::Child) => hold(ok_w, who),
+        Ok(ForkResult::Parent { child }) => {
+            drop(ok_w);
+            // The holder says it has dropped its privileges; one that could not is gone
+            // (and its pid namespace with it), which the parent hears as EPERM.
+            let mut ok = [0u8; 1];
+            let held = std::fs::File::from(ok_r).read_exact(&mut ok).is_ok() && ok[0] == 1;
+            let word = if held { child.as_raw() } else { -libc::EPERM };
+            tx.write_all(&word.to_ne_bytes()).is_ok() && held
+        }
+        Err(e) => {
+            let _ = tx.write_all(&(-(e as i32)).to_ne_bytes());
+            false
+        }
+    }
+}
+
+/// A flat pod's pid namespace holder where the pod has no user namespace of its own (see
+/// [`create_pid_holder`]), as the agent's pid namespace numbers it.
+static PID_HOLDER: OnceLock<u32> = OnceLock::new();
+
+/// The process whose pid namespace is the pod's shared one (CRI `pid: POD`): the holder of
+/// the pod's user namespace, or the one [`create_pid_holder`] made; none where the pod's
+/// pid namespace is its agent's (a VM's guest, or the host's).
+pub fn pid_holder() -> Option<u32> {
+    pod_holder().or_else(|| PID_HOLDER.get().copied())
+}
+
+/// A flat pod without its own user namespace: makes the pid namespace the pod's containers
+/// share, whose PID 1 is a holder (an empty root, uid 65535, no capability; see [`hold`]),
+/// as a pause container is PID 1 of containerd's. The agent itself is PID 1 of the pid
+/// namespace above it, and its root is the host's: a container that may ptrace PID 1
+/// (`kubectl debug --profile=general` adds SYS_PTRACE) would reach the host's files through
+/// `/proc/1/root` were the agent PID 1 of the shared namespace. A helper child unshares the
+/// pid namespace and forks the holder, which is then reparented to the caller: it must be
+/// PID 1 of its pid namespace (or a subreaper), so that its death takes the holder and every
+/// container in the namespace with it. Must be called while the process is single-threaded.
+pub fn create_pid_holder() -> Result<u32, UsernsError> {
+    let (rx, tx) = crate::stdio::pipe().map_err(io("pipe"))?;
+    // SAFETY: the caller is single-threaded (documented), so the child may run any code; it
+    // only unshares, forks the holder, writes to the pipe and exits with _exit.
+    match unsafe { fork() }.map_err(sys("fork"))? {
+        ForkResult::Child => {
+            drop(rx);
+            let mut tx = std::fs::File::from(tx);
+            let r = nix::sched::unshare(CloneFlags::CLONE_NEWPID);
+            let code = r.err().map_or(0, |e| e as i32);
+            let sent = tx.write_all(&code.to_ne_bytes()).is_ok();
+            let made = sent && code == 0 && fork_holder(&mut tx, HolderId::Nobody);
+            // SAFETY: _exit ends the forked child without running the parent's atexit
+            // handlers or destructors.
+            unsafe { libc::_exit(if made { 0 } else { 1 }) }
+        }
+        ForkResult::Parent { child } => {
+            drop(tx);
+            let mut rx = std::fs::File::from(rx);
+            let r = (|| {
+                step(&mut rx, "unshare(CLONE_NEWPID)")?;
+                let holder = read_word(&mut rx, "forking the pid namespace's holder")?;
+                if holder <= 0 {
+                    return Err(sys("forking the pid namespace's holder")(
+                        nix::errno::Errno::from_raw(-holder),
+                    ));
+                }
+                Ok(holder as u32)
+            })();
+            let _ = waitpid(child, None);
+            if let Ok(h) = r {
+                let _ = PID_HOLDER.set(h);
+            }
+            r
+        }
+    }
+}
+
+/// One native-endian word from a helper: an errno, or a pid.
+fn read_word(rx: &mut std::fs::File, what: &str) -> Result<i32, UsernsError> {
+    let mut b = [0u8; 4];
+    rx.read_exact(&mut b)
+        .map_err(io(format!("{what}: the helper exited")))?;
+    Ok(i32::from_ne_bytes(b))
+}
+
+/// A step a helper reports as an errno (0: done).
+fn step(rx: &mut std::fs::File, what: &str) -> Result<(), UsernsError> {
+    match read_word(rx, what)? {
+        0 => Ok(()),
+        e => Err(sys(what.to_string())(nix::errno::Errno::from_raw(e))),
+    }
+}
+
 /// The pid namespace holder: PID 1 of the pod's pid namespace, reaping what is reparented
 /// to it, holding nothing open. It is visible to a container sharing the pod's pid
-/// namespace (which may ptrace it with CAP_SYS_PTRACE: the containers open its namespaces
-/// after joining the user namespace, so it must stay dumpable to them), and it was forked
-/// in the agent's mount namespace (the host's files): so it moves into a mount namespace of
-/// its own whose only mount is an empty read-only tmpfs (pivot_root, the old root
-/// detached: neither its root, its mount namespace nor its mountinfo shows a host file),
-/// becomes the pod's root (an unprivileged id on the host) and drops every capability:
-/// nothing a container could do through it is more than it can do itself. It says so on
-/// `ok`; any step failing ends it, and with it the pod's pid namespace, which the caller
-/// then hears.
-fn hold(ok: OwnedFd) -> ! {
+/// namespace (which may ptrace it with CAP_SYS_PTRACE; in a pod with its own user
+/// namespace the containers open its namespaces after joining that namespace, so it must
+/// stay dumpable to them), and it was forked in the agent's mount namespace (the host's
+/// files): so it moves into a mount namespace of its own whose only mount is an empty
+/// read-only tmpfs (pivot_root, the old root detached: neither its root, its mount
+/// namespace nor its mountinfo shows a host file), becomes `who` (an unprivileged id on the
+/// host) and drops every capability: nothing a container could do through it is more than
+/// it can do itself. It says so on `ok`; any step failing ends it, and with it the pod's
+/// pid namespace, which the caller then hears.
+fn hold(ok: OwnedFd, who: HolderId) -> ! {
     // /dev/null while there is a /dev.
     if let Ok(null) = crate::stdio::dev_null() {
         for fd in 0..3 {
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
         }
     }
-    if drop_privileges().is_err() {
+    retitle(b"vessel-pidns");
+    if drop_privileges(who).is_err() {
         // SAFETY: _exit ends this forked child without running anyone's destructors.
         unsafe { libc::_exit(1) }
     }
@@ -265,6 +356,36 @@ fn hold(ok: OwnedFd) -> ! {
     loop {
         // SAFETY: pause(2) takes no arguments.
         unsafe { libc::pause() };
+    }
+}
+
+/// Overwrites this process's command line (what `/proc/<pid>/cmdline` and `ps` show, which
+/// was the agent's, naming host paths) with `title`, in place: the kernel reads it from the
+/// argument area of the process's stack, whose bounds `/proc/self/stat` gives.
+fn retitle(title: &[u8]) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return;
+    };
+    // Fields after the command name (which may hold spaces) start at the state, field 3;
+    // arg_start and arg_end are fields 48 and 49.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<usize>().ok());
+    let (Some(start), Some(end)) = (field(48), field(49)) else {
+        return;
+    };
+    if end <= start || end - start <= title.len() {
+        return;
+    }
+    // SAFETY: [start, end) is this process's own argument area (the argv strings on its
+    // stack, writable, owned by no Rust object: std reads argv only when asked, and this
+    // forked child never asks again); it is overwritten within its bounds, NUL-padded.
+    unsafe {
+        let area = std::slice::from_raw_parts_mut(start as *mut u8, end - start);
+        area.fill(0);
+        area[..title.len()].copy_from_slice(title);
     }
 }
 
@@ -290,10 +411,9 @@ fn close_inherited() {
     }
 }
 
-/// In the holder (root of the pod's user namespace, single-threaded): a mount namespace
-/// whose only mount is an empty tmpfs, then the pod's root with no capability and no new
-/// privileges.
-fn drop_privileges() -> Result<(), nix::Error> {
+/// In the holder (single-threaded, root of its user namespace): a mount namespace whose
+/// only mount is an empty tmpfs, then `who` with no capability and no new privileges.
+fn drop_privileges(who: HolderId) -> Result<(), nix::Error> {
     use caps::{CapSet, Capability};
     use nix::mount::{mount, umount2, MntFlags, MsFlags};
     nix::sched::unshare(CloneFlags::CLONE_NEWNS)?;
@@ -318,25 +438,33 @@ fn drop_privileges() -> Result<(), nix::Error> {
     nix::unistd::pivot_root(".", ".")?;
     umount2(".", MntFlags::MNT_DETACH)?;
     nix::unistd::chdir("/")?;
-    let id = nix::unistd::Gid::from_raw(0);
-    nix::unistd::setresgid(id, id, id)?;
-    nix::unistd::setgroups(&[])?;
-    let id = nix::unistd::Uid::from_raw(0);
-    nix::unistd::setresuid(id, id, id)?;
+    // The bounding set first: dropping from it takes CAP_SETPCAP, which a change to a
+    // non-zero uid takes away.
     let fail = |_| nix::Error::EPERM;
     for c in caps::all() {
         if caps::has_cap(None, CapSet::Bounding, c).unwrap_or(false) {
             caps::drop(None, CapSet::Bounding, c).map_err(fail)?;
         }
     }
+    let raw = match who {
+        HolderId::PodRoot => 0,
+        HolderId::Nobody => 65535,
+    };
+    let id = nix::unistd::Gid::from_raw(raw);
+    nix::unistd::setresgid(id, id, id)?;
+    nix::unistd::setgroups(&[])?;
+    let id = nix::unistd::Uid::from_raw(raw);
+    nix::unistd::setresuid(id, id, id)?;
     let none = std::collections::HashSet::<Capability>::new();
     caps::clear(None, CapSet::Ambient).map_err(fail)?;
     for set in [CapSet::Inheritable, CapSet::Effective, CapSet::Permitted] {
         caps::set(None, set, &none).map_err(fail)?;
     }
     nix::sys::prctl::set_no_new_privs()?;
-    // The change of uid made it non-dumpable; the containers must open its namespaces.
-    nix::sys::prctl::set_dumpable(true)?;
+    if who == HolderId::PodRoot {
+        // The change of uid made it non-dumpable; the containers must open its namespaces.
+        nix::sys::prctl::set_dumpable(true)?;
+    }
     Ok(())
 }
 
@@ -351,18 +479,6 @@ fn drive(
 ) -> Result<Created, UsernsError> {
     let mut rx = std::fs::File::from(from_child);
     let mut tx = std::fs::File::from(to_child);
-    let read_i32 = |rx: &mut std::fs::File, what: &str| -> Result<i32, UsernsError> {
-        let mut b = [0u8; 4];
-        rx.read_exact(&mut b)
-            .map_err(io(format!("{what}: the helper exited")))?;
-        Ok(i32::from_ne_bytes(b))
-    };
-    let step = |rx: &mut std::fs::File, what: &str| -> Result<(), UsernsError> {
-        match read_i32(rx, what)? {
-            0 => Ok(()),
-            e => Err(sys(what.to_string())(nix::errno::Errno::from_raw(e))),
-        }
-    };
     step(&mut rx, "unshare(CLONE_NEWUSER)")?;
     let proc = PathBuf::from(format!("/proc/{child}"));
     for (file, m) in [("uid_map", uid), ("gid_map", gid)] {
@@ -388,7 +504,7 @@ fn drive(
         &format!("unshare({inside:?}) in the user namespace"),
     )?;
     if inside.contains(CloneFlags::CLONE_NEWPID) {
-        let holder = read_i32(&mut rx, "forking the pid namespace's holder")?;
+        let holder = read_word(&mut rx, "forking the pid namespace's holder")?;
         if holder <= 0 {
             return Err(sys("forking the pid namespace's holder")(
                 nix::errno::Errno::from_raw(-holder),

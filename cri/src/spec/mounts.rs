@@ -26,10 +26,16 @@ pub(super) fn build(
     ];
     // libcontainer 0.7 emulates cgroup v1's /sys/fs/cgroup from the /proc entry of the
     // container's pid as its own pid namespace numbers it, looked up in the agent's /proc:
-    // in the pod's pid namespace of a pod with its own user namespace (not the agent's), that
-    // entry is not there. Such a container gets an empty read-only /sys/fs/cgroup on a v1
-    // host (its own cgroup namespace on v2, where this does not arise).
-    if userns.is_some() && !input.cgroup_ns && pid_mode == cri::NamespaceMode::Pod {
+    // right only where that pid is 1 (a pid namespace of the container's own, whose PID 1 it
+    // is). In a flat pod's shared pid namespace (below the agent's, held by a holder) or a
+    // target container's, the entry is missing or another process's. Such a container gets
+    // an empty read-only /sys/fs/cgroup on a v1 host (its own cgroup namespace on v2, where
+    // this does not arise); in a VM pod the pod's pid namespace is the guest agent's own.
+    let not_own = matches!(
+        pid_mode,
+        cri::NamespaceMode::Pod | cri::NamespaceMode::Target
+    );
+    if not_own && !input.cgroup_ns && !input.vm_guest {
         mounts.pop();
         mounts.push(json!({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "noexec", "nodev", "ro", "mode=555", "size=4k"]}));
     }

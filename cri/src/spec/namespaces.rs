@@ -92,22 +92,8 @@ pub(super) fn build(
     match ns_mode(ns.pid) {
         cri::NamespaceMode::Container => namespaces.push(json!({"type": "pid"})),
         cri::NamespaceMode::Pod => {
-            // A flat pod's shared pid namespace is its agent's, and the agent's root is the
-            // host's: a container that may ptrace it would reach the host's files through
-            // /proc/1/root. Refused until the namespace has a holder of its own (as in a pod
-            // with its own user namespace, whose PID 1 has an empty root). In a VM pod PID 1
-            // is the guest's agent, inside the pod's own kernel.
-            let ptrace = sc.and_then(|s| s.capabilities.as_ref()).is_some_and(|c| {
-                c.add_capabilities.iter().any(|a| {
-                    let a = a.to_ascii_uppercase();
-                    matches!(a.as_str(), "SYS_PTRACE" | "CAP_SYS_PTRACE" | "ALL")
-                })
-            });
-            if ptrace && !privileged && !input.vm_guest && userns.is_none() {
-                return Err(invalid(
-                    "a container in a flat pod's shared pid namespace cannot have CAP_SYS_PTRACE: the namespace's PID 1 is the pod agent, whose root is the host's (give the container its own pid namespace, or run the pod with its own user namespace or under the vm handler)".to_string(),
-                ));
-            }
+            // The agent joins a flat pod's containers to the namespace below its own whose
+            // PID 1 is a holder with an empty root, not to its own (its root is the host's).
             namespaces.push(json!({"type": "pid", "path": "agent"}))
         }
         cri::NamespaceMode::Node => {}

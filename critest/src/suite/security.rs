@@ -29,7 +29,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("security", "seccomp RuntimeDefault is an allow-list: no namespaces without CAP_SYS_ADMIN", seccomp_allow_list),
         spec!("security", "no container opens an AF_VSOCK socket under RuntimeDefault, nor in a VM pod at all", seccomp_vsock),
         spec!("security", "pid namespace POD: containers see each other's processes", pid_pod),
-        spec!("security", "pid namespace POD with CAP_SYS_PTRACE: refused in a flat pod (PID 1 is the agent, root the host's); a VM pod's PID 1 is its guest's", pid_pod_ptrace),
+        spec!("security", "pid namespace POD with CAP_SYS_PTRACE: PID 1 is a holder with an empty root, uid 65535 and no capability (a flat pod), or its guest's (a VM pod)", pid_pod_ptrace),
         spec!("security", "pid namespace NODE: the host's pid namespace", pid_node,
             vm = "a VM pod's processes run under the guest kernel; the host's pid namespace is out of reach"),
         spec!("security", "ipc namespace is shared by the pod's containers", ipc_pod),
@@ -694,9 +694,10 @@ async fn pid_pod(c: Ctx) -> SpecResult {
     Ok(())
 }
 
-/// In a flat pod the shared pid namespace is the pod agent's, whose root is the host's `/`:
-/// a container that may ptrace it (`kubectl debug --share-processes --profile=general`
-/// adds SYS_PTRACE) would reach the host's files through /proc/1/root.
+/// A container that may ptrace PID 1 of its pod's shared pid namespace (`kubectl debug
+/// --share-processes --profile=general` adds SYS_PTRACE) reaches nothing of the host's
+/// through it: in a flat pod PID 1 is a holder (an empty root, uid 65535, no capability), as
+/// containerd's is a pause container; it was the pod agent, whose root is the host's `/`.
 async fn pid_pod_ptrace(c: Ctx) -> SpecResult {
     let (pod, pcfg, ns) = pid_pod_run(&c, "pidptrace").await?;
     let mut cfg = c.ctr_config("tracer", "sleep 100000");
@@ -705,33 +706,47 @@ async fn pid_pod_ptrace(c: Ctx) -> SpecResult {
         add_capabilities: vec!["SYS_PTRACE".into()],
         ..Default::default()
     });
-    c.ensure_image(&c.env.images.busybox).await?;
-    let created = c.c.create_container(&pod, &pcfg, cfg).await;
-    match (c.env.vm_pods, created) {
-        (false, Err(e)) if e.code() == tonic::Code::InvalidArgument => {
-            check!(e.message().contains("SYS_PTRACE"), "{}", e.message());
-            Ok(())
-        }
-        (true, Ok(id)) => {
-            c.start(&id).await?;
-            let host = std::fs::read_dir("/").map_err(|e| Stop::Fail(e.to_string()))?;
-            let names: Vec<String> = host
-                .flatten()
-                .map(|e| e.file_name().to_string_lossy().to_string())
-                .collect();
-            let seen = c.sh_ok(&id, "ls -A /proc/1/root/").await?;
-            let mut seen: Vec<&str> = seen.lines().collect();
-            seen.sort();
-            let mut host: Vec<&str> = names.iter().map(String::as_str).collect();
-            host.sort();
-            check!(
-                seen != host,
-                "a VM pod's PID 1 has the host's root: {seen:?}"
-            );
-            Ok(())
-        }
-        (vm, r) => fail!("vm pods {vm}: CreateContainer gave {r:?}"),
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let seen = c.sh_ok(&id, "ls -A /proc/1/root/").await?;
+    let seen: Vec<&str> = seen.lines().collect();
+    if c.env.vm_pods {
+        let host = std::fs::read_dir("/").map_err(|e| Stop::Fail(e.to_string()))?;
+        let mut host: Vec<String> = host
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        host.sort();
+        let mut seen: Vec<String> = seen.iter().map(|s| s.to_string()).collect();
+        seen.sort();
+        check!(
+            seen != host,
+            "a VM pod's PID 1 has the host's root: {seen:?}"
+        );
+        return Ok(());
     }
+    check!(seen.is_empty(), "PID 1's root is not empty: {seen:?}");
+    let uid = pid1_status_field(&c, &id, "Uid").await?;
+    check!(
+        uid.split_whitespace().all(|u| u == "65535"),
+        "PID 1 runs as {uid}, not 65535"
+    );
+    for set in ["CapPrm", "CapEff", "CapBnd"] {
+        let v = pid1_status_field(&c, &id, set).await?;
+        check!(v == "0000000000000000", "PID 1's {set} is {v}");
+    }
+    // Its command line names no host path (it was the agent's).
+    let cmdline = c.sh_ok(&id, "tr '\\0' ' ' < /proc/1/cmdline").await?;
+    check!(
+        cmdline.trim() == "vessel-pidns",
+        "PID 1's command line: {cmdline:?}"
+    );
+    // Its mounts: the one empty tmpfs.
+    let mounts = c.sh_ok(&id, "cat /proc/1/mountinfo").await?;
+    check!(
+        mounts.lines().count() == 1 && mounts.contains(" / / ro,"),
+        "PID 1's mounts: {mounts}"
+    );
+    Ok(())
 }
 
 async fn pid_node(c: Ctx) -> SpecResult {
