@@ -17,6 +17,25 @@ pub struct Cgroup {
     unified: bool,
 }
 
+/// The new `cpu.max` (`"<quota|max> <period>"`) for an update that sends `quota` (0: keep
+/// the current one; negative: none) and `period` (0: keep), over the file's `current`
+/// content: a half the update does not send is kept, as v1's two files keep theirs (an
+/// update of the period alone lifted the quota).
+fn cpu_max(current: &str, quota: i64, period: i64) -> String {
+    let mut now = current.split_whitespace();
+    let (old_quota, old_period) = (now.next(), now.next());
+    let quota = match quota {
+        q if q > 0 => q.to_string(),
+        q if q < 0 => "max".to_string(),
+        _ => old_quota.unwrap_or("max").to_string(),
+    };
+    let period = match period {
+        p if p > 0 => p.to_string(),
+        _ => old_period.unwrap_or("100000").to_string(),
+    };
+    format!("{quota} {period}")
+}
+
 /// Resource usage read from a cgroup; fields the kernel did not offer are 0.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CgroupStats {
@@ -242,17 +261,9 @@ impl Cgroup {
                 write(d.join("cpu.weight"), w.to_string())?;
             }
             if r.cpu_quota != 0 || r.cpu_period > 0 {
-                let quota = if r.cpu_quota > 0 {
-                    r.cpu_quota.to_string()
-                } else {
-                    "max".into()
-                };
-                let period = if r.cpu_period > 0 {
-                    r.cpu_period
-                } else {
-                    100_000
-                };
-                write(d.join("cpu.max"), format!("{quota} {period}"))?;
+                let f = d.join("cpu.max");
+                let now = std::fs::read_to_string(&f).unwrap_or_default();
+                write(f, cpu_max(&now, r.cpu_quota, r.cpu_period))?;
             }
             if !r.cpuset_cpus.is_empty() {
                 write(d.join("cpuset.cpus"), r.cpuset_cpus.clone())?;
@@ -392,6 +403,18 @@ impl Cgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cpu_max_update_keeps_the_half_it_does_not_send() {
+        // kubelet's in-place resize sends both; a client may send one.
+        assert_eq!(cpu_max("50000 100000\n", 0, 200_000), "50000 200000");
+        assert_eq!(cpu_max("50000 200000\n", 30_000, 0), "30000 200000");
+        assert_eq!(cpu_max("50000 100000\n", -1, 0), "max 100000");
+        assert_eq!(cpu_max("max 100000\n", 20_000, 50_000), "20000 50000");
+        // No file to read: the kernel's defaults.
+        assert_eq!(cpu_max("", 0, 50_000), "max 50000");
+        assert_eq!(cpu_max("", 25_000, 0), "25000 100000");
+    }
 
     #[test]
     fn own_cgroup_of_a_hierarchy() {

@@ -586,6 +586,35 @@ async fn update_resources(c: Ctx) -> SpecResult {
         r.memory_limit_in_bytes == 48 << 20 && r.cpu_shares == 512,
         "ContainerStatus.resources after a shares-only update: {r:?}"
     );
+    // A period-only update keeps the quota: cgroup v2 holds both in one file, cpu.max,
+    // whose quota such an update lifted.
+    for (quota, period) in [(50_000, 100_000), (0, 200_000)] {
+        let mut cl = c.c.clone();
+        cl.runtime
+            .update_container_resources(cri::UpdateContainerResourcesRequest {
+                container_id: limited.clone(),
+                linux: Some(cri::LinuxContainerResources {
+                    cpu_quota: quota,
+                    cpu_period: period,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await?;
+    }
+    let got = c
+        .sh_ok(&limited, "cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us) $(cat /sys/fs/cgroup/cpu/cpu.cfs_period_us)")
+        .await?;
+    check!(
+        got == "50000 200000",
+        "CPU quota and period after a period-only update: {got:?}, want 50000 200000"
+    );
+    let st = c.c.container_status(&limited).await?;
+    let r = st.resources.and_then(|r| r.linux).unwrap_or_default();
+    check!(
+        r.cpu_quota == 50_000 && r.cpu_period == 200_000 && r.cpu_shares == 512,
+        "ContainerStatus.resources after a period-only update: {r:?}"
+    );
     Ok(())
 }
 
