@@ -32,6 +32,18 @@ struct Mutable {
     starting: bool,
 }
 
+/// A working directory to make at launch where it is missing, as runc makes it (kubelet
+/// passes a pod's `workingDir` as it is; libcontainer fails the start).
+#[derive(Debug, Clone)]
+pub struct MakeCwd {
+    pub cwd: PathBuf,
+    /// Who owns what is made: the container's root as the host sees it.
+    pub owner: (u32, u32),
+    /// Under a volume's bind mount: made in the volume by the launch helper once the
+    /// mount's source is staged, not in the root filesystem, where the mount hides it.
+    pub in_volume: bool,
+}
+
 /// One container.
 pub struct Container {
     pub id: String,
@@ -69,9 +81,8 @@ pub struct Container {
     /// CRIU images to restore the container's processes from at start (a restored
     /// checkpoint), instead of running its command.
     pub restore: Option<PathBuf>,
-    /// The working directory to make in the root filesystem at launch where the image has
-    /// none, and who owns what is made (the container's root as the host sees it).
-    pub make_cwd: Option<(PathBuf, (u32, u32))>,
+    /// The working directory to make at launch where it is missing.
+    pub make_cwd: Option<MakeCwd>,
 }
 
 impl Container {
@@ -88,7 +99,7 @@ impl Container {
         tty: bool,
         stdin_once: bool,
         restore: Option<PathBuf>,
-        make_cwd: Option<(PathBuf, (u32, u32))>,
+        make_cwd: Option<MakeCwd>,
     ) -> Arc<Container> {
         let (exit_tx, _) = watch::channel(None);
         Arc::new(Container {

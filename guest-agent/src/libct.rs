@@ -76,6 +76,10 @@ pub enum HelperOp {
         /// Start the container once created (after `PID <n>`); a failed start deletes it.
         #[arg(long)]
         start: bool,
+        /// Make the process's working directory, missing in the volume mounted over it,
+        /// owned by `<uid>:<gid>` ([`crate::rootfs::make_cwd_in_volume`]).
+        #[arg(long, value_parser = parse_owner)]
+        make_cwd_as: Option<(u32, u32)>,
     },
     /// Runs a process in a running container; prints `PID <n>` then `EXIT <code> <signal>`.
     Exec {
@@ -125,6 +129,15 @@ pub enum HelperOp {
         #[arg(long)]
         console_socket: Option<PathBuf>,
     },
+}
+
+/// `<uid>:<gid>`.
+fn parse_owner(s: &str) -> Result<(u32, u32), String> {
+    let (u, g) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: want uid:gid"))?;
+    let num = |v: &str| v.parse::<u32>().map_err(|e| format!("{s:?}: {e}"));
+    Ok((num(u)?, num(g)?))
 }
 
 /// The kind of a helper error, mapped to a gRPC code by the agent.
@@ -396,9 +409,21 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             console_socket,
             stdio,
             start,
+            make_cwd_as,
         } => {
             if let Some(host_ns) = take_host_mount_ns() {
                 stage_binds(&host_ns, &bundle)?;
+            }
+            if let Some(owner) = make_cwd_as {
+                crate::rootfs::make_cwd_in_volume(&bundle, owner).map_err(|e| {
+                    let m = format!("making the working directory in its volume: {e}");
+                    match e.raw_os_error() {
+                        Some(libc::ENOTDIR | libc::ENOENT | libc::ELOOP | libc::EEXIST) => {
+                            LibcontainerError::InvalidInput(m)
+                        }
+                        _ => LibcontainerError::Other(m),
+                    }
+                })?;
             }
             let dev_binds = crate::devbind::split(&bundle)?;
             let mut b = ContainerBuilder::new(id, SyscallType::default())

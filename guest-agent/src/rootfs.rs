@@ -372,9 +372,83 @@ pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result
     resolve(&done).map(drop).map_err(Into::into)
 }
 
+/// The bind mount (a volume) under which the container's working directory `cwd` is, the
+/// innermost (a later one at the same destination, which covers an earlier one); none where
+/// `cwd` is in the root filesystem or is itself the mount point.
+pub fn covering_bind<'a>(
+    spec: &'a oci_spec::runtime::Spec,
+    cwd: &Path,
+) -> Option<&'a oci_spec::runtime::Mount> {
+    let cwd = crate::mount_tree::lexical(cwd);
+    spec.mounts()
+        .iter()
+        .flatten()
+        .filter(|m| {
+            let dest = crate::mount_tree::lexical(m.destination());
+            crate::mount_tree::is_bind(m.options().as_deref().unwrap_or_default())
+                && cwd.starts_with(&dest)
+                && cwd != dest
+        })
+        .max_by_key(|m| {
+            crate::mount_tree::lexical(m.destination())
+                .components()
+                .count()
+        })
+}
+
+/// Makes the working directory of the container in `bundle` inside the volume whose mount
+/// covers it ([`covering_bind`]), as runc makes it there once the volume is mounted: under
+/// the mount's source (as the spec names it now: the helper's staged clone, in a flat pod),
+/// resolved inside it, each missing directory 0755 and owned by `owner`.
+pub fn make_cwd_in_volume(bundle: &Path, owner: (u32, u32)) -> std::io::Result<()> {
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
+        .map_err(|e| std::io::Error::other(format!("reading the bundle spec: {e}")))?;
+    let Some(cwd) = spec.process().as_ref().map(|p| p.cwd().clone()) else {
+        return Ok(());
+    };
+    let Some(m) = covering_bind(&spec, &cwd) else {
+        return Ok(());
+    };
+    let Some(source) = m.source().as_ref().filter(|s| s.is_dir()) else {
+        return Ok(());
+    };
+    let cwd = crate::mount_tree::lexical(&cwd);
+    let dest = crate::mount_tree::lexical(m.destination());
+    let rel = cwd.strip_prefix(&dest).unwrap_or(&cwd);
+    make_cwd(source, &Path::new("/").join(rel), owner)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_volume_over_a_working_directory() {
+        let spec: oci_spec::runtime::Spec = serde_json::from_value(serde_json::json!({
+            "ociVersion": "1.0.2",
+            "root": {"path": "rootfs"},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/work", "type": "bind", "source": "/a", "options": ["rbind"]},
+                {"destination": "/work/sub/", "type": "bind", "source": "/b", "options": ["rbind", "ro"]},
+                {"destination": "/work/sub", "type": "bind", "source": "/c", "options": ["bind"]},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}
+            ]
+        }))
+        .unwrap();
+        let src = |cwd: &str| {
+            covering_bind(&spec, Path::new(cwd))
+                .and_then(|m| m.source().clone())
+                .map(|s| s.display().to_string())
+        };
+        assert_eq!(src("/work/x"), Some("/a".into()));
+        // The innermost; of two at one destination, the later.
+        assert_eq!(src("/work/sub/y/z"), Some("/c".into()));
+        // The mount point itself, a tmpfs, the root filesystem: none.
+        assert_eq!(src("/work"), None);
+        assert_eq!(src("/tmp/x"), None);
+        assert_eq!(src("/workspace"), None);
+    }
 
     #[test]
     fn a_missing_working_directory_is_made_inside_the_root() {

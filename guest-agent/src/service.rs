@@ -351,7 +351,11 @@ impl AgentState {
                 let owner = crate::userns::pod()
                     .map(|u| (u.uid.to_host(0).unwrap_or(0), u.gid.to_host(0).unwrap_or(0)))
                     .unwrap_or((0, 0));
-                Some((p.cwd().clone(), owner))
+                Some(crate::container::MakeCwd {
+                    cwd: p.cwd().clone(),
+                    owner,
+                    in_volume: crate::rootfs::covering_bind(&spec, p.cwd()).is_some(),
+                })
             }
             _ => None,
         };
@@ -409,7 +413,8 @@ impl AgentState {
         if let Some(overlay) = &c.overlay {
             crate::rootfs::mount_prepared(&c.rootfs, overlay)?;
         }
-        if let Some((cwd, owner)) = &c.make_cwd {
+        let rootfs_cwd = c.make_cwd.as_ref().filter(|m| !m.in_volume);
+        if let Some(crate::container::MakeCwd { cwd, owner, .. }) = rootfs_cwd {
             crate::rootfs::make_cwd(&c.rootfs, cwd, *owner).map_err(|e| {
                 let m = format!(
                     "container {id:?}: making its working directory {}: {e}",
@@ -440,6 +445,10 @@ impl AgentState {
         ]);
         if c.restore.is_none() {
             args.push("--start".into());
+        }
+        if let Some(m) = c.make_cwd.as_ref().filter(|m| m.in_volume) {
+            args.push("--make-cwd-as".into());
+            args.push(format!("{}:{}", m.owner.0, m.owner.1).into());
         }
         let log = c.log.clone();
         let mut pumps: Vec<JoinHandle<()>> = Vec::new();

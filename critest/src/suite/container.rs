@@ -16,7 +16,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "named by image id as kubelet names it, status shows the user's image name", image_by_id),
         spec!("container", "list filters by id, state, pod and label", list_filters),
         spec!("container", "command, args, env and working dir", command_env),
-        spec!("container", "a working dir the image lacks is made, read-only root too (as runc makes it)", missing_working_dir),
+        spec!("container", "a working dir the image lacks is made, read-only root too, and in a volume (as runc makes it)", missing_working_dir),
         spec!("container", "host path mounts, read-write, read-only, nested (inner listed first) and over /dev/shm", host_mounts),
         spec!("container", "UpdateContainerResources changes the memory limit of a running container and of a created one", update_resources),
         spec!("container", "cpuset_cpus (kubelet's CPU manager): a flat container runs on its CPUs; a VM pod's process on its containers' CPUs, and where it started once they are gone", cpuset),
@@ -408,6 +408,27 @@ async fn missing_working_dir(c: Ctx) -> SpecResult {
             "{id}: pwd and owner:mode {got:?}"
         );
     }
+    // Under a volume it is made in the volume, as runc makes it (a CI checkout's
+    // `workingDir: /workspace/src/repo` on a volume at /workspace): on the host.
+    let vol = c.dir("wdvol")?;
+    let mut cfg = c.ctr_config("wdvol", "sleep 100000");
+    cfg.working_dir = "/workspace/src/repo".into();
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/workspace".into(),
+        host_path: vol.display().to_string(),
+        ..Default::default()
+    }];
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let got = c.sh_ok(&id, "pwd; stat -c %a /workspace/src/repo").await?;
+    check!(
+        got == "/workspace/src/repo\n755",
+        "in a volume: pwd and mode {got:?}"
+    );
+    check!(
+        vol.join("src/repo").is_dir(),
+        "the working directory is not in the volume's host directory {}",
+        vol.display()
+    );
     Ok(())
 }
 
