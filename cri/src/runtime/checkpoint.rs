@@ -394,6 +394,23 @@ mod tests {
         assert_eq!(deleted, r#"["/etc/gone"]"#);
         // Only the archive is left in its directory: no temporary file.
         assert_eq!(std::fs::read_dir(d.path().join("out")).unwrap().count(), 1);
+        // A diff the agent wrote (while CRIU held the tasks) is the one archived.
+        std::fs::write(staging.join("rootfs-diff.tar"), b"the agent's").unwrap();
+        let kept = d.path().join("out/kept.tar");
+        write_archive(&staging, &kept, b"{}", b"{}", Some(&upper), later).unwrap();
+        let mut a = tar::Archive::new(File::open(&kept).unwrap());
+        let diff = a
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap())
+            .find(|e| e.path().unwrap() == Path::new("rootfs-diff.tar"))
+            .map(|mut e| {
+                let mut v = Vec::new();
+                io::Read::read_to_end(&mut e, &mut v).unwrap();
+                v
+            });
+        assert_eq!(diff.as_deref(), Some(&b"the agent's"[..]));
+        std::fs::remove_file(&kept).unwrap();
         // Past the deadline: no archive, no temporary file.
         let late = d.path().join("out/late.tar");
         let past = std::time::Instant::now();
