@@ -68,6 +68,10 @@ pub struct PodRecord {
     /// container its own).
     #[serde(default)]
     pub shared_shm: bool,
+    /// The pod's shared pid namespace has a holder as its PID 1, not the agent (pods started
+    /// by earlier vesselds, whose agents do not: false).
+    #[serde(default)]
+    pub pid_holder: bool,
 }
 
 impl PodRecord {
@@ -557,6 +561,7 @@ mod tests {
             ips: vec![],
             stopping: false,
             shared_shm: true,
+            pid_holder: true,
         }
     }
 

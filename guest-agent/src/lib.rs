@@ -78,8 +78,12 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The agent keeps the pod's /dev/shm (a spec bind from [`spec::POD_SHM`]).
 pub const FEATURE_POD_SHM: &str = "pod-shm";
 
+/// A flat pod's shared pid namespace is below the agent's, with a holder as its PID 1
+/// ([`userns::create_pid_holder`]), not the agent's own (whose root is the host's).
+pub const FEATURE_PID_HOLDER: &str = "pid-holder";
+
 /// What this agent answers in `PingResponse.features`.
-pub const FEATURES: &[&str] = &[FEATURE_POD_SHM];
+pub const FEATURES: &[&str] = &[FEATURE_POD_SHM, FEATURE_PID_HOLDER];
 
 /// Nanoseconds since the Unix epoch, now.
 pub fn now_nanos() -> i64 {

@@ -2,6 +2,7 @@
 //! (so nothing is left on the host when the pod goes) and writable-layer accounting.
 
 use std::collections::HashSet;
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -314,14 +315,27 @@ pub fn usage(dir: &Path) -> (u64, u64) {
 /// Makes a container's working directory in its root filesystem where the image has none,
 /// as runc does: each missing directory 0755, owned by `owner` (the container's root as the
 /// host sees it). Every step is resolved inside the root (the image's links stay in it); a
-/// file where a directory should be fails.
+/// file where a directory should be fails. What is made is changed through a descriptor of
+/// the new directory itself, opened without following a link: a container that shares the
+/// tree (a volume) and puts a link in its place gets nothing changed outside.
 pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result<()> {
-    use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
-    let root = rustix::fs::open(
-        rootfs,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
+    make_cwd_at(open_dir_path(rootfs)?.as_fd(), cwd, owner)
+}
+
+/// An `O_PATH` descriptor of the directory `dir`.
+fn open_dir_path(dir: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    Ok(rustix::fs::open(dir, flags, Mode::empty())?)
+}
+
+/// [`make_cwd`] in the root `root` (a descriptor, opened by the caller).
+fn make_cwd_at(
+    root: std::os::fd::BorrowedFd<'_>,
+    cwd: &Path,
+    owner: (u32, u32),
+) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
     let resolve = |rel: &Path| {
         let rel = if rel.as_os_str().is_empty() {
             Path::new(".")
@@ -329,7 +343,7 @@ pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result
             rel
         };
         rustix::fs::openat2(
-            &root,
+            root,
             rel,
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
@@ -356,14 +370,16 @@ pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result
         match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o755)) {
             Ok(()) => {
                 // The mode as asked, whatever the umask; the owner the container's root.
-                rustix::fs::chmodat(&parent, name, Mode::from_raw_mode(0o755), AtFlags::empty())?;
-                rustix::fs::chownat(
+                let made = rustix::fs::openat(
                     &parent,
                     name,
-                    Some(rustix::fs::Uid::from_raw(owner.0)),
-                    Some(rustix::fs::Gid::from_raw(owner.1)),
-                    AtFlags::SYMLINK_NOFOLLOW,
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
                 )?;
+                rustix::fs::fchmod(&made, Mode::from_raw_mode(0o755))?;
+                let uid = rustix::fs::Uid::from_raw(owner.0);
+                let gid = rustix::fs::Gid::from_raw(owner.1);
+                rustix::fs::fchown(&made, Some(uid), Some(gid))?;
             }
             Err(rustix::io::Errno::EXIST) => {}
             Err(e) => return Err(e.into()),
@@ -380,26 +396,28 @@ pub fn covering_bind<'a>(
     cwd: &Path,
 ) -> Option<&'a oci_spec::runtime::Mount> {
     let cwd = crate::mount_tree::lexical(cwd);
-    spec.mounts()
+    // The innermost mount over it, whatever its type (a tmpfs in a volume hides the volume).
+    let m = spec
+        .mounts()
         .iter()
         .flatten()
-        .filter(|m| {
-            let dest = crate::mount_tree::lexical(m.destination());
-            crate::mount_tree::is_bind(m.options().as_deref().unwrap_or_default())
-                && cwd.starts_with(&dest)
-                && cwd != dest
-        })
+        .filter(|m| cwd.starts_with(crate::mount_tree::lexical(m.destination())))
         .max_by_key(|m| {
             crate::mount_tree::lexical(m.destination())
                 .components()
                 .count()
-        })
+        })?;
+    let bind = crate::mount_tree::is_bind(m.options().as_deref().unwrap_or_default());
+    (bind && cwd != crate::mount_tree::lexical(m.destination())).then_some(m)
 }
 
 /// Makes the working directory of the container in `bundle` inside the volume whose mount
 /// covers it ([`covering_bind`]), as runc makes it there once the volume is mounted: under
 /// the mount's source (as the spec names it now: the helper's staged clone, in a flat pod),
-/// resolved inside it, each missing directory 0755 and owned by `owner`.
+/// resolved inside it, each missing directory 0755, made as `owner` (the container's root
+/// as the host sees it): with its permissions, not the helper's, and through a volume's
+/// id mapping as the container's root writes through it. A read-only volume is not written
+/// (EROFS, as runc fails). Must run single-threaded (the filesystem ids are the thread's).
 pub fn make_cwd_in_volume(bundle: &Path, owner: (u32, u32)) -> std::io::Result<()> {
     let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
         .map_err(|e| std::io::Error::other(format!("reading the bundle spec: {e}")))?;
@@ -412,10 +430,27 @@ pub fn make_cwd_in_volume(bundle: &Path, owner: (u32, u32)) -> std::io::Result<(
     let Some(source) = m.source().as_ref().filter(|s| s.is_dir()) else {
         return Ok(());
     };
+    let opts = m.options().as_deref().unwrap_or_default();
+    if opts.iter().any(|o| o == "ro") {
+        return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+    }
     let cwd = crate::mount_tree::lexical(&cwd);
     let dest = crate::mount_tree::lexical(m.destination());
-    let rel = cwd.strip_prefix(&dest).unwrap_or(&cwd);
-    make_cwd(source, &Path::new("/").join(rel), owner)
+    let rel = Path::new("/").join(cwd.strip_prefix(&dest).unwrap_or(&cwd));
+    // Opened as root: the staged source's own path (the container's dir) is root's only.
+    let root = open_dir_path(source)?;
+    // The filesystem ids become the owner's (which drops the capabilities that override
+    // file permissions, where the owner is not root), and come back whatever happened.
+    // SAFETY: setfsgid/setfsuid take plain ids and change only this thread's filesystem
+    // ids; the previous ones are put back below.
+    let (old_gid, old_uid) = unsafe { (libc::setfsgid(owner.1), libc::setfsuid(owner.0)) };
+    let r = make_cwd_at(root.as_fd(), &rel, owner);
+    // SAFETY: as above, back to the ids they returned.
+    unsafe {
+        libc::setfsuid(old_uid as u32);
+        libc::setfsgid(old_gid as u32);
+    }
+    r
 }
 
 #[cfg(test)]

@@ -130,11 +130,11 @@ pub fn prepare(
                 return Err(AgentError::InvalidArgument(
                     "the spec joins the pod's user namespace, but this pod has none".into(),
                 ));
-            } else if let Some(holder) =
-                crate::userns::pid_holder().filter(|_| ns.typ() == LinuxNamespaceType::Pid)
+            } else if let Some(p) = crate::userns::shared_pid_ns(agent_pid)
+                .filter(|_| ns.typ() == LinuxNamespaceType::Pid)
             {
                 // A flat pod's shared pid namespace is its holder's, below the agent's.
-                PathBuf::from(format!("/proc/{holder}/ns/pid"))
+                p
             } else {
                 PathBuf::from(format!("/proc/{agent_pid}/ns/{}", ns_file_name(ns.typ())))
             };

@@ -248,15 +248,19 @@ fn fork_holder(tx: &mut std::fs::File, who: HolderId) -> bool {
     }
 }
 
-/// A flat pod's pid namespace holder where the pod has no user namespace of its own (see
-/// [`create_pid_holder`]), as the agent's pid namespace numbers it.
-static PID_HOLDER: OnceLock<u32> = OnceLock::new();
+/// The pid namespace of a flat pod's holder where the pod has no user namespace of its own
+/// (see [`create_pid_holder`]), held open by the agent: containers join it through
+/// `/proc/<agent>/fd/<n>`, never through the holder's pid, which a dead holder's successor
+/// could have.
+static PID_HOLDER_NS: OnceLock<OwnedFd> = OnceLock::new();
 
-/// The process whose pid namespace is the pod's shared one (CRI `pid: POD`): the holder of
-/// the pod's user namespace, or the one [`create_pid_holder`] made; none where the pod's
-/// pid namespace is its agent's (a VM's guest, or the host's).
-pub fn pid_holder() -> Option<u32> {
-    pod_holder().or_else(|| PID_HOLDER.get().copied())
+/// The pod's shared pid namespace (CRI `pid: POD`) where it is not the agent's own: the one
+/// [`create_pid_holder`] made, as a path for the agent `agent_pid` (in a pod with its own
+/// user namespace, the holder's namespaces are all the pod's: see [`pod_holder`]).
+pub fn shared_pid_ns(agent_pid: u32) -> Option<PathBuf> {
+    PID_HOLDER_NS
+        .get()
+        .map(|fd| PathBuf::from(format!("/proc/{agent_pid}/fd/{}", fd.as_raw_fd())))
 }
 
 /// A flat pod without its own user namespace: makes the pid namespace the pod's containers
@@ -295,13 +299,19 @@ pub fn create_pid_holder() -> Result<u32, UsernsError> {
                         nix::errno::Errno::from_raw(-holder),
                     ));
                 }
-                Ok(holder as u32)
+                let ns = std::fs::File::open(format!("/proc/{holder}/ns/pid"))
+                    .map(OwnedFd::from)
+                    .map_err(io("opening the holder's pid namespace"));
+                if ns.is_err() {
+                    let _ = kill(Pid::from_raw(holder), Signal::SIGKILL);
+                }
+                Ok((holder as u32, ns?))
             })();
             let _ = waitpid(child, None);
-            if let Ok(h) = r {
-                let _ = PID_HOLDER.set(h);
-            }
-            r
+            r.map(|(holder, ns)| {
+                let _ = PID_HOLDER_NS.set(ns);
+                holder
+            })
         }
     }
 }
@@ -360,8 +370,9 @@ fn hold(ok: OwnedFd, who: HolderId) -> ! {
 }
 
 /// Overwrites this process's command line (what `/proc/<pid>/cmdline` and `ps` show, which
-/// was the agent's, naming host paths) with `title`, in place: the kernel reads it from the
-/// argument area of the process's stack, whose bounds `/proc/self/stat` gives.
+/// was the agent's, naming host paths) with `title`, and empties its environment, in place:
+/// the kernel reads them from areas of the process's stack whose bounds `/proc/self/stat`
+/// gives.
 fn retitle(title: &[u8]) {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return;
@@ -373,19 +384,24 @@ fn retitle(title: &[u8]) {
     };
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<usize>().ok());
-    let (Some(start), Some(end)) = (field(48), field(49)) else {
-        return;
-    };
-    if end <= start || end - start <= title.len() {
-        return;
-    }
-    // SAFETY: [start, end) is this process's own argument area (the argv strings on its
-    // stack, writable, owned by no Rust object: std reads argv only when asked, and this
-    // forked child never asks again); it is overwritten within its bounds, NUL-padded.
-    unsafe {
-        let area = std::slice::from_raw_parts_mut(start as *mut u8, end - start);
-        area.fill(0);
-        area[..title.len()].copy_from_slice(title);
+    // The argument area (fields 48, 49) gets the title; the environment's (50, 51), the
+    // agent's, is emptied.
+    for (first, text) in [(48, title), (50, &b""[..])] {
+        let (Some(start), Some(end)) = (field(first), field(first + 1)) else {
+            continue;
+        };
+        if end <= start || end - start <= text.len() {
+            continue;
+        }
+        // SAFETY: [start, end) is this process's own argument or environment area (strings
+        // on its stack, writable, owned by no Rust object: std reads argv only when asked,
+        // and this forked child reads neither again); it is overwritten within its bounds,
+        // NUL-padded.
+        unsafe {
+            let area = std::slice::from_raw_parts_mut(start as *mut u8, end - start);
+            area.fill(0);
+            area[..text.len()].copy_from_slice(text);
+        }
     }
 }
 

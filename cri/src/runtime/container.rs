@@ -498,6 +498,7 @@ impl Runtime {
             selinux: backend.kind() == crate::state::BackendKind::Flat && crate::selinux::enabled(),
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
             shared_shm: prec.shared_shm,
+            pid_holder: prec.pid_holder,
         })
         .map_err(|e| RuntimeError::InvalidArgument(format!("CreateContainer {:?}: {e}", key)))?;
         if let Some(ck) = &restore {

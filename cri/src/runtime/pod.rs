@@ -103,6 +103,7 @@ impl Runtime {
             stopping: false,
             // Once the agent says it keeps one (below).
             shared_shm: false,
+            pid_holder: false,
         };
         // The record comes first: a crash from here on leaves something recovery cleans. If
         // it cannot be written (a full disk), nothing of the pod is left either.
@@ -118,8 +119,13 @@ impl Runtime {
                 // The agent may be older than vesseld (a VM image built before, or
                 // `runtime.agent_binary`): what it keeps is what it says it keeps.
                 let features = agent_features(&pod).await;
-                let shm = features.iter().any(|f| f == vessel_agent::FEATURE_POD_SHM);
-                pod.update(|r| r.shared_shm = shm);
+                let has = |feature: &str| features.iter().any(|f| f == feature);
+                let shm = has(vessel_agent::FEATURE_POD_SHM);
+                let holder = has(vessel_agent::FEATURE_PID_HOLDER);
+                pod.update(|r| {
+                    r.shared_shm = shm;
+                    r.pid_holder = holder;
+                });
                 let adopted = self
                     .opts
                     .cgroups

@@ -325,6 +325,7 @@ impl Runtime {
             ips: Vec::new(),
             stopping: false,
             shared_shm: false,
+            pid_holder: false,
         }
     }
 }

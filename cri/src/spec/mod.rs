@@ -131,6 +131,8 @@ pub struct SpecInput<'a> {
     pub vm_guest: bool,
     /// The pod's agent keeps one /dev/shm for the containers in the pod's IPC namespace.
     pub shared_shm: bool,
+    /// A flat pod's shared pid namespace has a holder as its PID 1, not the agent.
+    pub pid_holder: bool,
 }
 
 /// Whether this host runs cgroup v2 alone (unified hierarchy at /sys/fs/cgroup).
@@ -769,6 +771,15 @@ mod tests {
         cfg: &cri::ContainerConfig,
         vm_guest: bool,
     ) -> std::result::Result<serde_json::Value, SpecError> {
+        try_spec_in(cfg, vm_guest, true)
+    }
+
+    /// [`try_simple_spec`] in a pod whose agent has a pid namespace holder or not.
+    fn try_spec_in(
+        cfg: &cri::ContainerConfig,
+        vm_guest: bool,
+        pid_holder: bool,
+    ) -> std::result::Result<serde_json::Value, SpecError> {
         let (d, layers) = layers_with(&[
             ("etc/passwd", PASSWD),
             ("etc/group", GROUP),
@@ -790,8 +801,41 @@ mod tests {
             swap_accounting: !vm_guest,
             vm_guest,
             shared_shm: true,
+            pid_holder,
         })
         .map(|(spec, _)| spec)
+    }
+
+    /// A pod from before pid namespace holders (its agent is PID 1 of the shared pid
+    /// namespace, with the host's root) refuses a container there that may ptrace; one with
+    /// a holder, or a VM pod, takes it.
+    #[test]
+    fn ptrace_in_the_shared_pid_namespace_of_an_old_pod_is_refused() {
+        let cfg = cri::ContainerConfig {
+            command: vec!["sh".into()],
+            linux: Some(cri::LinuxContainerConfig {
+                security_context: Some(cri::LinuxContainerSecurityContext {
+                    namespace_options: Some(cri::NamespaceOption {
+                        pid: cri::NamespaceMode::Pod as i32,
+                        ..Default::default()
+                    }),
+                    capabilities: Some(cri::Capability {
+                        add_capabilities: vec!["SYS_PTRACE".into()],
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let e = try_spec_in(&cfg, false, false).unwrap_err();
+        assert!(e.to_string().contains("CAP_SYS_PTRACE"), "{e}");
+        for (vm, holder) in [(false, true), (true, false)] {
+            let spec = try_spec_in(&cfg, vm, holder).unwrap();
+            let ns = spec["linux"]["namespaces"].as_array().unwrap();
+            assert!(ns.contains(&serde_json::json!({"type": "pid", "path": "agent"})));
+        }
     }
 
     /// The host's cpusets (kubelet's CPU manager) are applied in a flat pod, not in a VM
@@ -1156,6 +1200,7 @@ mod tests {
             swap_accounting: true,
             vm_guest: false,
             shared_shm: true,
+            pid_holder: true,
         })
         .unwrap();
         assert_eq!(user.uid, 1000);

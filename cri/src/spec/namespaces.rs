@@ -93,7 +93,23 @@ pub(super) fn build(
         cri::NamespaceMode::Container => namespaces.push(json!({"type": "pid"})),
         cri::NamespaceMode::Pod => {
             // The agent joins a flat pod's containers to the namespace below its own whose
-            // PID 1 is a holder with an empty root, not to its own (its root is the host's).
+            // PID 1 is a holder with an empty root. An agent from before that (a pod that
+            // outlived an upgrade) joins them to its own, whose PID 1 (the agent) has the
+            // host's root: a container there that may ptrace it would reach the host's files
+            // through /proc/1/root. In a VM pod PID 1 is the guest's agent, inside the pod's
+            // own kernel.
+            let ptrace = sc.and_then(|s| s.capabilities.as_ref()).is_some_and(|c| {
+                c.add_capabilities.iter().any(|a| {
+                    let a = a.to_ascii_uppercase();
+                    matches!(a.as_str(), "SYS_PTRACE" | "CAP_SYS_PTRACE" | "ALL")
+                })
+            });
+            let agent_is_pid1 = !input.vm_guest && userns.is_none() && !input.pid_holder;
+            if ptrace && !privileged && agent_is_pid1 {
+                return Err(invalid(
+                    "a container in this pod's shared pid namespace cannot have CAP_SYS_PTRACE: the pod was started by an earlier vessel, whose agent is the namespace's PID 1 with the host's root (recreate the pod, or give the container its own pid namespace)".to_string(),
+                ));
+            }
             namespaces.push(json!({"type": "pid", "path": "agent"}))
         }
         cri::NamespaceMode::Node => {}

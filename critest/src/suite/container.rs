@@ -429,6 +429,23 @@ async fn missing_working_dir(c: Ctx) -> SpecResult {
         "the working directory is not in the volume's host directory {}",
         vol.display()
     );
+    // A read-only volume is not written: the start fails (as runc's does), nothing made.
+    let ro = c.dir("wdro-vol")?;
+    let mut cfg = c.ctr_config("wdrovol", "sleep 100000");
+    cfg.working_dir = "/workspace/src/repo".into();
+    cfg.mounts = vec![cri::Mount {
+        container_path: "/workspace".into(),
+        host_path: ro.display().to_string(),
+        readonly: true,
+        ..Default::default()
+    }];
+    let id = c.create(&pod, &pcfg, cfg).await?;
+    let started = c.c.start_container(&id).await;
+    check!(
+        started.is_err() && !ro.join("src").exists(),
+        "a working directory under a read-only volume: start {started:?}, made in it: {}",
+        ro.join("src").exists()
+    );
     Ok(())
 }
 
