@@ -286,6 +286,19 @@ pub async fn port_forward(
     input: &[u8],
     timeout: Duration,
 ) -> Result<(Vec<u8>, String), StreamClientError> {
+    port_forward_with(url, port, input, true, timeout).await
+}
+
+/// [`port_forward`], half-closing after `input` or not: without, the data stream stays
+/// open on the client's side, as kubectl's does until its local connection ends, and the
+/// forward ends when the server ends it (an HTTP/1.0 server closing after its answer).
+pub async fn port_forward_with(
+    url: &str,
+    port: u16,
+    input: &[u8],
+    half_close: bool,
+    timeout: Duration,
+) -> Result<(Vec<u8>, String), StreamClientError> {
     tokio::time::timeout(timeout, async {
         let mut c = Conn::open(url, &["portforward.k8s.io"]).await?;
         let h = |t: &str| {
@@ -300,7 +313,9 @@ pub async fn port_forward(
         for chunk in input.chunks(32 << 10) {
             frames.push(data(3, chunk, false));
         }
-        frames.push(data(3, &[], true));
+        if half_close {
+            frames.push(data(3, &[], true));
+        }
         c.send(&frames).await?;
         let mut got: HashMap<u32, Vec<u8>> = HashMap::new();
         let mut open = vec![1u32, 3];

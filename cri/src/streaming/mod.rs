@@ -57,9 +57,11 @@ const WS_PORT_FORWARD_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
 const WS_PORT_FORWARD_PROTOCOLS: &[&str] = &[WS_PORT_FORWARD_PROTOCOL, V4, V4_BASE64];
 /// Most ports one channel-protocol port-forward carries (two channels each, one byte each).
 const WS_MAX_PORTS: usize = 128;
-/// How long a channel-protocol forward waits for the client's side once the pod's side has
-/// ended (the client cannot half-close a channel), as containerd's forwarder does.
-const WS_FORWARD_LINGER: Duration = Duration::from_secs(1);
+/// How long a forward waits for the client's side once the pod's side has ended, as
+/// containerd's forwarder does: a channel-protocol client cannot half-close a channel, and
+/// kubectl's SPDY one ends its data stream only once its local connection ends, which it
+/// ends once the forward has (its error stream closed).
+const FORWARD_LINGER: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamingError {
@@ -852,8 +854,16 @@ async fn exec(
 /// the socket keeps the namespace it was created in.
 async fn connect_in_netns(netns: PathBuf, port: u16) -> std::io::Result<TcpStream> {
     let s = crate::sandbox::netns::run_in_netns(&netns, move || {
-        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        // IPv4's localhost, then IPv6's (a server on ::1 only), as containerd tries both.
+        let v4 = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let v6 = std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+        let limit = Duration::from_secs(5);
+        let s = match std::net::TcpStream::connect_timeout(&v4, limit) {
+            Ok(s) => s,
+            Err(e4) => std::net::TcpStream::connect_timeout(&v6, limit).map_err(|e6| {
+                std::io::Error::new(e4.kind(), format!("{e4}; [::1]:{port}: {e6}"))
+            })?,
+        };
         s.set_nonblocking(true)?;
         Ok(s)
     })
@@ -947,7 +957,7 @@ async fn port_forward(
                 let target = target.clone();
                 let pod = pod_id.to_string();
                 tasks.push(tokio::spawn(async move {
-                    forward_one(&pod, target, port, (error, data), &w, None).await;
+                    forward_one(&pod, target, port, (error, data), &w).await;
                 }));
             }
         }
@@ -971,15 +981,7 @@ async fn forward_all(
         let (Some(data), Some(error)) = (incoming.recv().await, incoming.recv().await) else {
             break;
         };
-        let linger = Some(WS_FORWARD_LINGER);
-        forwards.push(forward_one(
-            pod_id,
-            target.clone(),
-            *port,
-            (error, data),
-            w,
-            linger,
-        ));
+        forwards.push(forward_one(pod_id, target.clone(), *port, (error, data), w));
     }
     // Also over once the connection is (the client left, or it was idle too long), though
     // a pod's server that stays open and silent would hold its forward.
@@ -989,15 +991,14 @@ async fn forward_all(
     }
 }
 
-/// Relays one forwarded connection. `linger`: once the pod's side has ended, how long the
-/// client's side may go on (none: until the client ends it).
+/// Relays one forwarded connection: once the pod's side has ended, the client's may go on
+/// for [`FORWARD_LINGER`]; once the client's has, the pod's until it ends.
 async fn forward_one(
     pod: &str,
     target: ForwardTarget,
     port: u16,
     (error, mut data): (Incoming, Incoming),
     w: &Writer,
-    linger: Option<Duration>,
 ) {
     let sock = match connect_forward(target, port).await {
         Ok(s) => s,
@@ -1037,12 +1038,9 @@ async fn forward_one(
     tokio::pin!(up, down);
     tokio::select! {
         () = &mut up => down.await,
-        () = &mut down => match linger {
-            Some(l) => {
-                let _ = tokio::time::timeout(l, up).await;
-            }
-            None => up.await,
-        },
+        () = &mut down => {
+            let _ = tokio::time::timeout(FORWARD_LINGER, up).await;
+        }
     }
     w.fin(error.id).await;
 }

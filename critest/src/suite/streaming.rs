@@ -310,5 +310,30 @@ async fn port_forward(c: Ctx) -> SpecResult {
         s.starts_with("HTTP/1.") && s.ends_with("pong\n"),
         "answer through the port-forward: {s:?}"
     );
+    // A client that keeps its side open (kubectl does, until its local connection ends)
+    // hears the end of a connection the server closed: the forward ends about a second
+    // after the pod's side, as containerd's does (it waited for the client, which waited
+    // for the error stream to end: both hung).
+    let mut cl = c.c.clone();
+    let r = cl
+        .runtime
+        .port_forward(cri::PortForwardRequest {
+            pod_sandbox_id: pod.clone(),
+            port: vec![8080],
+        })
+        .await?
+        .into_inner();
+    let open = b"GET / HTTP/1.0\r\n\r\n";
+    let t = std::time::Instant::now();
+    let limit = Duration::from_secs(20);
+    let got = stream_client::port_forward_with(&r.url, 8080, open, false, limit).await;
+    let ok = got
+        .as_ref()
+        .is_ok_and(|(b, e)| e.is_empty() && String::from_utf8_lossy(b).ends_with("pong\n"));
+    check!(
+        ok,
+        "a forward the server closed, the client's side open: {got:?} after {:?}",
+        t.elapsed()
+    );
     Ok(())
 }
