@@ -127,7 +127,14 @@ impl Runtime {
             ap::exec_input::Msg::Start(ap::ExecStart {
                 id: rec.id.clone(),
                 args: cmd,
-                env: vec![],
+                // A terminal's TERM whatever the container's (one made without a tty has
+                // none: `kubectl exec -it` then had no `clear`, `top` or `vi`), as containerd
+                // sets it.
+                env: if tty {
+                    vec!["TERM=xterm".into()]
+                } else {
+                    vec![]
+                },
                 cwd: String::new(),
                 tty,
                 stdin,

@@ -207,10 +207,17 @@ async fn exec_tty(c: Ctx) -> SpecResult {
         resize: Some((123, 45)),
         ..Default::default()
     };
-    let r = run(&c, &id, &["sh", "-c", "test -t 1 && echo is-a-tty"], o).await?;
+    // The container has no tty, so no TERM of its own: the exec's terminal gets xterm's
+    // (kubectl exec -it then has `clear`, `top`, `vi`), as containerd gives it.
+    let cmd = "test -t 1 && echo is-a-tty; echo term=$TERM";
+    let r = run(&c, &id, &["sh", "-c", cmd], o).await?;
     let s = r.stdout_str();
     // A terminal turns "\n" into "\r\n".
     check!(s.contains("is-a-tty\r\n"), "stdout {s:?}: not a terminal");
+    check!(
+        s.contains("term=xterm\r\n"),
+        "stdout {s:?}: TERM is not xterm"
+    );
     // The terminal size (sent first on the resize stream) is not checked yet: `stty size` in
     // an exec tty printed nothing here (to investigate in the agent's tty output drain).
     check!(r.exit_code() == Some(0), "exit status {:?}", r.error);
