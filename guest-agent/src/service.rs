@@ -1266,12 +1266,13 @@ fn shell_code(msg: &str) -> Option<i32> {
 }
 
 /// Forwards a client's Exec or Attach input until the client closes it (true) or the stream
-/// breaks (false): stdin data to `stdin`, `close_stdin` as EOF (with a terminal, its EOF
-/// character) and then `on_close_stdin`, resizes to the `pty`.
+/// breaks (false): stdin data to `stdin`, `close_stdin` as EOF (with a terminal and `eot`,
+/// its EOF character) and then `on_close_stdin`, resizes to the `pty`.
 async fn forward_input<W: tokio::io::AsyncWrite + Unpin>(
     input: &mut Streaming<proto::ExecInput>,
     mut stdin: Option<W>,
     pty: Option<&OwnedFd>,
+    eot: bool,
     on_close_stdin: &(dyn Fn() + Sync),
 ) -> bool {
     loop {
@@ -1285,7 +1286,7 @@ async fn forward_input<W: tokio::io::AsyncWrite + Unpin>(
                     }
                 }
                 exec_input::Msg::CloseStdin(_) => {
-                    if let (Some(w), true) = (stdin.as_mut(), pty.is_some()) {
+                    if let (Some(w), true) = (stdin.as_mut(), pty.is_some() && eot) {
                         let _ = w.write_all(&[4]).await;
                         let _ = w.flush().await;
                     }
@@ -1308,8 +1309,9 @@ async fn forward_input<W: tokio::io::AsyncWrite + Unpin>(
 
 /// Runs one attach session: the container's output to the client until the container
 /// exits (then its exit code) or the client leaves; the client's stdin and resizes to the
-/// container. With `stdin_once`, the container's stdin closes when this client closes its
-/// stdin or leaves.
+/// container. With `stdin_once` (and no terminal), the container's stdin closes when this
+/// client closes its stdin or leaves. A terminal's stays open, and gets no EOF character,
+/// as containerd keeps it: `kubectl run -it` tells its user to reattach after a detach.
 async fn drive_attach(
     c: Arc<Container>,
     mut tap: crate::logs::Tap,
@@ -1320,7 +1322,7 @@ async fn drive_attach(
     fn out(m: exec_output::Msg) -> Result<proto::ExecOutput, Status> {
         Ok(proto::ExecOutput { msg: Some(m) })
     }
-    let (tty, once) = (c.tty, c.stdin_once);
+    let (tty, once) = (c.tty, c.stdin_once && !c.tty);
     let close_container_stdin = {
         let c = c.clone();
         move || {
@@ -1335,7 +1337,7 @@ async fn drive_attach(
             _ => None,
         };
         let w = stdin.map(|fd| tokio::fs::File::from_std(std::fs::File::from(fd)));
-        forward_input(&mut input, w, pty.as_ref(), &close_container_stdin).await;
+        forward_input(&mut input, w, pty.as_ref(), false, &close_container_stdin).await;
         close_container_stdin();
     });
     let send = |s: Stream, d: Vec<u8>| {
@@ -1417,7 +1419,7 @@ async fn drive_exec(
     let pty = proc_.pty.take();
     let input_task = tokio::spawn(async move {
         // The client closed its side: keep running, no more input. A broken stream: stop.
-        if !forward_input(&mut input, stdin, pty.as_ref(), &|| {}).await {
+        if !forward_input(&mut input, stdin, pty.as_ref(), true, &|| {}).await {
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
         }
     });
