@@ -238,13 +238,14 @@ impl LogFile {
         Self::stream(&header, format!("vsock:2:{port}"), Box::new(File::from(fd)))
     }
 
-    /// Closes the file and opens its path again (kubelet renamed the old one). A stream sink
-    /// has nothing to reopen: the host reopens its file.
+    /// Opens the file's path again (kubelet renamed the old one), then closes the old file;
+    /// where the path cannot be opened the old file stays (kubelet renames it back), as
+    /// containerd keeps it. A stream sink has nothing to reopen: the host reopens its file.
     pub fn reopen(&self) -> io::Result<()> {
         let mut guard = self.sink.lock().unwrap_or_else(|e| e.into_inner());
         if let Sink::File { path, file } = &mut *guard {
-            *file = None;
-            *file = Some(open_log_nofollow(path)?);
+            let new = open_log_nofollow(path)?;
+            *file = Some(new);
         }
         Ok(())
     }
@@ -509,6 +510,23 @@ mod tests {
             .success());
         let e = open_log_nofollow(&fifo).unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+
+    /// A reopen that cannot open the path (kubelet put a link there, or it is gone) keeps
+    /// writing to the file it had, which kubelet renames back.
+    #[test]
+    fn a_failed_reopen_keeps_the_old_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.log");
+        let log = LogFile::open(path.to_str().unwrap()).unwrap();
+        log.write_record(Stream::Stdout, false, b"one");
+        let rotated = dir.path().join("c.log.1");
+        std::fs::rename(&path, &rotated).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", &path).unwrap();
+        assert!(log.reopen().is_err());
+        log.write_record(Stream::Stdout, false, b"two");
+        let kept = std::fs::read_to_string(&rotated).unwrap();
+        assert!(kept.contains(" F one\n") && kept.contains(" F two\n"), "{kept}");
     }
 
     #[test]
