@@ -526,7 +526,10 @@ mod tests {
         assert!(log.reopen().is_err());
         log.write_record(Stream::Stdout, false, b"two");
         let kept = std::fs::read_to_string(&rotated).unwrap();
-        assert!(kept.contains(" F one\n") && kept.contains(" F two\n"), "{kept}");
+        assert!(
+            kept.contains(" F one\n") && kept.contains(" F two\n"),
+            "{kept}"
+        );
     }
 
     #[test]

@@ -32,6 +32,11 @@ pub(super) fn specs() -> Vec<Spec> {
         ),
         spec!(
             "streaming",
+            "Attach to a terminal: stdin_once leaves it open for the next client",
+            attach_tty
+        ),
+        spec!(
+            "streaming",
             "PortForward reaches a port inside the pod",
             port_forward
         ),
@@ -299,6 +304,63 @@ async fn attach(c: Ctx) -> SpecResult {
     // stdin_once: the client's EOF reached the shell, which exited.
     let st = c.wait_exit(&id).await?;
     check!(st.exit_code == 0, "the shell exited {}", st.exit_code);
+    Ok(())
+}
+
+/// `kubectl run -it` (a shell with a terminal, stdin and stdin_once): a client that leaves
+/// leaves the terminal's stdin open and sends it no EOF, as containerd does, so that the
+/// `kubectl attach -it` kubectl suggests then works; a second client's `exit` ends it.
+async fn attach_tty(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("sattachtty").await?;
+    let mut cfg = c.ctr_config("sh", "exec sh");
+    cfg.stdin = true;
+    cfg.stdin_once = true;
+    cfg.tty = true;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let session = |input: &'static [u8], limit: Duration| {
+        let c = c.clone();
+        let id = id.clone();
+        async move {
+            let mut cl = c.c.clone();
+            let r = cl
+                .runtime
+                .attach(cri::AttachRequest {
+                    container_id: id,
+                    stdin: true,
+                    stdout: true,
+                    tty: true,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let o = ExecOptions {
+                stdin: Some(input.to_vec()),
+                stdout: true,
+                tty: true,
+                ..Default::default()
+            };
+            Ok::<_, Stop>(stream_client::exec(&r.url, &o, limit).await)
+        }
+    };
+    // The first client types, closes its stdin, and leaves (the session would go on while
+    // the shell runs).
+    let first = session(b"echo first\n", Duration::from_secs(3)).await?;
+    check!(
+        matches!(first, Err(stream_client::StreamClientError::Timeout(_))),
+        "the first attach ended by itself: {first:?}"
+    );
+    let st = c.c.container_status(&id).await?;
+    check!(
+        st.state == cri::ContainerState::ContainerRunning as i32,
+        "the shell ended when the first client left: {st:?}"
+    );
+    let second = session(b"exit 7\n", TIMEOUT).await?;
+    let st = c.wait_exit(&id).await?;
+    check!(
+        st.exit_code == 7,
+        "the second client's exit did not end the shell: exit {}, attach {second:?}",
+        st.exit_code
+    );
     Ok(())
 }
 
