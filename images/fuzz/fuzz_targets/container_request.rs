@@ -66,6 +66,7 @@ fuzz_target!(|data: &[u8]| {
             swap_accounting: !vm_guest,
             vm_guest,
             shared_shm: !vm_guest,
+            pid_holder: data.len() % 3 == 0,
         });
         if let Ok((spec, _user)) = r {
             assert!(spec["process"]["args"]
