@@ -417,11 +417,10 @@ fn run_helper(root: &Path, op: HelperOp) -> Result<(), LibcontainerError> {
             if let Some(owner) = make_cwd_as {
                 crate::rootfs::make_cwd_in_volume(&bundle, owner).map_err(|e| {
                     let m = format!("making the working directory in its volume: {e}");
-                    match e.raw_os_error() {
-                        Some(libc::ENOTDIR | libc::ENOENT | libc::ELOOP | libc::EEXIST) => {
-                            LibcontainerError::InvalidInput(m)
-                        }
-                        _ => LibcontainerError::Other(m),
+                    if crate::rootfs::cwd_error_is_request(&e) {
+                        LibcontainerError::InvalidInput(m)
+                    } else {
+                        LibcontainerError::Other(m)
                     }
                 })?;
             }

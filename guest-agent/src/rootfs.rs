@@ -322,6 +322,15 @@ pub fn make_cwd(rootfs: &Path, cwd: &Path, owner: (u32, u32)) -> std::io::Result
     make_cwd_at(open_dir_path(rootfs)?.as_fd(), cwd, owner)
 }
 
+/// Whether a failure to make a working directory is the request's (what the image or the
+/// volume has in the way: a file, a link loop, a missing parent) rather than the node's.
+pub fn cwd_error_is_request(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ENOTDIR | libc::ENOENT | libc::ELOOP | libc::EEXIST)
+    )
+}
+
 /// An `O_PATH` descriptor of the directory `dir`.
 fn open_dir_path(dir: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
     use rustix::fs::{Mode, OFlags};

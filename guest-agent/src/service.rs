@@ -420,12 +420,10 @@ impl AgentState {
                     "container {id:?}: making its working directory {}: {e}",
                     cwd.display()
                 );
-                // What the image has in the way is the request's; the rest the node's.
-                match e.raw_os_error() {
-                    Some(libc::ENOTDIR | libc::ENOENT | libc::ELOOP | libc::EEXIST) => {
-                        AgentError::InvalidArgument(m)
-                    }
-                    _ => AgentError::Internal(m),
+                if crate::rootfs::cwd_error_is_request(&e) {
+                    AgentError::InvalidArgument(m)
+                } else {
+                    AgentError::Internal(m)
                 }
             })?;
         }
