@@ -33,7 +33,12 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 /// How long a CRIU dump may run before it is killed, when the request does not say: a
 /// safety valve, not the caller's deadline (vesseld answers that one itself).
 const CHECKPOINT_LIMIT: Duration = Duration::from_secs(3600);
+/// How long an exec's output may stay idle after the command exited before it is closed (a
+/// background process it started holds it open).
 const EXEC_DRAIN: Duration = Duration::from_secs(1);
+/// How long a streaming exec's output is read at most after the command exited (a background
+/// process that keeps writing).
+const EXEC_DRAIN_MAX: Duration = Duration::from_secs(30);
 
 /// What only a VM-mode agent has.
 pub struct VmParts {
@@ -1376,6 +1381,60 @@ async fn drive_attach(
     input_task.abort();
 }
 
+/// Sends what a streaming exec writes to one of its streams to the client, until the stream
+/// ends, the client goes away (the command is killed then), or, once the command has exited
+/// (`exited`), nothing arrives for [`EXEC_DRAIN`]: a background process it left holds the
+/// stream open. Only reading is timed, never sending: a slow client still gets every byte.
+async fn pump_exec_output(
+    mut r: Box<dyn AsyncRead + Send + Unpin>,
+    stderr: bool,
+    tx: mpsc::Sender<Result<proto::ExecOutput, Status>>,
+    pid: i32,
+    mut exited: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 32 * 1024];
+    let mut draining = false;
+    loop {
+        let read = if draining || *exited.borrow() {
+            draining = true;
+            match tokio::time::timeout(EXEC_DRAIN, r.read(&mut buf)).await {
+                Ok(read) => read,
+                Err(_) => break,
+            }
+        } else {
+            tokio::select! {
+                read = r.read(&mut buf) => read,
+                // Exited (or the sender is gone): read on, with the idle bound.
+                _ = exited.changed() => {
+                    draining = true;
+                    continue;
+                }
+            }
+        };
+        let n = match read {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let chunk = buf[..n].to_vec();
+        let m = if stderr {
+            exec_output::Msg::Stderr(chunk)
+        } else {
+            exec_output::Msg::Stdout(chunk)
+        };
+        if tx
+            .send(Ok(proto::ExecOutput { msg: Some(m) }))
+            .await
+            .is_err()
+        {
+            // The client went away: stop the process (if it still runs).
+            if !draining && !*exited.borrow() {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+            break;
+        }
+    }
+}
+
 async fn drive_exec(
     mut proc_: ExecProcess,
     mut input: Streaming<proto::ExecInput>,
@@ -1385,29 +1444,9 @@ async fn drive_exec(
         Ok(proto::ExecOutput { msg: Some(m) })
     }
     let pid = proc_.pid;
-    let forward = |mut r: Box<dyn AsyncRead + Send + Unpin>, stderr: bool| {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 32 * 1024];
-            loop {
-                match r.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        let chunk = buf[..n].to_vec();
-                        let m = if stderr {
-                            exec_output::Msg::Stderr(chunk)
-                        } else {
-                            exec_output::Msg::Stdout(chunk)
-                        };
-                        if tx.send(out_msg(m)).await.is_err() {
-                            // The client went away: stop the process.
-                            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-                            break;
-                        }
-                    }
-                }
-            }
-        })
+    let (exited_tx, exited) = tokio::sync::watch::channel(false);
+    let forward = |r: Box<dyn AsyncRead + Send + Unpin>, stderr: bool| {
+        tokio::spawn(pump_exec_output(r, stderr, tx.clone(), pid, exited.clone()))
     };
     let mut readers = vec![forward(proc_.stdout, false)];
     if let Some(e) = proc_.stderr.take() {
@@ -1434,7 +1473,11 @@ async fn drive_exec(
             proc_.helper.next().await
         }
     };
-    let _ = tokio::time::timeout(EXEC_DRAIN, futures::future::join_all(readers)).await;
+    // The rest of the output goes to the client however slowly it reads: only a stream that
+    // stays idle (a background process holds it open) is given up on, and a bound stops one
+    // that a background process keeps writing to.
+    let _ = exited_tx.send(true);
+    let _ = tokio::time::timeout(EXEC_DRAIN_MAX, futures::future::join_all(readers)).await;
     input_task.abort();
     let code = match exit {
         Ok(HelperLine::Exit(code, _)) => code,
@@ -1615,20 +1658,23 @@ impl Agent for AgentService {
         }
         // Subscribed before anything else can happen: no output is lost from here on.
         let tap = c.log.tap();
-        let stdin = if start.stdin {
-            let guard = c.stdin.lock().unwrap_or_else(|e| e.into_inner());
-            let fd = guard.as_ref().ok_or_else(|| {
-                AgentError::FailedPrecondition(format!(
-                    "container {:?} was not created with stdin (or it was closed)",
-                    c.id
-                ))
-            })?;
-            Some(
-                fd.try_clone()
-                    .map_err(io_internal("dup of the container's stdin"))?,
-            )
-        } else {
-            None
+        // A stdin that is closed (a stdin_once container's first session ended) or was never
+        // there takes no more input: the client's is dropped, as containerd does.
+        let stdin = match start.stdin {
+            true => {
+                let guard = c.stdin.lock().unwrap_or_else(|e| e.into_inner());
+                match guard.as_ref() {
+                    Some(fd) => Some(
+                        fd.try_clone()
+                            .map_err(io_internal("dup of the container's stdin"))?,
+                    ),
+                    None => {
+                        tracing::info!(container = %c.id, "attach: the container's stdin is closed; the client's input is dropped");
+                        None
+                    }
+                }
+            }
+            false => None,
         };
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(drive_attach(c, tap, stdin, input, tx));
@@ -1801,6 +1847,52 @@ mod tests {
         } else {
             AgentState::new(dir.join("state"), libct, "h".into())
         }
+    }
+
+    /// What an exec writes reaches a client that reads slowly, also the part still in the pipe
+    /// when the command exited; an output a background process holds open, writing nothing,
+    /// is closed soon after the exit.
+    #[tokio::test]
+    async fn exec_output_waits_for_a_slow_client_not_for_an_idle_stream() {
+        use tokio::io::AsyncWriteExt;
+        let (tx, mut rx) = mpsc::channel(1);
+        let (exited_tx, exited) = tokio::sync::watch::channel(false);
+        let (reader, mut writer) = tokio::io::duplex(1024);
+        let pump = tokio::spawn(pump_exec_output(
+            Box::new(reader),
+            false,
+            tx,
+            // No process: the pid is never signalled while the client stays.
+            i32::MAX,
+            exited,
+        ));
+        let payload: Vec<u8> = (0..200_000u32).map(|i| i as u8).collect();
+        let w = payload.clone();
+        let write = tokio::spawn(async move {
+            writer.write_all(&w).await.unwrap();
+            // Still open, as if a background process held it.
+            writer
+        });
+        // The command exits; the client reads nothing for longer than the idle bound.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        exited_tx.send(true).unwrap();
+        tokio::time::sleep(EXEC_DRAIN * 2).await;
+        let mut got = Vec::new();
+        while got.len() < payload.len() {
+            match rx.recv().await.unwrap().unwrap().msg {
+                Some(exec_output::Msg::Stdout(d)) => got.extend(d),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got, payload);
+        let _writer = write.await.unwrap();
+        // Idle (the writer is still held): closed after about the bound, not never.
+        let t = std::time::Instant::now();
+        tokio::time::timeout(EXEC_DRAIN * 5, pump)
+            .await
+            .expect("an idle output is closed")
+            .unwrap();
+        assert!(t.elapsed() >= EXEC_DRAIN / 2, "{:?}", t.elapsed());
     }
 
     #[tokio::test]
