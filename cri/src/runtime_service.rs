@@ -227,12 +227,6 @@ impl RuntimeService {
     fn attach_url(&self, r: cri::AttachRequest) -> Result<cri::AttachResponse, Status> {
         let any = r.stdin || r.stdout || r.stderr;
         let (srv, c) = self.stream_target("Attach", &r.container_id, any)?;
-        if r.stdin && !c.config.stdin {
-            return Err(Status::invalid_argument(format!(
-                "Attach: container {} was not created with stdin",
-                c.id
-            )));
-        }
         // The terminal is the container's, whatever the request says (as containerd does).
         let tty = c.config.tty;
         let url = srv.url(ExecTarget {

@@ -146,12 +146,14 @@ impl Runtime {
 
     /// Attaches to a running container's own stdio through its pod agent (flat or VM alike):
     /// input goes in as for Exec; output is what the container writes from now on, then its
-    /// exit code.
+    /// exit code. A container created without stdin takes no input: the client's is dropped,
+    /// its output still comes (as containerd does; kubectl attach -i asks for stdin whatever
+    /// the container's spec says).
     pub async fn attach_stream(&self, id: &str, stdin: bool) -> Result<ExecChannels> {
         self.agent_session(id, "Attach", true, |rec| {
             ap::exec_input::Msg::Attach(ap::AttachStart {
                 id: rec.id.clone(),
-                stdin,
+                stdin: stdin && rec.config.stdin,
             })
         })
         .await

@@ -37,6 +37,11 @@ pub(super) fn specs() -> Vec<Spec> {
         ),
         spec!(
             "streaming",
+            "Attach with stdin to a container without stdin: its output comes, the input is dropped",
+            attach_no_stdin
+        ),
+        spec!(
+            "streaming",
             "PortForward reaches a port inside the pod",
             port_forward
         ),
@@ -307,6 +312,46 @@ async fn attach(c: Ctx) -> SpecResult {
     Ok(())
 }
 
+/// `kubectl attach -i` asks for stdin whatever the container's spec says: a container made
+/// without stdin is attached to all the same (its output, then its exit), the input dropped,
+/// as containerd does (vessel refused it).
+async fn attach_no_stdin(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("sattachnoin").await?;
+    let cfg = c.ctr_config(
+        "ticker",
+        "i=0; while [ $i -lt 20 ]; do echo tick; sleep 0.2; i=$((i+1)); done; read x || echo eof",
+    );
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let mut cl = c.c.clone();
+    let r = cl
+        .runtime
+        .attach(cri::AttachRequest {
+            container_id: id.clone(),
+            stdin: true,
+            stdout: true,
+            stderr: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let o = ExecOptions {
+        stdin: Some(b"not for you\n".to_vec()),
+        stdout: true,
+        stderr: true,
+        ..Default::default()
+    };
+    let got = stream_client::exec(&r.url, &o, TIMEOUT)
+        .await
+        .map_err(|e| Stop::Fail(format!("attach via {}: {e}", r.url)))?;
+    let out = got.stdout_str();
+    check!(
+        out.contains("tick\n") && out.ends_with("eof\n") && got.exit_code() == Some(0),
+        "stdout {out:?}, attach ended with {:?}; want ticks, then \"eof\" (stdin is /dev/null), then Success",
+        got.error
+    );
+    Ok(())
+}
+
 /// `kubectl run -it` (a shell with a terminal, stdin and stdin_once): a client that leaves
 /// leaves the terminal's stdin open and sends it no EOF, as containerd does, so that the
 /// `kubectl attach -it` kubectl suggests then works; a second client's `exit` ends it.
@@ -344,7 +389,7 @@ async fn attach_tty(c: Ctx) -> SpecResult {
     };
     // The first client types, closes its stdin, and leaves (the session would go on while
     // the shell runs).
-    let first = session(b"echo first\n", Duration::from_secs(3)).await?;
+    let first = session(b"touch /tmp/first\n", Duration::from_secs(3)).await?;
     check!(
         matches!(first, Err(stream_client::StreamClientError::Timeout(_))),
         "the first attach ended by itself: {first:?}"
@@ -354,11 +399,13 @@ async fn attach_tty(c: Ctx) -> SpecResult {
         st.state == cri::ContainerState::ContainerRunning as i32,
         "the shell ended when the first client left: {st:?}"
     );
-    let second = session(b"exit 7\n", TIMEOUT).await?;
+    // 7 if the first client's line ran, 8 if it did not.
+    let second = session(b"test -e /tmp/first; exit $((7 + $?))\n", TIMEOUT).await?;
     let st = c.wait_exit(&id).await?;
     check!(
         st.exit_code == 7,
-        "the second client's exit did not end the shell: exit {}, attach {second:?}",
+        "the second client's exit did not end the shell with 7 (8: the first client's input \
+         never ran): exit {}, attach {second:?}",
         st.exit_code
     );
     Ok(())
