@@ -1866,7 +1866,9 @@ mod tests {
             i32::MAX,
             exited,
         ));
-        let payload: Vec<u8> = (0..200_000u32).map(|i| i as u8).collect();
+        let payload: Vec<u8> = (0..200_000u32)
+            .map(|i| (i % 251).to_le_bytes()[0])
+            .collect();
         let w = payload.clone();
         let write = tokio::spawn(async move {
             writer.write_all(&w).await.unwrap();
