@@ -1003,7 +1003,7 @@ async fn forward_one(
     let sock = match connect_forward(target, port).await {
         Ok(s) => s,
         Err(e) => {
-            let msg = format!("vessel: pod {pod}: connecting to 127.0.0.1:{port}: {e}");
+            let msg = format!("vessel: pod {pod}: connecting to localhost:{port}: {e}");
             tracing::info!(pod, port, error = %e, "port-forward: connect failed");
             w.data(error.id, msg.as_bytes()).await;
             w.fin(error.id).await;
