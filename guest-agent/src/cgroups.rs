@@ -353,6 +353,31 @@ impl Cgroup {
         pids
     }
 
+    /// SIGKILLs every process in the cgroup (cgroup v2's `cgroup.kill` where the kernel has
+    /// it, else each pid listed) until none is left or `limit` has passed; true if none is.
+    pub async fn kill_all(&self, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let left = self.procs();
+            if left.is_empty() {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            let killed = self.unified && std::fs::write(self.v2().join("cgroup.kill"), "1").is_ok();
+            if !killed {
+                for p in left {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(p),
+                        nix::sys::signal::SIGKILL,
+                    );
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// How many processes the kernel's OOM killer killed in this cgroup (None: unknown).
     pub fn oom_kill_count(&self) -> Option<u64> {
         if self.unified {

@@ -557,12 +557,19 @@ impl AgentState {
                 code: -1,
                 signal: 0,
             });
+            // A container whose init was not its pid namespace's PID 1 (the pod's shared one,
+            // the host's) leaves its other processes (children, exec sessions) running when
+            // the init exits: they die with it, as runc's shim kills them all, before the exit
+            // is known (a restarted container would find its ports held, its log written to).
+            if !c2.cgroup.kill_all(KILL_WAIT).await {
+                tracing::warn!(id = %c2.id, "processes of an exited container outlived SIGKILL");
+            }
             let info = c2.exit_info(status, oom_before, pumps).await;
             // Nothing needs libcontainer's state, the cgroups or the rootfs mount of an exited
             // container (its OOM count is read, its output drained): they go before the exit
             // is known, as containerd deletes its task when a container stops, so that
             // RemoveContainer has only files left to remove. Not while processes are left
-            // (the pod's pid namespace is shared): the removal kills those first.
+            // (one that outlived SIGKILL): the removal tries again.
             if c2.cgroup.procs().is_empty() {
                 release_exited(&root, &c2).await;
             }

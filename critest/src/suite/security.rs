@@ -684,12 +684,24 @@ async fn pid_pod(c: Ctx) -> SpecResult {
     Ctx::sec(&mut a).namespace_options = Some(ns.clone());
     c.run_cfg(&pod, &pcfg, a).await?;
     let mut b = c.ctr_config("b", "sleep 100002");
-    Ctx::sec(&mut b).namespace_options = Some(ns);
+    Ctx::sec(&mut b).namespace_options = Some(ns.clone());
     let b = c.run_cfg(&pod, &pcfg, b).await?;
     let ps = c.sh_ok(&b, "ps").await?;
     check!(
         ps.contains("sleep 100001"),
         "container b does not see a's process: {ps}"
+    );
+    // A container's other processes die with its init (it is not its namespace's PID 1, so
+    // the kernel would not kill them), as runc's shim kills them all: once the exit is
+    // known, none is left.
+    let mut d = c.ctr_config("d", "sleep 100003 & sleep 1");
+    Ctx::sec(&mut d).namespace_options = Some(ns);
+    let d = c.run_cfg(&pod, &pcfg, d).await?;
+    c.wait_exit(&d).await?;
+    let ps = c.sh_ok(&b, "ps").await?;
+    check!(
+        !ps.contains("sleep 100003"),
+        "an exited container's background process still runs: {ps}"
     );
     Ok(())
 }
