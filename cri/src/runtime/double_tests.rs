@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 struct Double {
     kind: Option<BackendKind>,
     fail_start: AtomicBool,
+    /// Its starts take a while (a slow CNI chain, a VM's boot).
+    slow_start: AtomicBool,
     calls: Mutex<Vec<String>>,
 }
 
@@ -43,6 +45,9 @@ impl SandboxBackend for Double {
     async fn start(&self, pod: &Pod, _c: &cri::PodSandboxConfig) -> Result<()> {
         let id = pod.record().id;
         self.log("start", &id);
+        if self.slow_start.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
         if self.fail_start.load(Ordering::SeqCst) {
             return Err(RuntimeError::Internal(format!(
                 "pod {id}: the double fails"
@@ -262,6 +267,32 @@ async fn a_failed_start_is_torn_down_and_leaves_no_record_or_name() {
     assert!(f.rt.list_pod_sandbox(None).is_empty());
     f.flat.fail_start.store(false, Ordering::SeqCst);
     f.run("bad", "").await.unwrap();
+}
+
+/// A client that gives up on RunPodSandbox (crictl's 2 s timeout, kubelet's deadline) while
+/// the backend starts the pod finds the pod listed (kubelet adopts it by its labels), and can
+/// remove it and run it again; the name was left reserved by a pod no call could see.
+#[tokio::test]
+async fn a_run_the_client_gave_up_on_ends_in_a_listed_pod() {
+    let f = fixture("flat", false).await;
+    f.flat.slow_start.store(true, Ordering::SeqCst);
+    let gave_up =
+        tokio::time::timeout(std::time::Duration::from_millis(50), f.run("slow", "")).await;
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    let mut listed = Vec::new();
+    for _ in 0..100 {
+        listed = f.rt.list_pod_sandbox(None);
+        if !listed.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].state, cri::PodSandboxState::SandboxReady as i32);
+    let e = f.run("slow", "").await.unwrap_err();
+    assert!(matches!(e, RuntimeError::AlreadyExists(_)), "{e}");
+    f.rt.remove_pod_sandbox(&listed[0].id).await.unwrap();
+    f.run("slow", "").await.unwrap();
 }
 
 #[tokio::test]

@@ -15,7 +15,22 @@ use vessel_agent::proto as ap;
 use vessel_cri_api::v1 as cri;
 
 impl Runtime {
+    /// CRI RunPodSandbox, run to its end in a task of its own: a caller that gives up
+    /// (crictl's 2 s default timeout, a slow CNI chain or VM boot past kubelet's deadline)
+    /// leaves either a pod that is listed (kubelet finds it by its labels) or nothing, never
+    /// a name reserved by a half-made pod that no call can see or remove.
     pub async fn run_pod_sandbox(
+        self: &Arc<Self>,
+        config: Option<cri::PodSandboxConfig>,
+        handler: &str,
+    ) -> Result<String> {
+        let (rt, handler) = (self.clone(), handler.to_string());
+        tokio::spawn(async move { rt.run_pod_now(config, &handler).await })
+            .await
+            .map_err(internal("the RunPodSandbox task"))?
+    }
+
+    async fn run_pod_now(
         self: &Arc<Self>,
         config: Option<cri::PodSandboxConfig>,
         handler: &str,
@@ -164,7 +179,16 @@ impl Runtime {
         self.opts.cgroups.release(rec).await;
     }
 
+    /// CRI StopPodSandbox, in a task of its own (as RunPodSandbox): a caller that gives up
+    /// does not cut a stop between its steps (CNI DEL done, the agent not yet stopped).
     pub async fn stop_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
+        let (rt, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move { rt.stop_pod_now(&id).await })
+            .await
+            .map_err(internal("the StopPodSandbox task"))?
+    }
+
+    async fn stop_pod_now(self: &Arc<Self>, id: &str) -> Result<()> {
         // CRI: stopping what is gone is fine.
         let Some(pod) = if_found(self.pod(id))? else {
             return Ok(());
@@ -232,12 +256,20 @@ impl Runtime {
         Ok(())
     }
 
+    /// CRI RemovePodSandbox, in a task of its own (as RunPodSandbox).
     pub async fn remove_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
+        let (rt, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move { rt.remove_pod_now(&id).await })
+            .await
+            .map_err(internal("the RemovePodSandbox task"))?
+    }
+
+    async fn remove_pod_now(self: &Arc<Self>, id: &str) -> Result<()> {
         let Some(pod) = if_found(self.pod(id))? else {
             return Ok(());
         };
         if pod.record().state == PodState::Ready {
-            self.stop_pod_sandbox(id).await?;
+            self.stop_pod_now(id).await?;
         }
         let _op = pod.op.lock().await;
         let rec = pod.record();
