@@ -287,6 +287,13 @@ impl LineSplitter {
                 Some(nl) => {
                     let (line, rest) = (&data[..nl], &data[nl + 1..]);
                     self.append(line, emit);
+                    // A line's end is "\n" or "\r\n" (a terminal's, with its default
+                    // newline translation): neither is the record's, as containerd reads
+                    // them. A buffer kept full is only emitted before more of its line, so
+                    // a "\r" it ends with is still here when its "\n" comes.
+                    if self.buf.last() == Some(&b'\r') {
+                        self.buf.pop();
+                    }
                     emit(false, &self.buf);
                     self.buf.clear();
                     data = rest;
@@ -465,6 +472,27 @@ mod tests {
         assert_eq!(out, vec![(false, exact.clone())]);
         let out = split(&[b"\n"]);
         assert_eq!(out, vec![(false, vec![])]);
+    }
+
+    /// A terminal writes "\r\n": the record is the line without it, also when the "\r"
+    /// fills a record and the "\n" comes in the next chunk; a "\r" elsewhere stays.
+    #[test]
+    fn crlf_ends_a_line() {
+        let out = split(&[b"one\r\ntwo\r", b"\nthree\rx\n\r\n", b"tail\r"]);
+        let want: Vec<(bool, Vec<u8>)> = vec![
+            (false, b"one".to_vec()),
+            (false, b"two".to_vec()),
+            (false, b"three\rx".to_vec()),
+            (false, vec![]),
+            (false, b"tail\r".to_vec()),
+        ];
+        assert_eq!(out, want);
+        let mut full = vec![b'z'; MAX_LINE - 1];
+        full.push(b'\r');
+        let out = split(&[&full, b"\n"]);
+        assert_eq!(out, vec![(false, vec![b'z'; MAX_LINE - 1])]);
+        let out = split(&[&full, b"y\n"]);
+        assert_eq!(out, vec![(true, full.clone()), (false, b"y".to_vec())]);
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("exec", "ExecSync in an exited container fails", exec_exited),
         spec!("logs", "stdout and stderr lines in CRI format", logs_format),
         spec!("logs", "a line longer than the buffer is split into P records then F", logs_partial),
+        spec!("logs", "a terminal's lines (\\r\\n) are records without the \\r", logs_tty),
         spec!("logs", "ReopenContainerLog after a rename writes to a new file", logs_reopen),
         spec!("logs", "ReopenContainerLog of an exited container fails", logs_reopen_exited),
         spec!("stats", "ContainerStats reports cpu and memory of a running container", stats),
@@ -804,6 +805,28 @@ async fn logs_format(c: Ctx) -> SpecResult {
         .map(|l| l.2)
         .collect();
     check!(out == vec!["hello", "bye"], "stdout order {out:?}");
+    Ok(())
+}
+
+/// A container with a terminal writes "\r\n" (the terminal's newline translation): its
+/// records, what `kubectl logs` prints, end without the "\r", as containerd's do.
+async fn logs_tty(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("logstty").await?;
+    let mut cfg = c.ctr_config("term", "echo hello; echo bye");
+    cfg.tty = true;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.wait_exit(&id).await?;
+    let lines = c
+        .wait_log(&c.log_path(&pcfg, "term"), "two lines", |l| l.len() >= 2)
+        .await?;
+    let got: Vec<(&str, &str, &str)> = lines
+        .iter()
+        .map(|l| (l.stream.as_str(), l.tag.as_str(), l.content.as_str()))
+        .collect();
+    check!(
+        got == [("stdout", "F", "hello"), ("stdout", "F", "bye")],
+        "log records {got:?}"
+    );
     Ok(())
 }
 
