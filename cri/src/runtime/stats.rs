@@ -25,6 +25,12 @@ fn psi(p: Option<&ap::Pressure>) -> Option<cri::PsiStats> {
 
 impl Runtime {
     pub async fn container_stats(&self, id: &str) -> Result<cri::ContainerStats> {
+        self.stats_and_pids(id).await.map(|(s, _)| s)
+    }
+
+    /// A container's stats, and how many processes it has (a running one's; CRI's container
+    /// stats have no place for it, the pod's do).
+    async fn stats_and_pids(&self, id: &str) -> Result<(cri::ContainerStats, Option<u64>)> {
         let ctr = self.ctr(id)?;
         let rec = ctr.record();
         let mut stats = cri::ContainerStats {
@@ -37,7 +43,7 @@ impl Runtime {
             ..Default::default()
         };
         if rec.state != ContainerState::Running {
-            return Ok(stats);
+            return Ok((stats, None));
         }
         let pod = self.pod(&rec.pod_id)?;
         let mut c = pod.client().await?;
@@ -80,7 +86,7 @@ impl Runtime {
             used_bytes: u(s.writable_layer_bytes),
             inodes_used: u(s.writable_layer_inodes),
         });
-        Ok(stats)
+        Ok((stats, Some(s.pids)))
     }
 
     pub async fn list_container_stats(
@@ -101,17 +107,19 @@ impl Runtime {
             }))
             .into_iter()
             .map(|c| c.id);
-        Ok(self.containers_stats(ids).await)
+        let stats = self.containers_stats(ids).await;
+        Ok(stats.into_iter().map(|(s, _)| s).collect())
     }
 
-    /// The stats of the containers `ids` that have them (see [`stats_of`]).
+    /// The stats (and process counts) of the containers `ids` that have them (see
+    /// [`stats_of`]).
     async fn containers_stats(
         &self,
         ids: impl IntoIterator<Item = String>,
-    ) -> Vec<cri::ContainerStats> {
+    ) -> Vec<(cri::ContainerStats, Option<u64>)> {
         stats_of(
             ids,
-            |id| async move { self.container_stats(&id).await },
+            |id| async move { self.stats_and_pids(&id).await },
             |id, e| tracing::debug!(container = %id, error = %e, "stats unavailable"),
         )
         .await
@@ -123,8 +131,18 @@ impl Runtime {
         let pod = self.pod(id)?;
         let rec = pod.record();
         let ids = self.ctrs_of(&rec.id).into_iter().map(|c| c.record().id);
-        let containers = self.containers_stats(ids).await;
+        let (containers, pids): (Vec<_>, Vec<_>) =
+            self.containers_stats(ids).await.into_iter().unzip();
         let ts = state::now_nanos();
+        // The pod's processes, as containerd counts its pod cgroup's: its containers' (a
+        // flat pod has no pause process; the agent is not the workload).
+        let pids: Vec<u64> = pids.into_iter().flatten().collect();
+        let process = (!pids.is_empty()).then(|| cri::ProcessUsage {
+            timestamp: ts,
+            process_count: Some(cri::UInt64Value {
+                value: pids.iter().sum(),
+            }),
+        });
         let sum = |f: &dyn Fn(&cri::ContainerStats) -> Option<&cri::UInt64Value>| {
             let v: Vec<u64> = containers.iter().filter_map(f).map(|v| v.value).collect();
             // Saturating: a VM pod's figures come from its guest.
@@ -166,6 +184,7 @@ impl Runtime {
                 cpu: Some(cpu),
                 memory: Some(memory),
                 network: self.backend(&rec).network_usage(&rec),
+                process,
                 containers,
                 ..Default::default()
             }),

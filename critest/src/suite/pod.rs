@@ -337,6 +337,8 @@ async fn remove_with_containers(c: Ctx) -> SpecResult {
 async fn pod_stats(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("stats").await?;
     c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    c.run(&pod, &pcfg, "two", "sleep 100001 & exec sleep 100002")
+        .await?;
     let mut cl = c.c.clone();
     let s = cl
         .runtime
@@ -356,6 +358,12 @@ async fn pod_stats(c: Ctx) -> SpecResult {
         linux.cpu.is_some() && linux.memory.is_some(),
         "no cpu or memory: {linux:?}"
     );
+    // Its containers' processes (kubelet's summary API), as containerd counts them.
+    let count = linux
+        .process
+        .and_then(|p| p.process_count.filter(|_| p.timestamp > 0))
+        .map(|v| v.value);
+    check!(count == Some(3), "process count {count:?}, want 3");
     Ok(())
 }
 
