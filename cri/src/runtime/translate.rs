@@ -62,9 +62,15 @@ impl Runtime {
         if verbose {
             // `pid` is the host's, as containerd gives it (`nsenter -t <pid>` recipes): a
             // flat container's, found from its pid in the pod agent's namespace (`podPid`);
-            // none (0) for a VM pod's, whose processes the host does not run.
+            // none (0) for a VM pod's, whose processes the host does not run, nor once it
+            // exited, as containerd's (the number may be another process's by then).
+            let running = r.state == ContainerState::Running;
             let host_pid = match self.pod(&r.pod_id).map(|p| p.record()) {
-                Ok(p) if p.backend.kind() == crate::state::BackendKind::Flat && r.pid > 0 => {
+                Ok(p)
+                    if p.backend.kind() == crate::state::BackendKind::Flat
+                        && r.pid > 0
+                        && running =>
+                {
                     host_pid(p.agent_pid, r.pid).unwrap_or(0)
                 }
                 _ => 0,

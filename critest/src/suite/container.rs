@@ -772,6 +772,9 @@ async fn exec_exited(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("execx").await?;
     let id = c.run(&pod, &pcfg, "done", "true").await?;
     c.wait_exit(&id).await?;
+    // No host pid for what has exited (`nsenter -t` would enter whatever has that pid now).
+    let pid = c.c.container_info(&id).await?["pid"].as_u64();
+    check!(pid == Some(0), "an exited container's info.pid is {pid:?}");
     match c.exec(&id, &["true"], 5).await {
         Err(_) => Ok(()),
         Ok(r) => fail!("ExecSync in an exited container returned {r:?}"),
