@@ -5,7 +5,7 @@ use super::*;
 use crate::sandbox::{
     AgentAddr, ContainerRequest, Dump, ForwardTarget, HostShare, PodLayout, PreparedContainer,
 };
-use crate::state::{BackendState, PodState};
+use crate::state::{BackendState, ContainerState, PodState};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -230,6 +230,8 @@ async fn a_pod_runs_stops_and_is_removed_through_its_backend() {
     f.rt.stop_pod_sandbox(&id).await.unwrap();
     let status = f.rt.pod_sandbox_status(&id, false).unwrap().status.unwrap();
     assert_eq!(status.state, cri::PodSandboxState::SandboxNotready as i32);
+    // Its address went back to CNI: none is reported.
+    assert_eq!(status.network.unwrap().ip, "");
     // No agent answers the double's address: stop still tears the sandbox down.
     f.rt.stop_pod_sandbox(&id).await.unwrap();
     f.rt.remove_pod_sandbox(&id).await.unwrap();
@@ -293,6 +295,32 @@ async fn a_run_the_client_gave_up_on_ends_in_a_listed_pod() {
     assert!(matches!(e, RuntimeError::AlreadyExists(_)), "{e}");
     f.rt.remove_pod_sandbox(&listed[0].id).await.unwrap();
     f.run("slow", "").await.unwrap();
+}
+
+/// Stopping a pod leaves its containers that never started Created, as containerd does;
+/// running ones are Exited.
+#[tokio::test]
+async fn a_pod_stop_leaves_never_started_containers_created() {
+    let f = fixture("flat", false).await;
+    let id = f.run("web", "").await.unwrap();
+    for (c, state) in [
+        ("made", ContainerState::Created),
+        ("ran", ContainerState::Running),
+    ] {
+        let mut rec = ContainerRecord::for_test(c, &id);
+        rec.state = state;
+        f.rt.ctrs
+            .lock()
+            .unwrap()
+            .insert(c.to_string(), Arc::new(Ctr::new(rec)));
+    }
+    f.rt.stop_pod_sandbox(&id).await.unwrap();
+    let made = f.rt.ctr("made").unwrap().record();
+    assert_eq!(made.state, ContainerState::Created);
+    assert_eq!(made.finished_at, 0);
+    let ran = f.rt.ctr("ran").unwrap().record();
+    assert_eq!(ran.state, ContainerState::Exited);
+    assert_eq!(ran.exit_code, 137);
 }
 
 #[tokio::test]

@@ -241,7 +241,11 @@ impl Runtime {
             }
         });
         for ctr in self.ctrs_of(&rec.id) {
-            self.mark_lost(&ctr, "pod sandbox stopped");
+            // One never started stays Created, as containerd's do (it stops running ones
+            // only): kubelet took an Exited one (255, "Error", started at 0) for a failure.
+            if ctr.record().state != ContainerState::Created {
+                self.mark_lost(&ctr, "pod sandbox stopped");
+            }
         }
         // The pod is stopped whether or not its record says so: one that cannot be written (a
         // full disk) still says Ready, and a restart finds its host process gone and marks it
@@ -386,15 +390,21 @@ impl Runtime {
     ) -> Result<cri::PodSandboxStatusResponse> {
         let rec = self.pod(id)?.record();
         let ns = crate::spec::pod_namespace_options(&rec.config).cloned();
+        // A stopped pod has no address: CNI DEL gave it back (maybe to another pod by now),
+        // as containerd reports none once the pod's network namespace is gone.
+        let ips: &[String] = if rec.state == PodState::Ready {
+            &rec.ips
+        } else {
+            &[]
+        };
         let status = cri::PodSandboxStatus {
             id: rec.id.clone(),
             metadata: rec.config.metadata.clone(),
             state: pod_state(&rec),
             created_at: rec.created_at,
             network: Some(cri::PodSandboxNetworkStatus {
-                ip: rec.ips.first().cloned().unwrap_or_default(),
-                additional_ips: rec
-                    .ips
+                ip: ips.first().cloned().unwrap_or_default(),
+                additional_ips: ips
                     .iter()
                     .skip(1)
                     .map(|ip| cri::PodIp { ip: ip.clone() })
@@ -420,7 +430,7 @@ impl Runtime {
                     "hostname": rec.hostname,
                     "cgroupParent": rec.cgroup_parent,
                     "reason": rec.reason,
-                    "ips": rec.ips,
+                    "ips": ips,
                     "vm": backend.info(&rec),
                     // As kubelet sent it, resources as UpdatePodSandboxResources last set them.
                     "config": rec.config,

@@ -154,7 +154,11 @@ impl Runtime {
             }
             let ctr = Arc::new(Ctr::new(rec.clone()));
             self.relist(&self.ctrs, &rec.name_key, &rec.id, ctr.clone());
-            if rec.state == ContainerState::Exited {
+            // Done with; or never started in a pod that is stopped: it stays Created, as the
+            // stop left it.
+            if rec.state == ContainerState::Exited
+                || (rec.state == ContainerState::Created && !pod_ready)
+            {
                 continue;
             }
             match known.as_ref().and_then(|m| m.get(&rec.id)) {
