@@ -805,29 +805,38 @@ impl Runtime {
         }
     }
 
+    /// CRI StopContainer: the stop signal, then SIGKILL once `timeout_secs` have passed (at
+    /// once if it is not positive). The grace period is waited out without the container's
+    /// lock, so that a stop with a shorter one (`crictl stop -t 0`) or a RemoveContainer
+    /// (`crictl rm -f`) meanwhile kills it at once, as containerd's do.
     pub async fn stop_container(self: &Arc<Self>, id: &str, timeout_secs: i64) -> Result<()> {
         let Some(ctr) = if_found(self.ctr(id))? else {
             return Ok(());
         };
-        let _op = ctr.op.lock().await;
-        let rec = ctr.record();
-        if rec.state != ContainerState::Running {
-            return Ok(());
-        }
-        let pod = self.pod(&rec.pod_id)?;
-        let mut c = pod.client().await?;
         if timeout_secs > 0 {
-            let sig = rec.stop_signal;
-            if let Err(s) = c
-                .signal_container(ap::SignalContainerRequest {
-                    id: rec.id.clone(),
-                    signal: sig as u32,
-                    all: false,
-                })
-                .await
-            {
-                tracing::debug!(container = %rec.id, error = %s, "stop signal not delivered");
-            }
+            let (rec, mut c) = {
+                let _op = ctr.op.lock().await;
+                let rec = ctr.record();
+                if rec.state != ContainerState::Running {
+                    return Ok(());
+                }
+                let mut c = self.pod(&rec.pod_id)?.client().await?;
+                let again = ctr.stop_signalled.swap(true, Ordering::SeqCst);
+                if !again {
+                    let sent = c
+                        .signal_container(ap::SignalContainerRequest {
+                            id: rec.id.clone(),
+                            signal: rec.stop_signal as u32,
+                            all: false,
+                        })
+                        .await;
+                    if let Err(s) = sent {
+                        ctr.stop_signalled.store(false, Ordering::SeqCst);
+                        tracing::debug!(container = %rec.id, error = %s, "stop signal not delivered");
+                    }
+                }
+                (rec, c)
+            };
             let wait = c.wait_container(ap::WaitContainerRequest { id: rec.id.clone() });
             if let Ok(Ok(r)) =
                 tokio::time::timeout(Duration::from_secs(timeout_secs as u64), wait).await
@@ -836,8 +845,17 @@ impl Runtime {
                 tracing::info!(container = %rec.id, "container stopped");
                 return Ok(());
             }
+        }
+        let _op = ctr.op.lock().await;
+        let rec = ctr.record();
+        // Stopped (or removed) by another call meanwhile.
+        if rec.state != ContainerState::Running || self.ctr(&rec.id).is_err() {
+            return Ok(());
+        }
+        if timeout_secs > 0 {
             tracing::info!(container = %rec.id, timeout_secs, "stop signal timed out; killing");
         }
+        let mut c = self.pod(&rec.pod_id)?.client().await?;
         self.kill_and_wait(&mut c, &ctr, Duration::from_secs(30))
             .await?;
         tracing::info!(container = %rec.id, "container killed");

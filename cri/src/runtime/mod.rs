@@ -76,6 +76,9 @@ pub struct Ctr {
     disk: Mutex<bool>,
     /// The CPU figure of the container's last stats, for the next one's rate.
     cpu: Mutex<Option<CpuSample>>,
+    /// A stop with a grace period has sent the stop signal: another stop does not send it
+    /// again (some programs take a second SIGTERM or SIGINT as "quit now"), as containerd's.
+    stop_signalled: std::sync::atomic::AtomicBool,
 }
 
 /// A container's cumulative CPU time at a moment, and the rate worked out then.
@@ -125,6 +128,7 @@ impl Ctr {
             op: tokio::sync::Mutex::new(()),
             disk: Mutex::new(false),
             cpu: Mutex::new(None),
+            stop_signalled: std::sync::atomic::AtomicBool::new(false),
         }
     }
     /// CRI's `usage_nano_cores` of stats taken now (see [`CpuSample::next`]). A usage of 0

@@ -2,6 +2,7 @@
 
 use super::{spec, Ctx, Spec, SpecResult};
 use crate::{check, fail};
+use std::time::Duration;
 use tonic::Code;
 use vessel_cri_api::v1 as cri;
 
@@ -71,6 +72,11 @@ pub(super) fn specs() -> Vec<Spec> {
             "idempotence",
             "RemoveContainer twice succeeds",
             remove_ctr_twice
+        ),
+        spec!(
+            "idempotence",
+            "StopContainer with timeout 0 during a long graceful stop kills at once",
+            stop_ctr_overtaken
         ),
     ]
 }
@@ -401,6 +407,44 @@ async fn remove_pod_twice(c: Ctx) -> SpecResult {
         })
         .await?;
     Ok(())
+}
+
+/// `crictl stop -t 0` (or `crictl rm -f`) while a stop waits out a long grace period for a
+/// container that ignores SIGTERM: it kills the container at once, and the first stop
+/// returns then too, as with containerd (it waited out the first stop's grace).
+async fn stop_ctr_overtaken(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("cstopfast").await?;
+    let id = c
+        .run(
+            &pod,
+            &pcfg,
+            "stubborn",
+            "trap '' TERM; while :; do sleep 1; done",
+        )
+        .await?;
+    let slow = {
+        let (c, id) = (c.clone(), id.clone());
+        tokio::spawn(async move { c.stop(&id, 120).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let t = std::time::Instant::now();
+    c.stop(&id, 0).await?;
+    let took = t.elapsed();
+    check!(
+        took < Duration::from_secs(20),
+        "StopContainer with timeout 0 took {took:?} (the first stop's grace is 120 s)"
+    );
+    let st = c.c.container_status(&id).await?;
+    check!(
+        st.state == cri::ContainerState::ContainerExited as i32 && st.exit_code == 137,
+        "after the stop: state {}, exit {}",
+        st.state,
+        st.exit_code
+    );
+    match tokio::time::timeout(Duration::from_secs(20), slow).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        other => fail!("the first stop did not end with the container: {other:?}"),
+    }
 }
 
 async fn stop_ctr_twice(c: Ctx) -> SpecResult {
