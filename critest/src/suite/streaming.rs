@@ -265,19 +265,14 @@ async fn exec_token_once(c: Ctx) -> SpecResult {
     }
 }
 
-/// As upstream critest's attach spec: a shell reading its stdin, created with stdin and
-/// stdin_once; what the client types runs, and closing the client's stdin ends the shell.
-async fn attach(c: Ctx) -> SpecResult {
-    let (pod, pcfg) = c.run_pod("sattach").await?;
-    let mut cfg = c.ctr_config("sh", "exec sh");
-    cfg.stdin = true;
-    cfg.stdin_once = true;
-    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+/// Attaches to container `id` asking for stdin, stdout and stderr (`crictl attach -i`),
+/// types `input`, closes its stdin, and reads to the session's end.
+async fn attach_io(c: &Ctx, id: &str, input: &[u8]) -> Result<ExecOutcome, Stop> {
     let mut cl = c.c.clone();
     let r = cl
         .runtime
         .attach(cri::AttachRequest {
-            container_id: id.clone(),
+            container_id: id.into(),
             stdin: true,
             stdout: true,
             stderr: true,
@@ -287,14 +282,25 @@ async fn attach(c: Ctx) -> SpecResult {
         .into_inner();
     check_url("Attach", &r.url)?;
     let o = ExecOptions {
-        stdin: Some(b"echo hello; echo oops >&2\n".to_vec()),
+        stdin: Some(input.to_vec()),
         stdout: true,
         stderr: true,
         ..Default::default()
     };
-    let got = stream_client::exec(&r.url, &o, TIMEOUT)
+    stream_client::exec(&r.url, &o, TIMEOUT)
         .await
-        .map_err(|e| super::Stop::Fail(format!("attach via {}: {e}", r.url)))?;
+        .map_err(|e| Stop::Fail(format!("attach via {}: {e}", r.url)))
+}
+
+/// As upstream critest's attach spec: a shell reading its stdin, created with stdin and
+/// stdin_once; what the client types runs, and closing the client's stdin ends the shell.
+async fn attach(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("sattach").await?;
+    let mut cfg = c.ctr_config("sh", "exec sh");
+    cfg.stdin = true;
+    cfg.stdin_once = true;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let got = attach_io(&c, &id, b"echo hello; echo oops >&2\n").await?;
     check!(
         got.stdout_str() == "hello\n" && got.stderr == b"oops\n",
         "stdout {:?}, stderr {:?}; want \"hello\\n\", \"oops\\n\"",
@@ -322,27 +328,7 @@ async fn attach_no_stdin(c: Ctx) -> SpecResult {
         "i=0; while [ $i -lt 20 ]; do echo tick; sleep 0.2; i=$((i+1)); done; read x || echo eof",
     );
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
-    let mut cl = c.c.clone();
-    let r = cl
-        .runtime
-        .attach(cri::AttachRequest {
-            container_id: id.clone(),
-            stdin: true,
-            stdout: true,
-            stderr: true,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let o = ExecOptions {
-        stdin: Some(b"not for you\n".to_vec()),
-        stdout: true,
-        stderr: true,
-        ..Default::default()
-    };
-    let got = stream_client::exec(&r.url, &o, TIMEOUT)
-        .await
-        .map_err(|e| Stop::Fail(format!("attach via {}: {e}", r.url)))?;
+    let got = attach_io(&c, &id, b"not for you\n").await?;
     let out = got.stdout_str();
     check!(
         out.contains("tick\n") && out.ends_with("eof\n") && got.exit_code() == Some(0),
