@@ -1371,11 +1371,25 @@ async fn bad_inputs_are_refused_and_leave_nothing() {
     let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     assert!(e.message().contains(&under_file), "{e}");
+    // A command that is nowhere is made (it could come from a volume or a CDI device), and
+    // fails to start, as containerd's: a StartError (128) naming it, and nothing left.
     let mut cfg = h.ctr_config("x", "true");
     cfg.command = vec!["no-such-command".into()];
-    let e = h.create(&pod, &pcfg, cfg).await.unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    let missing = h.create(&pod, &pcfg, cfg).await.unwrap();
+    let e = h.c.start_container(&missing).await.unwrap_err();
     assert!(e.message().contains("no-such-command"), "{e}");
+    let st = h.status(&missing).await;
+    assert_eq!(
+        (st.state, st.exit_code, st.reason.as_str()),
+        (
+            cri::ContainerState::ContainerExited as i32,
+            128,
+            "StartError"
+        ),
+        "{st:?}"
+    );
+    assert!(st.message.contains("no-such-command"), "{st:?}");
+    h.remove(&missing).await;
     let e = h
         .create("0000000000000000", &pcfg, h.ctr_config("y", "true"))
         .await

@@ -70,60 +70,6 @@ fn xattr_get(p: &Path, name: &str) -> std::io::Result<Option<Vec<u8>>> {
     }
 }
 
-/// Whether `cmd` exists as an executable in the image (absolute, relative to cwd, or
-/// found in PATH).
-pub fn image_has_command(layer_dirs: &[PathBuf], cmd: &str, path_env: &str, cwd: &str) -> bool {
-    let exists = |p: &str| -> bool {
-        let rel = p.trim_start_matches('/');
-        for dir in layer_dirs.iter().rev() {
-            let full = dir.join(rel);
-            if let Ok(m) = std::fs::symlink_metadata(&full) {
-                use std::os::unix::fs::FileTypeExt;
-                if m.file_type().is_char_device() {
-                    return false;
-                }
-                // Symlinks (busybox applets, /bin -> usr/bin) are trusted to resolve.
-                return m.is_file() || m.file_type().is_symlink();
-            }
-            // A symlinked parent (bin -> usr/bin) in the image: resolve by asking for the
-            // target path instead.
-            let mut acc = PathBuf::new();
-            for comp in Path::new(rel).components() {
-                acc.push(comp);
-                if let Ok(t) = std::fs::read_link(dir.join(&acc)) {
-                    let rest = Path::new(rel).strip_prefix(&acc).unwrap_or(Path::new(""));
-                    let base = if t.is_absolute() {
-                        t
-                    } else {
-                        acc.parent().unwrap_or(Path::new("")).join(t)
-                    };
-                    let joined = base.join(rest);
-                    let s = joined.to_string_lossy().to_string();
-                    if s.trim_start_matches('/') != rel {
-                        return image_has_command(
-                            layer_dirs,
-                            &format!("/{}", s.trim_start_matches('/')),
-                            "",
-                            "/",
-                        );
-                    }
-                }
-            }
-        }
-        false
-    };
-    if cmd.starts_with('/') {
-        return exists(cmd);
-    }
-    if cmd.contains('/') {
-        return exists(&format!("{}/{}", cwd.trim_end_matches('/'), cmd));
-    }
-    path_env
-        .split(':')
-        .filter(|d| !d.is_empty())
-        .any(|d| exists(&format!("{}/{}", d.trim_end_matches('/'), cmd)))
-}
-
 fn parse_passwd(data: &str, name: &str) -> Option<(u32, u32)> {
     data.lines().find_map(|l| {
         let f: Vec<&str> = l.split(':').collect();

@@ -198,6 +198,25 @@ async fn programs_run_from_a_volume(c: Ctx) -> SpecResult {
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     let got = c.sh_ok(&id, "/vol/hello.sh").await?;
     check!(got == "hello from a volume", "the script printed {got:?}");
+    // A container's own command may be on the volume, found through the PATH it sets (an
+    // init container's tools in an emptyDir): not in the image, but it runs.
+    let mut tool = c.ctr_config("tool", "");
+    tool.command = vec!["hello.sh".into()];
+    tool.args.clear();
+    tool.envs.push(cri::KeyValue {
+        key: "PATH".into(),
+        value: "/vol:/usr/bin:/bin".into(),
+    });
+    tool.mounts = vec![vol(&d, "/vol")];
+    let tool = c.run_cfg(&pod, &pcfg, tool).await?;
+    let st = c.wait_exit(&tool).await?;
+    check!(
+        st.exit_code == 0,
+        "a command from the volume through PATH exited {}: {} {}",
+        st.exit_code,
+        st.reason,
+        st.message
+    );
     // busybox is static: a copy of it on the volume is a static ELF binary.
     c.sh_ok(
         &id,
