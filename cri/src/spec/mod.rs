@@ -59,6 +59,10 @@ pub fn process_args(
     let mut args = config.args.clone();
     if command.is_empty() {
         command = image.entrypoint.clone().unwrap_or_default();
+        // `ENTRYPOINT [""]` clears an inherited entrypoint (Docker's reading): none.
+        if command.len() == 1 && command[0].is_empty() {
+            command.clear();
+        }
         if args.is_empty() {
             args = image.cmd.clone().unwrap_or_default();
         }
@@ -720,6 +724,17 @@ mod tests {
             ["x", "y"]
         );
         assert!(process_args(&cfg(&[], &[]), &RunConfig::default()).is_err());
+        // `ENTRYPOINT [""]` is none: the Cmd (or the request's args) runs.
+        let cleared = RunConfig {
+            entrypoint: Some(vec![String::new()]),
+            cmd: Some(vec!["/bin/sh".into(), "-c".into(), "true".into()]),
+            ..Default::default()
+        };
+        assert_eq!(
+            process_args(&cfg(&[], &[]), &cleared).unwrap(),
+            ["/bin/sh", "-c", "true"]
+        );
+        assert_eq!(process_args(&cfg(&[], &["a"]), &cleared).unwrap(), ["a"]);
     }
 
     #[test]
