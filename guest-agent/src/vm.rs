@@ -114,6 +114,7 @@ fn run() -> Result<(), VmError> {
     crate::flat::init_logging(&level);
     if pid1 {
         setup_system()?;
+        raise_nofile();
         if let Some(maps) = kernel_param("vessel.userns") {
             // Not fatal here: ConfigureSandbox reports it, so the host learns why.
             if let Err(e) = pod_userns(&maps) {
@@ -275,6 +276,24 @@ fn parse_param(cmdline: &str, name: &str) -> Option<String> {
 }
 
 /// The guest's filesystems, cgroups and loopback.
+/// Containers inherit the agent's open-file limit, and the kernel gives init 1024 (4096
+/// hard): raised to the kernel's most (`fs.nr_open`, 1048576), what a host's container
+/// runtime runs with (containerd's unit and vesseld's say LimitNOFILE=1048576; flat pods
+/// inherit vesseld's). Elasticsearch, databases and Go programs need more than 4096.
+fn raise_nofile() {
+    let max = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(1 << 20);
+    let limit = rustix::process::Rlimit {
+        current: Some(max),
+        maximum: Some(max),
+    };
+    if let Err(e) = rustix::process::setrlimit(rustix::process::Resource::Nofile, limit) {
+        tracing::warn!(error = %e, max, "raising the open-file limit");
+    }
+}
+
 fn setup_system() -> Result<(), VmError> {
     let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     mount_fs("sysfs", "/sys", "sysfs", nosuid_nodev_noexec, None)?;

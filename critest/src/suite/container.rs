@@ -16,6 +16,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "named by image id as kubelet names it, status shows the user's image name", image_by_id),
         spec!("container", "list filters by id, state, pod and label", list_filters),
         spec!("container", "command, args, env and working dir", command_env),
+        spec!("container", "the open-file limit is the runtime's: a flat pod's agent's, a VM pod's 1048576", nofile_limit),
         spec!("container", "a working dir the image lacks is made, read-only root too, and in a volume (as runc makes it)", missing_working_dir),
         spec!("container", "host path mounts, read-write, read-only, nested (inner listed first) and over /dev/shm", host_mounts),
         spec!("container", "UpdateContainerResources changes the memory limit of a running container and of a created one", update_resources),
@@ -39,6 +40,37 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("mount", "rshared (Bidirectional) propagation: container mounts reach the host", prop_bidirectional,
             vm = "a VM pod's mounts live in the guest kernel and cannot appear in the host's mount table"),
     ]
+}
+
+/// Containers get no rlimits of their own (containerd sets none): they have the runtime's
+/// open-file limit. A VM pod's agent is its guest's init, which the kernel gives 1024 (4096
+/// hard); it raises them to 1048576 (`fs.nr_open`), as a host runtime's unit does.
+async fn nofile_limit(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("nofile").await?;
+    let id = c.run(&pod, &pcfg, "limits", "sleep 100000").await?;
+    let got = c.sh_ok(&id, "echo $(ulimit -n) $(ulimit -Hn)").await?;
+    let want = if c.env.vm_pods {
+        "1048576 1048576".to_string()
+    } else {
+        // The pod agent's (vesseld's, which started it).
+        let pid = c.c.pod_info(&pod).await?["pid"].as_u64().unwrap_or(0);
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits"))
+            .map_err(|e| Stop::Fail(format!("the pod agent's limits: {e}")))?;
+        let line = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap_or_default();
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.as_slice() {
+            [.., soft, hard, _unit] => format!("{soft} {hard}"),
+            _ => fail!("no open-file limit in the agent's limits: {line:?}"),
+        }
+    };
+    check!(
+        got == want,
+        "the container's open-file limits are {got:?}, want {want:?}"
+    );
+    Ok(())
 }
 
 async fn lifecycle(c: Ctx) -> SpecResult {
