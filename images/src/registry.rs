@@ -991,7 +991,13 @@ impl Puller {
             manifest_desc,
             &manifest,
             &config,
-            r.repo_tag().into_iter().collect(),
+            // A reference with a digest names no tag, whatever tag it also has (kubelet's
+            // pinned `name:tag@digest`): as containerd's normalisation keeps only the
+            // digest, and the registry's tag may point elsewhere by now.
+            r.repo_tag()
+                .filter(|_| r.digest.is_none())
+                .into_iter()
+                .collect(),
             vec![r.repo_digest(&top_digest)],
         );
         let store = self.store.clone();

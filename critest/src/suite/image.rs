@@ -107,6 +107,25 @@ async fn by_digest(c: Ctx) -> SpecResult {
         img.repo_digests
     );
     remove(&c, &name).await?;
+    // Tagged and digested (kubelet's pinned images): pulled by the digest, and the tag is
+    // not taken (it may name another image in the registry by now), as containerd does.
+    let pinned = format!("{repo}:pinned@{digest}");
+    c.pull(&pinned).await?;
+    let Some(img) = status(&c, &pinned).await? else {
+        fail!("ImageStatus {pinned} after pull: none")
+    };
+    check!(
+        img.repo_tags.is_empty() && img.repo_digests.contains(&name),
+        "after a pull of {pinned}: repo_tags {:?}, repo_digests {:?}",
+        img.repo_tags,
+        img.repo_digests
+    );
+    let tag = format!("{repo}:pinned");
+    check!(
+        status(&c, &tag).await?.is_none(),
+        "{tag} names an image after a pull of {pinned}"
+    );
+    remove(&c, &pinned).await?;
     Ok(())
 }
 
