@@ -343,7 +343,9 @@ impl Cgroup {
         let mut pids: Vec<i32> = Vec::new();
         for dir in self.dirs() {
             if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-                for p in text.lines().filter_map(|l| l.trim().parse().ok()) {
+                // 0: a process outside the reader's pid namespace (never a pid to signal).
+                let listed = text.lines().filter_map(|l| l.trim().parse::<i32>().ok());
+                for p in listed.filter(|&p| p > 0) {
                     if !pids.contains(&p) {
                         pids.push(p);
                     }
@@ -354,9 +356,26 @@ impl Cgroup {
     }
 
     /// SIGKILLs every process in the cgroup (cgroup v2's `cgroup.kill` where the kernel has
-    /// it, else each pid listed) until none is left or `limit` has passed; true if none is.
+    /// it, else each pid listed, again while any is) until none is left or `limit` has
+    /// passed; true if none is.
     pub async fn kill_all(&self, limit: std::time::Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
+        // cgroup v2: `cgroup.kill` reaches the cgroups below it too (a container that made
+        // its own, as systemd or a nested runtime does), whose processes its `cgroup.procs`
+        // does not list; done once it is no longer populated.
+        if self.unified && std::fs::write(self.v2().join("cgroup.kill"), "1").is_ok() {
+            loop {
+                let events = std::fs::read_to_string(self.v2().join("cgroup.events"));
+                match events {
+                    Ok(e) if e.lines().any(|l| l == "populated 1") => {}
+                    _ => return true,
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
         loop {
             let left = self.procs();
             if left.is_empty() {
@@ -365,14 +384,11 @@ impl Cgroup {
             if tokio::time::Instant::now() >= deadline {
                 return false;
             }
-            let killed = self.unified && std::fs::write(self.v2().join("cgroup.kill"), "1").is_ok();
-            if !killed {
-                for p in left {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(p),
-                        nix::sys::signal::SIGKILL,
-                    );
-                }
+            for p in left {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p),
+                    nix::sys::signal::SIGKILL,
+                );
             }
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }

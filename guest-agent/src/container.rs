@@ -233,6 +233,7 @@ impl Container {
     pub async fn exit_info(
         &self,
         status: ExitStatus,
+        finished_at: i64,
         oom_before: u64,
         pumps: Vec<JoinHandle<()>>,
     ) -> ExitInfo {
@@ -245,7 +246,7 @@ impl Container {
             exit_code: status.code,
             signal: status.signal,
             oom_killed,
-            finished_at: crate::now_nanos(),
+            finished_at,
         };
         tracing::info!(id = %self.id, ?status, oom_killed, "container exited");
         let _ = tokio::time::timeout(OUTPUT_DRAIN, futures::future::join_all(pumps)).await;

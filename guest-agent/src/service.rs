@@ -561,10 +561,12 @@ impl AgentState {
             // the host's) leaves its other processes (children, exec sessions) running when
             // the init exits: they die with it, as runc's shim kills them all, before the exit
             // is known (a restarted container would find its ports held, its log written to).
+            // The exit's moment, not the end of the clean-up below.
+            let finished_at = crate::now_nanos();
             if !c2.cgroup.kill_all(KILL_WAIT).await {
                 tracing::warn!(id = %c2.id, "processes of an exited container outlived SIGKILL");
             }
-            let info = c2.exit_info(status, oom_before, pumps).await;
+            let info = c2.exit_info(status, finished_at, oom_before, pumps).await;
             // Nothing needs libcontainer's state, the cgroups or the rootfs mount of an exited
             // container (its OOM count is read, its output drained): they go before the exit
             // is known, as containerd deletes its task when a container stops, so that
@@ -1484,7 +1486,14 @@ async fn drive_exec(
     // stays idle (a background process holds it open) is given up on, and a bound stops one
     // that a background process keeps writing to.
     let _ = exited_tx.send(true);
-    let _ = tokio::time::timeout(EXEC_DRAIN_MAX, futures::future::join_all(readers)).await;
+    let stop: Vec<_> = readers.iter().map(|r| r.abort_handle()).collect();
+    if tokio::time::timeout(EXEC_DRAIN_MAX, futures::future::join_all(readers))
+        .await
+        .is_err()
+    {
+        // Nothing more after the exit code: the stream ends with it.
+        stop.iter().for_each(|r| r.abort());
+    }
     input_task.abort();
     let code = match exit {
         Ok(HelperLine::Exit(code, _)) => code,

@@ -275,7 +275,6 @@ fn parse_param(cmdline: &str, name: &str) -> Option<String> {
     })
 }
 
-/// The guest's filesystems, cgroups and loopback.
 /// Containers inherit the agent's open-file limit, and the kernel gives init 1024 (4096
 /// hard): raised to the kernel's most (`fs.nr_open`, 1048576), what a host's container
 /// runtime runs with (containerd's unit and vesseld's say LimitNOFILE=1048576; flat pods
@@ -294,6 +293,7 @@ fn raise_nofile() {
     }
 }
 
+/// The guest's filesystems, cgroups and loopback.
 fn setup_system() -> Result<(), VmError> {
     let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     mount_fs("sysfs", "/sys", "sysfs", nosuid_nodev_noexec, None)?;

@@ -821,8 +821,9 @@ impl Runtime {
                     return Ok(());
                 }
                 let mut c = self.pod(&rec.pod_id)?.client().await?;
-                let again = ctr.stop_signalled.swap(true, Ordering::SeqCst);
-                if !again {
+                // Under the lock: set once the signal is sent (a call given up on before
+                // that leaves it unset, and the next stop sends it).
+                if !ctr.stop_signalled.load(Ordering::SeqCst) {
                     let sent = c
                         .signal_container(ap::SignalContainerRequest {
                             id: rec.id.clone(),
@@ -830,9 +831,11 @@ impl Runtime {
                             all: false,
                         })
                         .await;
-                    if let Err(s) = sent {
-                        ctr.stop_signalled.store(false, Ordering::SeqCst);
-                        tracing::debug!(container = %rec.id, error = %s, "stop signal not delivered");
+                    match sent {
+                        Ok(_) => ctr.stop_signalled.store(true, Ordering::SeqCst),
+                        Err(s) => {
+                            tracing::debug!(container = %rec.id, error = %s, "stop signal not delivered")
+                        }
                     }
                 }
                 (rec, c)

@@ -145,7 +145,11 @@ impl Runtime {
             r.reason = what.clone();
         });
         for ctr in self.ctrs_of(&rec.id) {
-            self.mark_lost(&ctr, &what);
+            // One never started stays Created, as at a stop (containerd makes a container's
+            // task only at its start, so a dead shim ends none that was not started).
+            if ctr.record().state != ContainerState::Created {
+                self.mark_lost(&ctr, &what);
+            }
         }
         let _ = self.dirs.save_pod(&rec);
         self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);

@@ -364,13 +364,33 @@ async fn pod_stats(c: Ctx) -> SpecResult {
         linux.cpu.is_some() && linux.memory.is_some(),
         "no cpu or memory: {linux:?}"
     );
-    // Its containers' processes (kubelet's summary API), as containerd counts them.
-    let count = linux
-        .process
-        .and_then(|p| p.process_count.filter(|_| p.timestamp > 0))
-        .map(|v| v.value);
-    check!(count == Some(3), "process count {count:?}, want 3");
-    Ok(())
+    // Its containers' processes (kubelet's summary API), as containerd counts them; the
+    // shell may not have started its background sleep yet.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut linux = linux;
+    loop {
+        let count = linux
+            .process
+            .and_then(|p| p.process_count.filter(|_| p.timestamp > 0))
+            .map(|v| v.value);
+        if count == Some(3) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            fail!("process count {count:?}, want 3");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        linux = cl
+            .runtime
+            .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await?
+            .into_inner()
+            .stats
+            .and_then(|s| s.linux)
+            .unwrap_or_default();
+    }
 }
 
 async fn stop_pod_twice(c: Ctx) -> SpecResult {

@@ -325,7 +325,7 @@ async fn attach_no_stdin(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("sattachnoin").await?;
     let cfg = c.ctr_config(
         "ticker",
-        "i=0; while [ $i -lt 20 ]; do echo tick; sleep 0.2; i=$((i+1)); done; read x || echo eof",
+        "i=0; while [ $i -lt 60 ]; do echo tick; sleep 0.2; i=$((i+1)); done; read x || echo eof",
     );
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     let got = attach_io(&c, &id, b"not for you\n").await?;
