@@ -1676,21 +1676,18 @@ impl Agent for AgentService {
         let tap = c.log.tap();
         // A stdin that is closed (a stdin_once container's first session ended) or was never
         // there takes no more input: the client's is dropped, as containerd does.
-        let stdin = match start.stdin {
-            true => {
-                let guard = c.stdin.lock().unwrap_or_else(|e| e.into_inner());
-                match guard.as_ref() {
-                    Some(fd) => Some(
-                        fd.try_clone()
-                            .map_err(io_internal("dup of the container's stdin"))?,
-                    ),
-                    None => {
-                        tracing::info!(container = %c.id, "attach: the container's stdin is closed; the client's input is dropped");
-                        None
-                    }
-                }
+        let stdin = if start.stdin {
+            let guard = c.stdin.lock().unwrap_or_else(|e| e.into_inner());
+            if guard.is_none() {
+                tracing::info!(container = %c.id, "attach: the container's stdin is closed; the client's input is dropped");
             }
-            false => None,
+            guard
+                .as_ref()
+                .map(|fd| fd.try_clone())
+                .transpose()
+                .map_err(io_internal("dup of the container's stdin"))?
+        } else {
+            None
         };
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(drive_attach(c, tap, stdin, input, tx));

@@ -240,13 +240,7 @@ impl Runtime {
                 r.reason = "stopped".into();
             }
         });
-        for ctr in self.ctrs_of(&rec.id) {
-            // One never started stays Created, as containerd's do (it stops running ones
-            // only): kubelet took an Exited one (255, "Error", started at 0) for a failure.
-            if ctr.record().state != ContainerState::Created {
-                self.mark_lost(&ctr, "pod sandbox stopped");
-            }
-        }
+        self.pod_ended(&rec.id, "pod sandbox stopped");
         // The pod is stopped whether or not its record says so: one that cannot be written (a
         // full disk) still says Ready, and a restart finds its host process gone and marks it
         // NotReady. Failing here would only make kubelet retry a stop that is done.

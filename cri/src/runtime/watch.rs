@@ -69,6 +69,18 @@ impl Runtime {
         }
     }
 
+    /// The pod `pod_id` stopped or died: its started containers are Exited with `why`. One
+    /// never started stays Created, as containerd's do (it stops running ones only, and makes
+    /// a container's task only at its start, so a dead shim ends none that was not started):
+    /// kubelet took an Exited one (255, "Error", started at 0) for a failure.
+    pub(super) fn pod_ended(&self, pod_id: &str, why: &str) {
+        for ctr in self.ctrs_of(pod_id) {
+            if ctr.record().state != ContainerState::Created {
+                self.mark_lost(&ctr, why);
+            }
+        }
+    }
+
     pub(super) fn spawn_watcher(
         self: &Arc<Self>,
         pod: Arc<Pod>,
@@ -144,13 +156,7 @@ impl Runtime {
             r.state = PodState::NotReady;
             r.reason = what.clone();
         });
-        for ctr in self.ctrs_of(&rec.id) {
-            // One never started stays Created, as at a stop (containerd makes a container's
-            // task only at its start, so a dead shim ends none that was not started).
-            if ctr.record().state != ContainerState::Created {
-                self.mark_lost(&ctr, &what);
-            }
-        }
+        self.pod_ended(&rec.id, &what);
         let _ = self.dirs.save_pod(&rec);
         self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);
     }

@@ -346,29 +346,28 @@ async fn pod_stats(c: Ctx) -> SpecResult {
     c.run(&pod, &pcfg, "two", "sleep 100001 & exec sleep 100002")
         .await?;
     let mut cl = c.c.clone();
-    let s = cl
-        .runtime
-        .pod_sandbox_stats(cri::PodSandboxStatsRequest {
-            pod_sandbox_id: pod.clone(),
-        })
-        .await?
-        .into_inner();
-    let Some(st) = s.stats else { fail!("no stats") };
-    check!(
-        st.attributes.as_ref().is_some_and(|a| a.id == pod),
-        "attributes {:?}",
-        st.attributes
-    );
-    let linux = st.linux.unwrap_or_default();
-    check!(
-        linux.cpu.is_some() && linux.memory.is_some(),
-        "no cpu or memory: {linux:?}"
-    );
     // Its containers' processes (kubelet's summary API), as containerd counts them; the
-    // shell may not have started its background sleep yet.
+    // shell may not have started its background sleep yet: asked again until then.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let mut linux = linux;
     loop {
+        let s = cl
+            .runtime
+            .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await?
+            .into_inner();
+        let Some(st) = s.stats else { fail!("no stats") };
+        check!(
+            st.attributes.as_ref().is_some_and(|a| a.id == pod),
+            "attributes {:?}",
+            st.attributes
+        );
+        let linux = st.linux.unwrap_or_default();
+        check!(
+            linux.cpu.is_some() && linux.memory.is_some(),
+            "no cpu or memory: {linux:?}"
+        );
         let count = linux
             .process
             .and_then(|p| p.process_count.filter(|_| p.timestamp > 0))
@@ -380,16 +379,6 @@ async fn pod_stats(c: Ctx) -> SpecResult {
             fail!("process count {count:?}, want 3");
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
-        linux = cl
-            .runtime
-            .pod_sandbox_stats(cri::PodSandboxStatsRequest {
-                pod_sandbox_id: pod.clone(),
-            })
-            .await?
-            .into_inner()
-            .stats
-            .and_then(|s| s.linux)
-            .unwrap_or_default();
     }
 }
 
