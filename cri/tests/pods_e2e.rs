@@ -3109,7 +3109,10 @@ async fn pod_sandbox_metrics_follow_their_descriptors() {
             &pod,
             &pcfg,
             "busy",
-            "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; sleep 1000",
+            // 4 MB held in the shell's heap: a working set that page cache on the inactive
+            // list cannot hide (a VM pod's busybox pages outweigh a bare shell's anon).
+            "x=$(yes 0123456789abcdef | head -c 4000000); i=0; \
+             while [ $i -lt 20000 ]; do i=$((i+1)); done; sleep 1000",
         )
         .await;
     let descs =
@@ -3127,22 +3130,37 @@ async fn pod_sandbox_metrics_follow_their_descriptors() {
         keys.contains_key("container_cpu_usage_seconds_total"),
         "{descs:?}"
     );
-    let metrics =
-        h.c.runtime
-            .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .pod_metrics;
-    let p = metrics
-        .iter()
-        .find(|m| m.pod_sandbox_id == pod)
-        .unwrap_or_else(|| panic!("no metrics for pod {pod}: {metrics:?}"));
-    let c = p
-        .container_metrics
-        .iter()
-        .find(|c| c.container_id == id)
-        .expect("the container's metrics");
+    // Until the shell holds its 4 MB (it starts on its own time).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (p, c, ws) = loop {
+        let metrics =
+            h.c.runtime
+                .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .pod_metrics;
+        let p = metrics
+            .into_iter()
+            .find(|m| m.pod_sandbox_id == pod)
+            .unwrap_or_else(|| panic!("no metrics for pod {pod}"));
+        let c = p
+            .container_metrics
+            .iter()
+            .find(|c| c.container_id == id)
+            .expect("the container's metrics")
+            .clone();
+        let ws = c
+            .metrics
+            .iter()
+            .find(|m| m.name == "container_memory_working_set_bytes")
+            .and_then(|m| m.value.as_ref())
+            .map_or(0, |v| v.value);
+        if ws >= 4_000_000 || Instant::now() > deadline {
+            break (p, c, ws);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     for m in p.metrics.iter().chain(&c.metrics) {
         assert_eq!(
             keys.get(&m.name),
@@ -3159,14 +3177,7 @@ async fn pod_sandbox_metrics_follow_their_descriptors() {
     ] {
         assert!(names.contains(&want), "{want} not in {names:?}");
     }
-    let ws = c
-        .metrics
-        .iter()
-        .find(|m| m.name == "container_memory_working_set_bytes")
-        .and_then(|m| m.value.as_ref())
-        .map(|v| v.value)
-        .unwrap_or(0);
-    assert!(ws > 0, "working set {ws}");
+    assert!(ws >= 4_000_000, "working set {ws}: {:?}", c.metrics);
     assert!(c.metrics[0].label_values.contains(&"busy".to_string()));
     // PSI as cAdvisor's pressure counters: a VM pod's guest has it; this host's cgroup v1 not.
     let pressure = names
