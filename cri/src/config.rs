@@ -55,6 +55,11 @@ enable_criu_support = true
 # Where CDI spec files (JSON or YAML) describe the devices containers may ask for by name
 # (CRI cdi_devices, or cdi.k8s.io/ annotations); a later directory wins for the same device.
 cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+# The volumes an image declares (Dockerfile VOLUME) that no CRI mount covers are made for each
+# container, as containerd makes them: a writable directory holding what the image has there.
+# true: not made (the path stays part of the container's root filesystem), as containerd's
+# option of the same name.
+ignore_image_defined_volumes = false
 
 [vm]
 # The guest kernel (an ELF vmlinux boots faster than a bzImage) and the initrd whose /init is
@@ -198,6 +203,9 @@ pub struct RuntimeConfig {
     /// CheckpointContainer and restores, with CRIU (CRI-O's `enable_criu_support`).
     pub enable_criu_support: bool,
     pub cdi_spec_dirs: Vec<PathBuf>,
+    /// The volumes an image declares (Dockerfile `VOLUME`) are not made (containerd's
+    /// option of the same name).
+    pub ignore_image_defined_volumes: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -210,6 +218,7 @@ impl Default for RuntimeConfig {
             // On, as in CRI-O: a node without CRIU answers a checkpoint with why.
             enable_criu_support: true,
             cdi_spec_dirs: crate::cdi::default_dirs(),
+            ignore_image_defined_volumes: false,
         }
     }
 }

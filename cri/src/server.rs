@@ -200,6 +200,7 @@ impl Daemon {
                 cgroups,
                 cdi_spec_dirs: self.config.runtime.cdi_spec_dirs.clone(),
                 criu: self.config.runtime.enable_criu_support,
+                ignore_image_defined_volumes: self.config.runtime.ignore_image_defined_volumes,
             },
             self.store.clone(),
         )

@@ -2343,6 +2343,91 @@ fn walk_files(d: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The volumes an image declares (Dockerfile `VOLUME`), as containerd makes them: writable
+/// under a read-only root filesystem, holding the image's content there (owner and mode
+/// too), each container's own; a path the image lacks is made; a CRI mount at the path takes
+/// its place; nothing is left. `runtime.ignore_image_defined_volumes` leaves them out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_defined_volumes_are_the_containers_own() {
+    // Pushed to the harness's registry and pulled: the image's name.
+    async fn pulled(h: &mut H) -> String {
+        let mut t = PushTarget::new(&h._reg.url(), "library/declares-volumes");
+        t.insecure_tls = true;
+        push_image(&t, &testimages::volume_image(), Some("v1"))
+            .await
+            .unwrap();
+        let image = format!("{}/library/declares-volumes:v1", h._reg.host());
+        h.c.pull(&image).await.expect("pull the image");
+        image
+    }
+    let mut h = harness().await;
+    let image = pulled(&mut h).await;
+    let (pod, pcfg) = h.run_pod("imgdefvol").await;
+    let host = tempfile::tempdir().unwrap();
+    std::fs::write(host.path().join("from-host"), "host\n").unwrap();
+    let cfg = |h: &H, image: &str, name: &str| {
+        let mut c = h.ctr_config(name, "sleep 1000");
+        c.image = Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        });
+        c.mounts = vec![cri::Mount {
+            container_path: "/covered/".into(),
+            host_path: host.path().display().to_string(),
+            ..Default::default()
+        }];
+        c.linux = Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                readonly_rootfs: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        c
+    };
+    let script = "cat /data/seed; stat -c '%u:%g %a' /data /cache/deep; \
+                  echo a > /data/new && echo b > /cache/deep/new && echo written; \
+                  ls /covered; touch /elsewhere 2>/dev/null || echo read-only";
+    let (a, out) = h
+        .run_and_sh(&pod, &pcfg, cfg(&h, &image, "a"), script)
+        .await;
+    assert_eq!(
+        out,
+        "seeded\n1000:1000 750\n0:0 755\nwritten\nfrom-host\nread-only\n",
+        "{}",
+        h.v.log()
+    );
+    // A second container's are its own: the image's content, not the first one's writes.
+    let (_b, out) = h
+        .run_and_sh(&pod, &pcfg, cfg(&h, &image, "b"), "ls /data /cache/deep")
+        .await;
+    assert_eq!(out, "/cache/deep:\n\n/data:\nseed\n");
+    let r = h.exec(&a, &["cat", "/data/new"], 10).await.unwrap();
+    assert_eq!(r.stdout, b"a\n");
+    assert!(std::fs::read_dir(host.path()).unwrap().count() == 1);
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+    drop(h);
+    // Turned off (flat: a VM harness's config has its own [runtime]).
+    if vm_mode() {
+        return;
+    }
+    let mut h = harness_with("[runtime]\nignore_image_defined_volumes = true\n").await;
+    let image = pulled(&mut h).await;
+    let (pod, pcfg) = h.run_pod("imgdefvol-off").await;
+    let (_c, out) = h
+        .run_and_sh(
+            &pod,
+            &pcfg,
+            cfg(&h, &image, "c"),
+            "echo a > /data/new 2>/dev/null || echo read-only; ls /cache 2>&1 | grep -c 'No such'",
+        )
+        .await;
+    assert_eq!(out, "read-only\n1\n");
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
 /// CRI image volumes (kubelet's ImageVolume): a mount that names an image shows that image's
 /// content (all its layers, whiteouts applied) read-only at the container path. The image
 /// cannot be removed while a container mounts it; removing the container unmounts it. An

@@ -739,6 +739,27 @@ pub fn whiteout_image() -> BuiltImage {
     )
 }
 
+/// busybox declaring volumes (Dockerfile `VOLUME`): `/data` (0750, owned 1000:1000, holding
+/// `seed` = `seeded\n`), `/cache/deep` (not in the image), `/covered`.
+pub fn volume_image() -> BuiltImage {
+    let mut l = busybox_rootfs();
+    l.dir_owned("data", 0o750, 1000, 1000)
+        .file_owned("data/seed", 0o640, 1000, 1000, b"seeded\n");
+    let volumes = ["/data", "/cache/deep", "/covered"]
+        .into_iter()
+        .map(|v| (v.to_string(), serde_json::json!({})))
+        .collect();
+    let run = RunConfig {
+        volumes: Some(volumes),
+        ..busybox_run_config()
+    };
+    image(
+        vec![(l.finish(), Compression::Gzip)],
+        run,
+        linux("amd64", None),
+    )
+}
+
 /// An OCI index over three manifests, in this order:
 /// 0. linux/amd64: [`busybox_image`] (gzip);
 /// 1. linux/arm64/v8: one layer with only `/ARCH` = `arm64` (config architecture arm64);

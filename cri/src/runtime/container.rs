@@ -194,7 +194,17 @@ impl Runtime {
         };
         // Image volumes become read-only host directories; from here on both backends see
         // plain bind mounts (a VM pod shares them into its guest like any host path).
-        let (volumes, volume_snapshots) = self.image_volumes(id, &mut config).await?;
+        let (mut volumes, mut volume_snapshots) = self.image_volumes(id, &mut config).await?;
+        match self.image_defined_volumes(id, &image, &mut volumes).await {
+            Ok(Some(snap)) => volume_snapshots.push(snap),
+            Ok(None) => {}
+            Err(e) => {
+                for s in &volume_snapshots {
+                    let _ = self.store.remove_snapshot(s);
+                }
+                return Err(e);
+            }
+        }
         let made = Made {
             config,
             image,
@@ -322,7 +332,7 @@ impl Runtime {
                             "image volume at {at:?}: image_sub_path {sub:?} of image {name:?}"
                         );
                         match e {
-                            SubPathError::Bad(m) => {
+                            SubPathError::Bad(m) | SubPathError::Missing(m) => {
                                 RuntimeError::InvalidArgument(format!("{at} {m}"))
                             }
                             SubPathError::Node(m) => RuntimeError::Internal(format!("{at}: {m}")),
@@ -361,6 +371,95 @@ impl Runtime {
             }
         }
         Ok((out, snaps))
+    }
+
+    /// The volumes the image declares (its config's `Volumes`, a Dockerfile's `VOLUME`) that
+    /// no CRI mount covers, made as containerd makes them: each a writable directory of this
+    /// container alone, holding what the image has at that path (a database image's data
+    /// directory, owner and mode included), so it is writable under readOnlyRootFilesystem.
+    /// They are one writable snapshot of the image (`<id>-vols`), bound at each path: the
+    /// image's content is copied up only when written, and the snapshot goes with the
+    /// container. A path the image lacks is made (0755, root). Added to `out`'s mounts; the
+    /// snapshot's id, if one was made. `runtime.ignore_image_defined_volumes` turns it off.
+    async fn image_defined_volumes(
+        &self,
+        id: &str,
+        image: &vessel_images::ImageRecord,
+        out: &mut cri::ContainerConfig,
+    ) -> Result<Option<String>> {
+        if self.opts.ignore_image_defined_volumes {
+            return Ok(None);
+        }
+        let same = |a: &str, b: &str| Path::new(a).components().eq(Path::new(b).components());
+        let mut wanted: Vec<String> = Vec::new();
+        for p in image.run_config.volumes.iter().flat_map(|v| v.keys()) {
+            let path = Path::new(p);
+            let rel = path.strip_prefix("/").unwrap_or(path);
+            let named = rel
+                .components()
+                .any(|c| matches!(c, std::path::Component::Normal(_)));
+            if !path.is_absolute() || !named || !stays_below(rel) {
+                tracing::warn!(
+                    container = id,
+                    volume = p,
+                    "the image's volume is not an absolute path below / without `..`: not made"
+                );
+                continue;
+            }
+            // A CRI mount at the path (kubelet's volume there) takes its place.
+            let covered = out.mounts.iter().any(|m| same(&m.container_path, p));
+            if !covered && !wanted.iter().any(|w| same(w, p)) {
+                wanted.push(p.clone());
+            }
+        }
+        if wanted.is_empty() {
+            return Ok(None);
+        }
+        let (store, image, snap_id) = (self.store.clone(), image.clone(), format!("{id}-vols"));
+        let made = tokio::task::spawn_blocking(move || {
+            let snap = store
+                .prepare_snapshot(&snap_id, &image)
+                .map_err(internal("the image's volumes"))?;
+            let mounts = snap
+                .mount_overlay()
+                .map_err(internal("the image's volumes"))
+                .and_then(|root| {
+                    wanted
+                        .iter()
+                        .map(|p| {
+                            let host = volume_dir(&root, p).map_err(|e| {
+                                let at = format!("the image's volume {p:?}");
+                                match e {
+                                    SubPathError::Bad(m) | SubPathError::Missing(m) => {
+                                        RuntimeError::InvalidArgument(format!("{at} {m}"))
+                                    }
+                                    SubPathError::Node(m) => {
+                                        RuntimeError::Internal(format!("{at}: {m}"))
+                                    }
+                                }
+                            })?;
+                            Ok(cri::Mount {
+                                container_path: p.clone(),
+                                host_path: host,
+                                ..Default::default()
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()
+                });
+            match mounts {
+                Ok(m) => Ok((snap_id, m)),
+                Err(e) => {
+                    let _ = store.remove_snapshot(&snap_id);
+                    Err(e)
+                }
+            }
+        })
+        .await
+        .map_err(internal("the image's volumes"))??;
+        let (snap_id, mounts) = made;
+        tracing::debug!(container = id, volumes = ?mounts.iter().map(|m| &m.container_path).collect::<Vec<_>>(), "the image's volumes made");
+        out.mounts.extend(mounts);
+        Ok(Some(snap_id))
     }
 
     /// The host paths of mounts with `selinux_relabel` get the container's file label, where
@@ -1076,6 +1175,8 @@ fn container_log_path(log_directory: &str, log_path: &str) -> Result<String> {
 #[derive(Debug)]
 enum SubPathError {
     Bad(String),
+    /// It is not in the image (a request's fault too).
+    Missing(String),
     Node(String),
 }
 
@@ -1118,7 +1219,7 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
         }
     }
     .map_err(|e| match e {
-        Errno::NOENT | Errno::NOTDIR => Bad("does not exist in the image".into()),
+        Errno::NOENT | Errno::NOTDIR => SubPathError::Missing("does not exist in the image".into()),
         Errno::LOOP => Bad("is a loop of symlinks in the image".into()),
         Errno::NAMETOOLONG => Bad("is too long a path".into()),
         Errno::NOSYS => {
@@ -1146,6 +1247,41 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
         .into_os_string()
         .into_string()
         .map_err(|p| Bad(format!("resolves to a name that is not UTF-8: {p:?}")))
+}
+
+/// The directory of the image's volume at `vol` (absolute, below `/`, without `..`) in the
+/// image mounted writable at `root`, as a path under `root`: resolved inside the image as
+/// [`image_sub_path`] resolves; each missing directory on the way made (0755).
+fn volume_dir(root: &Path, vol: &str) -> std::result::Result<String, SubPathError> {
+    let mut at = std::path::PathBuf::from(".");
+    let mut parent = image_sub_path(root, ".")?;
+    for c in Path::new(vol).components() {
+        let std::path::Component::Normal(name) = c else {
+            continue;
+        };
+        at.push(name);
+        let rel = at.to_string_lossy().to_string();
+        parent = match image_sub_path(root, &rel) {
+            Ok(p) => p,
+            Err(SubPathError::Missing(_)) => {
+                // The parent was just resolved inside the image (no link left to follow);
+                // mkdir does not follow a link at its last component.
+                let made = Path::new(&parent).join(name);
+                rustix::fs::mkdir(&made, rustix::fs::Mode::from_raw_mode(0o755)).map_err(
+                    |e| match e {
+                        // A link to nothing, or a file on the way.
+                        rustix::io::Errno::EXIST | rustix::io::Errno::NOTDIR => SubPathError::Bad(
+                            format!("cannot be made: {rel:?} is a dangling link or below a file in the image"),
+                        ),
+                        e => SubPathError::Node(format!("making {made:?}: {e}")),
+                    },
+                )?;
+                image_sub_path(root, &rel)?
+            }
+            Err(e) => return Err(e),
+        };
+    }
+    Ok(parent)
 }
 
 /// How ContainerStatus names an image (its `image_ref`, and an image volume's): its first
@@ -1266,6 +1402,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn image_volume_dirs_are_made_inside_the_image() {
+        let (_t, root) = crate::testing::temp_path("image");
+        std::fs::create_dir_all(root.join("usr/share")).unwrap();
+        std::fs::write(root.join("usr/file"), "x").unwrap();
+        std::os::unix::fs::symlink("/usr/share", root.join("share")).unwrap();
+        std::os::unix::fs::symlink("../../../../../../tmp", root.join("up")).unwrap();
+        std::os::unix::net::UnixListener::bind(root.join("sock")).unwrap();
+        let real = std::fs::canonicalize(&root).unwrap();
+        let made = |vol: &str| volume_dir(&root, vol).map(std::path::PathBuf::from);
+        assert_eq!(made("/usr/share").unwrap(), real.join("usr/share"));
+        // Missing directories are made, 0755, through the image's own links.
+        assert_eq!(made("/var/lib/db").unwrap(), real.join("var/lib/db"));
+        let mode = std::fs::metadata(real.join("var/lib"))
+            .unwrap()
+            .permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o755
+        );
+        assert_eq!(made("/share/x/y").unwrap(), real.join("usr/share/x/y"));
+        // A link that climbs out, a file on the way, a socket: refused, nothing made outside.
+        for (vol, want) in [
+            ("/up/vessel-volume-test", "dangling link"),
+            ("/usr/file/x", "below a file"),
+            ("/sock", "not a directory or a regular file"),
+        ] {
+            match made(vol) {
+                Err(SubPathError::Bad(m)) => assert!(m.contains(want), "{vol}: {m}"),
+                other => panic!("{vol}: {other:?}"),
+            }
+        }
+        assert!(!Path::new("/tmp/vessel-volume-test").exists());
+    }
+
+    #[test]
     fn image_sub_paths_resolve_inside_the_image() {
         let (_t, root) = crate::testing::temp_path("image");
         std::fs::create_dir_all(root.join("usr/share/data")).unwrap();
@@ -1290,7 +1461,7 @@ mod tests {
         assert_eq!(found("share/data").unwrap(), real.join("usr/share/data"));
         // Links that climb out stop at the image's root: the host's /etc is never reached.
         let bad = |sub: &str| match image_sub_path(&root, sub) {
-            Err(SubPathError::Bad(m)) => m,
+            Err(SubPathError::Bad(m) | SubPathError::Missing(m)) => m,
             other => panic!("{sub}: {other:?}"),
         };
         for (sub, want) in [

@@ -151,6 +151,7 @@ fn options(root: &Path, default_handler: &str, vm_ready: bool) -> RuntimeOptions
         cgroups: crate::sandbox::cgroup::Driver::Cgroupfs,
         cdi_spec_dirs: Vec::new(),
         criu: true,
+        ignore_image_defined_volumes: false,
     }
 }
 

@@ -64,6 +64,8 @@ pub struct RuntimeOptions {
     pub cdi_spec_dirs: Vec<PathBuf>,
     /// CheckpointContainer and restores (`runtime.enable_criu_support`).
     pub criu: bool,
+    /// The image's declared volumes are not made (`runtime.ignore_image_defined_volumes`).
+    pub ignore_image_defined_volumes: bool,
 }
 
 /// A container in memory: its record and the lock that orders its operations.
