@@ -2406,6 +2406,44 @@ async fn image_defined_volumes_are_the_containers_own() {
     assert_eq!(r.stdout, b"a\n");
     assert!(std::fs::read_dir(host.path()).unwrap().count() == 1);
     h.remove_pod(&pod).await;
+    // In a pod with its own user namespace the image's owners show as in the image.
+    let map = cri::IdMapping {
+        container_id: 0,
+        host_id: 300_000,
+        length: 65536,
+    };
+    let upcfg = with_userns(
+        h.pod_config("imgdefvol-userns"),
+        cri::NamespaceMode::Pod,
+        vec![map],
+    );
+    let upod =
+        h.c.run_pod(&upcfg, &handler())
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", h.v.log()));
+    let mut ucfg = cfg(&h, &image, "u");
+    ucfg.mounts.clear();
+    if let Some(sc) = ucfg
+        .linux
+        .as_mut()
+        .and_then(|l| l.security_context.as_mut())
+    {
+        sc.namespace_options = Some(cri::NamespaceOption {
+            userns_options: pod_userns(&upcfg),
+            ..Default::default()
+        });
+        sc.run_as_user = Some(cri::Int64Value { value: 1000 });
+    }
+    let (_u, out) = h
+        .run_and_sh(
+            &upod,
+            &upcfg,
+            ucfg,
+            "id -u; stat -c '%u:%g' /data/seed; echo c > /data/new && cat /data/new",
+        )
+        .await;
+    assert_eq!(out, "1000\n1000:1000\nc\n", "{}", h.v.log());
+    h.remove_pod(&upod).await;
     h.assert_clean();
     drop(h);
     // Turned off (flat: a VM harness's config has its own [runtime]).

@@ -195,7 +195,10 @@ impl Runtime {
         // Image volumes become read-only host directories; from here on both backends see
         // plain bind mounts (a VM pod shares them into its guest like any host path).
         let (mut volumes, mut volume_snapshots) = self.image_volumes(id, &mut config).await?;
-        match self.image_defined_volumes(id, &image, &mut volumes).await {
+        match self
+            .image_defined_volumes(id, &prec.config, &image, &mut volumes)
+            .await
+        {
             Ok(Some(snap)) => volume_snapshots.push(snap),
             Ok(None) => {}
             Err(e) => {
@@ -375,21 +378,27 @@ impl Runtime {
 
     /// The volumes the image declares (its config's `Volumes`, a Dockerfile's `VOLUME`) that
     /// no CRI mount covers, made as containerd makes them: each a writable directory of this
-    /// container alone, holding what the image has at that path (a database image's data
-    /// directory, owner and mode included), so it is writable under readOnlyRootFilesystem.
-    /// They are one writable snapshot of the image (`<id>-vols`), bound at each path: the
-    /// image's content is copied up only when written, and the snapshot goes with the
-    /// container. A path the image lacks is made (0755, root). Added to `out`'s mounts; the
-    /// snapshot's id, if one was made. `runtime.ignore_image_defined_volumes` turns it off.
+    /// container alone, filled with a copy of what the image has at that path (a database
+    /// image's data directory, owners and modes included), so it is writable under
+    /// readOnlyRootFilesystem. A path the image lacks is an empty directory (0755, root).
+    /// They are plain directories (an idmapped mount of an overlay is refused before Linux
+    /// 6.x) in a snapshot of the image (`<id>-vols`) that goes with the container. Added to
+    /// `out`'s mounts; the snapshot's id, if one was made.
+    /// `runtime.ignore_image_defined_volumes` turns it off.
     async fn image_defined_volumes(
         &self,
         id: &str,
+        pod: &cri::PodSandboxConfig,
         image: &vessel_images::ImageRecord,
         out: &mut cri::ContainerConfig,
     ) -> Result<Option<String>> {
         if self.opts.ignore_image_defined_volumes {
             return Ok(None);
         }
+        // In a pod with its own user namespace they are mapped as kubelet's volumes are (the
+        // pod's mappings): the image's owners show as in the container's root filesystem.
+        let userns = crate::userns::of_pod(pod)
+            .map_err(|e| RuntimeError::InvalidArgument(format!("pod user namespace: {e}")))?;
         let same = |a: &str, b: &str| Path::new(a).components().eq(Path::new(b).components());
         let mut wanted: Vec<String> = Vec::new();
         for p in image.run_config.volumes.iter().flat_map(|v| v.keys()) {
@@ -420,31 +429,45 @@ impl Runtime {
             let snap = store
                 .prepare_snapshot(&snap_id, &image)
                 .map_err(internal("the image's volumes"))?;
+            let base = snap.dir.join("volumes");
             let mounts = snap
-                .mount_overlay()
+                .mount_overlay_readonly()
                 .map_err(internal("the image's volumes"))
                 .and_then(|root| {
-                    wanted
+                    let made = wanted
                         .iter()
-                        .map(|p| {
-                            let host = volume_dir(&root, p).map_err(|e| {
-                                let at = format!("the image's volume {p:?}");
-                                match e {
-                                    SubPathError::Bad(m) | SubPathError::Missing(m) => {
-                                        RuntimeError::InvalidArgument(format!("{at} {m}"))
-                                    }
-                                    SubPathError::Node(m) => {
-                                        RuntimeError::Internal(format!("{at}: {m}"))
-                                    }
+                        .enumerate()
+                        .map(|(n, p)| {
+                            let at = format!("the image's volume {p:?}");
+                            let dir = base.join(n.to_string());
+                            let from = match image_sub_path(&root, &format!(".{p}")) {
+                                Ok(from) => Some(from),
+                                Err(SubPathError::Missing(_)) => None,
+                                Err(SubPathError::Bad(m)) => {
+                                    return Err(RuntimeError::InvalidArgument(format!("{at} {m}")))
                                 }
-                            })?;
+                                Err(SubPathError::Node(m)) => {
+                                    return Err(RuntimeError::Internal(format!("{at}: {m}")))
+                                }
+                            };
+                            std::fs::create_dir_all(&base)
+                                .and_then(|()| match &from {
+                                    Some(from) => copy_volume(Path::new(from), &dir),
+                                    None => std::fs::create_dir(&dir),
+                                })
+                                .map_err(internal(at))?;
                             Ok(cri::Mount {
                                 container_path: p.clone(),
-                                host_path: host,
+                                host_path: dir.display().to_string(),
+                                uid_mappings: userns.iter().map(|u| u.uid).collect(),
+                                gid_mappings: userns.iter().map(|u| u.gid).collect(),
                                 ..Default::default()
                             })
                         })
-                        .collect::<Result<Vec<_>>>()
+                        .collect::<Result<Vec<_>>>();
+                    // Read for the copy only.
+                    snap.unmount().map_err(internal("the image's volumes"))?;
+                    made
                 });
             match mounts {
                 Ok(m) => Ok((snap_id, m)),
@@ -1249,39 +1272,33 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
         .map_err(|p| Bad(format!("resolves to a name that is not UTF-8: {p:?}")))
 }
 
-/// The directory of the image's volume at `vol` (absolute, below `/`, without `..`) in the
-/// image mounted writable at `root`, as a path under `root`: resolved inside the image as
-/// [`image_sub_path`] resolves; each missing directory on the way made (0755).
-fn volume_dir(root: &Path, vol: &str) -> std::result::Result<String, SubPathError> {
-    let mut at = std::path::PathBuf::from(".");
-    let mut parent = image_sub_path(root, ".")?;
-    for c in Path::new(vol).components() {
-        let std::path::Component::Normal(name) = c else {
-            continue;
-        };
-        at.push(name);
-        let rel = at.to_string_lossy().to_string();
-        parent = match image_sub_path(root, &rel) {
-            Ok(p) => p,
-            Err(SubPathError::Missing(_)) => {
-                // The parent was just resolved inside the image (no link left to follow);
-                // mkdir does not follow a link at its last component.
-                let made = Path::new(&parent).join(name);
-                rustix::fs::mkdir(&made, rustix::fs::Mode::from_raw_mode(0o755)).map_err(
-                    |e| match e {
-                        // A link to nothing, or a file on the way.
-                        rustix::io::Errno::EXIST | rustix::io::Errno::NOTDIR => SubPathError::Bad(
-                            format!("cannot be made: {rel:?} is a dangling link or below a file in the image"),
-                        ),
-                        e => SubPathError::Node(format!("making {made:?}: {e}")),
-                    },
-                )?;
-                image_sub_path(root, &rel)?
-            }
-            Err(e) => return Err(e),
-        };
+/// Copies `from` (a directory or file of an image's read-only mount) to `to`, which must not
+/// exist: directories, regular files and symlinks (never followed), with their owners and
+/// modes; a hard link becomes a copy; device nodes, FIFOs and sockets are left out, as an
+/// image volume's content has none worth a copy.
+fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::symlink_metadata(from)?;
+    let kind = meta.file_type();
+    if kind.is_symlink() {
+        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)?;
+        return std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()));
     }
-    Ok(parent)
+    if kind.is_dir() {
+        std::fs::create_dir(to)?;
+        for entry in std::fs::read_dir(from)? {
+            let entry = entry?;
+            copy_volume(&entry.path(), &to.join(entry.file_name()))?;
+        }
+    } else if kind.is_file() {
+        std::fs::copy(from, to)?;
+    } else {
+        tracing::debug!(path = %from.display(), "not a directory, file or link: not copied into the volume");
+        return Ok(());
+    }
+    // Owner first: a chown clears set-id bits, which the mode then puts back.
+    std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()))?;
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
 }
 
 /// How ContainerStatus names an image (its `image_ref`, and an image volume's): its first
@@ -1402,38 +1419,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn image_volume_dirs_are_made_inside_the_image() {
-        let (_t, root) = crate::testing::temp_path("image");
-        std::fs::create_dir_all(root.join("usr/share")).unwrap();
-        std::fs::write(root.join("usr/file"), "x").unwrap();
-        std::os::unix::fs::symlink("/usr/share", root.join("share")).unwrap();
-        std::os::unix::fs::symlink("../../../../../../tmp", root.join("up")).unwrap();
-        std::os::unix::net::UnixListener::bind(root.join("sock")).unwrap();
-        let real = std::fs::canonicalize(&root).unwrap();
-        let made = |vol: &str| volume_dir(&root, vol).map(std::path::PathBuf::from);
-        assert_eq!(made("/usr/share").unwrap(), real.join("usr/share"));
-        // Missing directories are made, 0755, through the image's own links.
-        assert_eq!(made("/var/lib/db").unwrap(), real.join("var/lib/db"));
-        let mode = std::fs::metadata(real.join("var/lib"))
-            .unwrap()
-            .permissions();
+    fn image_volumes_copy_owners_modes_and_links() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let (_t, from) = crate::testing::temp_path("from");
+        std::fs::create_dir_all(from.join("sub")).unwrap();
+        std::fs::write(from.join("sub/f"), "data").unwrap();
+        std::os::unix::fs::chown(from.join("sub/f"), Some(1000), Some(1001)).unwrap();
+        std::fs::set_permissions(from.join("sub/f"), std::fs::Permissions::from_mode(0o4750))
+            .unwrap();
+        std::fs::set_permissions(&from, std::fs::Permissions::from_mode(0o1770)).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", from.join("link")).unwrap();
+        std::os::unix::net::UnixListener::bind(from.join("sock")).unwrap();
+        let (_u, to) = crate::testing::temp_path("to");
+        copy_volume(&from, &to).unwrap();
+        let f = std::fs::metadata(to.join("sub/f")).unwrap();
+        assert_eq!((f.uid(), f.gid(), f.mode() & 0o7777), (1000, 1001, 0o4750));
+        assert_eq!(std::fs::read_to_string(to.join("sub/f")).unwrap(), "data");
+        assert_eq!(std::fs::metadata(&to).unwrap().mode() & 0o7777, 0o1770);
+        // The link is copied as it is, never followed.
         assert_eq!(
-            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
-            0o755
+            std::fs::read_link(to.join("link")).unwrap(),
+            Path::new("/etc/passwd")
         );
-        assert_eq!(made("/share/x/y").unwrap(), real.join("usr/share/x/y"));
-        // A link that climbs out, a file on the way, a socket: refused, nothing made outside.
-        for (vol, want) in [
-            ("/up/vessel-volume-test", "dangling link"),
-            ("/usr/file/x", "below a file"),
-            ("/sock", "not a directory or a regular file"),
-        ] {
-            match made(vol) {
-                Err(SubPathError::Bad(m)) => assert!(m.contains(want), "{vol}: {m}"),
-                other => panic!("{vol}: {other:?}"),
-            }
-        }
-        assert!(!Path::new("/tmp/vessel-volume-test").exists());
+        assert!(!to.join("sock").exists());
+        // A file volume is a file.
+        let (_v, file) = crate::testing::temp_path("file");
+        copy_volume(&from.join("sub/f"), &file).unwrap();
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "data");
     }
 
     #[test]
