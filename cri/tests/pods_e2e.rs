@@ -80,6 +80,20 @@ impl H {
             .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.v.log()));
         (id, cfg)
     }
+    /// RunPodSandbox of a pod with a user namespace of its own (POD mode) mapped by `map`.
+    async fn run_userns_pod(
+        &mut self,
+        name: &str,
+        map: cri::IdMapping,
+    ) -> (String, cri::PodSandboxConfig) {
+        let cfg = with_userns(self.pod_config(name), cri::NamespaceMode::Pod, vec![map]);
+        let id = self
+            .c
+            .run_pod(&cfg, &handler())
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.v.log()));
+        (id, cfg)
+    }
     fn ctr_config(&self, name: &str, script: &str) -> cri::ContainerConfig {
         cri::ContainerConfig {
             labels: HashMap::from([("ctr".to_string(), name.to_string())]),
@@ -2412,15 +2426,7 @@ async fn image_defined_volumes_are_the_containers_own() {
         host_id: 300_000,
         length: 65536,
     };
-    let upcfg = with_userns(
-        h.pod_config("imgdefvol-userns"),
-        cri::NamespaceMode::Pod,
-        vec![map],
-    );
-    let upod =
-        h.c.run_pod(&upcfg, &handler())
-            .await
-            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", h.v.log()));
+    let (upod, upcfg) = h.run_userns_pod("imgdefvol-userns", map).await;
     let mut ucfg = cfg(&h, &image, "u");
     ucfg.mounts.clear();
     if let Some(sc) = ucfg
@@ -3013,15 +3019,7 @@ async fn user_namespaces_map_the_pod_its_rootfs_and_volumes() {
         .expect("NODE mode runs");
     h.c.stop_and_remove_pod(&node).await.unwrap();
 
-    let pcfg = with_userns(
-        h.pod_config("userns-pod"),
-        cri::NamespaceMode::Pod,
-        vec![map],
-    );
-    let pod =
-        h.c.run_pod(&pcfg, &handler())
-            .await
-            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", h.v.log()));
+    let (pod, pcfg) = h.run_userns_pod("userns-pod", map).await;
     let vol = tempfile::tempdir().unwrap();
     std::fs::write(vol.path().join("from-host"), "x").unwrap();
     let ns = |pid: cri::NamespaceMode| {

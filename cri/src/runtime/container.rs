@@ -202,9 +202,7 @@ impl Runtime {
             Ok(Some(snap)) => volume_snapshots.push(snap),
             Ok(None) => {}
             Err(e) => {
-                for s in &volume_snapshots {
-                    let _ = self.store.remove_snapshot(s);
-                }
+                self.discard_snapshots(&volume_snapshots);
                 return Err(e);
             }
         }
@@ -219,9 +217,7 @@ impl Runtime {
         let snaps = made.volume_snapshots.clone();
         let res = self.create_made(pod, prec, id, key, made).await;
         if res.is_err() {
-            for s in &snaps {
-                let _ = self.store.remove_snapshot(s);
-            }
+            self.discard_snapshots(&snaps);
         }
         res
     }
@@ -366,9 +362,7 @@ impl Runtime {
                     }
                 }
                 Err(e) => {
-                    for s in &snaps {
-                        let _ = self.store.remove_snapshot(s);
-                    }
+                    self.discard_snapshots(&snaps);
                     return Err(e);
                 }
             }
@@ -399,7 +393,6 @@ impl Runtime {
         // pod's mappings): the image's owners show as in the container's root filesystem.
         let userns = crate::userns::of_pod(pod)
             .map_err(|e| RuntimeError::InvalidArgument(format!("pod user namespace: {e}")))?;
-        let same = |a: &str, b: &str| Path::new(a).components().eq(Path::new(b).components());
         let mut wanted: Vec<String> = Vec::new();
         for p in image.run_config.volumes.iter().flat_map(|v| v.keys()) {
             let path = Path::new(p);
@@ -415,9 +408,14 @@ impl Runtime {
                 );
                 continue;
             }
-            // A CRI mount at the path (kubelet's volume there) takes its place.
-            let covered = out.mounts.iter().any(|m| same(&m.container_path, p));
-            if !covered && !wanted.iter().any(|w| same(w, p)) {
+            // A CRI mount at the path (kubelet's volume there) takes its place, compared as
+            // the spec places mounts.
+            let at = spec::clean_path(p);
+            let covered = out
+                .mounts
+                .iter()
+                .any(|m| spec::clean_path(&m.container_path) == at);
+            if !covered && !wanted.iter().any(|w| spec::clean_path(w) == at) {
                 wanted.push(p.clone());
             }
         }
@@ -425,14 +423,17 @@ impl Runtime {
             return Ok(None);
         }
         let (store, image, snap_id) = (self.store.clone(), image.clone(), format!("{id}-vols"));
-        let made = tokio::task::spawn_blocking(move || {
+        let (snap_id, mounts) = tokio::task::spawn_blocking(move || {
             let snap = store
                 .prepare_snapshot(&snap_id, &image)
                 .map_err(internal("the image's volumes"))?;
             let base = snap.dir.join("volumes");
-            let mounts = snap
-                .mount_overlay_readonly()
+            let mounts = std::fs::create_dir(&base)
                 .map_err(internal("the image's volumes"))
+                .and_then(|()| {
+                    snap.mount_overlay_readonly()
+                        .map_err(internal("the image's volumes"))
+                })
                 .and_then(|root| {
                     let made = wanted
                         .iter()
@@ -450,12 +451,11 @@ impl Runtime {
                                     return Err(RuntimeError::Internal(format!("{at}: {m}")))
                                 }
                             };
-                            std::fs::create_dir_all(&base)
-                                .and_then(|()| match &from {
-                                    Some(from) => copy_volume(Path::new(from), &dir),
-                                    None => std::fs::create_dir(&dir),
-                                })
-                                .map_err(internal(at))?;
+                            match &from {
+                                Some(from) => copy_volume(Path::new(from), &dir),
+                                None => std::fs::create_dir(&dir),
+                            }
+                            .map_err(internal(at))?;
                             Ok(cri::Mount {
                                 container_path: p.clone(),
                                 host_path: dir.display().to_string(),
@@ -479,7 +479,6 @@ impl Runtime {
         })
         .await
         .map_err(internal("the image's volumes"))??;
-        let (snap_id, mounts) = made;
         tracing::debug!(container = id, volumes = ?mounts.iter().map(|m| &m.container_path).collect::<Vec<_>>(), "the image's volumes made");
         out.mounts.extend(mounts);
         Ok(Some(snap_id))

@@ -275,6 +275,15 @@ fn matches_labels(labels: &HashMap<String, String>, selector: &HashMap<String, S
 }
 
 impl Runtime {
+    /// Removes snapshots `ids` on a path that is already failing or cleaning up: one that
+    /// cannot be removed now is left to the next start's sweep of snapshots without a
+    /// container.
+    fn discard_snapshots<'a>(&self, ids: impl IntoIterator<Item = &'a String>) {
+        for s in ids {
+            let _ = self.store.remove_snapshot(s);
+        }
+    }
+
     pub async fn open(opts: RuntimeOptions, store: Arc<ImageStore>) -> Result<Arc<Runtime>> {
         let dirs = StateDirs::new(&opts.root_dir, &opts.state_dir).map_err(internal("state"))?;
         let backends = Backends {

@@ -282,9 +282,7 @@ impl Runtime {
             // the pod's host process).
             for c in self.dirs.load_containers() {
                 if c.pod_id == rec.id {
-                    for s in c.snapshots() {
-                        let _ = self.store.remove_snapshot(s);
-                    }
+                    self.discard_snapshots(c.snapshots());
                     let _ = self.dirs.delete_container(&c.id);
                 }
             }

@@ -104,9 +104,7 @@ impl Runtime {
             }
             let Ok(pod) = self.pod(&rec.pod_id) else {
                 tracing::info!(container = %rec.id, "removing container of a pod that no longer exists");
-                for s in rec.snapshots() {
-                    let _ = self.store.remove_snapshot(s);
-                }
+                self.discard_snapshots(rec.snapshots());
                 let _ = self.dirs.delete_container(&rec.id);
                 continue;
             };
@@ -146,9 +144,7 @@ impl Runtime {
                             .await;
                     }
                 }
-                for s in rec.snapshots() {
-                    let _ = self.store.remove_snapshot(s);
-                }
+                self.discard_snapshots(rec.snapshots());
                 let _ = self.dirs.delete_container(&rec.id);
                 continue;
             }
