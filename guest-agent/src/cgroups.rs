@@ -9,6 +9,65 @@ use std::path::{Path, PathBuf};
 
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
+/// How long [`Cgroup::signal_all`] waits for a cgroup to freeze before it signals anyway (a
+/// task in uninterruptible sleep, or a vfork parent, can hold a cgroup in FREEZING).
+const FREEZE_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// A cgroup's freezer file.
+enum Freezer {
+    /// v1's `freezer.state`: THAWED, FREEZING or FROZEN.
+    V1(PathBuf),
+    /// v2's `cgroup.freeze` (0 or 1); `cgroup.events` says when it is done (`frozen 1`).
+    V2(PathBuf),
+}
+
+impl Freezer {
+    /// Whether the cgroup is frozen, or being frozen, at its own request.
+    fn frozen(&self) -> bool {
+        match self {
+            Freezer::V1(f) => std::fs::read_to_string(f).is_ok_and(|s| s.trim() != "THAWED"),
+            Freezer::V2(f) => std::fs::read_to_string(f).is_ok_and(|s| s.trim() == "1"),
+        }
+    }
+
+    /// Freezes the cgroup and waits up to `wait` for every task to be frozen; true if it was
+    /// asked to freeze (so must be thawed), whether or not it got there in time.
+    fn freeze(&self, wait: std::time::Duration) -> bool {
+        let (file, value) = match self {
+            Freezer::V1(f) => (f, "FROZEN"),
+            Freezer::V2(f) => (f, "1"),
+        };
+        if std::fs::write(file, value).is_err() {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let done = match self {
+                Freezer::V1(f) => std::fs::read_to_string(f).is_ok_and(|s| s.trim() == "FROZEN"),
+                Freezer::V2(f) => f
+                    .parent()
+                    .map(|d| d.join("cgroup.events"))
+                    .and_then(|e| std::fs::read_to_string(e).ok())
+                    .is_some_and(|e| e.lines().any(|l| l == "frozen 1")),
+            };
+            if done || std::time::Instant::now() >= deadline {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    fn thaw(&self) {
+        let (file, value) = match self {
+            Freezer::V1(f) => (f, "THAWED"),
+            Freezer::V2(f) => (f, "0"),
+        };
+        if let Err(e) = std::fs::write(file, value) {
+            tracing::warn!(file = %file.display(), error = %e, "cannot thaw a cgroup");
+        }
+    }
+}
+
 /// A container's cgroup directories.
 #[derive(Debug, Clone)]
 pub struct Cgroup {
@@ -355,9 +414,42 @@ impl Cgroup {
         pids
     }
 
+    /// The cgroup's freezer: v1's `freezer.state`, v2's `cgroup.freeze` (None: no freezer
+    /// here, a kernel without one or a cgroup not made yet).
+    fn freezer(&self) -> Option<Freezer> {
+        if self.unified {
+            let f = self.v2().join("cgroup.freeze");
+            f.exists().then_some(Freezer::V2(f))
+        } else {
+            let f = self.v1("freezer")?.join("freezer.state");
+            f.exists().then_some(Freezer::V1(f))
+        }
+    }
+
+    /// Sends `sig` to every process in the cgroup at one instant, as runc signals all of a
+    /// container's processes: the cgroup is frozen while the signal goes out, so that no
+    /// process forks a child past it (a shell's loop of `cmd &` outran a list-then-signal
+    /// pass), then thawed. A cgroup that was frozen before stays so, except for SIGKILL (a
+    /// process in a frozen v1 cgroup cannot die). Returns how many processes were signalled.
+    pub fn signal_all(&self, sig: nix::sys::signal::Signal) -> usize {
+        let freezer = self.freezer();
+        let was_frozen = freezer.as_ref().is_some_and(Freezer::frozen);
+        let froze = !was_frozen && freezer.as_ref().is_some_and(|f| f.freeze(FREEZE_WAIT));
+        let pids = self.procs();
+        for &p in &pids {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), sig);
+        }
+        if let Some(f) = &freezer {
+            if froze || (was_frozen && sig == nix::sys::signal::SIGKILL) {
+                f.thaw();
+            }
+        }
+        pids.len()
+    }
+
     /// SIGKILLs every process in the cgroup (cgroup v2's `cgroup.kill` where the kernel has
-    /// it, else each pid listed, again while any is) until none is left or `limit` has
-    /// passed; true if none is.
+    /// it, else [`Self::signal_all`], again while any is left) until none is left or `limit`
+    /// has passed; true if none is.
     pub async fn kill_all(&self, limit: std::time::Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
         // cgroup v2: `cgroup.kill` reaches the cgroups below it too (a container that made
@@ -377,19 +469,13 @@ impl Cgroup {
             }
         }
         loop {
-            let left = self.procs();
-            if left.is_empty() {
+            if self.procs().is_empty() {
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
                 return false;
             }
-            for p in left {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(p),
-                    nix::sys::signal::SIGKILL,
-                );
-            }
+            self.signal_all(nix::sys::signal::SIGKILL);
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
     }
@@ -524,6 +610,112 @@ mod tests {
         assert_eq!(find("memory"), Some("/sys/fs/cgroup/memory".into()));
         assert_eq!(find("pids"), None);
         assert_eq!(find("nsdelegate"), None);
+    }
+
+    /// A shell forking children as fast as it can is gone after one `kill_all`, which leaves
+    /// its cgroup thawed; a cgroup frozen before stays frozen for a signal other than SIGKILL.
+    #[tokio::test]
+    async fn signals_reach_a_forking_cgroup_frozen() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: making cgroups needs root");
+            return;
+        }
+        let rel = format!("vessel-test-freeze-{}", std::process::id());
+        let cg = Cgroup::new(Path::new(&rel));
+        let dirs: Vec<PathBuf> = if cg.unified {
+            vec![cg.v2()]
+        } else {
+            ["freezer", "pids"]
+                .iter()
+                .filter_map(|c| cg.v1(c))
+                .collect()
+        };
+        /// Whatever the test's end, nothing is left: thawed, killed, removed.
+        struct Gone(Vec<PathBuf>);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                for d in &self.0 {
+                    let _ = std::fs::write(d.join("freezer.state"), "THAWED");
+                    let _ = std::fs::write(d.join("cgroup.freeze"), "0");
+                    let _ = std::fs::write(d.join("cgroup.kill"), "1");
+                }
+                for _ in 0..100 {
+                    for d in &self.0 {
+                        let procs = std::fs::read_to_string(d.join("cgroup.procs"));
+                        for p in procs.unwrap_or_default().lines() {
+                            if let Ok(p) = p.parse::<i32>() {
+                                let _ = nix::sys::signal::kill(
+                                    nix::unistd::Pid::from_raw(p),
+                                    nix::sys::signal::SIGKILL,
+                                );
+                            }
+                        }
+                    }
+                    if self
+                        .0
+                        .iter()
+                        .all(|d| std::fs::remove_dir(d).is_ok() || !d.exists())
+                    {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+        }
+        for d in &dirs {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let _gone = Gone(dirs.clone());
+        let Some(freezer) = cg.freezer() else {
+            eprintln!("skipped: no cgroup freezer here");
+            return;
+        };
+        let pids_max = dirs.iter().map(|d| d.join("pids.max")).find(|p| p.exists());
+        if let Some(m) = &pids_max {
+            std::fs::write(m, "300").unwrap();
+        }
+        // Each shell waits for a line on stdin, sent once it is in the cgroup.
+        let spawn = |script: &str| {
+            let mut child = std::process::Command::new("sh")
+                .args(["-c", &format!("read go; {script}")])
+                .stdin(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            for d in &dirs {
+                std::fs::write(d.join("cgroup.procs"), child.id().to_string()).unwrap();
+            }
+            let mut go = child.stdin.take().unwrap();
+            std::io::Write::write_all(&mut go, b"go\n").unwrap();
+            child
+        };
+
+        let mut bomb = spawn("while :; do sleep 60 & done");
+        let t0 = std::time::Instant::now();
+        while cg.procs().len() < 50 && t0.elapsed() < std::time::Duration::from_secs(10) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(
+            cg.procs().len() >= 50,
+            "the shell forked: {:?}",
+            cg.procs().len()
+        );
+        assert!(cg.kill_all(std::time::Duration::from_secs(5)).await);
+        assert!(cg.procs().is_empty());
+        assert!(!freezer.frozen(), "left frozen");
+        let _ = bomb.wait();
+
+        let mut sleeper = spawn("trap '' TERM; exec sleep 60");
+        assert!(freezer.freeze(FREEZE_WAIT));
+        assert_eq!(cg.signal_all(nix::sys::signal::SIGTERM), 1);
+        assert!(freezer.frozen(), "a frozen cgroup was thawed for SIGTERM");
+        assert_eq!(cg.signal_all(nix::sys::signal::SIGKILL), 1);
+        assert!(!freezer.frozen());
+        let st = sleeper.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&st),
+            Some(nix::libc::SIGKILL)
+        );
     }
 
     #[test]

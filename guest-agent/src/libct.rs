@@ -907,12 +907,8 @@ fn discard_stateless(dir: &Path, id: &str) {
     if let Ok(config) = libcontainer::config::YoukiConfig::load(dir) {
         let procs = crate::cgroups::Cgroup::new(&config.cgroup_path);
         for _ in 0..50 {
-            let left = procs.procs();
-            if left.is_empty() {
+            if procs.signal_all(nix::sys::signal::SIGKILL) == 0 {
                 break;
-            }
-            for p in left {
-                let _ = nix::sys::signal::kill(Pid::from_raw(p), nix::sys::signal::SIGKILL);
             }
             std::thread::sleep(Duration::from_millis(100));
         }

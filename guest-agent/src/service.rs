@@ -531,9 +531,7 @@ impl AgentState {
                 Err(e) => {
                     // Made (or restored) and running, but with no terminal anyone could
                     // read: it goes, as a failed helper's container does.
-                    for p in c.cgroup.procs() {
-                        let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
-                    }
+                    c.cgroup.signal_all(Signal::SIGKILL);
                     let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
                     return Err(e);
                 }
@@ -654,9 +652,7 @@ impl AgentState {
             return Ok(());
         }
         if all {
-            for p in c.cgroup.procs() {
-                let _ = kill(Pid::from_raw(p), sig);
-            }
+            c.cgroup.signal_all(sig);
         }
         let sent = if all {
             kill(Pid::from_raw(c.pid()), sig)
