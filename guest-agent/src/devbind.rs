@@ -187,7 +187,7 @@ pub fn own_dev_mounts(mountinfo: &str) -> Vec<PathBuf> {
     let points: Vec<PathBuf> = mountinfo
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape(p)))
+        .map(|p| PathBuf::from(crate::mount_tree::unescape(p)))
         .filter(|p| below_dev(p))
         .collect();
     let mut out: Vec<PathBuf> = Vec::new();
@@ -198,29 +198,6 @@ pub fn own_dev_mounts(mountinfo: &str) -> Vec<PathBuf> {
         }
     }
     out
-}
-
-/// A mountinfo path with its `\ooo` escapes (space, tab, newline, backslash) undone.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let octal = b
-            .get(i + 1..i + 4)
-            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match (b[i], octal) {
-            (b'\\', Some(d)) => {
-                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
-                i += 4;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Puts [`split`]'s mounts in place in the mount namespace of the made, not yet started,
@@ -538,6 +515,6 @@ mod tests {
             .map(PathBuf::from)
             .collect();
         assert_eq!(got, want);
-        assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
+        assert_eq!(crate::mount_tree::unescape("/a\\040b\\134c"), "/a b\\c");
     }
 }

@@ -598,6 +598,7 @@ impl Runtime {
             }
         }
         make_missing_sources(key, &config.mounts)?;
+        check_propagation_sources(key, &config.mounts)?;
         let (mut spec, user) = spec::build(&SpecInput {
             pod: &prec.config,
             config: &volumes,
@@ -1413,9 +1414,141 @@ fn make_missing_sources(key: &str, mounts: &[cri::Mount]) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a volume whose propagation its host path's mount cannot give, as containerd
+/// does: Bidirectional needs a shared mount (else the container's mounts never reach the
+/// host: a CSI plugin's volume mounts would stay unseen by kubelet), HostToContainer a
+/// shared or slave one (else later host mounts never show). A systemd host's mounts are
+/// shared; kubelet makes its own directory shared. A missing path is left to the runtime.
+fn check_propagation_sources(key: &str, mounts: &[cri::Mount]) -> Result<()> {
+    use cri::MountPropagation as P;
+    let mut table: Option<Vec<vessel_agent::mount_tree::MountInfo>> = None;
+    for m in mounts {
+        let wants = P::try_from(m.propagation).unwrap_or(P::PropagationPrivate);
+        if wants == P::PropagationPrivate || m.host_path.is_empty() {
+            continue;
+        }
+        let Ok(real) = std::fs::canonicalize(&m.host_path) else {
+            continue;
+        };
+        let table = match &mut table {
+            Some(t) => t,
+            None => {
+                let text = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| {
+                    RuntimeError::Internal(format!("reading /proc/self/mountinfo: {e}"))
+                })?;
+                table.insert(vessel_agent::mount_tree::mountinfo(&text))
+            }
+        };
+        let Some(on) = vessel_agent::mount_tree::mount_of(table, &real) else {
+            continue;
+        };
+        let (ok, needs) = match wants {
+            P::PropagationBidirectional => (on.is_shared(), "shared"),
+            _ => (on.is_shared() || on.is_slave(), "shared or slave"),
+        };
+        if !ok {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CreateContainer {key:?}: the volume at {:?} asks for {} propagation, but its host path {:?} is on the mount {:?}, which is not {needs} (mount --make-rshared {:?} on the host)",
+                m.container_path,
+                if wants == P::PropagationBidirectional { "Bidirectional" } else { "HostToContainer" },
+                m.host_path,
+                on.mount_point,
+                on.mount_point,
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn propagation_needs_a_shared_or_slave_source() {
+        use cri::MountPropagation as P;
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: mounting needs root");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let (shared, slave, private) = (
+            t.path().join("sh"),
+            t.path().join("sl"),
+            t.path().join("pr"),
+        );
+        let sh = |cmd: String| {
+            let ok = std::process::Command::new("sh")
+                .args(["-c", &cmd])
+                .status()
+                .unwrap();
+            assert!(ok.success(), "{cmd}");
+        };
+        // Unmounted whatever the test's end.
+        struct Unmount(Vec<std::path::PathBuf>);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                for p in self.0.iter().rev() {
+                    let _ = rustix::mount::unmount(p, rustix::mount::UnmountFlags::DETACH);
+                }
+            }
+        }
+        let _u = Unmount(vec![shared.clone(), slave.clone(), private.clone()]);
+        for d in [&shared, &slave, &private] {
+            std::fs::create_dir(d).unwrap();
+        }
+        sh(format!(
+            "mount -t tmpfs t {0} && mount --make-shared {0} && mkdir {0}/in",
+            shared.display()
+        ));
+        sh(format!(
+            "mount --bind {} {1} && mount --make-slave {1}",
+            shared.display(),
+            slave.display()
+        ));
+        sh(format!(
+            "mount -t tmpfs t {0} && mount --make-private {0}",
+            private.display()
+        ));
+        let check = |path: &Path, p: P| {
+            let m = cri::Mount {
+                container_path: "/v".into(),
+                host_path: path.display().to_string(),
+                propagation: p as i32,
+                ..Default::default()
+            };
+            check_propagation_sources("c", &[m])
+        };
+        for p in [
+            P::PropagationPrivate,
+            P::PropagationHostToContainer,
+            P::PropagationBidirectional,
+        ] {
+            assert!(
+                check(&shared.join("in"), p).is_ok(),
+                "{p:?} on a shared mount"
+            );
+            assert!(
+                check(&private.join("missing"), p).is_ok(),
+                "{p:?} of a missing path"
+            );
+        }
+        assert!(check(&slave, P::PropagationHostToContainer).is_ok());
+        assert!(check(&private, P::PropagationPrivate).is_ok());
+        for (path, p) in [
+            (&slave, P::PropagationBidirectional),
+            (&private, P::PropagationBidirectional),
+            (&private, P::PropagationHostToContainer),
+        ] {
+            match check(path, p) {
+                Err(RuntimeError::FailedPrecondition(m)) => assert!(
+                    m.contains("\"/v\"") && m.contains(&path.display().to_string()),
+                    "{m}"
+                ),
+                other => panic!("{p:?} on {path:?}: {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn image_volumes_copy_owners_modes_and_links() {

@@ -236,6 +236,21 @@ async fn host_dev(c: Ctx) -> SpecResult {
     // container made it: removed at the end if this one did.
     let term_log = std::path::Path::new("/dev/termination-log");
     let _made_log = RemoveOnDrop((!term_log.exists()).then_some(term_log));
+    // HostToContainer needs the host's /dev shared or a slave, as containerd requires (a
+    // systemd host's is shared). Where it is private (this CI's hosts), the container is
+    // refused, naming the mount; the spec then makes /dev shared for its own run.
+    let _dev_private = if dev_is_private()? {
+        let e = c.c.create_container(&pod, &pcfg, cfg.clone()).await.err();
+        check!(
+            e.as_ref().map(|e| e.code()) == Some(tonic::Code::FailedPrecondition)
+                && e.as_ref().is_some_and(|e| e.message().contains("\"/dev\"")),
+            "HostToContainer of the host's private /dev: {e:?}"
+        );
+        super::container::mount("", std::path::Path::new("/dev"), "", libc::MS_SHARED)?;
+        Some(PrivateOnDrop("/dev"))
+    } else {
+        None
+    };
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     check!(term_log.is_file(), "no {term_log:?} mount point was made");
     let (entries_after, mounts_after) = (entries()?, mounts()?);
@@ -303,6 +318,30 @@ impl Drop for RemoveOnDrop {
         if let Some(p) = self.0 {
             let _ = std::fs::remove_file(p);
         }
+    }
+}
+
+/// Whether the host's /dev is a private mount (neither shared nor a slave).
+fn dev_is_private() -> Result<bool, Stop> {
+    let mi =
+        std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| Stop::Fail(e.to_string()))?;
+    let dev = mi.lines().rev().find_map(|l| {
+        let (head, _) = l.split_once(" - ")?;
+        let f: Vec<&str> = head.split(' ').collect();
+        (f.get(4) == Some(&"/dev")).then(|| f.get(6..).unwrap_or_default().to_vec())
+    });
+    Ok(dev.is_some_and(|opt| {
+        !opt.iter()
+            .any(|o| o.starts_with("shared:") || o.starts_with("master:"))
+    }))
+}
+
+/// Makes a mount point private again (not recursively) when the spec ends, whichever way.
+struct PrivateOnDrop(&'static str);
+
+impl Drop for PrivateOnDrop {
+    fn drop(&mut self) {
+        let _ = super::container::mount("", std::path::Path::new(self.0), "", libc::MS_PRIVATE);
     }
 }
 
