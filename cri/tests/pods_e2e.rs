@@ -3483,6 +3483,29 @@ async fn checkpoint_a_running_container() {
     let stopped = "the counter stopped after the checkpoint";
     wait_count_past(&h, &id, before, Duration::from_secs(10), stopped).await;
 
+    // Nor one being stopped: StopContainer waits out its grace period (the shell, PID 1 of
+    // its pid namespace, ignores SIGTERM), and the checkpoint is refused meanwhile.
+    let mut rt = h.c.runtime.clone();
+    let stopping = tokio::spawn({
+        let id = id.clone();
+        async move {
+            rt.stop_container(cri::StopContainerRequest {
+                container_id: id,
+                timeout: 3,
+            })
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = dir.path().join("during.tar");
+    let e = h
+        .checkpoint(&id, during.to_str().unwrap(), 60)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("being stopped"), "{e}");
+    assert!(!during.exists());
+    stopping.await.unwrap().expect("StopContainer");
     // A stopped container has nothing to dump.
     h.stop(&id, 0).await;
     let again = dir.path().join("again.tar");

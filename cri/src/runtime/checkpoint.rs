@@ -153,6 +153,17 @@ impl Job {
                 rec.state
             )));
         }
+        // A StopContainer waiting out its grace period has signalled it: its processes
+        // are shutting down, and a restore would bring back a container on its way out.
+        if self
+            .ctr
+            .stop_signalled
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "CheckpointContainer: container {id} is being stopped (its stop signal was sent)"
+            )));
+        }
         let staging = fsutil::temp_path(&self.staging_root, &format!("checkpoint-{id}"));
         std::fs::create_dir_all(&staging).map_err(io_err(id, "making", &staging))?;
         let clean = RemoveOnDrop(staging.clone());
