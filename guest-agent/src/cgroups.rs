@@ -30,30 +30,24 @@ impl Freezer {
         }
     }
 
-    /// Freezes the cgroup and waits up to `wait` for every task to be frozen; true if it was
-    /// asked to freeze (so must be thawed), whether or not it got there in time.
-    fn freeze(&self, wait: std::time::Duration) -> bool {
+    /// Asks the cgroup to freeze; true if asked (so it must be thawed).
+    fn start_freeze(&self) -> bool {
         let (file, value) = match self {
             Freezer::V1(f) => (f, "FROZEN"),
             Freezer::V2(f) => (f, "1"),
         };
-        if std::fs::write(file, value).is_err() {
-            return false;
-        }
-        let deadline = std::time::Instant::now() + wait;
-        loop {
-            let done = match self {
-                Freezer::V1(f) => std::fs::read_to_string(f).is_ok_and(|s| s.trim() == "FROZEN"),
-                Freezer::V2(f) => f
-                    .parent()
-                    .map(|d| d.join("cgroup.events"))
-                    .and_then(|e| std::fs::read_to_string(e).ok())
-                    .is_some_and(|e| e.lines().any(|l| l == "frozen 1")),
-            };
-            if done || std::time::Instant::now() >= deadline {
-                return true;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
+        std::fs::write(file, value).is_ok()
+    }
+
+    /// Whether every task of the cgroup is frozen.
+    fn settled(&self) -> bool {
+        match self {
+            Freezer::V1(f) => std::fs::read_to_string(f).is_ok_and(|s| s.trim() == "FROZEN"),
+            Freezer::V2(f) => f
+                .parent()
+                .map(|d| d.join("cgroup.events"))
+                .and_then(|e| std::fs::read_to_string(e).ok())
+                .is_some_and(|e| e.lines().any(|l| l == "frozen 1")),
         }
     }
 
@@ -430,11 +424,51 @@ impl Cgroup {
     /// container's processes: the cgroup is frozen while the signal goes out, so that no
     /// process forks a child past it (a shell's loop of `cmd &` outran a list-then-signal
     /// pass), then thawed. A cgroup that was frozen before stays so, except for SIGKILL (a
-    /// process in a frozen v1 cgroup cannot die). Returns how many processes were signalled.
-    pub fn signal_all(&self, sig: nix::sys::signal::Signal) -> usize {
+    /// process in a frozen v1 cgroup cannot die). A freeze that does not settle within
+    /// [`FREEZE_WAIT`] (a task in uninterruptible sleep) is signalled anyway. Returns how
+    /// many processes were signalled.
+    pub async fn signal_all(&self, sig: nix::sys::signal::Signal) -> usize {
+        let (freezer, was_frozen, froze) = self.begin_signal();
+        if froze {
+            let deadline = tokio::time::Instant::now() + FREEZE_WAIT;
+            while !freezer.as_ref().is_some_and(Freezer::settled)
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        }
+        self.end_signal(sig, freezer, was_frozen, froze)
+    }
+
+    /// [`Self::signal_all`] for a thread that may block.
+    pub fn signal_all_blocking(&self, sig: nix::sys::signal::Signal) -> usize {
+        let (freezer, was_frozen, froze) = self.begin_signal();
+        if froze {
+            let deadline = std::time::Instant::now() + FREEZE_WAIT;
+            while !freezer.as_ref().is_some_and(Freezer::settled)
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        self.end_signal(sig, freezer, was_frozen, froze)
+    }
+
+    /// The freezer, whether it was frozen already, and whether it was asked to freeze now.
+    fn begin_signal(&self) -> (Option<Freezer>, bool, bool) {
         let freezer = self.freezer();
         let was_frozen = freezer.as_ref().is_some_and(Freezer::frozen);
-        let froze = !was_frozen && freezer.as_ref().is_some_and(|f| f.freeze(FREEZE_WAIT));
+        let froze = !was_frozen && freezer.as_ref().is_some_and(Freezer::start_freeze);
+        (freezer, was_frozen, froze)
+    }
+
+    fn end_signal(
+        &self,
+        sig: nix::sys::signal::Signal,
+        freezer: Option<Freezer>,
+        was_frozen: bool,
+        froze: bool,
+    ) -> usize {
         let pids = self.procs();
         for &p in &pids {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), sig);
@@ -468,14 +502,28 @@ impl Cgroup {
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
         }
+        // Frozen once: a process with SIGKILL pending cannot fork, so what a frozen pass
+        // signalled has no children to come; later passes are for stragglers (a freeze that
+        // did not settle), without freezing again.
+        let mut frozen_pass = true;
         loop {
-            if self.procs().is_empty() {
+            let left = self.procs();
+            if left.is_empty() {
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
                 return false;
             }
-            self.signal_all(nix::sys::signal::SIGKILL);
+            if std::mem::take(&mut frozen_pass) {
+                self.signal_all(nix::sys::signal::SIGKILL).await;
+            } else {
+                for p in left {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(p),
+                        nix::sys::signal::SIGKILL,
+                    );
+                }
+            }
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
     }
@@ -706,10 +754,10 @@ mod tests {
         let _ = bomb.wait();
 
         let mut sleeper = spawn("trap '' TERM; exec sleep 60");
-        assert!(freezer.freeze(FREEZE_WAIT));
-        assert_eq!(cg.signal_all(nix::sys::signal::SIGTERM), 1);
+        assert!(freezer.start_freeze());
+        assert_eq!(cg.signal_all(nix::sys::signal::SIGTERM).await, 1);
         assert!(freezer.frozen(), "a frozen cgroup was thawed for SIGTERM");
-        assert_eq!(cg.signal_all(nix::sys::signal::SIGKILL), 1);
+        assert_eq!(cg.signal_all_blocking(nix::sys::signal::SIGKILL), 1);
         assert!(!freezer.frozen());
         let st = sleeper.wait().unwrap();
         assert_eq!(

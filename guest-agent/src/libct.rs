@@ -907,7 +907,7 @@ fn discard_stateless(dir: &Path, id: &str) {
     if let Ok(config) = libcontainer::config::YoukiConfig::load(dir) {
         let procs = crate::cgroups::Cgroup::new(&config.cgroup_path);
         for _ in 0..50 {
-            if procs.signal_all(nix::sys::signal::SIGKILL) == 0 {
+            if procs.signal_all_blocking(nix::sys::signal::SIGKILL) == 0 {
                 break;
             }
             std::thread::sleep(Duration::from_millis(100));

@@ -531,7 +531,7 @@ impl AgentState {
                 Err(e) => {
                     // Made (or restored) and running, but with no terminal anyone could
                     // read: it goes, as a failed helper's container does.
-                    c.cgroup.signal_all(Signal::SIGKILL);
+                    c.cgroup.signal_all(Signal::SIGKILL).await;
                     let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
                     return Err(e);
                 }
@@ -646,13 +646,13 @@ impl AgentState {
     }
 
     /// Sends `sig` to the init (or every process) of `c`.
-    fn signal(c: &Arc<Container>, sig: Signal, all: bool) -> Result<(), AgentError> {
+    async fn signal(c: &Arc<Container>, sig: Signal, all: bool) -> Result<(), AgentError> {
         // Not launched: no process to signal (and pid 0 would mean the agent's own group).
         if c.is_exited() || !c.launched() {
             return Ok(());
         }
         if all {
-            c.cgroup.signal_all(sig);
+            c.cgroup.signal_all(sig).await;
         }
         let sent = if all {
             kill(Pid::from_raw(c.pid()), sig)
@@ -683,7 +683,7 @@ impl AgentState {
         // Not while CRIU holds its processes.
         let _dumped = c.dumping.lock().await;
         if c.launched() && !c.is_exited() {
-            Self::signal(c, Signal::SIGKILL, true)?;
+            Self::signal(c, Signal::SIGKILL, true).await?;
             if tokio::time::timeout(KILL_WAIT, c.wait()).await.is_err() {
                 return Err(AgentError::DeadlineExceeded(format!(
                     "container {:?} did not die within {KILL_WAIT:?} of SIGKILL",
@@ -887,16 +887,16 @@ impl AgentState {
             // blocked before exec: it has no handler, so SIGTERM from here is ignored and would
             // cost the whole grace period. Only a running container gets a graceful stop.
             if c.is_running() {
-                let _ = Self::signal(c, Signal::SIGTERM, false);
+                let _ = Self::signal(c, Signal::SIGTERM, false).await;
             } else if !c.is_exited() {
-                let _ = Self::signal(c, Signal::SIGKILL, true);
+                let _ = Self::signal(c, Signal::SIGKILL, true).await;
             }
         }
         let waits =
             futures::future::join_all(all.iter().filter(|c| c.launched()).map(|c| c.wait()));
         if tokio::time::timeout(STOP_GRACE, waits).await.is_err() {
             for c in &all {
-                let _ = Self::signal(c, Signal::SIGKILL, true);
+                let _ = Self::signal(c, Signal::SIGKILL, true).await;
             }
         }
         for c in &all {
@@ -1560,7 +1560,7 @@ impl Agent for AgentService {
             .ok()
             .and_then(|s| Signal::try_from(s).ok())
             .ok_or_else(|| AgentError::InvalidArgument(format!("bad signal {}", req.signal)))?;
-        AgentState::signal(&c, sig, req.all)?;
+        AgentState::signal(&c, sig, req.all).await?;
         Ok(Response::new(proto::SignalContainerResponse {}))
     }
 
