@@ -3483,6 +3483,31 @@ async fn checkpoint_a_running_container() {
     let stopped = "the counter stopped after the checkpoint";
     wait_count_past(&h, &id, before, Duration::from_secs(10), stopped).await;
 
+    // A stop its caller gave up on (kubelet's deadline) no longer counts: the container
+    // runs on (the shell ignores SIGTERM) and can be checkpointed.
+    let mut rt = h.c.runtime.clone();
+    let gave_up = tokio::spawn({
+        let id = id.clone();
+        async move {
+            rt.stop_container(cri::StopContainerRequest {
+                container_id: id,
+                timeout: 60,
+            })
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    gave_up.abort();
+    let after = dir.path().join("after.tar");
+    let mut given_up = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match h.checkpoint(&id, after.to_str().unwrap(), 60).await {
+            Ok(()) => break,
+            Err(e) => given_up = Some(e),
+        }
+    }
+    assert!(after.exists(), "after a stop given up on: {given_up:?}");
     // Nor one being stopped: StopContainer waits out its grace period (the shell, PID 1 of
     // its pid namespace, ignores SIGTERM), and the checkpoint is refused meanwhile.
     let mut rt = h.c.runtime.clone();

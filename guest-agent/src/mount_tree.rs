@@ -103,6 +103,8 @@ pub fn unescape(s: &str) -> String {
 /// A line of a mountinfo (`/proc/<pid>/mountinfo`): where the mount is and how it propagates.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountInfo {
+    /// The mount ID (what statx's `STATX_MNT_ID` gives for a path on it).
+    pub id: u64,
     /// The mount point, as the reading process sees it.
     pub mount_point: PathBuf,
     /// The optional fields: `shared:N`, `master:N`, `propagate_from:N`, `unbindable`.
@@ -128,6 +130,7 @@ pub fn mountinfo(text: &str) -> Vec<MountInfo> {
             let (head, _) = l.split_once(" - ")?;
             let f: Vec<&str> = head.split(' ').collect();
             Some(MountInfo {
+                id: f.first()?.parse().ok()?,
                 mount_point: PathBuf::from(unescape(f.get(4)?)),
                 optional: f
                     .get(6..)
@@ -140,8 +143,10 @@ pub fn mountinfo(text: &str) -> Vec<MountInfo> {
         .collect()
 }
 
-/// The mount `path` (absolute, symlinks resolved) is on: the one with the longest mount
-/// point above it, the last mounted of those (what is visible there).
+/// The mount `path` (absolute, symlinks resolved) is on, by name: the one with the longest
+/// mount point above it, the last mounted of those (what is usually visible there; a mount
+/// tucked under another by propagation is not: where the kernel gives the path's mount ID,
+/// match that instead).
 pub fn mount_of<'a>(mounts: &'a [MountInfo], path: &Path) -> Option<&'a MountInfo> {
     mounts
         .iter()
@@ -172,6 +177,7 @@ bad line
         let m = mountinfo(text);
         assert_eq!(m.len(), 5);
         assert_eq!(m[3].mount_point, Path::new("/srv/a b"));
+        assert_eq!((m[0].id, m[4].id), (27, 41));
         assert!(m[3].is_shared() && m[3].is_slave());
         let of = |p: &str| mount_of(&m, Path::new(p)).map(|m| m.mount_point.clone());
         assert_eq!(of("/etc/x"), Some("/".into()));

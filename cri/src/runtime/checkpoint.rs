@@ -155,13 +155,10 @@ impl Job {
         }
         // A StopContainer waiting out its grace period has signalled it: its processes
         // are shutting down, and a restore would bring back a container on its way out.
-        if self
-            .ctr
-            .stop_signalled
-            .load(std::sync::atomic::Ordering::SeqCst)
-        {
+        // (Not once a stop given up on by its caller has gone: the container may run on.)
+        if self.ctr.stopping.load(std::sync::atomic::Ordering::SeqCst) > 0 {
             return Err(RuntimeError::FailedPrecondition(format!(
-                "CheckpointContainer: container {id} is being stopped (its stop signal was sent)"
+                "CheckpointContainer: container {id} is being stopped"
             )));
         }
         let staging = fsutil::temp_path(&self.staging_root, &format!("checkpoint-{id}"));

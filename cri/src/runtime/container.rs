@@ -935,6 +935,7 @@ impl Runtime {
         let Some(ctr) = if_found(self.ctr(id))? else {
             return Ok(());
         };
+        let _stopping = super::Stopping::new(&ctr);
         if timeout_secs > 0 {
             let (rec, mut c) = {
                 let _op = ctr.op.lock().await;
@@ -1439,7 +1440,18 @@ fn check_propagation_sources(key: &str, mounts: &[cri::Mount]) -> Result<()> {
                 table.insert(vessel_agent::mount_tree::mountinfo(&text))
             }
         };
-        let Some(on) = vessel_agent::mount_tree::mount_of(table, &real) else {
+        // The path's own mount, by ID where the kernel gives it (5.8+): by name, a mount
+        // tucked under another, or one covered by a later mount on a parent, is mistaken.
+        let by_id = rustix::fs::statx(
+            rustix::fs::CWD,
+            &real,
+            rustix::fs::AtFlags::empty(),
+            rustix::fs::StatxFlags::MNT_ID,
+        )
+        .ok()
+        .filter(|x| x.stx_mask & rustix::fs::StatxFlags::MNT_ID.bits() != 0)
+        .and_then(|x| table.iter().find(|e| e.id == x.stx_mnt_id));
+        let Some(on) = by_id.or_else(|| vessel_agent::mount_tree::mount_of(table, &real)) else {
             continue;
         };
         let (ok, needs) = match wants {
@@ -1493,7 +1505,16 @@ mod tests {
                 }
             }
         }
-        let _u = Unmount(vec![shared.clone(), slave.clone(), private.clone()]);
+        // A shared mount covered by a later private one on its parent: the path is on the
+        // private one, though the shared one's mount point is the longer match by name.
+        let covered = t.path().join("cov/a");
+        let _u = Unmount(vec![
+            shared.clone(),
+            slave.clone(),
+            private.clone(),
+            covered.join("b"),
+            covered.clone(),
+        ]);
         for d in [&shared, &slave, &private] {
             std::fs::create_dir(d).unwrap();
         }
@@ -1510,6 +1531,9 @@ mod tests {
             "mount -t tmpfs t {0} && mount --make-private {0}",
             private.display()
         ));
+        std::fs::create_dir_all(covered.join("b")).unwrap();
+        sh(format!("mount -t tmpfs t {0}/b && mount --make-shared {0}/b && mount -t tmpfs t {0} && mount --make-private {0} && mkdir {0}/b", covered.display()));
+        let covered = covered.join("b");
         let check = |path: &Path, p: P| {
             let m = cri::Mount {
                 container_path: "/v".into(),
@@ -1539,6 +1563,7 @@ mod tests {
             (&slave, P::PropagationBidirectional),
             (&private, P::PropagationBidirectional),
             (&private, P::PropagationHostToContainer),
+            (&covered, P::PropagationHostToContainer),
         ] {
             match check(path, p) {
                 Err(RuntimeError::FailedPrecondition(m)) => assert!(

@@ -81,6 +81,27 @@ pub struct Ctr {
     /// A stop with a grace period has sent the stop signal: another stop does not send it
     /// again (some programs take a second SIGTERM or SIGINT as "quit now"), as containerd's.
     stop_signalled: std::sync::atomic::AtomicBool,
+    /// StopContainer calls under way (a checkpoint is refused meanwhile).
+    stopping: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a StopContainer under way in its container's `stopping` while it lives.
+struct Stopping<'a>(&'a Ctr);
+
+impl<'a> Stopping<'a> {
+    fn new(ctr: &'a Ctr) -> Self {
+        ctr.stopping
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Stopping(ctr)
+    }
+}
+
+impl Drop for Stopping<'_> {
+    fn drop(&mut self) {
+        self.0
+            .stopping
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// A container's cumulative CPU time at a moment, and the rate worked out then.
@@ -131,6 +152,7 @@ impl Ctr {
             disk: Mutex::new(false),
             cpu: Mutex::new(None),
             stop_signalled: std::sync::atomic::AtomicBool::new(false),
+            stopping: std::sync::atomic::AtomicUsize::new(0),
         }
     }
     /// CRI's `usage_nano_cores` of stats taken now (see [`CpuSample::next`]). A usage of 0
