@@ -1277,29 +1277,45 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
 /// exist: directories, regular files and symlinks (never followed), with their owners and
 /// modes; a hard link becomes a copy; device nodes, FIFOs and sockets are left out, as an
 /// image volume's content has none worth a copy.
+///
+/// Iterative: an image's tree as deep as paths allow (thousands of levels) must not overflow
+/// the blocking thread's stack.
 fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let meta = std::fs::symlink_metadata(from)?;
-    let kind = meta.file_type();
-    if kind.is_symlink() {
-        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)?;
-        return std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()));
-    }
-    if kind.is_dir() {
-        std::fs::create_dir(to)?;
-        for entry in std::fs::read_dir(from)? {
-            let entry = entry?;
-            copy_volume(&entry.path(), &to.join(entry.file_name()))?;
-        }
-    } else if kind.is_file() {
-        std::fs::copy(from, to)?;
-    } else {
-        tracing::debug!(path = %from.display(), "not a directory, file or link: not copied into the volume");
-        return Ok(());
-    }
     // Owner first: a chown clears set-id bits, which the mode then puts back.
-    std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()))?;
-    std::fs::set_permissions(to, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
+    let own = |to: &Path, meta: &std::fs::Metadata| {
+        std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()))?;
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
+    };
+    // Directories get their owner and mode once filled (one without write permission for
+    // its owner could not be filled after).
+    let mut dirs: Vec<(std::path::PathBuf, std::fs::Metadata)> = Vec::new();
+    let mut todo = vec![(from.to_path_buf(), to.to_path_buf())];
+    while let Some((from, to)) = todo.pop() {
+        let meta = std::fs::symlink_metadata(&from)?;
+        let kind = meta.file_type();
+        if kind.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
+            std::os::unix::fs::lchown(&to, Some(meta.uid()), Some(meta.gid()))?;
+        } else if kind.is_dir() {
+            std::fs::create_dir(&to)?;
+            for entry in std::fs::read_dir(&from)? {
+                let entry = entry?;
+                todo.push((entry.path(), to.join(entry.file_name())));
+            }
+            dirs.push((to, meta));
+        } else if kind.is_file() {
+            std::fs::copy(&from, &to)?;
+            own(&to, &meta)?;
+        } else {
+            tracing::debug!(path = %from.display(), "not a directory, file or link: not copied into the volume");
+        }
+    }
+    // Deepest first: a parent's mode never stands in its children's way.
+    for (to, meta) in dirs.iter().rev() {
+        own(to, meta)?;
+    }
+    Ok(())
 }
 
 /// How ContainerStatus names an image (its `image_ref`, and an image volume's): its first
@@ -1573,6 +1589,30 @@ mod tests {
                 other => panic!("{p:?} on {path:?}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn image_volumes_copy_trees_deeper_than_a_stack() {
+        let (_t, from) = crate::testing::temp_path("from");
+        let mut deep = from.clone();
+        // As deep as a path allows (PATH_MAX), which recursion could not take on a
+        // blocking thread's 2 MiB stack in a debug build.
+        while deep.as_os_str().len() < 4000 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("f"), "x").unwrap();
+        let to = from.with_file_name("to");
+        let (f, t) = (from.clone(), to.clone());
+        std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || copy_volume(&f, &t))
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap();
+        let rel = deep.strip_prefix(&from).unwrap();
+        assert_eq!(std::fs::read(to.join(rel).join("f")).unwrap(), b"x");
     }
 
     #[test]
