@@ -115,6 +115,11 @@ pub fn remove_any(path: &Path) -> io::Result<()> {
 }
 
 /// Bytes (allocated blocks) and inodes used below `root`, counting hard-linked inodes once.
+///
+/// Only `root` itself failing is an error (missing: nothing used). Below it, what cannot be
+/// read is left out of the count: an entry gone since it was listed, or one a container put
+/// deeper than a path can reach (PATH_MAX), which would otherwise fail the node's
+/// ImageFsInfo for every caller.
 pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
     use std::collections::HashSet;
     use std::os::unix::fs::MetadataExt;
@@ -123,10 +128,11 @@ pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
     let mut inodes = 0u64;
     let mut stack = vec![root.to_path_buf()];
     while let Some(p) = stack.pop() {
+        let top = p == root;
         let m = match fs::symlink_metadata(&p) {
             Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
+            Err(e) if top && e.kind() != io::ErrorKind::NotFound => return Err(e),
+            Err(_) => continue,
         };
         if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
             continue;
@@ -140,8 +146,8 @@ pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
                         stack.push(e.path());
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
+                Err(e) if top && e.kind() != io::ErrorKind::NotFound => return Err(e),
+                Err(_) => {}
             }
         }
     }
@@ -174,6 +180,25 @@ mod tests {
         assert_eq!(clean_dead_temps(d.path()).unwrap(), 1);
         assert!(mine.exists());
         assert!(!dead.exists());
+    }
+
+    #[test]
+    fn du_goes_on_past_what_a_path_cannot_reach() {
+        use rustix::fs::{mkdirat, openat, Mode, OFlags};
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join("a"), vec![1u8; 8192]).unwrap();
+        // 25 levels of 200-byte names: deeper than PATH_MAX, made as a container can (from
+        // inside, one level at a time).
+        let name = "n".repeat(200);
+        let mut fd = openat(rustix::fs::CWD, d.path(), OFlags::DIRECTORY, Mode::empty()).unwrap();
+        for _ in 0..25 {
+            mkdirat(&fd, name.as_str(), Mode::from_raw_mode(0o755)).unwrap();
+            fd = openat(&fd, name.as_str(), OFlags::DIRECTORY, Mode::empty()).unwrap();
+        }
+        let (bytes, inodes) = disk_usage(d.path()).unwrap();
+        assert!(bytes >= 8192);
+        assert!((20..=27).contains(&inodes), "{inodes}");
+        assert!(disk_usage(&d.path().join("missing")).unwrap() == (0, 0));
     }
 
     #[test]
