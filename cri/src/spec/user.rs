@@ -8,50 +8,99 @@ use vessel_cri_api::v1 as cri;
 
 /// Reads a file from an image's layers (top-most wins; overlay whiteouts and opaque dirs
 /// hide lower copies), for /etc/passwd and friends.
+///
+/// The path is resolved as the container would see it, inside the image: each component in
+/// turn, in the top-most layer that has it; a symlink (last component or not) is followed
+/// within the image (`..` stops at its root, an absolute target starts there), at most
+/// [`MAX_LINKS`] times (a loop of links is "no file", as ELOOP). Nothing outside the layer
+/// directories is ever looked at: no path given to the host crosses a link.
 pub fn read_image_file(layer_dirs: &[PathBuf], rel: &str) -> Option<Vec<u8>> {
-    use std::os::unix::fs::FileTypeExt;
-    let rel = rel.trim_start_matches('/');
-    for dir in layer_dirs.iter().rev() {
-        let p = dir.join(rel);
-        if let Ok(m) = std::fs::symlink_metadata(&p) {
-            if m.file_type().is_char_device() {
-                return None; // whiteout
-            }
-            if m.is_file() {
-                return std::fs::read(&p).ok();
-            }
-            if m.file_type().is_symlink() {
-                // Resolve inside the image (one level is enough for /etc files).
-                let t = std::fs::read_link(&p).ok()?;
-                let target = if t.is_absolute() {
-                    t.to_string_lossy().to_string()
+    let mut path = image_path(&[], rel);
+    let mut links = 0;
+    'resolve: loop {
+        for i in 0..path.len() {
+            let (dir, meta) = image_entry(layer_dirs, &path[..=i])?;
+            let host = dir.join(path[..=i].join("/"));
+            if meta.file_type().is_symlink() {
+                links += 1;
+                if links > MAX_LINKS {
+                    return None;
+                }
+                let target = std::fs::read_link(&host).ok()?;
+                let target = target.to_str()?;
+                let base = if target.starts_with('/') {
+                    &[][..]
                 } else {
-                    Path::new(rel)
-                        .parent()
-                        .unwrap_or(Path::new(""))
-                        .join(t)
-                        .to_string_lossy()
-                        .to_string()
+                    &path[..i]
                 };
-                if target.trim_start_matches('/') == rel {
-                    return None;
-                }
-                return read_image_file(layer_dirs, &target);
+                let mut next = image_path(base, target);
+                next.extend_from_slice(&path[i + 1..]);
+                path = next;
+                continue 'resolve;
             }
-            return None;
+            if i + 1 == path.len() {
+                return meta.is_file().then(|| std::fs::read(&host).ok()).flatten();
+            }
+            if !meta.is_dir() {
+                return None;
+            }
         }
-        // An opaque parent in this layer hides everything below it.
-        let mut parent = Path::new(rel).parent();
-        while let Some(pp) = parent {
-            if pp.as_os_str().is_empty() {
-                break;
+        return None;
+    }
+}
+
+/// How many symlinks a path resolution follows (the kernel's limit).
+const MAX_LINKS: usize = 40;
+
+/// `rel` taken from the image directory `base` (components), worked out by name: `.` and
+/// empty components dropped, `..` back one (never above the image's root).
+fn image_path(base: &[String], rel: &str) -> Vec<String> {
+    let mut out = base.to_vec();
+    for c in rel.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                out.pop();
             }
-            if let Ok(Some(v)) = xattr_get(&dir.join(pp), "trusted.overlay.opaque") {
-                if v == b"y" {
-                    return None;
+            c => out.push(c.to_string()),
+        }
+    }
+    out
+}
+
+/// The top-most layer holding `path` (whose parents the caller has found to be directories
+/// in the image), with its entry there, not following it. A layer is passed over where a
+/// parent is not a directory in it (overlay shows the upper layer's), and the search ends at
+/// a whiteout of the path or an opaque parent directory, as overlay hides what is below.
+fn image_entry<'a>(
+    layer_dirs: &'a [PathBuf],
+    path: &[String],
+) -> Option<(&'a PathBuf, std::fs::Metadata)> {
+    use std::os::unix::fs::FileTypeExt;
+    'layers: for dir in layer_dirs.iter().rev() {
+        // Each parent a real directory in this layer: the host path below never crosses a
+        // link of the layer's.
+        let mut opaque = false;
+        for j in 0..path.len() - 1 {
+            let p = dir.join(path[..=j].join("/"));
+            match std::fs::symlink_metadata(&p) {
+                Ok(m) if m.is_dir() => {
+                    opaque |= xattr_get(&p, "trusted.overlay.opaque")
+                        .ok()
+                        .flatten()
+                        .is_some_and(|v| v == b"y");
                 }
+                Ok(m) if m.file_type().is_char_device() => return None,
+                Ok(_) => return None,
+                Err(_) if opaque => return None,
+                Err(_) => continue 'layers,
             }
-            parent = pp.parent();
+        }
+        match std::fs::symlink_metadata(dir.join(path.join("/"))) {
+            Ok(m) if m.file_type().is_char_device() => return None, // whiteout
+            Ok(m) => return Some((dir, m)),
+            Err(_) if opaque => return None,
+            Err(_) => {}
         }
     }
     None
@@ -199,4 +248,89 @@ pub fn resolve_user(
         gid,
         additional_gids: additional,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// Layer directories under one temp dir, bottom first.
+    fn layers(n: usize) -> (tempfile::TempDir, Vec<PathBuf>) {
+        let t = tempfile::tempdir().unwrap();
+        let dirs: Vec<PathBuf> = (0..n).map(|i| t.path().join(format!("l{i}"))).collect();
+        for d in &dirs {
+            std::fs::create_dir_all(d.join("etc")).unwrap();
+        }
+        (t, dirs)
+    }
+
+    #[test]
+    fn image_files_resolve_inside_the_image() {
+        let (t, l) = layers(2);
+        let read = |p: &str| read_image_file(&l, p).map(|v| String::from_utf8(v).unwrap());
+        std::fs::write(l[0].join("etc/passwd"), "low").unwrap();
+        assert_eq!(read("/etc/passwd").as_deref(), Some("low"));
+        // The upper layer's copy wins; a whiteout hides the lower one.
+        std::fs::write(l[1].join("etc/passwd"), "up").unwrap();
+        assert_eq!(read("etc/passwd").as_deref(), Some("up"));
+        std::fs::remove_file(l[1].join("etc/passwd")).unwrap();
+        let wh = std::ffi::CString::new(l[1].join("etc/passwd").to_str().unwrap()).unwrap();
+        // SAFETY: mknod(2) with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR, 0) }, 0);
+        assert_eq!(read("etc/passwd"), None);
+        // An opaque directory hides the lower layers' entries below it.
+        std::fs::remove_file(l[1].join("etc/passwd")).unwrap();
+        std::fs::write(l[0].join("etc/group"), "low").unwrap();
+        assert_eq!(read("etc/group").as_deref(), Some("low"));
+        let etc = l[1].join("etc");
+        if rustix::fs::lsetxattr(
+            &etc,
+            "trusted.overlay.opaque",
+            b"y",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .is_ok()
+        {
+            assert_eq!(read("etc/group"), None);
+        }
+
+        // Links, relative and absolute, with `..` that cannot leave the image; a linked
+        // parent directory (as /etc -> private/etc) is followed in the image, not the host.
+        let (_t2, l) = layers(1);
+        let read = |p: &str| read_image_file(&l, p).map(|v| String::from_utf8(v).unwrap());
+        std::fs::create_dir_all(l[0].join("private/etc")).unwrap();
+        std::fs::write(l[0].join("private/etc/group"), "g").unwrap();
+        std::fs::remove_dir(l[0].join("etc")).unwrap();
+        symlink("private/etc", l[0].join("etc")).unwrap();
+        assert_eq!(read("etc/group").as_deref(), Some("g"));
+        std::fs::write(l[0].join("private/etc/real"), "r").unwrap();
+        symlink(
+            "../../../../../../../private/etc/real",
+            l[0].join("private/etc/passwd"),
+        )
+        .unwrap();
+        assert_eq!(read("etc/passwd").as_deref(), Some("r"));
+        // An absolute link to a host path names the image's, which has none.
+        let host = t.path().join("hostfile");
+        std::fs::write(&host, "host").unwrap();
+        symlink(&host, l[0].join("private/etc/shadow")).unwrap();
+        assert_eq!(read("etc/shadow"), None);
+        let up = format!("../../../../../../..{}", host.display());
+        symlink(&up, l[0].join("private/etc/gshadow")).unwrap();
+        assert_eq!(read("etc/gshadow"), None);
+        // A parent linked out of the image is followed in it.
+        std::fs::create_dir_all(t.path().join("outside")).unwrap();
+        std::fs::write(t.path().join("outside/hosts"), "host").unwrap();
+        symlink(t.path().join("outside"), l[0].join("out")).unwrap();
+        assert_eq!(read("out/hosts"), None);
+        // A loop of links is no file (it recursed for ever, overflowing the stack).
+        symlink("b", l[0].join("private/etc/a")).unwrap();
+        symlink("a", l[0].join("private/etc/b")).unwrap();
+        assert_eq!(read("etc/a"), None);
+        symlink("loop/x", l[0].join("loop")).unwrap();
+        assert_eq!(read("loop/passwd"), None);
+        assert_eq!(read(""), None);
+        assert_eq!(read("/"), None);
+    }
 }
