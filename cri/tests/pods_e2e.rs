@@ -2401,13 +2401,14 @@ async fn image_defined_volumes_are_the_containers_own() {
     };
     let script = "cat /data/seed; stat -c '%u:%g %a' /data /cache/deep; \
                   echo a > /data/new && echo b > /cache/deep/new && echo written; \
-                  ls /covered; touch /elsewhere 2>/dev/null || echo read-only";
+                  ls /covered; touch /elsewhere 2>/dev/null || echo read-only; \
+                  stat -f -c %T /dev/shm; test -f /etc/resolv.conf && echo resolv-file";
     let (a, out) = h
         .run_and_sh(&pod, &pcfg, cfg(&h, &image, "a"), script)
         .await;
     assert_eq!(
         out,
-        "seeded\n1000:1000 750\n0:0 755\nwritten\nfrom-host\nread-only\n",
+        "seeded\n1000:1000 750\n0:0 755\nwritten\nfrom-host\nread-only\ntmpfs\nresolv-file\n",
         "{}",
         h.v.log()
     );
@@ -3485,17 +3486,7 @@ async fn checkpoint_a_running_container() {
 
     // A stop its caller gave up on (kubelet's deadline) no longer counts: the container
     // runs on (the shell ignores SIGTERM) and can be checkpointed.
-    let mut rt = h.c.runtime.clone();
-    let gave_up = tokio::spawn({
-        let id = id.clone();
-        async move {
-            rt.stop_container(cri::StopContainerRequest {
-                container_id: id,
-                timeout: 60,
-            })
-            .await
-        }
-    });
+    let gave_up = spawn_stop(&h, &id, 60);
     tokio::time::sleep(Duration::from_millis(500)).await;
     gave_up.abort();
     let after = dir.path().join("after.tar");
@@ -3510,17 +3501,7 @@ async fn checkpoint_a_running_container() {
     assert!(after.exists(), "after a stop given up on: {given_up:?}");
     // Nor one being stopped: StopContainer waits out its grace period (the shell, PID 1 of
     // its pid namespace, ignores SIGTERM), and the checkpoint is refused meanwhile.
-    let mut rt = h.c.runtime.clone();
-    let stopping = tokio::spawn({
-        let id = id.clone();
-        async move {
-            rt.stop_container(cri::StopContainerRequest {
-                container_id: id,
-                timeout: 3,
-            })
-            .await
-        }
-    });
+    let stopping = spawn_stop(&h, &id, 3);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let during = dir.path().join("during.tar");
     let e = h
@@ -3542,6 +3523,20 @@ async fn checkpoint_a_running_container() {
     assert!(!again.exists());
     h.remove_pod(&pod).await;
     h.assert_clean();
+}
+
+/// A StopContainer of `id` with grace period `timeout`, running on its own.
+fn spawn_stop(
+    h: &H,
+    id: &str,
+    timeout: i64,
+) -> tokio::task::JoinHandle<Result<tonic::Response<cri::StopContainerResponse>, tonic::Status>> {
+    let mut rt = h.c.runtime.clone();
+    let req = cri::StopContainerRequest {
+        container_id: id.to_string(),
+        timeout,
+    };
+    tokio::spawn(async move { rt.stop_container(req).await })
 }
 
 /// A checkpoint restored into another pod (CreateContainer whose image is the archive's

@@ -740,15 +740,22 @@ pub fn whiteout_image() -> BuiltImage {
 }
 
 /// busybox declaring volumes (Dockerfile `VOLUME`): `/data` (0750, owned 1000:1000, holding
-/// `seed` = `seeded\n`), `/cache/deep` (not in the image), `/covered`.
+/// `seed` = `seeded\n`), `/cache/deep` (not in the image), `/covered`, and two where the
+/// runtime mounts the pod's own: `/dev/shm`, `/etc/resolv.conf`.
 pub fn volume_image() -> BuiltImage {
     let mut l = busybox_rootfs();
     l.dir_owned("data", 0o750, 1000, 1000)
         .file_owned("data/seed", 0o640, 1000, 1000, b"seeded\n");
-    let volumes = ["/data", "/cache/deep", "/covered"]
-        .into_iter()
-        .map(|v| (v.to_string(), serde_json::json!({})))
-        .collect();
+    let volumes = [
+        "/data",
+        "/cache/deep",
+        "/covered",
+        "/dev/shm",
+        "/etc/resolv.conf",
+    ]
+    .into_iter()
+    .map(|v| (v.to_string(), serde_json::json!({})))
+    .collect();
     let run = RunConfig {
         volumes: Some(volumes),
         ..busybox_run_config()

@@ -411,6 +411,21 @@ impl Runtime {
             // A CRI mount at the path (kubelet's volume there) takes its place, compared as
             // the spec places mounts.
             let at = spec::clean_path(p);
+            // Never over what the runtime mounts for the pod: the kernel's filesystems, the
+            // container's /dev, the pod's hostname, hosts and resolv.conf (an image's copy of
+            // /etc/resolv.conf would cut the container off cluster DNS).
+            let runtime_owned = ["/proc", "/sys", "/dev"]
+                .iter()
+                .any(|r| Path::new(&at).starts_with(r))
+                || ["/etc/hostname", "/etc/hosts", "/etc/resolv.conf"].contains(&at.as_str());
+            if runtime_owned {
+                tracing::warn!(
+                    container = id,
+                    volume = p,
+                    "the image's volume is where the runtime mounts the pod's own: not made"
+                );
+                continue;
+            }
             let covered = out
                 .mounts
                 .iter()
@@ -453,12 +468,15 @@ impl Runtime {
                             };
                             match &from {
                                 Some(from) => copy_volume(Path::new(from), &dir),
-                                None => std::fs::create_dir(&dir),
+                                None => empty_volume(&dir),
                             }
                             .map_err(internal(at))?;
                             Ok(cri::Mount {
                                 container_path: p.clone(),
                                 host_path: dir.display().to_string(),
+                                // The container's own: labelled for it where the host has
+                                // SELinux (as containerd relabels them).
+                                selinux_relabel: true,
                                 uid_mappings: userns.iter().map(|u| u.uid).collect(),
                                 gid_mappings: userns.iter().map(|u| u.gid).collect(),
                                 ..Default::default()
@@ -1316,6 +1334,14 @@ fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
         own(to, meta)?;
     }
     Ok(())
+}
+
+/// An image volume's directory where the image has nothing: root's, 0755 whatever the
+/// umask.
+fn empty_volume(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new().mode(0o755).create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
 }
 
 /// How ContainerStatus names an image (its `image_ref`, and an image volume's): its first
