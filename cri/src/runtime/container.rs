@@ -1292,22 +1292,29 @@ fn image_sub_path(root: &Path, sub: &str) -> std::result::Result<String, SubPath
 }
 
 /// Copies `from` (a directory or file of an image's read-only mount) to `to`, which must not
-/// exist: directories, regular files and symlinks (never followed), with their owners and
-/// modes; a hard link becomes a copy; device nodes, FIFOs and sockets are left out, as an
-/// image volume's content has none worth a copy.
+/// exist, as containerd copies an image's volume: directories, regular files and symlinks
+/// (never followed), with their owners, modes, extended attributes (file capabilities,
+/// ACLs) and times; hard links stay links; device nodes, FIFOs and sockets are left out, as
+/// an image volume's content has none worth a copy.
 ///
 /// Iterative: an image's tree as deep as paths allow (thousands of levels) must not overflow
 /// the blocking thread's stack.
 fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    // Owner first: a chown clears set-id bits, which the mode then puts back.
-    let own = |to: &Path, meta: &std::fs::Metadata| {
+    // Owner first: a chown clears set-id bits, which the mode then puts back, and file
+    // capabilities, which the attributes then put back; times last.
+    let own = |from: &Path, to: &Path, meta: &std::fs::Metadata| {
         std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()))?;
-        std::fs::set_permissions(to, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+        copy_xattrs(from, to)?;
+        set_times(to, meta)
     };
-    // Directories get their owner and mode once filled (one without write permission for
-    // its owner could not be filled after).
-    let mut dirs: Vec<(std::path::PathBuf, std::fs::Metadata)> = Vec::new();
+    // Directories get the rest once filled (one without write permission for its owner
+    // could not be filled after; filling it changes its times).
+    let mut dirs: Vec<(std::path::PathBuf, std::path::PathBuf, std::fs::Metadata)> = Vec::new();
+    // The first copy of each hard-linked file, by the image's inode.
+    let mut linked: std::collections::HashMap<(u64, u64), std::path::PathBuf> =
+        std::collections::HashMap::new();
     let mut todo = vec![(from.to_path_buf(), to.to_path_buf())];
     while let Some((from, to)) = todo.pop() {
         let meta = std::fs::symlink_metadata(&from)?;
@@ -1315,24 +1322,91 @@ fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
         if kind.is_symlink() {
             std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
             std::os::unix::fs::lchown(&to, Some(meta.uid()), Some(meta.gid()))?;
+            set_times(&to, &meta)?;
         } else if kind.is_dir() {
             std::fs::create_dir(&to)?;
             for entry in std::fs::read_dir(&from)? {
                 let entry = entry?;
                 todo.push((entry.path(), to.join(entry.file_name())));
             }
-            dirs.push((to, meta));
+            dirs.push((from, to, meta));
         } else if kind.is_file() {
+            let first = (meta.nlink() > 1)
+                .then(|| linked.get(&(meta.dev(), meta.ino())))
+                .flatten();
+            if let Some(first) = first {
+                std::fs::hard_link(first, &to)?;
+                continue;
+            }
             std::fs::copy(&from, &to)?;
-            own(&to, &meta)?;
+            own(&from, &to, &meta)?;
+            if meta.nlink() > 1 {
+                linked.insert((meta.dev(), meta.ino()), to);
+            }
         } else {
             tracing::debug!(path = %from.display(), "not a directory, file or link: not copied into the volume");
         }
     }
     // Deepest first: a parent's mode never stands in its children's way.
-    for (to, meta) in dirs.iter().rev() {
-        own(to, meta)?;
+    for (from, to, meta) in dirs.iter().rev() {
+        own(from, to, meta)?;
     }
+    Ok(())
+}
+
+/// Copies the extended attributes of `from` to `to` (neither followed if a link); a
+/// filesystem that does not take one (or any) goes without, as the attribute is not the
+/// content.
+fn copy_xattrs(from: &Path, to: &Path) -> io::Result<()> {
+    use rustix::io::Errno;
+    let size = match rustix::fs::llistxattr_query(from) {
+        Ok(0) | Err(Errno::OPNOTSUPP) => return Ok(()),
+        Ok(n) => n,
+        Err(e) => return Err(e.into()),
+    };
+    let mut names = vec![0u8; size];
+    let n = rustix::fs::llistxattr(from, &mut names[..])?;
+    names.truncate(n);
+    for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+        let name = <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(name);
+        let value = match rustix::fs::lgetxattr_query(from, name) {
+            Ok(len) => {
+                let mut v = vec![0u8; len];
+                let got = rustix::fs::lgetxattr(from, name, &mut v[..])?;
+                v.truncate(got);
+                v
+            }
+            Err(Errno::NODATA) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        match rustix::fs::lsetxattr(to, name, &value, rustix::fs::XattrFlags::empty()) {
+            Ok(()) => {}
+            Err(Errno::OPNOTSUPP | Errno::PERM | Errno::ACCESS | Errno::INVAL) => {
+                tracing::debug!(path = %to.display(), attr = ?name, "extended attribute not taken by the volume's filesystem");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Gives `to` (not followed if a link) the access and modification times of `meta`.
+fn set_times(to: &Path, meta: &std::fs::Metadata) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let ts = |sec: i64, nsec: i64| rustix::fs::Timespec {
+        tv_sec: sec,
+        tv_nsec: nsec as _,
+    };
+    let times = rustix::fs::Timestamps {
+        last_access: ts(meta.atime(), meta.atime_nsec()),
+        last_modification: ts(meta.mtime(), meta.mtime_nsec()),
+    };
+    rustix::fs::utimensat(
+        rustix::fs::CWD,
+        to,
+        &times,
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )?;
     Ok(())
 }
 
@@ -1669,6 +1743,55 @@ mod tests {
         let (_v, file) = crate::testing::temp_path("file");
         copy_volume(&from.join("sub/f"), &file).unwrap();
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "data");
+    }
+
+    #[test]
+    fn image_volumes_keep_attributes_times_and_hard_links() {
+        use std::os::unix::fs::MetadataExt;
+        let (_t, from) = crate::testing::temp_path("from");
+        std::fs::create_dir_all(from.join("d")).unwrap();
+        std::fs::write(from.join("d/f"), "data").unwrap();
+        std::fs::hard_link(from.join("d/f"), from.join("g")).unwrap();
+        std::os::unix::fs::symlink("d/f", from.join("l")).unwrap();
+        let flags = rustix::fs::XattrFlags::empty();
+        let xattrs = rustix::fs::lsetxattr(from.join("d/f"), "user.vessel", b"file", flags)
+            .and_then(|()| rustix::fs::lsetxattr(from.join("d"), "user.vessel", b"dir", flags));
+        let past = |s: i64| rustix::fs::Timestamps {
+            last_access: rustix::fs::Timespec {
+                tv_sec: s,
+                tv_nsec: 5,
+            },
+            last_modification: rustix::fs::Timespec {
+                tv_sec: s + 1,
+                tv_nsec: 7,
+            },
+        };
+        let nofollow = rustix::fs::AtFlags::SYMLINK_NOFOLLOW;
+        for (p, s) in [("d/f", 1_000_000), ("d", 2_000_000), ("l", 3_000_000)] {
+            rustix::fs::utimensat(rustix::fs::CWD, from.join(p), &past(s), nofollow).unwrap();
+        }
+        let (_u, to) = crate::testing::temp_path("to");
+        copy_volume(&from, &to).unwrap();
+        let m = |p: &str| std::fs::symlink_metadata(to.join(p)).unwrap();
+        assert_eq!((m("d/f").mtime(), m("d/f").mtime_nsec()), (1_000_001, 7));
+        assert_eq!((m("d/f").atime(), m("d/f").atime_nsec()), (1_000_000, 5));
+        assert_eq!(
+            m("d").mtime(),
+            2_000_001,
+            "a directory's times, once filled"
+        );
+        assert_eq!(m("l").mtime(), 3_000_001, "a link's own times");
+        assert_eq!(m("g").ino(), m("d/f").ino(), "hard links stay links");
+        if xattrs.is_ok() {
+            let get = |p: &str| {
+                let mut v = vec![0u8; 16];
+                let n = rustix::fs::lgetxattr(to.join(p), "user.vessel", &mut v[..]).unwrap();
+                v.truncate(n);
+                v
+            };
+            assert_eq!(get("d/f"), b"file");
+            assert_eq!(get("d"), b"dir");
+        }
     }
 
     #[test]
