@@ -1570,15 +1570,19 @@ fn check_propagation_sources(key: &str, mounts: &[cri::Mount]) -> Result<()> {
         let Some(on) = by_id.or_else(|| vessel_agent::mount_tree::mount_of(table, &real)) else {
             continue;
         };
-        let (ok, needs) = match wants {
-            P::PropagationBidirectional => (on.is_shared(), "shared"),
-            _ => (on.is_shared() || on.is_slave(), "shared or slave"),
+        let (ok, asked, needs) = match wants {
+            P::PropagationBidirectional => (on.is_shared(), "Bidirectional", "shared"),
+            _ => (
+                on.is_shared() || on.is_slave(),
+                "HostToContainer",
+                "shared or slave",
+            ),
         };
         if !ok {
             return Err(RuntimeError::FailedPrecondition(format!(
                 "CreateContainer {key:?}: the volume at {:?} asks for {} propagation, but its host path {:?} is on the mount {:?}, which is not {needs} (mount --make-rshared {:?} on the host)",
                 m.container_path,
-                if wants == P::PropagationBidirectional { "Bidirectional" } else { "HostToContainer" },
+                asked,
                 m.host_path,
                 on.mount_point,
                 on.mount_point,
