@@ -130,7 +130,9 @@ pub fn agent_err(ctx: &str, s: tonic::Status) -> RuntimeError {
 pub fn image_status(e: &ImageError) -> Status {
     let msg = bounded(e.to_string());
     match e {
-        ImageError::InvalidReference(_) => Status::invalid_argument(msg),
+        ImageError::InvalidReference(_) | ImageError::Ambiguous { .. } => {
+            Status::invalid_argument(msg)
+        }
         ImageError::NotFound { .. } => Status::not_found(msg),
         ImageError::Registry { status: 404, .. } => Status::not_found(msg),
         ImageError::Registry { status, .. } if *status == 401 || *status == 403 => {

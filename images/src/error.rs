@@ -83,6 +83,9 @@ pub enum ImageError {
     #[error("import {path}: {reason}")]
     Import { path: PathBuf, reason: String },
 
+    #[error("image ID prefix {prefix:?} is ambiguous: the IDs of {matches} begin with it; give more of the ID")]
+    Ambiguous { prefix: String, matches: String },
+
     #[error("image {reference} is in use by {users}")]
     InUse { reference: String, users: String },
 }

@@ -756,21 +756,38 @@ impl ImageStore {
 
     /// The one image whose ID starts with `q` (4 to 63 hex digits, `sha256:` optional), as
     /// containerd resolves the short IDs `crictl images` prints (`crictl rmi`, `inspecti`);
-    /// none where no image's or several images' IDs do.
+    /// none where no image's ID does, [`ImageError::Ambiguous`] where several images' do (as
+    /// containerd's digest set answers).
     fn by_id_prefix(&self, q: &str) -> Result<Option<ImageRecord>> {
         let hex = q.strip_prefix("sha256:").unwrap_or(q);
         if !(4..64).contains(&hex.len()) || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
             return Ok(None);
         }
         let hex = hex.to_ascii_lowercase();
-        let mut found = self
+        let mut found: Vec<ImageRecord> = self
             .list()?
             .into_iter()
-            .filter(|r| r.id.hex().starts_with(&hex));
-        Ok(match (found.next(), found.next()) {
-            (Some(r), None) => Some(r),
-            _ => None,
-        })
+            .filter(|r| r.id.hex().starts_with(&hex))
+            .collect();
+        if found.len() > 1 {
+            found.sort_by(|a, b| a.id.hex().cmp(b.id.hex()));
+            let mut matches: Vec<String> = found
+                .iter()
+                .take(3)
+                .map(|r| {
+                    let id = r.id.to_string();
+                    format!("{}...", id.get(..27).unwrap_or(&id))
+                })
+                .collect();
+            if found.len() > 3 {
+                matches.push(format!("{} more", found.len() - 3));
+            }
+            return Err(ImageError::Ambiguous {
+                prefix: q.to_string(),
+                matches: matches.join(", "),
+            });
+        }
+        Ok(found.pop())
     }
 
     fn write_record(&self, rec: &ImageRecord) -> Result<()> {
@@ -1013,8 +1030,15 @@ mod tests {
             let got = store.find(q).unwrap().map(|r| r.id.hex().to_string());
             assert_eq!(got.as_deref(), Some(a.as_str()), "{q}");
         }
-        // A prefix of both, or too short, is none of them.
-        assert!(store.find("3f57d9401f8").unwrap().is_none());
+        // A prefix of both is refused, naming both; a too short one is none of them.
+        for q in ["3f57d9401f8", "sha256:3f57"] {
+            let e = store.find(q).unwrap_err();
+            assert!(matches!(e, ImageError::Ambiguous { .. }), "{q}: {e}");
+            let m = e.to_string();
+            assert!(m.contains(&a[..20]) && m.contains(&b[..20]), "{m}");
+            let e = store.remove(q, &|_| None).unwrap_err();
+            assert!(matches!(e, ImageError::Ambiguous { .. }), "{q}: {e}");
+        }
         assert!(store.find("3f5").unwrap().is_none());
         // A tag is a tag first.
         store

@@ -229,7 +229,8 @@ impl Runtime {
             .await
             .map_err(internal("image lookup"))?
             .map_err(|e| match e {
-                vessel_images::ImageError::InvalidReference(_) => {
+                vessel_images::ImageError::InvalidReference(_)
+                | vessel_images::ImageError::Ambiguous { .. } => {
                     RuntimeError::InvalidArgument(e.to_string())
                 }
                 e => RuntimeError::Internal(e.to_string()),
@@ -258,7 +259,9 @@ impl Runtime {
                         base = Some(i);
                         break;
                     }
-                    Ok(None) | Err(vessel_images::ImageError::InvalidReference(_)) => {}
+                    Ok(None)
+                    | Err(vessel_images::ImageError::InvalidReference(_))
+                    | Err(vessel_images::ImageError::Ambiguous { .. }) => {}
                     Err(e) => return Err(internal("looking up the checkpoint's image")(e)),
                 }
             }
