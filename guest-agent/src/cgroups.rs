@@ -5,6 +5,7 @@
 //! `/proc/self/mountinfo`) and v2 (unified at `/sys/fs/cgroup`) are both handled. In hybrid
 //! mode libcontainer uses the v1 hierarchies only, so that is what we read too.
 
+use crate::proto::Pressure;
 use std::path::{Path, PathBuf};
 
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -100,19 +101,19 @@ pub struct CgroupStats {
     pub major_page_faults: u64,
     pub pids: u64,
     /// `cpu.pressure`, `memory.pressure`, `io.pressure` (cgroup v2 with PSI only).
-    pub cpu_pressure: Option<crate::proto::Pressure>,
-    pub memory_pressure: Option<crate::proto::Pressure>,
-    pub io_pressure: Option<crate::proto::Pressure>,
+    pub cpu_pressure: Option<Pressure>,
+    pub memory_pressure: Option<Pressure>,
+    pub io_pressure: Option<Pressure>,
 }
 
 /// A cgroup v2 pressure file (`some avg10=0.12 avg60=0.05 avg300=0.01 total=1234` and the
 /// same for `full`); `None` where there is none (cgroup v1, a kernel without PSI).
-fn read_pressure(path: &Path) -> Option<crate::proto::Pressure> {
+fn read_pressure(path: &Path) -> Option<Pressure> {
     parse_pressure(&std::fs::read_to_string(path).ok()?)
 }
 
-fn parse_pressure(text: &str) -> Option<crate::proto::Pressure> {
-    use crate::proto::{Pressure, PressureLine};
+fn parse_pressure(text: &str) -> Option<Pressure> {
+    use crate::proto::PressureLine;
     let mut p = Pressure::default();
     // A line that does not parse is left out, not the file.
     let line = |fields: std::str::SplitWhitespace| {
@@ -537,6 +538,20 @@ impl Cgroup {
         }
     }
 
+    /// The cgroup's CPU, memory and IO pressure (cgroup v2 with PSI only; none on v1, where
+    /// a hybrid host's unified hierarchy holds no container's cgroup).
+    pub fn pressure(&self) -> (Option<Pressure>, Option<Pressure>, Option<Pressure>) {
+        if !self.unified {
+            return (None, None, None);
+        }
+        let d = self.v2();
+        (
+            read_pressure(&d.join("cpu.pressure")),
+            read_pressure(&d.join("memory.pressure")),
+            read_pressure(&d.join("io.pressure")),
+        )
+    }
+
     /// Current resource usage.
     pub fn stats(&self) -> CgroupStats {
         let mut s = CgroupStats::default();
@@ -551,9 +566,7 @@ impl Cgroup {
             s.page_faults = read_key(&stat, "pgfault").unwrap_or(0);
             s.major_page_faults = read_key(&stat, "pgmajfault").unwrap_or(0);
             s.pids = read_u64(&d.join("pids.current")).unwrap_or(0);
-            s.cpu_pressure = read_pressure(&d.join("cpu.pressure"));
-            s.memory_pressure = read_pressure(&d.join("memory.pressure"));
-            s.io_pressure = read_pressure(&d.join("io.pressure"));
+            (s.cpu_pressure, s.memory_pressure, s.io_pressure) = self.pressure();
         } else {
             if let Some(d) = self.v1("cpuacct") {
                 s.cpu_usage_ns = read_u64(&d.join("cpuacct.usage")).unwrap_or(0);

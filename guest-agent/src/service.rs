@@ -1697,6 +1697,25 @@ impl Agent for AgentService {
         Ok(Response::new(self.state.stats(&req.into_inner().id)?))
     }
 
+    async fn cgroup_pressure(
+        &self,
+        req: Request<proto::CgroupPressureRequest>,
+    ) -> Result<Response<proto::CgroupPressureResponse>, Status> {
+        let path = req.into_inner().path;
+        let p = std::path::Path::new(&path);
+        if p.components().any(|c| c == std::path::Component::ParentDir) {
+            return Err(Status::invalid_argument(format!(
+                "cgroup path {path:?} has a `..`"
+            )));
+        }
+        let (cpu, memory, io) = crate::cgroups::Cgroup::new(p).pressure();
+        Ok(Response::new(proto::CgroupPressureResponse {
+            cpu,
+            memory,
+            io,
+        }))
+    }
+
     async fn update_resources(
         &self,
         req: Request<proto::UpdateResourcesRequest>,

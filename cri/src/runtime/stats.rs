@@ -131,8 +131,25 @@ impl Runtime {
         let pod = self.pod(id)?;
         let rec = pod.record();
         let ids = self.ctrs_of(&rec.id).into_iter().map(|c| c.record().id);
-        let (containers, pids): (Vec<_>, Vec<_>) =
-            self.containers_stats(ids).await.into_iter().unzip();
+        // The pod's pressure is its cgroup's (PSI does not add up across containers), as
+        // containerd reads its pod cgroup's: kubelet's pod cgroup on the node for a flat pod
+        // (its agent and containers), the same path in the guest for a VM pod (its
+        // containers), as its containers' figures come from there.
+        let pressure = async {
+            let mut c = pod.client().await.ok()?;
+            let path = rec.cgroup_parent.clone();
+            match c.cgroup_pressure(ap::CgroupPressureRequest { path }).await {
+                Ok(r) => Some(r.into_inner()),
+                Err(e) => {
+                    // An agent from before the call (a VM image built earlier) has none.
+                    tracing::debug!(pod = %rec.id, error = %e, "pod pressure unavailable");
+                    None
+                }
+            }
+        };
+        let (stats, pressure) = tokio::join!(self.containers_stats(ids), pressure);
+        let pressure = pressure.unwrap_or_default();
+        let (containers, pids): (Vec<_>, Vec<_>) = stats.into_iter().unzip();
         let ts = state::now_nanos();
         // The pod's processes, as containerd counts its pod cgroup's: its containers' (a
         // flat pod has no pause process; the agent is not the workload).
@@ -162,7 +179,7 @@ impl Runtime {
                     })
                 })
             }),
-            ..Default::default()
+            psi: psi(pressure.cpu.as_ref()),
         };
         let memory = cri::MemoryUsage {
             timestamp: ts,
@@ -171,8 +188,13 @@ impl Runtime {
             rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref()),
             page_faults: sum(&|c| c.memory.as_ref()?.page_faults.as_ref()),
             major_page_faults: sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref()),
+            psi: psi(pressure.memory.as_ref()),
             ..Default::default()
         };
+        let io = pressure.io.as_ref().map(|p| cri::IoUsage {
+            timestamp: ts,
+            psi: psi(Some(p)),
+        });
         Ok(cri::PodSandboxStats {
             attributes: Some(cri::PodSandboxAttributes {
                 id: rec.id.clone(),
@@ -186,7 +208,7 @@ impl Runtime {
                 network: self.backend(&rec).network_usage(&rec),
                 process,
                 containers,
-                ..Default::default()
+                io,
             }),
             windows: None,
         })

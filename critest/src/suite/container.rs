@@ -31,7 +31,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("logs", "ReopenContainerLog of an exited container fails", logs_reopen_exited),
         spec!("stats", "ContainerStats reports cpu and memory of a running container", stats),
         spec!("stats", "ListContainerStats filters by container and pod", list_stats),
-        spec!("stats", "ContainerStats reports pressure stall information where the cgroups have it", stats_psi),
+        spec!("stats", "ContainerStats and PodSandboxStats report pressure stall information where the cgroups have it", stats_psi),
         spec!("multi", "two containers of a pod share localhost", shared_localhost),
         spec!("multi", "containers of a pod have their own pid namespace by default", own_pid_ns),
         spec!("oom", "a container over its memory limit is OOMKilled", oom),
@@ -984,9 +984,9 @@ async fn stats(c: Ctx) -> SpecResult {
     Ok(())
 }
 
-/// PSI (cgroup v2's cpu/memory/io.pressure) in ContainerStats where the container's kernel
-/// (a VM pod's guest's: vessel's has PSI) keeps it and its cgroups are v2, and not otherwise
-/// (nothing made up on a cgroup v1 node).
+/// PSI (cgroup v2's cpu/memory/io.pressure) in ContainerStats, and the pod cgroup's in
+/// PodSandboxStats, where the container's kernel (a VM pod's guest's: vessel's has PSI) keeps
+/// it and its cgroups are v2, and not otherwise (nothing made up on a cgroup v1 node).
 async fn stats_psi(c: Ctx) -> SpecResult {
     let (pod, pcfg) = c.run_pod("psi").await?;
     let id = c.run(&pod, &pcfg, "psi", "sleep 100000").await?;
@@ -1000,26 +1000,46 @@ async fn stats_psi(c: Ctx) -> SpecResult {
         .await?;
     let expected = out.trim() == "yes";
     let st = c.stats(&id).await?.unwrap_or_default();
-    let cpu = st.cpu.and_then(|u| u.psi);
-    let memory = st.memory.and_then(|u| u.psi);
-    let io = st.io.and_then(|u| u.psi);
-    if !expected {
-        check!(
-            cpu.is_none() && memory.is_none() && io.is_none(),
-            "PSI on a node without it: cpu {cpu:?} memory {memory:?} io {io:?}"
-        );
-        return Ok(());
-    }
-    for (what, p) in [("cpu", &cpu), ("memory", &memory), ("io", &io)] {
-        let Some(some) = p.as_ref().and_then(|p| p.some.as_ref()) else {
-            fail!("no {what} PSI: {p:?}");
-        };
-        check!(
-            [some.avg10, some.avg60, some.avg300]
-                .iter()
-                .all(|a| (0.0..=100.0).contains(a)),
-            "{what} PSI averages out of 0..=100: {some:?}"
-        );
+    let ctr = [
+        st.cpu.and_then(|u| u.psi),
+        st.memory.and_then(|u| u.psi),
+        st.io.and_then(|u| u.psi),
+    ];
+    let mut cl = c.c.clone();
+    let ps = cl
+        .runtime
+        .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await?
+        .into_inner()
+        .stats
+        .and_then(|s| s.linux)
+        .unwrap_or_default();
+    let pod_psi = [
+        ps.cpu.and_then(|u| u.psi),
+        ps.memory.and_then(|u| u.psi),
+        ps.io.and_then(|u| u.psi),
+    ];
+    for (whose, psi) in [("container", ctr), ("pod", pod_psi)] {
+        if !expected {
+            check!(
+                psi.iter().all(Option::is_none),
+                "{whose} PSI on a node without it: cpu, memory, io {psi:?}"
+            );
+            continue;
+        }
+        for (what, p) in ["cpu", "memory", "io"].iter().zip(&psi) {
+            let Some(some) = p.as_ref().and_then(|p| p.some.as_ref()) else {
+                fail!("no {whose} {what} PSI: {p:?}");
+            };
+            check!(
+                [some.avg10, some.avg60, some.avg300]
+                    .iter()
+                    .all(|a| (0.0..=100.0).contains(a)),
+                "{whose} {what} PSI averages out of 0..=100: {some:?}"
+            );
+        }
     }
     Ok(())
 }
