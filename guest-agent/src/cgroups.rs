@@ -141,6 +141,31 @@ fn parse_pressure(text: &str) -> Option<Pressure> {
     p.some.is_some().then_some(p)
 }
 
+/// Whether the node's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
+/// `swapaccount=1`, the default), or v2's memory.swap.max in this process's own cgroup or
+/// one below the root. Read once.
+pub fn accounts_swap() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let root = Path::new(CGROUP_ROOT);
+        if root.join("memory").is_dir() {
+            return root.join("memory/memory.memsw.limit_in_bytes").exists();
+        }
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
+            })
+            .map(|p| root.join(p.trim_start_matches('/')));
+        own.is_some_and(|d| d != root && d.join("memory.swap.max").exists())
+            || std::fs::read_dir(root).is_ok_and(|d| {
+                d.flatten()
+                    .any(|e| e.path().join("memory.swap.max").exists())
+            })
+    })
+}
+
 /// Whether `/sys/fs/cgroup` is a cgroup2 mount (unified mode).
 pub fn is_unified() -> bool {
     nix::sys::statfs::statfs(CGROUP_ROOT)

@@ -432,6 +432,14 @@ impl AgentState {
                 }
             })?;
         }
+        // As runc does on cgroup v2 where swap is accounted: no swap beyond the limit
+        // (libcontainer leaves a v2 swap of 0 unwritten). From the final spec, after any
+        // update of the created container.
+        if c.restore.is_none() && crate::cgroups::is_unified() && crate::cgroups::accounts_swap() {
+            let config = dir.join("bundle").join("config.json");
+            crate::spec::edit_bundle(&config, |s| Ok(crate::spec::no_swap_on_v2(s)))
+                .map_err(|e| AgentError::internal("setting the bundle's cgroup v2 swap", e))?;
+        }
         let mut args: Vec<OsString> = match &c.restore {
             None => vec!["create".into()],
             Some(images) => vec![
@@ -1130,13 +1138,9 @@ impl AgentState {
 /// `config.json`, replaced atomically): what its cgroup gets at start. Zero or empty fields
 /// are left alone; a negative CPU quota removes the quota.
 fn update_spec_resources(config: &Path, r: &proto::LinuxResources) -> std::io::Result<()> {
-    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(config)?)
-        .map_err(|e| std::io::Error::other(format!("{}: {e}", config.display())))?;
-    crate::spec::merge_resources(&mut spec, r)?;
-    let bytes = serde_json::to_vec(&spec).map_err(std::io::Error::other)?;
-    let tmp = config.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, config)
+    crate::spec::edit_bundle(config, |spec| {
+        crate::spec::merge_resources(spec, r).map(|()| true)
+    })
 }
 
 /// The console socket of one libcontainer helper (a tty container's launch, a tty exec),

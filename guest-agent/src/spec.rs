@@ -348,6 +348,48 @@ pub fn merge_resources(
     Ok(())
 }
 
+/// cgroup v2's "no swap" for a spec whose swap (v1's memory+swap) equals its memory limit,
+/// written as runc writes it (`memory.swap.max` 0): libcontainer 0.7 takes a v2 swap of 0
+/// for "not set" and leaves `memory.swap.max` at `max`, so such a container could swap
+/// without bound. Given as `unified["memory.swap.max"] = "0"`, unless the spec sets that
+/// file itself. Whether the spec changed.
+pub fn no_swap_on_v2(spec: &mut serde_json::Value) -> bool {
+    let res = &spec["linux"]["resources"];
+    let mem = &res["memory"];
+    let no_swap = matches!(
+        (mem["limit"].as_i64(), mem["swap"].as_i64()),
+        (Some(limit), Some(swap)) if limit > 0 && swap == limit
+    );
+    if !no_swap || !res["unified"]["memory.swap.max"].is_null() {
+        return false;
+    }
+    let res = &mut spec["linux"]["resources"];
+    if !res["unified"].is_object() {
+        res["unified"] = serde_json::json!({});
+    }
+    res["unified"]["memory.swap.max"] = serde_json::json!("0");
+    true
+}
+
+/// Edits a bundle's `config.json` at `path`: rewritten (a temporary file renamed over it)
+/// where `edit` says it changed the spec.
+pub fn edit_bundle(
+    path: &Path,
+    edit: impl FnOnce(&mut serde_json::Value) -> std::io::Result<bool>,
+) -> std::io::Result<()> {
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(path)?)
+        .map_err(|e| std::io::Error::other(format!("{}: {e}", path.display())))?;
+    if !edit(&mut spec)? {
+        return Ok(());
+    }
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec(&spec).map_err(std::io::Error::other)?,
+    )?;
+    std::fs::rename(&tmp, path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -537,5 +579,42 @@ mod tests {
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         assert!(libc::WIFEXITED(status), "child status {status:#x}");
         assert_eq!(libc::WEXITSTATUS(status), 0, "see the return codes above");
+    }
+
+    #[test]
+    fn no_swap_on_cgroup_v2_is_written_as_runc_writes_it() {
+        use serde_json::json;
+        let mut spec = json!({"linux": {"resources": {"memory": {"limit": 64, "swap": 64}}}});
+        assert!(no_swap_on_v2(&mut spec));
+        assert_eq!(
+            spec["linux"]["resources"]["unified"],
+            json!({"memory.swap.max": "0"})
+        );
+        // Once only, and never over the spec's own.
+        assert!(!no_swap_on_v2(&mut spec));
+        let mut own = json!({"linux": {"resources": {
+            "memory": {"limit": 64, "swap": 64},
+            "unified": {"memory.swap.max": "max", "memory.high": "60"}}}});
+        assert!(!no_swap_on_v2(&mut own));
+        assert_eq!(
+            own["linux"]["resources"]["unified"]["memory.swap.max"],
+            "max"
+        );
+        // Swap beyond the limit, unlimited swap, no limit, no swap asked: left to
+        // libcontainer.
+        for memory in [
+            json!({"limit": 64, "swap": 128}),
+            json!({"limit": 64, "swap": -1}),
+            json!({"swap": 64}),
+            json!({"limit": 64}),
+            json!(null),
+        ] {
+            let mut spec = json!({"linux": {"resources": {"memory": memory}}});
+            let before = spec.clone();
+            assert!(!no_swap_on_v2(&mut spec), "{memory}");
+            assert_eq!(spec, before);
+        }
+        let mut bare = json!({"process": {}});
+        assert!(!no_swap_on_v2(&mut bare));
     }
 }

@@ -636,7 +636,7 @@ impl Runtime {
             hugetlb: backend.kind() == crate::state::BackendKind::Flat && host_has_hugetlb(),
             // The host's, for flat pods; a VM guest has no swap.
             swap_accounting: backend.kind() == crate::state::BackendKind::Flat
-                && host_accounts_swap(),
+                && vessel_agent::cgroups::accounts_swap(),
             // The host's, for flat pods; the guest kernel has no SELinux.
             selinux: backend.kind() == crate::state::BackendKind::Flat && crate::selinux::enabled(),
             vm_guest: backend.kind() == crate::state::BackendKind::Vm,
@@ -1099,7 +1099,10 @@ impl Runtime {
             } else {
                 String::new()
             },
-            memory_swap_limit_in_bytes: spec::default_swap(&r, host_cpus && host_accounts_swap()),
+            memory_swap_limit_in_bytes: spec::default_swap(
+                &r,
+                host_cpus && vessel_agent::cgroups::accounts_swap(),
+            ),
             unified: r.unified.clone(),
         };
         let mut c = pod.client().await?;
@@ -1470,31 +1473,6 @@ fn image_name_of(config: &cri::ContainerConfig) -> String {
         .as_ref()
         .map(|i| i.image.clone())
         .unwrap_or_default()
-}
-
-/// Whether the host's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
-/// `swapaccount=1`, the default), or v2's memory.swap.max in vesseld's own cgroup or one
-/// below the root. Read once.
-fn host_accounts_swap() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        let root = std::path::Path::new("/sys/fs/cgroup");
-        if root.join("memory").is_dir() {
-            return root.join("memory/memory.memsw.limit_in_bytes").exists();
-        }
-        let own = std::fs::read_to_string("/proc/self/cgroup")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
-            })
-            .map(|p| root.join(p.trim_start_matches('/')));
-        own.is_some_and(|d| d != root && d.join("memory.swap.max").exists())
-            || std::fs::read_dir(root).is_ok_and(|d| {
-                d.flatten()
-                    .any(|e| e.path().join("memory.swap.max").exists())
-            })
-    })
 }
 
 /// Whether this host has the hugetlb cgroup controller, a v1 hierarchy or in v2's list (a

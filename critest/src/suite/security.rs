@@ -757,6 +757,12 @@ async fn pid_pod_ptrace(c: Ctx) -> SpecResult {
         add_capabilities: vec!["SYS_PTRACE".into()],
         ..Default::default()
     });
+    // Unconfined by AppArmor, where the node has it: the default profile lets a container
+    // ptrace only its peers (as containerd's does), which would hide what PID 1 shows.
+    Ctx::sec(&mut cfg).apparmor = Some(cri::SecurityProfile {
+        profile_type: cri::security_profile::ProfileType::Unconfined as i32,
+        ..Default::default()
+    });
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
     let seen = c.sh_ok(&id, "ls -A /proc/1/root/").await?;
     let seen: Vec<&str> = seen.lines().collect();
