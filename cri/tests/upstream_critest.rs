@@ -13,7 +13,9 @@
 //! binary inside the nested harness's L1 with `VESSEL_E2E_HANDLER=vm` (critest, its stand-in
 //! images as an OCI layout pushed to a `docker-registry`, and `vm.expected` staged there;
 //! `VESSEL_UPSTREAM_FOCUS` narrows the specs, and then only the focused ones are judged);
-//! elsewhere it prints a SKIP line.
+//! elsewhere it prints a SKIP line. `upstream_critest_flat_in_l1` runs there too, against flat
+//! pods with `VESSEL_E2E_HANDLER=flat` (`l1-flat.expected`): L1's cgroups are v2 and it has
+//! AppArmor, which this suite's own host (cgroup v1 hybrid, no AppArmor) does not test.
 
 // An integration test crate: the whole file is the test module.
 #![allow(clippy::tests_outside_test_module)]
@@ -77,12 +79,44 @@ fn upstream_critest_vm() {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/vm.expected")
         });
     let mut args = vec!["--runtime-handler=vm".to_string()];
-    if let Ok(focus) = std::env::var("VESSEL_UPSTREAM_FOCUS") {
-        if !focus.is_empty() {
-            args.push(format!("-ginkgo.focus={focus}"));
-        }
-    }
+    args.extend(focus_arg());
     run("vm", &f, &expected, &args);
+}
+
+/// Flat pods inside the nested harness's L1 (cgroup v2, AppArmor), where `vm_pods` runs this
+/// binary with `VESSEL_E2E_HANDLER=flat` and `VESSEL_E2E_VESSELD`; a SKIP line elsewhere (the
+/// host's flat pods are `upstream_critest_flat`'s).
+#[test]
+fn upstream_critest_flat_in_l1() {
+    let vesseld = std::env::var_os("VESSEL_E2E_VESSELD")
+        .filter(|_| std::env::var("VESSEL_E2E_HANDLER").as_deref() == Ok("flat"));
+    let Some(vesseld) = vesseld else {
+        println!(
+            "SKIP upstream_critest_flat_in_l1: runs against flat pods inside vm_pods' L1 (VESSEL_E2E_HANDLER=flat, VESSEL_E2E_VESSELD)"
+        );
+        return;
+    };
+    let Some(f) =
+        upstream::Fixture::start_with("upstream_critest_flat_in_l1", vesseld.as_ref(), "")
+    else {
+        return;
+    };
+    let expected = std::env::var_os("VESSEL_UPSTREAM_EXPECTED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../critest/upstream/l1-flat.expected")
+        });
+    run("flat (L1)", &f, &expected, &focus_arg());
+}
+
+/// critest's `-ginkgo.focus` from `VESSEL_UPSTREAM_FOCUS`, where set.
+fn focus_arg() -> Vec<String> {
+    std::env::var("VESSEL_UPSTREAM_FOCUS")
+        .ok()
+        .filter(|f| !f.is_empty())
+        .map(|f| format!("-ginkgo.focus={f}"))
+        .into_iter()
+        .collect()
 }
 
 /// Runs critest against the fixture's vesseld and judges its report against `expected_path`.
@@ -104,9 +138,9 @@ fn run(mode: &str, f: &upstream::Fixture, expected_path: &Path, args: &[String])
         ])
         .arg("-ginkgo.no-color")
         .arg(format!("-ginkgo.json-report={}", report.display()))
-        // Against VM pods, well inside the nested harness's watchdog: a spec that hangs is
-        // then reported by name (interrupted), not lost with L1.
-        .arg(if mode == "vm" {
+        // In the nested harness's L1, well inside its watchdog: a spec that hangs is then
+        // reported by name (interrupted), not lost with L1.
+        .arg(if mode != "flat" {
             "-ginkgo.timeout=20m"
         } else {
             "-ginkgo.timeout=30m"

@@ -6,7 +6,9 @@
 //! * KVM usable here (real hardware virtualisation): both suites run directly.
 //! * Otherwise they run inside the nested VM harness (QEMU/TCG L1 with nested SVM:
 //!   `scripts/vm-harness.sh pods`), where L1's KVM is usable: two L1s at once, one with
-//!   vessel-critest and pods_e2e, one with cni_e2e and upstream critest.
+//!   vessel-critest and pods_e2e, one with cni_e2e and upstream critest; after the second, a
+//!   third runs vessel-critest and upstream critest against flat pods there, as the only run
+//!   of flat pods on cgroup v2 and with AppArmor (L1 has both; the CI host neither).
 //!
 //! Runs when the guest kernel is already in the build cache, QEMU is installed (nested case)
 //! and we are root; otherwise it prints `SKIP vm_pods: <reason>`. `VESSEL_VM_HARNESS=1`
@@ -22,7 +24,8 @@ use std::process::Command;
 
 use vessel_vmm::probe::{probe, Verdict};
 
-/// The conformance specs that a VM pod fails today, with the reason; anything else must pass.
+/// The conformance specs that a VM pod (or a flat pod in L1) fails today, with the reason;
+/// anything else must pass.
 /// A spec listed here that passes fails the test too, so that the list stays true.
 const KNOWN_FAILURES: &[(&str, &str)] = &[];
 
@@ -262,80 +265,98 @@ fn run_nested(
     let mut other_extra = format!("{env} /vessel/bin/{cni_name} --test-threads 1 {e2e_filter}");
     let mut other_add = e2e.cni.display().to_string();
     let mut add_dirs = String::new();
+    // The third L1, after the second (the shorter): flat pods on L1's cgroup v2 and AppArmor,
+    // which the host this suite runs on (cgroup v1 hybrid, no AppArmor) tests neither of:
+    // vessel-critest, then upstream critest.
+    let mut flat_extra = "true".to_string();
+    let mut flat_add = String::new();
     match upstream_tools() {
         Ok((critest, oci)) => {
             let listed = root.join("critest/upstream/vm.expected");
+            let flat_listed = root.join("critest/upstream/l1-flat.expected");
             other_add.push_str(&format!(
                 " {} {} {}",
                 e2e.upstream.display(),
                 critest.display(),
                 listed.display()
             ));
+            flat_add = format!(
+                "{} {} {}",
+                e2e.upstream.display(),
+                critest.display(),
+                flat_listed.display()
+            );
             add_dirs = format!("{}:/vessel/cri-tools/oci", oci.display());
+            let tools =
+                "VESSEL_CRI_TOOLS_BIN=/vessel/bin VESSEL_CRI_TOOLS_OCI=/vessel/cri-tools/oci";
+            let focus = upstream_focus();
             other_extra.push_str(&format!(
-                " && {env} VESSEL_CRI_TOOLS_BIN=/vessel/bin VESSEL_CRI_TOOLS_OCI=/vessel/cri-tools/oci VESSEL_UPSTREAM_EXPECTED=/vessel/bin/vm.expected VESSEL_UPSTREAM_FOCUS='{}' /vessel/bin/{up_name} --test-threads 1 --nocapture upstream_critest_vm",
-                upstream_focus()
+                " && {env} {tools} VESSEL_UPSTREAM_EXPECTED=/vessel/bin/vm.expected VESSEL_UPSTREAM_FOCUS='{focus}' /vessel/bin/{up_name} --test-threads 1 --nocapture upstream_critest_vm",
             ));
+            flat_extra = format!(
+                "VESSEL_E2E_VESSELD=/vessel/bin/vesseld VESSEL_E2E_HANDLER=flat {tools} VESSEL_UPSTREAM_EXPECTED=/vessel/bin/l1-flat.expected VESSEL_UPSTREAM_FOCUS='{focus}' /vessel/bin/{up_name} --test-threads 1 --nocapture upstream_critest_flat_in_l1",
+            );
         }
-        Err(why) => println!("vm_pods: upstream critest not run against VM pods: {why}"),
+        Err(why) => println!("vm_pods: upstream critest not run in L1: {why}"),
     }
     // The guest images both harness runs stage, built (and cached) once, before either.
     for format in ["cpio", "erofs"] {
         guest_image(root, bindir, format);
     }
     let work = std::env::var("VESSEL_HARNESS_WORK").unwrap_or("/var/tmp/vessel-harness".into());
-    let harness = |work: String, suite: bool, add: &str, add_dirs: &str, extra: &str| {
-        let mut cmd = Command::new("bash");
-        cmd.arg(root.join("scripts/vm-harness.sh"))
-            .arg("pods")
-            .env("VESSEL_HARNESS_WORK", work)
-            .env("VESSEL_PODS_BINDIR", bindir)
-            .env("VESSEL_PODS_HANDLER", "vm")
-            .env("VESSEL_PODS_SUITE", if suite { "1" } else { "0" })
-            .env("VESSEL_PODS_ADD", add)
-            .env("VESSEL_PODS_ADD_DIRS", add_dirs)
-            .env("VESSEL_PODS_EXTRA", extra)
-            // Appended to l1-pods.sh's config, whose last section is [vm].
-            .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
-            // Below nextest's limit for this test, so that a slow or stuck L1 is stopped by
-            // the harness, which then prints L1's console (nextest's kill would lose it).
-            .env(
-                "VESSEL_HARNESS_TIMEOUT",
-                std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("1650".into()),
-            )
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        if !focus.is_empty() {
-            cmd.env("VESSEL_PODS_FOCUS", focus);
-        }
-        cmd.spawn().expect("running scripts/vm-harness.sh pods")
-    };
-    let runs = [
-        harness(work.clone(), true, &suite_add, "", &suite_extra),
-        harness(
-            format!("{work}-b"),
-            false,
-            &other_add,
-            &add_dirs,
-            &other_extra,
-        ),
-    ];
-    // Both read at once: a run whose pipe fills while the other is waited for would stall.
+    let harness =
+        |work: String, handler: &str, suite: bool, add: &str, add_dirs: &str, extra: &str| {
+            let mut cmd = Command::new("bash");
+            cmd.arg(root.join("scripts/vm-harness.sh"))
+                .arg("pods")
+                .env("VESSEL_HARNESS_WORK", work)
+                .env("VESSEL_PODS_BINDIR", bindir)
+                .env("VESSEL_PODS_HANDLER", handler)
+                .env("VESSEL_PODS_SUITE", if suite { "1" } else { "0" })
+                .env("VESSEL_PODS_ADD", add)
+                .env("VESSEL_PODS_ADD_DIRS", add_dirs)
+                .env("VESSEL_PODS_EXTRA", extra)
+                // Appended to l1-pods.sh's config, whose last section is [vm].
+                .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
+                // Below nextest's limit for this test, so that a slow or stuck L1 is stopped by
+                // the harness, which then prints L1's console (nextest's kill would lose it).
+                .env(
+                    "VESSEL_HARNESS_TIMEOUT",
+                    std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("1650".into()),
+                )
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            if !focus.is_empty() {
+                cmd.env("VESSEL_PODS_FOCUS", focus);
+            }
+            cmd.spawn().expect("running scripts/vm-harness.sh pods")
+        };
+    // Each run's pipes are read while the others run: a run whose pipe fills while another
+    // is waited for would stall.
     let outs: Vec<_> = std::thread::scope(|s| {
-        let waits: Vec<_> = runs
+        let first = s.spawn(|| {
+            let run = harness(work.clone(), "vm", true, &suite_add, "", &suite_extra);
+            vec![("1", run.wait_with_output())]
+        });
+        let then = s.spawn(|| {
+            let b = format!("{work}-b");
+            let run = harness(b, "vm", false, &other_add, &add_dirs, &other_extra);
+            let second = run.wait_with_output();
+            let c = format!("{work}-c");
+            let run = harness(c, "flat", true, &flat_add, &add_dirs, &flat_extra);
+            vec![("2", second), ("3 (flat pods)", run.wait_with_output())]
+        });
+        [first, then]
             .into_iter()
-            .map(|run| s.spawn(move || run.wait_with_output()))
-            .collect();
-        waits.into_iter().map(|w| w.join()).collect()
+            .flat_map(|w| w.join().expect("a harness thread"))
+            .collect()
     });
     let mut stdout = String::new();
     let mut all_ok = true;
-    for (n, out) in outs.into_iter().enumerate() {
-        let out = out
-            .expect("waiting for scripts/vm-harness.sh pods")
-            .expect("waiting for scripts/vm-harness.sh pods");
+    for (n, out) in outs {
+        let out = out.expect("waiting for scripts/vm-harness.sh pods");
         eprintln!("{}", String::from_utf8_lossy(&out.stderr));
-        stdout.push_str(&format!("vm_pods: L1 run {}\n", n + 1));
+        stdout.push_str(&format!("vm_pods: L1 run {n}\n"));
         stdout.push_str(&String::from_utf8_lossy(&out.stdout));
         all_ok &= out.status.success();
     }
@@ -416,7 +437,7 @@ fn check(stdout: &str, harness_ok: bool) {
     assert!(
         passes.iter().filter(|p| p.starts_with("extra")).count() == runs
             && !fails.iter().any(|f| f.starts_with("extra")),
-        "the pods_e2e, cni_e2e and upstream critest suites did not all pass against VM pods (FAIL extra or no result)"
+        "the pods_e2e, cni_e2e and upstream critest suites did not all pass in L1 (FAIL extra or no result)"
     );
     let unexpected: Vec<&&str> = fails
         .iter()
