@@ -1344,7 +1344,13 @@ fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
                 std::fs::hard_link(first, &to)?;
                 continue;
             }
-            std::fs::copy(&from, &to)?;
+            // A sparse file (a database's preallocated one) keeps its holes: written out in
+            // full it could take far more of the node's disk than the image does.
+            if meta.blocks().saturating_mul(512) < meta.len() {
+                copy_sparse(&from, &to, meta.len())?;
+            } else {
+                std::fs::copy(&from, &to)?;
+            }
             own(&from, &to, &meta)?;
             if meta.nlink() > 1 {
                 linked.insert((meta.dev(), meta.ino()), to);
@@ -1358,6 +1364,45 @@ fn copy_volume(from: &Path, to: &Path) -> io::Result<()> {
         own(from, to, meta)?;
     }
     Ok(())
+}
+
+/// Copies the regular file `from` (`len` bytes) to the new file `to` with its holes: only
+/// the ranges `SEEK_DATA` finds are written, and the length is set at the end. A filesystem
+/// that does not tell holes apart answers its whole length as data.
+fn copy_sparse(from: &Path, to: &Path, len: u64) -> io::Result<()> {
+    use rustix::fs::SeekFrom;
+    use std::os::unix::fs::FileExt;
+    let src = std::fs::File::open(from)?;
+    let dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(to)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0u64;
+    while pos < len {
+        let data = match rustix::fs::seek(&src, SeekFrom::Data(pos)) {
+            Ok(d) => d,
+            // No data after `pos`: the rest is a hole.
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = rustix::fs::seek(&src, SeekFrom::Hole(data))?.min(len);
+        let mut at = data;
+        while at < end {
+            let want = usize::try_from(end - at)
+                .unwrap_or(usize::MAX)
+                .min(buf.len());
+            let n = src.read_at(&mut buf[..want], at)?;
+            if n == 0 {
+                // The file shrank under us (it is an image's: it does not).
+                break;
+            }
+            dst.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+        pos = end.max(data + 1);
+    }
+    dst.set_len(len)
 }
 
 /// Copies the extended attributes of `from` to `to` (neither followed if a link); a
@@ -1728,6 +1773,49 @@ mod tests {
         let (_v, file) = crate::testing::temp_path("file");
         copy_volume(&from.join("sub/f"), &file).unwrap();
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "data");
+    }
+
+    #[test]
+    fn image_volumes_keep_sparse_files_sparse() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let (_t, dir) = crate::testing::temp_path("sparse");
+        let from = dir.join("from");
+        std::fs::create_dir_all(&from).unwrap();
+        // 64 MiB, with data at 1 MiB and in the last bytes.
+        let f = std::fs::File::create(from.join("db")).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(b"start of data", 1 << 20).unwrap();
+        f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
+        // One that ends in a hole, and an empty one.
+        let g = std::fs::File::create(from.join("prealloc")).unwrap();
+        g.write_all_at(b"head", 0).unwrap();
+        g.set_len(32 << 20).unwrap();
+        std::fs::File::create(from.join("empty")).unwrap();
+        drop((f, g));
+        let to = dir.join("to");
+        copy_volume(&from, &to).unwrap();
+        for name in ["db", "prealloc", "empty"] {
+            let (a, b) = (from.join(name), to.join(name));
+            assert_eq!(
+                std::fs::read(&a).unwrap(),
+                std::fs::read(&b).unwrap(),
+                "{name}"
+            );
+            let (ma, mb) = (
+                std::fs::metadata(&a).unwrap(),
+                std::fs::metadata(&b).unwrap(),
+            );
+            assert_eq!(ma.len(), mb.len(), "{name}");
+            // Where the node's filesystem keeps holes, the copy takes no more than the file.
+            if ma.blocks() * 512 < ma.len() {
+                assert!(
+                    mb.blocks() <= ma.blocks() + 16,
+                    "{name}: {} blocks, image's {}",
+                    mb.blocks(),
+                    ma.blocks()
+                );
+            }
+        }
     }
 
     #[test]
