@@ -1707,9 +1707,13 @@ impl Agent for AgentService {
     ) -> Result<Response<proto::CgroupPressureResponse>, Status> {
         let path = req.into_inner().path;
         let p = std::path::Path::new(&path);
-        if p.components().any(|c| c == std::path::Component::ParentDir) {
+        // A pod's cgroup: below the root (whose pressure is the node's), without `..`.
+        let named = p
+            .components()
+            .any(|c| matches!(c, std::path::Component::Normal(_)));
+        if !named || p.components().any(|c| c == std::path::Component::ParentDir) {
             return Err(Status::invalid_argument(format!(
-                "cgroup path {path:?} has a `..`"
+                "cgroup path {path:?}: not a cgroup below the root without `..`"
             )));
         }
         let (cpu, memory, io) = crate::cgroups::Cgroup::new(p).pressure();
