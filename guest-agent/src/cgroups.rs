@@ -141,6 +141,23 @@ fn parse_pressure(text: &str) -> Option<Pressure> {
     p.some.is_some().then_some(p)
 }
 
+/// The cgroup v2 `cpu.weight` for a v1 CPU share, as libcontainer converts it when it makes
+/// a container's cgroup (and runc 1.3 and crun do): a quadratic in log2(shares) through
+/// 2 -> 1, 1024 -> 100 and 262144 -> 10000. A live update must give the weight a start gives:
+/// the linear conversion of older runc, used here before, turned kubelet's 102 shares (100m)
+/// from weight 17 into 4 at the first in-place resize.
+pub fn shares_to_weight(shares: u64) -> u64 {
+    if shares <= 2 {
+        return 1;
+    }
+    if shares >= 262_144 {
+        return 10_000;
+    }
+    let l = (shares as f64).log2();
+    let exponent = (l * l + 125.0 * l) / 612.0 - 7.0 / 34.0;
+    (10f64.powf(exponent).ceil() as u64).clamp(1, 10_000)
+}
+
 /// Whether the node's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
 /// `swapaccount=1`, the default), or v2's memory.swap.max in this process's own cgroup or
 /// one below the root. Read once.
@@ -335,8 +352,7 @@ impl Cgroup {
         if self.unified {
             let d = self.v2();
             if r.cpu_shares > 0 {
-                // The cgroup v2 weight for a v1 share, as runc converts it.
-                let w = 1 + ((r.cpu_shares.clamp(2, 262_144) - 2) * 9999) / 262_142;
+                let w = shares_to_weight(r.cpu_shares.unsigned_abs());
                 write(d.join("cpu.weight"), w.to_string())?;
             }
             if r.cpu_quota != 0 || r.cpu_period > 0 {
@@ -616,6 +632,29 @@ impl Cgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_weights_of_an_update_are_those_of_a_start() {
+        // libcontainer's (and runc 1.3's) conversion, worked out apart.
+        for (shares, weight) in [
+            (1, 1),
+            (2, 1),
+            (3, 2),
+            (10, 4),
+            (51, 11),
+            (102, 17),
+            (256, 35),
+            (512, 59),
+            (1024, 100),
+            (2048, 174),
+            (4096, 303),
+            (262_143, 10_000),
+            (262_144, 10_000),
+            (1 << 20, 10_000),
+        ] {
+            assert_eq!(shares_to_weight(shares), weight, "{shares} shares");
+        }
+    }
 
     #[test]
     fn a_cpu_max_update_keeps_the_half_it_does_not_send() {

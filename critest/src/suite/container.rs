@@ -650,6 +650,23 @@ async fn update_resources(c: Ctx) -> SpecResult {
         res["memory"]["limit"] == 48u64 << 20 && res["cpu"]["shares"] == 512,
         "runtimeSpec resources after a shares-only update: {res}"
     );
+    // The cgroup takes the update as it takes the same shares at start: on cgroup v2 the same
+    // cpu.weight (an in-place resize must not change a container's weight against others).
+    let mut cfg = c.ctr_config("shares", "sleep 100000");
+    cfg.linux.get_or_insert_with(Default::default).resources = Some(cri::LinuxContainerResources {
+        cpu_shares: 512,
+        ..Default::default()
+    });
+    let started = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let weight = "cat /sys/fs/cgroup/cpu.weight 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.shares";
+    let (updated, made) = (
+        c.sh_ok(&limited, weight).await?,
+        c.sh_ok(&started, weight).await?,
+    );
+    check!(
+        updated == made,
+        "CPU weight after updating to 512 shares: {updated:?}; a container started with 512 shares has {made:?}"
+    );
     // ... and in ContainerStatus.resources, which kubelet's in-place resize compares.
     let st = c.c.container_status(&limited).await?;
     let r = st.resources.and_then(|r| r.linux).unwrap_or_default();
