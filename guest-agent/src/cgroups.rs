@@ -155,7 +155,11 @@ pub fn shares_to_weight(shares: u64) -> u64 {
     }
     let l = (shares as f64).log2();
     let exponent = (l * l + 125.0 * l) / 612.0 - 7.0 / 34.0;
-    (10f64.powf(exponent).ceil() as u64).clamp(1, 10_000)
+    let weight = 10f64.powf(exponent).ceil().clamp(1.0, 10_000.0);
+    // Whole and within 1..=10000 here: the cast keeps it.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let weight = weight as u64;
+    weight
 }
 
 /// Whether the node's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
