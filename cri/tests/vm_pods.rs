@@ -304,7 +304,7 @@ fn run_nested(
         }
         Err(why) => println!("vm_pods: upstream critest not run in L1: {why}"),
     }
-    // The guest images both harness runs stage, built (and cached) once, before either.
+    // The guest images the harness runs stage, built (and cached) once, before any.
     for format in ["cpio", "erofs"] {
         guest_image(root, bindir, format);
     }

@@ -146,6 +146,8 @@ fn parse_pressure(text: &str) -> Option<Pressure> {
 /// 2 -> 1, 1024 -> 100 and 262144 -> 10000. A live update must give the weight a start gives:
 /// the linear conversion of older runc, used here before, turned kubelet's 102 shares (100m)
 /// from weight 17 into 4 at the first in-place resize.
+// The float is whole and within 1..=10000 when cast: the cast keeps it.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 pub fn shares_to_weight(shares: u64) -> u64 {
     if shares <= 2 {
         return 1;
@@ -155,11 +157,7 @@ pub fn shares_to_weight(shares: u64) -> u64 {
     }
     let l = (shares as f64).log2();
     let exponent = (l * l + 125.0 * l) / 612.0 - 7.0 / 34.0;
-    let weight = 10f64.powf(exponent).ceil().clamp(1.0, 10_000.0);
-    // Whole and within 1..=10000 here: the cast keeps it.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let weight = weight as u64;
-    weight
+    10f64.powf(exponent).ceil().clamp(1.0, 10_000.0) as u64
 }
 
 /// Whether the node's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
@@ -314,6 +312,11 @@ impl Cgroup {
 
     fn v2(&self) -> PathBuf {
         Path::new(CGROUP_ROOT).join(&self.rel)
+    }
+
+    /// Whether this cgroup is a v2 one (the node's `/sys/fs/cgroup` is cgroup2).
+    pub fn is_v2(&self) -> bool {
+        self.unified
     }
 
     /// Every directory of this cgroup (one per v1 hierarchy, or the v2 one) that exists.

@@ -435,7 +435,7 @@ impl AgentState {
         // As runc does on cgroup v2 where swap is accounted: no swap beyond the limit
         // (libcontainer leaves a v2 swap of 0 unwritten). From the final spec, after any
         // update of the created container; a restore's cgroup is made from it too.
-        if crate::cgroups::is_unified() && crate::cgroups::accounts_swap() {
+        if c.cgroup.is_v2() && crate::cgroups::accounts_swap() {
             let config = dir.join("bundle").join("config.json");
             crate::spec::edit_bundle(&config, |s| Ok(crate::spec::no_swap_on_v2(s)))
                 .map_err(|e| AgentError::internal("setting the bundle's cgroup v2 swap", e))?;

@@ -23,6 +23,14 @@ fn psi(p: Option<&ap::Pressure>) -> Option<cri::PsiStats> {
     })
 }
 
+/// CRI's IO usage, which is only PSI: none where the cgroup has no IO pressure file.
+fn io_usage(timestamp: i64, p: Option<&ap::Pressure>) -> Option<cri::IoUsage> {
+    p.map(|p| cri::IoUsage {
+        timestamp,
+        psi: psi(Some(p)),
+    })
+}
+
 impl Runtime {
     pub async fn container_stats(&self, id: &str) -> Result<cri::ContainerStats> {
         self.stats_and_pids(id).await.map(|(s, _)| s)
@@ -64,10 +72,7 @@ impl Runtime {
             usage_nano_cores: ctr.nano_cores(ts, s.cpu_usage_ns).and_then(u),
             psi: psi(s.cpu_pressure.as_ref()),
         });
-        stats.io = s.io_pressure.as_ref().map(|p| cri::IoUsage {
-            timestamp: ts,
-            psi: psi(Some(p)),
-        });
+        stats.io = io_usage(ts, s.io_pressure.as_ref());
         stats.memory = Some(cri::MemoryUsage {
             timestamp: ts,
             working_set_bytes: u(s.memory_working_set_bytes),
@@ -191,10 +196,7 @@ impl Runtime {
             psi: psi(pressure.memory.as_ref()),
             ..Default::default()
         };
-        let io = pressure.io.as_ref().map(|p| cri::IoUsage {
-            timestamp: ts,
-            psi: psi(Some(p)),
-        });
+        let io = io_usage(ts, pressure.io.as_ref());
         Ok(cri::PodSandboxStats {
             attributes: Some(cri::PodSandboxAttributes {
                 id: rec.id.clone(),
