@@ -161,27 +161,53 @@ pub fn shares_to_weight(shares: u64) -> u64 {
 }
 
 /// Whether the node's memory cgroup accounts swap: cgroup v1's memsw files (kernels with
-/// `swapaccount=1`, the default), or v2's memory.swap.max in this process's own cgroup or
-/// one below the root. Read once.
+/// `swapaccount=1`, the default), or v2's memory.swap.max in a cgroup below the root (the
+/// root has none). Probed until a memory cgroup below the root answers, then kept: a process
+/// in the root cgroup of a node with no child cgroup yet has nothing to ask, and caching that
+/// "no" would have left every later container free to swap.
 pub fn accounts_swap() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        let root = Path::new(CGROUP_ROOT);
-        if root.join("memory").is_dir() {
-            return root.join("memory/memory.memsw.limit_in_bytes").exists();
-        }
-        let own = std::fs::read_to_string("/proc/self/cgroup")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
-            })
-            .map(|p| root.join(p.trim_start_matches('/')));
-        own.is_some_and(|d| d != root && d.join("memory.swap.max").exists())
-            || std::fs::read_dir(root).is_ok_and(|d| {
-                d.flatten()
-                    .any(|e| e.path().join("memory.swap.max").exists())
-            })
+    if let Some(has) = HAS.get() {
+        return *has;
+    }
+    let own = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_string()))
+        });
+    match probe_swap(Path::new(CGROUP_ROOT), own.as_deref()) {
+        Some(has) => *HAS.get_or_init(|| has),
+        None => false,
+    }
+}
+
+/// [`accounts_swap`] below `root`, for a process in the v2 cgroup `own`: `None` while no
+/// memory cgroup below the root exists to tell.
+fn probe_swap(root: &Path, own: Option<&str>) -> Option<bool> {
+    if root.join("memory").is_dir() {
+        return Some(root.join("memory/memory.memsw.limit_in_bytes").exists());
+    }
+    let controllers = std::fs::read_to_string(root.join("cgroup.controllers")).ok()?;
+    if !controllers.split_whitespace().any(|c| c == "memory") {
+        return Some(false);
+    }
+    // A cgroup with the memory controller on has memory.current, and memory.swap.max too
+    // unless the kernel accounts no swap (`swapaccount=0`, `cgroup.memory=noswap`).
+    let answer = |d: &Path| {
+        d.join("memory.current")
+            .exists()
+            .then(|| d.join("memory.swap.max").exists())
+    };
+    let own = own
+        .map(|p| root.join(p.trim_start_matches('/')))
+        .filter(|d| d != root);
+    own.as_deref().and_then(answer).or_else(|| {
+        std::fs::read_dir(root)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .find_map(|e| answer(&e.path()))
     })
 }
 
@@ -639,6 +665,45 @@ impl Cgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn swap_accounting_waits_for_a_memory_cgroup_to_tell() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path();
+        // No controllers file: not a cgroup root it can read.
+        assert_eq!(probe_swap(root, Some("/")), None);
+        std::fs::write(root.join("cgroup.controllers"), "cpu io\n").unwrap();
+        assert_eq!(
+            probe_swap(root, Some("/")),
+            Some(false),
+            "no memory controller"
+        );
+        std::fs::write(root.join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+        // The root has no memory.swap.max; no child yet: nothing tells.
+        assert_eq!(probe_swap(root, Some("/")), None);
+        let child = root.join("kubepods");
+        std::fs::create_dir(&child).unwrap();
+        assert_eq!(
+            probe_swap(root, Some("/")),
+            None,
+            "memory not on below the root"
+        );
+        std::fs::write(child.join("memory.current"), "0\n").unwrap();
+        assert_eq!(probe_swap(root, Some("/")), Some(false), "swapaccount=0");
+        std::fs::write(child.join("memory.swap.max"), "max\n").unwrap();
+        assert_eq!(probe_swap(root, Some("/")), Some(true));
+        // A process's own cgroup answers first.
+        let own = root.join("system.slice");
+        std::fs::create_dir(&own).unwrap();
+        std::fs::write(own.join("memory.current"), "0\n").unwrap();
+        assert_eq!(probe_swap(root, Some("/system.slice")), Some(false));
+        // cgroup v1: the memsw files.
+        let v1 = tempfile::tempdir().unwrap();
+        std::fs::create_dir(v1.path().join("memory")).unwrap();
+        assert_eq!(probe_swap(v1.path(), None), Some(false));
+        std::fs::write(v1.path().join("memory/memory.memsw.limit_in_bytes"), "").unwrap();
+        assert_eq!(probe_swap(v1.path(), None), Some(true));
+    }
 
     #[test]
     fn cpu_weights_of_an_update_are_those_of_a_start() {
