@@ -453,18 +453,23 @@ impl Cni {
             match self.exec(&a, i, "ADD", prev.as_ref()).await {
                 Ok(r) => prev = Some(r),
                 Err(e) => {
-                    if let Err(d) = self.del(&a).await {
-                        tracing::warn!(pod = %a.pod.id, error = %d, "CNI DEL after a failed ADD failed");
+                    // Kept where DEL failed too: the pod's teardown, or the next start's
+                    // sweep, asks again (host-local's IP stays taken until one succeeds).
+                    match self.del(&a).await {
+                        Ok(()) => self.forget(&a.pod.id),
+                        Err(d) => {
+                            tracing::warn!(pod = %a.pod.id, error = %d, "CNI DEL after a failed ADD failed; its cache entry is kept to try again");
+                        }
                     }
-                    self.forget(&a.pod.id);
                     return Err(e);
                 }
             }
         }
         a.result = prev.unwrap_or(Value::Null);
         if let Err(e) = self.save(&a) {
-            let _ = self.del(&a).await;
-            self.forget(&a.pod.id);
+            if self.del(&a).await.is_ok() {
+                self.forget(&a.pod.id);
+            }
             return Err(e);
         }
         Ok(a)

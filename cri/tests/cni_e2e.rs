@@ -526,3 +526,132 @@ async fn restart_keeps_ips_and_detaches_dead_pods() {
     assert!(cni.allocated_ips().is_empty());
     assert!(bridge_ports(&cni.bridge).is_empty());
 }
+
+/// A CNI DEL that fails keeps the pod on the network until one succeeds, as containerd's
+/// "failed to destroy network for sandbox": StopPodSandbox and RemovePodSandbox fail (so
+/// kubelet asks again) instead of dropping the cache entry, and with it the only record of
+/// what the chain holds for the pod (host-local's IP, portmap's rules). The pod stays
+/// listed; a later stop, once DEL works again, frees it all, and the removal leaves nothing.
+/// Before, both calls succeeded and the chain's allocation leaked for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_del_fails_the_stop_and_is_asked_again() {
+    let Some(cni) = test_cni() else { return };
+    // A plugin of the chain's own (first, so that bridge's result is the pod's) that holds
+    // something from ADD to a DEL that succeeds, and whose DEL fails while `fail-del` is.
+    let bin = cni.dir.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let state = cni.dir.path().join("flaky");
+    std::fs::create_dir_all(&state).unwrap();
+    let plugin = bin.join("vessel-flaky");
+    std::fs::write(
+        &plugin,
+        format!(
+            r#"#!/bin/sh
+cat >/dev/null
+s={state}
+case "$CNI_COMMAND" in
+ADD) touch "$s/held-$CNI_CONTAINERID"; echo '{{"cniVersion":"1.0.0"}}' ;;
+DEL) if [ -e "$s/fail-del" ]; then
+       echo '{{"cniVersion":"1.0.0","code":11,"msg":"flaky DEL refused"}}'; exit 1
+     fi
+     rm -f "$s/held-$CNI_CONTAINERID" ;;
+VERSION) echo '{{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}}' ;;
+esac
+"#,
+            state = state.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let conf_path = cni.dir.path().join("net.d/10-vessel-test.conflist");
+    let mut conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&conf_path).unwrap()).unwrap();
+    conf["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .insert(0, serde_json::json!({"type": "vessel-flaky"}));
+    std::fs::write(&conf_path, conf.to_string()).unwrap();
+    let config = format!(
+        "[cni]\nconf_dir = \"{}\"\nbin_dirs = [\"{}\", \"{}\"]\n",
+        cni.dir.path().join("net.d").display(),
+        cni.bin_dir.display(),
+        bin.display()
+    );
+    let mut h = harness(&config).await;
+    let held = |id: &str| state.join(format!("held-{id}")).exists();
+
+    // StopPodSandbox, then RemovePodSandbox.
+    let cfg = h.pod_config("flaky-stop");
+    let pod = h.run_pod(&cfg).await.expect("RunPodSandbox");
+    assert!(held(&pod), "ADD ran the test plugin");
+    assert!(!h
+        .pod_status(&pod)
+        .await
+        .network
+        .unwrap_or_default()
+        .ip
+        .is_empty());
+    std::fs::write(state.join("fail-del"), "").unwrap();
+    let e =
+        h.c.runtime
+            .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await
+            .expect_err("StopPodSandbox with a failing DEL");
+    assert!(
+        e.message().contains("flaky DEL refused") && e.message().contains(&pod),
+        "the error names the pod and the plugin's message: {e}"
+    );
+    assert!(held(&pod), "the chain's hold is kept");
+    assert_eq!(
+        h.pod_status(&pod).await.state,
+        cri::PodSandboxState::SandboxNotready as i32,
+        "the rest of the stop is done"
+    );
+    let e =
+        h.c.runtime
+            .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await
+            .expect_err("RemovePodSandbox with a failing DEL");
+    assert!(e.message().contains("flaky DEL refused"), "{e}");
+    h.pod_status(&pod).await;
+    std::fs::remove_file(state.join("fail-del")).unwrap();
+    h.c.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("StopPodSandbox again: {e}\n{}", h.v.log()));
+    assert!(!held(&pod), "the second stop's DEL ran");
+    h.remove_pod(&pod).await;
+
+    // RemovePodSandbox of a ready pod, whose own stop fails; then a restart of vesseld with a
+    // DEL that still fails keeps the pod, and the removal after it frees everything.
+    let cfg = h.pod_config("flaky-remove");
+    let pod = h.run_pod(&cfg).await.expect("RunPodSandbox");
+    std::fs::write(state.join("fail-del"), "").unwrap();
+    h.c.runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await
+        .expect_err("RemovePodSandbox with a failing DEL");
+    h.v.restart().expect("restart vesseld");
+    h.c = h.v.client().await;
+    assert!(held(&pod), "a restart does not drop the attachment");
+    std::fs::remove_file(state.join("fail-del")).unwrap();
+    h.remove_pod(&pod).await;
+    assert!(!held(&pod), "the removal's DEL ran");
+    assert!(cni.allocated_ips().is_empty(), "IPs left");
+    assert!(bridge_ports(&cni.bridge).is_empty(), "veths left");
+    for d in ["state/netns", "root/cni", "root/pods"] {
+        let p = h.v.dir.path().join(d);
+        let e: Vec<_> = std::fs::read_dir(&p)
+            .map(|r| r.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(e.is_empty(), "{d} not empty: {e:?}");
+    }
+}

@@ -69,8 +69,9 @@ impl SandboxBackend for Double {
     async fn after_shutdown(&self, rec: &PodRecord) {
         self.log("after_shutdown", &rec.id);
     }
-    async fn teardown(&self, rec: &PodRecord) {
+    async fn teardown(&self, rec: &PodRecord) -> Result<()> {
         self.log("teardown", &rec.id);
+        Ok(())
     }
     fn resize(&self, rec: &PodRecord, _c: &cri::PodSandboxConfig) -> Result<()> {
         self.log("resize", &rec.id);

@@ -164,8 +164,8 @@ impl Runtime {
             }
             Err(e) => {
                 tracing::warn!(pod = %id, error = %e, "RunPodSandbox failed; cleaning up");
-                self.teardown_pod_resources(&pod.record()).await;
-                self.opts.cni.forget(id);
+                // A failed DEL keeps its CNI cache entry: vesseld's next start asks again.
+                let _ = self.teardown_pod_resources(&pod.record()).await;
                 let _ = self.dirs.delete_pod(id);
                 Err(e)
             }
@@ -173,10 +173,12 @@ impl Runtime {
     }
 
     /// Takes down what the pod's backend made (host process, network, netns pin, cgroup, VM
-    /// files). Idempotent.
-    pub(super) async fn teardown_pod_resources(&self, rec: &PodRecord) {
-        self.backend(rec).teardown(rec).await;
+    /// files). Idempotent. The error is a CNI DEL that failed, after all else went: the pod
+    /// is still on the network, and the next teardown asks again.
+    pub(super) async fn teardown_pod_resources(&self, rec: &PodRecord) -> Result<()> {
+        let net = self.backend(rec).teardown(rec).await;
         self.opts.cgroups.release(rec).await;
+        net
     }
 
     /// CRI StopPodSandbox, in a task of its own (as RunPodSandbox): a caller that gives up
@@ -229,7 +231,9 @@ impl Runtime {
         } else {
             pod.set_client(None).await;
         }
-        self.teardown_pod_resources(&rec).await;
+        // A failed CNI DEL fails the stop, after the rest of it (as containerd's does): kubelet
+        // stops again, and that stop asks DEL again, until the pod's IP is free.
+        let net = self.teardown_pod_resources(&rec).await;
         step("resources released");
         let was_ready = rec.state == PodState::Ready;
         // NotReady first: the containers' stopped events carry the pod's state as it is.
@@ -250,6 +254,7 @@ impl Runtime {
         if was_ready {
             self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);
         }
+        net?;
         tracing::info!(pod = %rec.id, "pod sandbox stopped");
         Ok(())
     }
@@ -274,8 +279,8 @@ impl Runtime {
         for ctr in self.ctrs_of(&rec.id) {
             self.forget_container(&ctr).await?;
         }
-        self.teardown_pod_resources(&rec).await;
-        self.opts.cni.forget(&rec.id);
+        // Not removed while still on the network: the record is what asks DEL again.
+        self.teardown_pod_resources(&rec).await?;
         let unreadable = rec.name_key.starts_with(crate::state::UNREADABLE_POD_KEY);
         if unreadable {
             // Its containers were kept, unmanaged: they go with it (their processes went with

@@ -38,8 +38,8 @@ impl Runtime {
         for rec in records {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
-                self.teardown_pod_resources(&rec).await;
-                self.opts.cni.forget(&rec.id);
+                // A failed DEL keeps its cache entry: the sweep below, or the next start's.
+                let _ = self.teardown_pod_resources(&rec).await;
                 let _ = self.dirs.delete_pod(&rec.id);
                 continue;
             }
@@ -60,7 +60,8 @@ impl Runtime {
                 if !alive {
                     tracing::warn!(pod = %rec.id, "pod agent is gone; pod is not ready");
                     pod.set_client(None).await;
-                    self.teardown_pod_resources(&rec).await;
+                    // A failed CNI DEL is asked again by kubelet's StopPodSandbox.
+                    let _ = self.teardown_pod_resources(&rec).await;
                     let why = format!(
                         "{} exited while vesseld was down",
                         self.backend(&rec).host_process()
@@ -76,7 +77,7 @@ impl Runtime {
                 }
             } else {
                 // Not ready: make sure nothing of it runs or stays mounted.
-                self.teardown_pod_resources(&rec).await;
+                let _ = self.teardown_pod_resources(&rec).await;
             }
         }
         // Pods whose record could not be read: listed NotReady (placeholders, written back only
@@ -193,11 +194,17 @@ impl Runtime {
             if self.pod(&id).is_err() && !held(&kept, &id) {
                 if let Some(a) = self.opts.cni.cached(&id) {
                     tracing::info!(pod = %id, "detaching CNI attachment without a pod");
-                    if let Err(e) = self.opts.cni.del(&a).await {
-                        tracing::warn!(pod = %id, error = %e, "CNI DEL failed");
+                    match self.opts.cni.del(&a).await {
+                        Ok(()) => self.opts.cni.forget(&id),
+                        // Kept: the next start asks again (its IP stays taken till then).
+                        Err(e) => {
+                            tracing::warn!(pod = %id, error = %e, "CNI DEL failed; kept to try again at the next start")
+                        }
                     }
+                } else {
+                    // Unreadable: nothing to DEL with.
+                    self.opts.cni.forget(&id);
                 }
-                self.opts.cni.forget(&id);
             }
         }
         // Snapshots without a container, and netns pins without a pod.

@@ -150,7 +150,8 @@ impl Runtime {
         let what = format!("{} exited unexpectedly", self.backend(&rec).host_process());
         tracing::warn!(pod = %rec.id, pid = rec.agent_pid, reason = %what, "pod lost; pod is not ready");
         pod.set_client(None).await;
-        self.teardown_pod_resources(&rec).await;
+        // A failed CNI DEL is asked again by kubelet's StopPodSandbox.
+        let _ = self.teardown_pod_resources(&rec).await;
         // NotReady first: the containers' stopped events carry the pod's state as it is.
         let rec = pod.update(|r| {
             r.state = PodState::NotReady;

@@ -137,7 +137,7 @@ impl SandboxBackend for FlatBackend {
 
     async fn after_shutdown(&self, _rec: &PodRecord) {}
 
-    async fn teardown(&self, rec: &PodRecord) {
+    async fn teardown(&self, rec: &PodRecord) -> Result<()> {
         process::kill_pod_process(
             rec.agent_pid,
             rec.agent_start_time,
@@ -145,8 +145,8 @@ impl SandboxBackend for FlatBackend {
             &rec.agent_socket,
         )
         .await;
-        network::release(&self.cni, rec).await;
         // The pod's cgroups go in `cgroup::Driver::release`, next.
+        network::release(&self.cni, rec).await
     }
 
     /// The containers live in kubelet's pod cgroup, which kubelet resized before it called.

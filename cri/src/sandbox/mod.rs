@@ -235,8 +235,9 @@ pub trait SandboxBackend: Send + Sync {
     async fn after_shutdown(&self, rec: &PodRecord);
 
     /// Removes everything the sandbox has on the host: process, network, netns pin,
-    /// cgroup, files. Idempotent; safe on a half-made pod.
-    async fn teardown(&self, rec: &PodRecord);
+    /// cgroup, files. Idempotent; safe on a half-made pod. The error is a CNI DEL that
+    /// failed: all else is gone, and the network's cache entry stays to be asked again.
+    async fn teardown(&self, rec: &PodRecord) -> Result<()>;
 
     /// Whether a ready pod can take new pod-level resources (`config`: its config with them):
     /// FailedPrecondition, naming what it cannot follow, where not.

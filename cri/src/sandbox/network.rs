@@ -38,27 +38,39 @@ pub async fn attach(cni: &Cni, pod: &Pod, config: &cri::PodSandboxConfig) -> Res
     Ok(())
 }
 
-/// Runs CNI DEL for what ADD did to a pod, if anything. Errors are logged: the cache entry
-/// then stays, and the next teardown (RemovePodSandbox, recovery) tries again.
-pub async fn detach(cni: &Cni, rec: &PodRecord) {
+/// Runs CNI DEL for what ADD did to a pod, if anything. On failure the cache entry stays,
+/// so that the next teardown (StopPodSandbox, RemovePodSandbox, recovery) asks again, and
+/// the error says why: what the chain holds for the pod (host-local's IP, portmap's rules)
+/// is not freed until a DEL succeeds.
+pub async fn detach(cni: &Cni, rec: &PodRecord) -> Result<()> {
     let id = &rec.id;
     let Some(a) = cni.cached(id) else {
-        return;
+        return Ok(());
     };
     match cni.del(&a).await {
         Ok(()) => {
             tracing::info!(pod = %id, network = %a.network.name, "pod detached from the CNI network");
             cni.forget(id);
+            Ok(())
         }
-        Err(e) => tracing::warn!(pod = %id, error = %e, "CNI DEL failed"),
+        Err(e) => {
+            tracing::warn!(pod = %id, error = %e, "CNI DEL failed; the pod's network is still attached");
+            Err(crate::errors::RuntimeError::Unavailable(format!(
+                "pod sandbox {id}: taking it off network {:?}: {e} (the next StopPodSandbox or RemovePodSandbox tries again)",
+                a.network.name
+            )))
+        }
     }
 }
 
 /// Takes a pod off the network: CNI DEL (while the pin still keeps the namespace, and the
-/// interface in it, alive), then the pin itself.
-pub async fn release(cni: &Cni, rec: &PodRecord) {
-    detach(cni, rec).await;
+/// interface in it, alive), then the pin itself. The pin goes even when DEL failed: no
+/// process is left in the namespace, and a DEL retried without it still frees what the
+/// chain holds (CNI asks plugins to take a missing namespace as nothing to do there).
+pub async fn release(cni: &Cni, rec: &PodRecord) -> Result<()> {
+    let r = detach(cni, rec).await;
     if let Err(e) = super::netns::unpin(&rec.netns_path) {
         tracing::warn!(pod = %rec.id, error = %e, "cannot unpin netns");
     }
+    r
 }

@@ -225,14 +225,15 @@ impl SandboxBackend for VmBackend {
         shim::stop_shim(rec.agent_pid, rec.agent_start_time, Duration::from_secs(5)).await;
     }
 
-    async fn teardown(&self, rec: &PodRecord) {
+    async fn teardown(&self, rec: &PodRecord) -> Result<()> {
         let v = vm_of(rec);
         let spec = VmPaths::new(&v.dir).spec;
         process::kill_pod_process(rec.agent_pid, rec.agent_start_time, "--spec", &spec).await;
         // The tap went with the shim; CNI DEL removes the interface and its tc filters.
-        network::release(&self.cni, rec).await;
+        let net = network::release(&self.cni, rec).await;
         let dir = v.dir.clone();
         let _ = tokio::task::spawn_blocking(move || volumes::remove_vm_dir(&dir)).await;
+        net
     }
 
     /// The microVM keeps the vCPUs and memory it booted with (the VMM has no CPU or memory
