@@ -1046,6 +1046,84 @@ async fn restart_recovery_after_kill9() {
     h.assert_clean();
 }
 
+/// A pod whose host process lives but does not answer when vesseld starts again (stopped
+/// here; a loaded node or a slow VM guest in life) keeps running: it stays ready and its
+/// running container stays running, not reported exited while it runs (kubelet would start
+/// another beside it) nor killed with its pod. Once the agent answers, exec works and the
+/// container's real exit is what its status says. Before, recovery tore such a pod down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_pod_agent_is_kept_at_a_restart() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("silent").await;
+    let ctr = h
+        .run(
+            &pod,
+            &pcfg,
+            "sleeper",
+            "trap 'exit 3' TERM; sleep 1000 & wait",
+        )
+        .await;
+    let created = h
+        .create(&pod, &pcfg, h.ctr_config("created", "exit 4"))
+        .await
+        .unwrap();
+    h.v.kill9();
+    let rec_path = h.v.root_dir().join("pods").join(&pod).join("pod.json");
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&rec_path).unwrap()).unwrap();
+    let pid = i32::try_from(rec["agent_pid"].as_u64().unwrap()).unwrap();
+    // SAFETY: kill(2) of the pod's host process, named by its record, with a valid signal.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let before = h.v.log().matches("state recovered").count();
+    let restarted = h.v.restart();
+    // The socket listens before recovery is done: the agent answers nothing until then.
+    let recovered = wait_until(Duration::from_secs(60), || {
+        h.v.log().matches("state recovered").count() > before
+    });
+    // SAFETY: as above; the process is still the pod's (stopped processes do not exit).
+    unsafe {
+        libc::kill(pid, libc::SIGCONT);
+    }
+    restarted.unwrap();
+    assert!(recovered, "no recovery in 60 s: {}", h.v.log());
+    h.c = h.v.client().await;
+    assert_eq!(
+        h.pod_state(&pod).await,
+        cri::PodSandboxState::SandboxReady as i32,
+        "{}",
+        h.v.log()
+    );
+    assert_eq!(
+        h.status(&ctr).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    assert_eq!(
+        h.status(&created).await.state,
+        cri::ContainerState::ContainerCreated as i32
+    );
+    assert!(Path::new(&format!("/proc/{pid}")).exists(), "agent killed");
+    let r = h.exec(&ctr, &["echo", "still-here"], 10).await.unwrap();
+    assert_eq!(r.stdout, b"still-here\n");
+    h.c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: ctr.clone(),
+            timeout: 10,
+        })
+        .await
+        .unwrap();
+    let s = h.wait_exit(&ctr, Duration::from_secs(10)).await;
+    assert_eq!(s.exit_code, 3, "the container's own exit: {s:?}");
+    h.start(&created).await;
+    assert_eq!(
+        h.wait_exit(&created, Duration::from_secs(10))
+            .await
+            .exit_code,
+        4
+    );
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
 /// A StopPodSandbox that a crash of vesseld interrupted (its record says `stopping`) is
 /// finished by the next vesseld: the pod reads not ready at once, its container ends up
 /// exited, its host process gone, and RemovePodSandbox leaves nothing.
@@ -4185,4 +4263,16 @@ async fn a_debug_container_joins_its_targets_pid_namespace() {
     assert!(e.message().contains("not a running container"), "{e}");
     h.remove_pod(&pod).await;
     h.assert_clean();
+}
+
+/// Polls `f` every 50 ms until it holds (true) or `limit` passes (false).
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while !f() {
+        if start.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
 }

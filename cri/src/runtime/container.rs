@@ -911,7 +911,7 @@ impl Runtime {
         ctr.persist(&self.dirs)
             .map_err(internal("saving container record"))?;
         self.emit(&rec, cri::ContainerEventType::ContainerStartedEvent);
-        self.spawn_watcher(pod, ctr.clone(), c);
+        self.spawn_watcher(pod, ctr.clone(), Some(c));
         tracing::info!(container = %rec.id, "container started");
         Ok(())
     }

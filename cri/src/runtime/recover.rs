@@ -35,6 +35,7 @@ impl Runtime {
             b.sweep_orphans(&records, &kept).await;
         }
         self.opts.cgroups.sweep(&records, &kept).await;
+        let mut agent_lists: HashMap<String, Listed> = HashMap::new();
         for rec in records {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
@@ -46,17 +47,29 @@ impl Runtime {
             let pod = self.pod_object(rec.clone());
             self.relist(&self.pods, &rec.name_key, &rec.id, pod.clone());
             if rec.state == PodState::Ready {
-                let alive = process::is_alive(rec.agent_pid, rec.agent_start_time)
-                    && matches!(
-                        tokio::time::timeout(Duration::from_secs(5), async {
-                            let mut c = pod.client().await?;
-                            c.ping(ap::PingRequest {})
-                                .await
-                                .map_err(|s| agent_err("ping", s))
-                        })
-                        .await,
-                        Ok(Ok(_))
-                    );
+                // The pid with its start time names the pod's own host process: while it
+                // lives, the pod does. One that does not answer in time (a loaded node, a
+                // VM guest slow to schedule its agent) is not killed for it: its pod stays
+                // ready, and the watchers reconnect when they need to.
+                let alive = process::is_alive(rec.agent_pid, rec.agent_start_time);
+                if alive {
+                    let answered = tokio::time::timeout(Duration::from_secs(5), async {
+                        let mut c = pod.client().await?;
+                        c.ping(ap::PingRequest {})
+                            .await
+                            .map_err(|s| agent_err("ping", s))
+                    })
+                    .await;
+                    if !matches!(answered, Ok(Ok(_))) {
+                        tracing::warn!(pod = %rec.id, pid = rec.agent_pid, "pod agent alive but not answering; the pod stays ready");
+                        pod.set_client(None).await;
+                        // Not asked again for its containers (that would wait once more).
+                        agent_lists.insert(
+                            rec.id.clone(),
+                            Listed::Unanswered("no answer to a ping in 5 s".into()),
+                        );
+                    }
+                }
                 if !alive {
                     tracing::warn!(pod = %rec.id, "pod agent is gone; pod is not ready");
                     pod.set_client(None).await;
@@ -95,8 +108,6 @@ impl Runtime {
             let (key, pod) = (rec.name_key.clone(), self.pod_object(rec));
             self.relist(&self.pods, &key, &id, pod);
         }
-        let mut agent_lists: HashMap<String, Option<HashMap<String, ap::ContainerInfo>>> =
-            HashMap::new();
         for rec in self.dirs.load_containers() {
             if held(&kept, &rec.pod_id) {
                 tracing::warn!(container = %rec.id, pod = %rec.pod_id, "container of a pod whose record is quarantined: kept, not managed");
@@ -112,39 +123,33 @@ impl Runtime {
             let pod_ready = pod.record().state == PodState::Ready;
             if !agent_lists.contains_key(&rec.pod_id) {
                 let list = if pod_ready {
-                    match pod.client().await {
-                        // Bounded: a wedged agent must not hold up the daemon's start.
-                        Ok(mut c) => tokio::time::timeout(
-                            Duration::from_secs(10),
-                            c.list_containers(ap::ListContainersRequest {}),
-                        )
-                        .await
-                        .ok()
-                        .and_then(|r| r.ok())
-                        .map(|r| {
-                            r.into_inner()
-                                .containers
-                                .into_iter()
-                                .map(|i| (i.id.clone(), i))
-                                .collect()
-                        }),
-                        Err(_) => None,
-                    }
+                    list_agent(&pod).await
                 } else {
-                    None
+                    Listed::Gone
                 };
+                if let Listed::Unanswered(why) = &list {
+                    tracing::warn!(pod = %rec.pod_id, error = %why, "pod agent did not list its containers; they keep their recorded state and are watched");
+                }
                 agent_lists.insert(rec.pod_id.clone(), list);
             }
-            let known = agent_lists.get(&rec.pod_id).cloned().flatten();
+            let listed = &agent_lists[&rec.pod_id];
             if rec.state == ContainerState::Creating {
                 tracing::info!(container = %rec.id, "cleaning up container interrupted while being created");
                 if pod_ready {
                     if let Ok(mut c) = pod.client().await {
-                        let _ = c
-                            .delete_container(ap::DeleteContainerRequest { id: rec.id.clone() })
-                            .await;
+                        // Bounded, as the list: a wedged agent must not hold up the start.
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(10),
+                            c.delete_container(ap::DeleteContainerRequest { id: rec.id.clone() }),
+                        )
+                        .await;
                     }
                 }
+                // What the backend holds for it: a VM pod's volume mounts for the guest,
+                // its log, a flat container's cgroup.
+                self.backend(&pod.record())
+                    .release_container(&pod, &rec)
+                    .await;
                 self.discard_snapshots(rec.snapshots());
                 let _ = self.dirs.delete_container(&rec.id);
                 continue;
@@ -158,8 +163,24 @@ impl Runtime {
             {
                 continue;
             }
-            match known.as_ref().and_then(|m| m.get(&rec.id)) {
-                None => self.mark_lost(&ctr, "the pod agent is gone"),
+            let known = match listed {
+                Listed::Gone => {
+                    self.mark_lost(&ctr, "the pod agent is gone");
+                    continue;
+                }
+                // Still running as far as anyone knows (the agent lives): its watcher asks
+                // the agent until it answers with the exit, or the agent dies. One that was
+                // created stays so: its start asks the agent.
+                Listed::Unanswered(_) => {
+                    if rec.state == ContainerState::Running {
+                        self.spawn_watcher(pod.clone(), ctr.clone(), None);
+                    }
+                    continue;
+                }
+                Listed::Known(m) => m.get(&rec.id),
+            };
+            match known {
+                None => self.mark_lost(&ctr, "the pod agent no longer knows this container"),
                 Some(info) => {
                     if let Some(exit) = &info.exit {
                         if info.state == ap::ContainerState::Exited as i32 {
@@ -177,12 +198,24 @@ impl Runtime {
                             }
                         });
                         let _ = ctr.persist(&self.dirs);
-                        if let Ok(c) = pod.client().await {
-                            self.spawn_watcher(pod.clone(), ctr.clone(), c);
-                        }
+                        self.spawn_watcher(pod.clone(), ctr.clone(), pod.client().await.ok());
                     }
                 }
             }
+        }
+        // A pod whose host process died while its containers were read back (its watcher
+        // ended it before they were known): nothing of it runs now.
+        let ended: Vec<(String, String)> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|p| p.record())
+            .filter(|r| r.state != PodState::Ready)
+            .map(|r| (r.id, r.reason))
+            .collect();
+        for (id, why) in ended {
+            self.pod_ended(&id, &why);
         }
         // Container records quarantined just now, while loading them.
         let quarantined = self.dirs.quarantined();
@@ -334,5 +367,39 @@ impl Runtime {
             shared_shm: false,
             pid_holder: false,
         }
+    }
+}
+
+/// What a pod's agent said of its containers at recovery.
+enum Listed {
+    /// The pod is not ready: its host process, and its containers, are gone.
+    Gone,
+    /// The agent lives but did not answer (why): its containers' records stand.
+    Unanswered(String),
+    Known(HashMap<String, ap::ContainerInfo>),
+}
+
+/// Asks a ready pod's agent for its containers, bounded: a wedged agent must not hold up
+/// the daemon's start.
+async fn list_agent(pod: &crate::sandbox::Pod) -> Listed {
+    let mut c = match pod.client().await {
+        Ok(c) => c,
+        Err(e) => return Listed::Unanswered(e.to_string()),
+    };
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        c.list_containers(ap::ListContainersRequest {}),
+    )
+    .await
+    {
+        Ok(Ok(r)) => Listed::Known(
+            r.into_inner()
+                .containers
+                .into_iter()
+                .map(|i| (i.id.clone(), i))
+                .collect(),
+        ),
+        Ok(Err(s)) => Listed::Unanswered(s.to_string()),
+        Err(_) => Listed::Unanswered("no answer in 10 s".into()),
     }
 }

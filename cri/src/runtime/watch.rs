@@ -81,20 +81,27 @@ impl Runtime {
         }
     }
 
+    /// Waits for a started container's exit on its pod's agent (`c`, or a connection made
+    /// when the watcher needs one), for as long as the agent lives.
     pub(super) fn spawn_watcher(
         self: &Arc<Self>,
         pod: Arc<Pod>,
         ctr: Arc<Ctr>,
-        mut c: AgentClient<Channel>,
+        c: Option<AgentClient<Channel>>,
     ) {
         let rt = self.clone();
         tokio::spawn(async move {
             let id = ctr.record().id;
+            let mut c = c;
             loop {
-                match c
-                    .wait_container(ap::WaitContainerRequest { id: id.clone() })
-                    .await
-                {
+                let waited = match c.as_mut() {
+                    Some(c) => {
+                        c.wait_container(ap::WaitContainerRequest { id: id.clone() })
+                            .await
+                    }
+                    None => Err(tonic::Status::unavailable("no connection to the pod agent")),
+                };
+                match waited {
                     Ok(r) => {
                         let exit = r.into_inner().exit.unwrap_or_default();
                         let rec = rt.record_exit(&ctr, &exit);
@@ -119,7 +126,7 @@ impl Runtime {
                         tracing::debug!(container = %id, error = %s, "wait interrupted; retrying");
                         tokio::time::sleep(Duration::from_millis(200)).await;
                         if let Ok(nc) = pod.client().await {
-                            c = nc;
+                            c = Some(nc);
                         }
                     }
                 }
