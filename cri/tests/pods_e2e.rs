@@ -1274,6 +1274,80 @@ async fn the_pods_host_process_runs_in_the_pods_cgroup() {
     h.assert_clean();
 }
 
+/// A flat pod in the node's PID namespace, under a kubelet pod cgroup (cgroupfs): when its
+/// agent dies, its containers die too. Nothing else ends them there (no pod PID namespace
+/// whose init takes them along, and the pod's cgroup is kubelet's, not removed with the
+/// pod), and they are reported exited: kubelet would start the next ones beside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_agents_host_pid_containers_die_with_it() {
+    if vm_mode() {
+        println!("SKIP a_dead_agents_host_pid_containers_die_with_it: flat pods only (a VM's processes go with it)");
+        return;
+    }
+    let mut h = harness().await;
+    let base = format!("/vessel-e2e-kubepods-hostpid-{}", std::process::id());
+    // The agent dies while vesseld runs, then while it is down.
+    for (n, while_down) in [(0u32, false), (1, true)] {
+        let parent = format!("{base}/besteffort/pod-e2e-{n}");
+        let mut cfg = h.pod_config(&format!("hostpid-orphans-{n}"));
+        cfg.linux.get_or_insert_with(Default::default).cgroup_parent = parent.clone();
+        pod_namespaces(&mut cfg).pid = cri::NamespaceMode::Node as i32;
+        let pod =
+            h.c.run_pod(&cfg, &handler())
+                .await
+                .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", h.v.log()));
+        let secs = 200_000 + 10 * std::process::id() + n;
+        let mut ccfg = h.ctr_config("orphan", &format!("exec sleep {secs}"));
+        ccfg.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+            .namespace_options = Some(cri::NamespaceOption {
+            pid: cri::NamespaceMode::Node as i32,
+            ..Default::default()
+        });
+        let c = h.create(&pod, &cfg, ccfg).await.expect("CreateContainer");
+        h.start(&c).await;
+        let sleepers = || {
+            let want = format!("sleep\0{secs}\0");
+            std::fs::read_dir("/proc")
+                .unwrap()
+                .flatten()
+                .filter(|e| {
+                    std::fs::read(e.path().join("cmdline")).is_ok_and(|b| b == want.as_bytes())
+                })
+                .count()
+        };
+        wait_for("the container's sleep", Duration::from_secs(10), || {
+            sleepers() == 1
+        })
+        .await;
+        if while_down {
+            h.v.kill9();
+            assert!(h.v.kill_pod_host_process(&pod));
+            h.v.restart().unwrap();
+            h.c = h.v.client().await;
+        } else {
+            assert!(h.v.kill_pod_host_process(&pod));
+        }
+        wait_not_ready(&h, &pod).await;
+        wait_for(
+            "the container's processes to go with the agent",
+            Duration::from_secs(10),
+            || sleepers() == 0,
+        )
+        .await;
+        let st = h.status(&c).await;
+        assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+        h.remove_pod(&pod).await;
+    }
+    vessel_cri::sandbox::cgroup::remove_cgroup(&base);
+    for d in vessel_cri::sandbox::cgroup::cgroup_dirs(&base) {
+        assert!(!d.exists(), "{} left", d.display());
+    }
+    h.assert_clean();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_killed_marks_pod_not_ready() {
     let mut h = harness().await;

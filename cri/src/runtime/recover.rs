@@ -36,6 +36,7 @@ impl Runtime {
         }
         self.opts.cgroups.sweep(&records, &kept).await;
         let mut agent_lists: HashMap<String, Listed> = HashMap::new();
+        let mut died = Vec::new();
         for rec in records {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
@@ -85,6 +86,8 @@ impl Runtime {
                         r.reason = why;
                     });
                     let _ = self.dirs.save_pod(&r);
+                    // Its containers' leftovers go once they are read back, below.
+                    died.push(pod.clone());
                 } else {
                     self.spawn_pod_watcher(pod.clone());
                 }
@@ -216,6 +219,9 @@ impl Runtime {
             .collect();
         for (id, why) in ended {
             self.pod_ended(&id, &why);
+        }
+        for pod in died {
+            self.release_orphans(&pod).await;
         }
         // Container records quarantined just now, while loading them.
         let quarantined = self.dirs.quarantined();

@@ -165,7 +165,21 @@ impl Runtime {
             r.reason = what.clone();
         });
         self.pod_ended(&rec.id, &what);
+        self.release_orphans(pod).await;
         let _ = self.dirs.save_pod(&rec);
         self.emit_pod(&rec.id, cri::ContainerEventType::ContainerStoppedEvent);
+    }
+
+    /// After a pod's host process died: what its containers hold goes, with any process of
+    /// theirs still running. A flat pod's containers in the node's PID namespace outlive
+    /// their agent (no pod PID namespace takes them along), and under a kubelet pod cgroup
+    /// nothing else removes their cgroups before RemoveContainer: they ran on, reported
+    /// exited, beside the ones kubelet started next.
+    pub(super) async fn release_orphans(&self, pod: &Pod) {
+        let prec = pod.record();
+        let backend = self.backend(&prec);
+        for ctr in self.ctrs_of(&prec.id) {
+            backend.release_container(pod, &ctr.record()).await;
+        }
     }
 }
