@@ -211,6 +211,17 @@ fn probe_swap(root: &Path, own: Option<&str>) -> Option<bool> {
     })
 }
 
+/// Whether `key` of a request's `unified` map names a controller's file in a cgroup:
+/// `CONTROLLER.FILE` with no path in it, and not a `cgroup.*` core file (those move, kill
+/// and freeze processes and shape the tree: never a resource). It is joined to the
+/// container's cgroup directory and written as root.
+pub fn is_controller_file(key: &str) -> bool {
+    !key.contains(['/', '\0'])
+        && key
+            .split_once('.')
+            .is_some_and(|(c, f)| !c.is_empty() && !f.is_empty() && c != "cgroup")
+}
+
 /// Whether `/sys/fs/cgroup` is a cgroup2 mount (unified mode).
 pub fn is_unified() -> bool {
     nix::sys::statfs::statfs(CGROUP_ROOT)
@@ -375,13 +386,26 @@ impl Cgroup {
     }
 
     /// Writes new limits into the cgroup's files (v1 controllers or v2). Zero/empty fields
-    /// are left alone.
+    /// are left alone; a swap of -1 is no limit. What cannot be written is refused before
+    /// anything is, so that a refused update changes nothing.
     pub fn update(&self, r: &crate::proto::LinuxResources) -> std::io::Result<()> {
         let write = |p: PathBuf, v: String| -> std::io::Result<()> {
             std::fs::write(&p, v.as_bytes()).map_err(|e| {
                 std::io::Error::new(e.kind(), format!("writing {v:?} to {}: {e}", p.display()))
             })
         };
+        if let Some(k) = r.unified.keys().find(|k| !is_controller_file(k)) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("bad cgroup file name {k:?}"),
+            ));
+        }
+        if !self.unified && !r.unified.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "unified (cgroup v2) resources on a cgroup v1 host",
+            ));
+        }
         if self.unified {
             let d = self.v2();
             if r.cpu_shares > 0 {
@@ -404,15 +428,11 @@ impl Cgroup {
                 if r.memory_swap_limit_in_bytes > 0 {
                     let swap = (r.memory_swap_limit_in_bytes - r.memory_limit_in_bytes).max(0);
                     write(d.join("memory.swap.max"), swap.to_string())?;
+                } else if r.memory_swap_limit_in_bytes == -1 {
+                    write(d.join("memory.swap.max"), "max".into())?;
                 }
             }
             for (k, v) in &r.unified {
-                if k.contains('/') || k.starts_with('.') {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidInput,
-                        format!("bad cgroup file name {k:?}"),
-                    ));
-                }
                 write(d.join(k), v.clone())?;
             }
             return Ok(());
@@ -444,8 +464,9 @@ impl Cgroup {
             let mem = v1("memory", "memory.limit_in_bytes")?;
             let memsw = v1("memory", "memory.memsw.limit_in_bytes")?;
             let limit = r.memory_limit_in_bytes.to_string();
-            if r.memory_swap_limit_in_bytes > 0 && memsw.exists() {
-                // memsw must stay >= the memory limit: raise first whichever must grow.
+            if r.memory_swap_limit_in_bytes != 0 && memsw.exists() {
+                // memsw must stay >= the memory limit: raise first whichever must grow (-1,
+                // no limit, always grows).
                 let swap = r.memory_swap_limit_in_bytes.to_string();
                 if write(memsw.clone(), swap.clone()).is_err() {
                     write(mem, limit)?;
@@ -456,12 +477,6 @@ impl Cgroup {
             } else {
                 write(mem, limit)?;
             }
-        }
-        if !r.unified.is_empty() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::Unsupported,
-                "unified (cgroup v2) resources on a cgroup v1 host",
-            ));
         }
         Ok(())
     }
@@ -665,6 +680,93 @@ impl Cgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn controller_files() {
+        for k in [
+            "memory.high",
+            "memory.swap.max",
+            "cpu.weight",
+            "hugetlb.2MB.max",
+        ] {
+            assert!(is_controller_file(k), "{k}");
+        }
+        for k in [
+            "",
+            "memory",
+            ".max",
+            "memory.",
+            "../memory.max",
+            "/etc/passwd",
+            "x/../../y.z",
+            "cgroup.procs",
+            "cgroup.kill",
+            "cgroup.subtree_control",
+            "memory.max\0",
+        ] {
+            assert!(!is_controller_file(k), "{k:?}");
+        }
+    }
+
+    /// On a v1 node that accounts swap (this CI host), as root: an update to no swap limit
+    /// (-1) with a larger memory limit is taken (memsw first); one with a key that is no
+    /// controller's file is refused before anything is written.
+    #[test]
+    fn v1_update_takes_unlimited_swap_and_refuses_before_writing() {
+        let Some(mem) = v1_mount_point("memory") else {
+            println!("SKIP: no v1 memory hierarchy");
+            return;
+        };
+        if !mem.join("memory.memsw.limit_in_bytes").exists() || is_unified() {
+            println!("SKIP: v1 swap not accounted");
+            return;
+        }
+        struct Gone(PathBuf);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir(&self.0);
+            }
+        }
+        let rel = format!("vessel-unit-swap-{}", std::process::id());
+        let dir = mem.join(&rel);
+        if let Err(e) = std::fs::create_dir(&dir) {
+            println!("SKIP: cannot make {}: {e}", dir.display());
+            return;
+        }
+        let _gone = Gone(dir.clone());
+        let read = |f: &str| {
+            std::fs::read_to_string(dir.join(f))
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        let mib = |n: i64| n << 20;
+        std::fs::write(dir.join("memory.limit_in_bytes"), mib(64).to_string()).unwrap();
+        std::fs::write(dir.join("memory.memsw.limit_in_bytes"), mib(64).to_string()).unwrap();
+        let cg = Cgroup::new(Path::new(&format!("/{rel}")));
+        let bad = crate::proto::LinuxResources {
+            memory_limit_in_bytes: mib(96),
+            unified: [("cgroup.procs".to_string(), "1".to_string())].into(),
+            ..Default::default()
+        };
+        assert!(cg.update(&bad).is_err());
+        assert_eq!(
+            read("memory.limit_in_bytes"),
+            mib(64).to_string(),
+            "written"
+        );
+        cg.update(&crate::proto::LinuxResources {
+            memory_limit_in_bytes: mib(128),
+            memory_swap_limit_in_bytes: -1,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(read("memory.limit_in_bytes"), mib(128).to_string());
+        assert!(
+            read("memory.memsw.limit_in_bytes").parse::<u64>().unwrap() > 1 << 60,
+            "no swap limit"
+        );
+    }
 
     #[test]
     fn swap_accounting_waits_for_a_memory_cgroup_to_tell() {

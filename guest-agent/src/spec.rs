@@ -292,7 +292,7 @@ pub fn merge_resources(
         ));
     }
     for k in r.unified.keys() {
-        if k.contains('/') || k.starts_with('.') {
+        if !crate::cgroups::is_controller_file(k) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 format!("bad cgroup file name {k:?}"),
@@ -332,7 +332,8 @@ pub fn merge_resources(
             *mem = json!({});
         }
         mem["limit"] = json!(r.memory_limit_in_bytes);
-        if r.memory_swap_limit_in_bytes > 0 {
+        // -1: no limit, as libcontainer takes it (v1's memsw -1, v2's "max").
+        if r.memory_swap_limit_in_bytes > 0 || r.memory_swap_limit_in_bytes == -1 {
             mem["swap"] = json!(r.memory_swap_limit_in_bytes);
         }
     }

@@ -493,14 +493,18 @@ pub fn signal_to_cri(n: i32) -> cri::Signal {
         .unwrap_or(cri::Signal::RuntimeDefault)
 }
 
-/// The swap limit (cgroup v1's memory+swap) for `r`: the request's, else, where swap is
-/// accounted and memory is limited, the memory limit, so that a container does not swap
-/// beyond its limit, as containerd makes it (kubelet sends none on cgroup v1, nor crictl);
-/// 0 for none.
+/// The swap limit (cgroup v1's memory+swap) for `r` where the node accounts swap: the
+/// request's (-1: no limit), else, where memory is limited, the memory limit, so that a
+/// container does not swap beyond its limit, as containerd makes it (kubelet sends none on
+/// cgroup v1, nor crictl); 0 for none. Where swap is not accounted (a VM guest has no swap)
+/// none, as containerd drops it: there is no file to write it to, and the start would fail.
 pub fn default_swap(r: &cri::LinuxContainerResources, swap_accounting: bool) -> i64 {
+    if !swap_accounting {
+        return 0;
+    }
     match (r.memory_swap_limit_in_bytes, r.memory_limit_in_bytes) {
-        (0, limit) if limit > 0 && swap_accounting => limit,
-        (swap, _) => swap.max(0),
+        (0, limit) if limit > 0 => limit,
+        (swap, _) => swap,
     }
 }
 
@@ -552,6 +556,19 @@ mod tests {
             },
             cri::LinuxContainerResources {
                 oom_score_adj: 1001,
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                memory_limit_in_bytes: 64 << 20,
+                memory_swap_limit_in_bytes: 32 << 20,
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                unified: [("../../../etc/x.y".to_string(), "1".to_string())].into(),
+                ..Default::default()
+            },
+            cri::LinuxContainerResources {
+                unified: [("cgroup.kill".to_string(), "1".to_string())].into(),
                 ..Default::default()
             },
         ] {
@@ -1017,11 +1034,9 @@ mod tests {
         assert_eq!(default_swap(&r(64, 0), true), 64);
         assert_eq!(default_swap(&r(64, 0), false), 0);
         assert_eq!(default_swap(&r(64, 128), true), 128);
-        assert_eq!(
-            default_swap(&r(64, -1), true),
-            0,
-            "unlimited: nothing written"
-        );
+        assert_eq!(default_swap(&r(64, 128), false), 0, "nowhere to write it");
+        assert_eq!(default_swap(&r(64, -1), true), -1, "unlimited");
+        assert_eq!(default_swap(&r(64, -1), false), 0);
         assert_eq!(default_swap(&r(0, 0), true), 0);
         let cfg = cri::ContainerConfig {
             command: vec!["sh".into()],

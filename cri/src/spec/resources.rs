@@ -32,6 +32,24 @@ pub fn check_resources(r: &cri::LinuxContainerResources) -> Result<(), SpecError
             r.memory_limit_in_bytes
         )));
     }
+    // Swap is v1's memory+swap: less than the memory limit is no limit the kernel takes
+    // (libcontainer refuses it at the start, v1 at the write).
+    let (limit, swap) = (r.memory_limit_in_bytes, r.memory_swap_limit_in_bytes);
+    if limit > 0 && swap > 0 && swap < limit {
+        return Err(invalid(format!(
+            "resources: memory_swap_limit_in_bytes {swap} is below memory_limit_in_bytes {limit} (it counts memory and swap together)"
+        )));
+    }
+    // Written by name into the container's cgroup: a file of a controller there, no path.
+    if let Some(k) = r
+        .unified
+        .keys()
+        .find(|k| !vessel_agent::cgroups::is_controller_file(k))
+    {
+        return Err(invalid(format!(
+            "resources: unified key {k:?} is not a controller's file of a cgroup (CONTROLLER.FILE, no '/', not cgroup.*)"
+        )));
+    }
     if !(-1000..=1000).contains(&r.oom_score_adj) {
         return Err(invalid(format!(
             "resources: oom_score_adj {} is outside -1000..=1000",
@@ -91,7 +109,7 @@ pub fn merge_update(
     // (`default_swap`: the limit where the host accounts swap and none was asked).
     if new.memory_limit_in_bytes > 0 {
         r.memory_limit_in_bytes = new.memory_limit_in_bytes;
-        if sent_swap > 0 {
+        if sent_swap != 0 {
             r.memory_swap_limit_in_bytes = sent_swap;
         }
     }
