@@ -1928,6 +1928,10 @@ async fn corrupt_records_are_quarantined_and_their_data_kept() {
         .find(|p| p.id == b)
         .expect("the unreadable pod is listed");
     assert_eq!(sb.state, cri::PodSandboxState::SandboxNotready as i32);
+    // kubelet's CRI client refuses a sandbox created at 0.
+    assert!(sb.created_at > 0, "created at {}", sb.created_at);
+    let st = h.c.pod_status(&b).await.unwrap();
+    assert!(st.created_at > 0, "status created at {}", st.created_at);
     assert!(sb
         .metadata
         .as_ref()

@@ -354,7 +354,15 @@ impl Runtime {
             runtime_handler: String::new(),
             backend,
             state: PodState::NotReady,
-            created_at: 0,
+            // Never 0: kubelet's CRI client takes a status created at 0 for an invalid one,
+            // and its PLEG would stumble on the pod at every relist until it is removed.
+            created_at: std::fs::metadata(path)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .and_then(|d| i64::try_from(d.as_nanos()).ok())
+                .filter(|n| *n > 0)
+                .unwrap_or_else(state::now_nanos),
             agent_pid: 0,
             agent_start_time: 0,
             agent_socket,
