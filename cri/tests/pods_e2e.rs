@@ -1124,6 +1124,52 @@ async fn a_silent_pod_agent_is_kept_at_a_restart() {
     h.assert_clean();
 }
 
+/// A StopPodSandbox that waited for a RemovePodSandbox of the same pod finds it gone and
+/// does nothing: it wrote the pod's record back after the removal, and the next vesseld
+/// listed again a pod that kubelet had removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_behind_a_removal_does_not_bring_the_pod_back() {
+    let mut h = harness().await;
+    let mut ids = Vec::new();
+    for i in 0..16 {
+        let (pod, _) = h.run_pod(&format!("stop-behind-remove-{i}")).await;
+        let stop = |id: &str| {
+            let mut rt = h.c.runtime.clone();
+            let id = id.to_string();
+            async move {
+                rt.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: id })
+                    .await
+            }
+        };
+        stop(&pod).await.unwrap();
+        let mut rt = h.c.runtime.clone();
+        let remove = rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        });
+        let (r, s) = tokio::join!(remove, stop(&pod));
+        r.unwrap();
+        s.unwrap();
+        ids.push(pod);
+    }
+    for id in &ids {
+        assert!(
+            !h.v.root_dir().join("pods").join(id).exists(),
+            "the record of removed pod {id} is back"
+        );
+    }
+    h.v.restart().unwrap();
+    h.c = h.v.client().await;
+    let listed =
+        h.c.runtime
+            .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+    assert!(listed.is_empty(), "removed pods listed: {listed:?}");
+    h.assert_clean();
+}
+
 /// A StopPodSandbox that a crash of vesseld interrupted (its record says `stopping`) is
 /// finished by the next vesseld: the pod reads not ready at once, its container ends up
 /// exited, its host process gone, and RemovePodSandbox leaves nothing.

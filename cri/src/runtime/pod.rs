@@ -196,6 +196,10 @@ impl Runtime {
             return Ok(());
         };
         let _op = pod.op.lock().await;
+        // Removed while this waited for it: done (a save below would bring its record back).
+        if !self.still_listed(&pod) {
+            return Ok(());
+        }
         let mut rec = pod.record();
         // Each step's end at debug level, with the time since the stop began.
         let (t, id) = (std::time::Instant::now(), rec.id.clone());
@@ -259,6 +263,12 @@ impl Runtime {
         Ok(())
     }
 
+    /// Whether `pod` is still the listed pod of its id (not removed meanwhile).
+    fn still_listed(&self, pod: &Arc<Pod>) -> bool {
+        self.pod(&pod.record().id)
+            .is_ok_and(|listed| Arc::ptr_eq(&listed, pod))
+    }
+
     /// CRI RemovePodSandbox, in a task of its own (as RunPodSandbox).
     pub async fn remove_pod_sandbox(self: &Arc<Self>, id: &str) -> Result<()> {
         let (rt, id) = (self.clone(), id.to_string());
@@ -275,6 +285,9 @@ impl Runtime {
             self.stop_pod_now(id).await?;
         }
         let _op = pod.op.lock().await;
+        if !self.still_listed(&pod) {
+            return Ok(());
+        }
         let rec = pod.record();
         for ctr in self.ctrs_of(&rec.id) {
             self.forget_container(&ctr).await?;
