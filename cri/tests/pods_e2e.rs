@@ -1170,6 +1170,44 @@ async fn a_stop_behind_a_removal_does_not_bring_the_pod_back() {
     h.assert_clean();
 }
 
+/// ExecSync's output as kubelet can take it: what a command wrote before it exited is
+/// answered even while a background process it left holds the output open (it was all
+/// dropped), and output beyond what one CRI message holds is cut, not a failed call (each
+/// stream was kept to 16 MiB, and the two together could not be sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_sync_output_is_answered_as_it_can_be() {
+    let mut h = harness().await;
+    let (pod, pcfg) = h.run_pod("exec-output").await;
+    let c = h.run(&pod, &pcfg, "c", "exec sleep 100000").await;
+    let r = h
+        .exec(&c, &["sh", "-c", "echo before; sleep 30 & echo after"], 20)
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "before\nafter\n");
+    let r = h
+        .exec(
+            &c,
+            &[
+                "sh",
+                "-c",
+                "head -c 12000000 /dev/zero; head -c 12000000 /dev/zero >&2",
+            ],
+            60,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("ExecSync of 24 MB: {e}"));
+    assert_eq!(r.exit_code, 0);
+    let total = r.stdout.len() + r.stderr.len();
+    assert!(
+        (12_000_000..16 << 20).contains(&total),
+        "{} + {} bytes",
+        r.stdout.len(),
+        r.stderr.len()
+    );
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
 /// A StopPodSandbox that a crash of vesseld interrupted (its record says `stopping`) is
 /// finished by the next vesseld: the pod reads not ready at once, its container ends up
 /// exited, its host process gone, and RemovePodSandbox leaves nothing.

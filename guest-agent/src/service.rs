@@ -24,8 +24,10 @@ use crate::proto::agent_server::Agent;
 use crate::proto::{self, exec_input, exec_output, rootfs};
 use crate::stdio::{dev_null, pipe, set_winsize, AsyncFdIo, ConsoleSocket};
 
-/// ExecSync keeps at most this much of each output stream.
-pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
+/// ExecSync keeps at most this much of its two output streams together: kubelet (and
+/// vesseld) take CRI messages of 16 MiB at most, and the reply must fit in one, with room
+/// for the rest of it. More is dropped, as a reply too large would fail the whole call.
+pub const EXEC_OUTPUT_CAP: usize = 15 * 1024 * 1024;
 /// How long a graceful shutdown waits after SIGTERM before SIGKILL.
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
 const HELPER_TIMEOUT: Duration = Duration::from_secs(60);
@@ -100,20 +102,38 @@ fn io_internal(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> A
     move |e| AgentError::internal(what, e)
 }
 
-/// Reads `r` to EOF, keeping the first `cap` bytes.
-async fn collect<R: AsyncRead + Unpin>(mut r: R, cap: usize) -> Vec<u8> {
-    let mut out = Vec::new();
+/// Reads `r` to EOF into `out`, as far as `room` (shared by the streams of one exec) lasts;
+/// the rest is read and dropped. `out` holds what came so far, for a caller that stops
+/// waiting (a background process keeps the stream open).
+async fn collect<R: AsyncRead + Unpin>(
+    mut r: R,
+    out: Arc<std::sync::Mutex<Vec<u8>>>,
+    room: Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::Ordering;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
-                let room = cap.saturating_sub(out.len());
-                out.extend_from_slice(&buf[..n.min(room)]);
+                let taken = room
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                        Some(left - n.min(left))
+                    })
+                    .map_or(0, |left| n.min(left));
+                if taken > 0 {
+                    out.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .extend_from_slice(&buf[..taken]);
+                }
             }
         }
     }
-    out
+}
+
+/// What [`collect`] gathered into `out`.
+fn collected(out: &std::sync::Mutex<Vec<u8>>) -> Vec<u8> {
+    std::mem::take(&mut *out.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 fn pipe_reader(fd: OwnedFd) -> Result<tokio::net::unix::pipe::Receiver, AgentError> {
@@ -1060,13 +1080,17 @@ impl AgentState {
             Ok(p) => p,
             Err(e) => return cannot_run(&e).ok_or(e),
         };
-        let out = tokio::spawn(collect(stdout, EXEC_OUTPUT_CAP));
-        let err = tokio::spawn(async move {
-            match stderr {
-                Some(s) => collect(s, EXEC_OUTPUT_CAP).await,
-                None => Vec::new(),
-            }
-        });
+        let room = Arc::new(std::sync::atomic::AtomicUsize::new(EXEC_OUTPUT_CAP));
+        let (out_buf, err_buf) = (Arc::default(), Arc::default());
+        let out = tokio::spawn(collect(stdout, Arc::clone(&out_buf), room.clone()));
+        let err = {
+            let err_buf = Arc::clone(&err_buf);
+            tokio::spawn(async move {
+                if let Some(s) = stderr {
+                    collect(s, err_buf, room).await;
+                }
+            })
+        };
         let mut timed_out = false;
         let exit = if req.timeout_ms > 0 {
             match tokio::time::timeout(Duration::from_millis(req.timeout_ms), helper.next()).await {
@@ -1088,20 +1112,14 @@ impl AgentState {
                 return cannot_run(&e).ok_or(e);
             }
         };
-        let stdout = tokio::time::timeout(EXEC_DRAIN, out)
-            .await
-            .ok()
-            .and_then(|r| r.ok())
-            .unwrap_or_default();
-        let stderr = tokio::time::timeout(EXEC_DRAIN, err)
-            .await
-            .ok()
-            .and_then(|r| r.ok())
-            .unwrap_or_default();
+        // A background process of the command may hold its output open: what came until
+        // then is the answer, as containerd gives it.
+        let _ = tokio::time::timeout(EXEC_DRAIN, out).await;
+        let _ = tokio::time::timeout(EXEC_DRAIN, err).await;
         tokio::spawn(helper.wait());
         Ok(proto::ExecSyncResponse {
-            stdout,
-            stderr,
+            stdout: collected(&out_buf),
+            stderr: collected(&err_buf),
             exit_code,
             timed_out,
         })
