@@ -448,10 +448,21 @@ impl Cgroup {
         if r.cpu_shares > 0 {
             write(v1("cpu", "cpu.shares")?, r.cpu_shares.to_string())?;
         }
-        if r.cpu_period > 0 {
-            write(v1("cpu", "cpu.cfs_period_us")?, r.cpu_period.to_string())?;
+        // The kernel checks quota/period against the parent's at each write: a shorter
+        // period under the old quota can be refused where the new pair fits. Then the quota
+        // goes first, as runc's update retries it.
+        let (period, quota) = (r.cpu_period > 0, r.cpu_quota != 0);
+        if period {
+            let p = v1("cpu", "cpu.cfs_period_us")?;
+            if let Err(e) = write(p.clone(), r.cpu_period.to_string()) {
+                if !quota {
+                    return Err(e);
+                }
+                write(v1("cpu", "cpu.cfs_quota_us")?, r.cpu_quota.to_string())?;
+                write(p, r.cpu_period.to_string())?;
+            }
         }
-        if r.cpu_quota != 0 {
+        if quota {
             write(v1("cpu", "cpu.cfs_quota_us")?, r.cpu_quota.to_string())?;
         }
         if !r.cpuset_cpus.is_empty() {
@@ -766,6 +777,48 @@ mod tests {
             read("memory.memsw.limit_in_bytes").parse::<u64>().unwrap() > 1 << 60,
             "no swap limit"
         );
+    }
+
+    /// On v1, as root: a shorter period whose new quota fits the parent's, where the old
+    /// quota over the new period would not, is taken (the quota written first).
+    #[test]
+    fn v1_update_shortens_the_period_under_a_parents_quota() {
+        let Some(cpu) = v1_mount_point("cpu") else {
+            println!("SKIP: no v1 cpu hierarchy");
+            return;
+        };
+        if is_unified() || !cpu.join("cpu.cfs_quota_us").exists() {
+            println!("SKIP: no v1 CFS quota");
+            return;
+        }
+        struct Gone(Vec<PathBuf>);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                for d in &self.0 {
+                    let _ = std::fs::remove_dir(d);
+                }
+            }
+        }
+        let rel = format!("vessel-unit-period-{}", std::process::id());
+        let (parent, child) = (cpu.join(&rel), cpu.join(&rel).join("c"));
+        if let Err(e) = std::fs::create_dir(&parent) {
+            println!("SKIP: cannot make {}: {e}", parent.display());
+            return;
+        }
+        let _gone = Gone(vec![child.clone(), parent.clone()]);
+        std::fs::create_dir(&child).unwrap();
+        std::fs::write(parent.join("cpu.cfs_quota_us"), "50000").unwrap();
+        std::fs::write(child.join("cpu.cfs_quota_us"), "50000").unwrap();
+        let cg = Cgroup::new(Path::new(&format!("/{rel}/c")));
+        cg.update(&crate::proto::LinuxResources {
+            cpu_period: 50_000,
+            cpu_quota: 25_000,
+            ..Default::default()
+        })
+        .unwrap();
+        let read = |f: &str| std::fs::read_to_string(child.join(f)).unwrap();
+        assert_eq!(read("cpu.cfs_period_us").trim(), "50000");
+        assert_eq!(read("cpu.cfs_quota_us").trim(), "25000");
     }
 
     #[test]
