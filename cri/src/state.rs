@@ -6,9 +6,13 @@
 //! <root>/pods/<pod-id>/agent.log             the pod agent's own log
 //! <root>/containers/<ctr-id>.json            ContainerRecord
 //! ```
-//! Every record is written atomically (temp file, fsync, rename, fsync of the directory).
-//! A record is written in state `Creating` before anything is created for it, so that a
-//! crash at any point leaves a record the next start can finish cleaning up.
+//! Every record is written atomically (temp file, fsync, rename): a crash of vesseld at any
+//! point leaves the old record or the new one, never half of one. The directory is not
+//! synced (it cost a journal commit per operation): after a power loss a rename may be rolled
+//! back, and the next start reconciles what it finds with the pod agents and sweeps what no
+//! record owns (netns pins, CNI cache entries, snapshots, scopes). A record is written in
+//! state `Creating` before anything is created for it, so that a crash at any point leaves
+//! a record the next start can finish cleaning up.
 
 use serde::{Deserialize, Serialize};
 use std::fs;
