@@ -1131,7 +1131,10 @@ async fn a_silent_pod_agent_is_kept_at_a_restart() {
 async fn a_stop_behind_a_removal_does_not_bring_the_pod_back() {
     let mut h = harness().await;
     let mut ids = Vec::new();
-    for i in 0..16 {
+    // Each round loses the race about every other time on the old code; a VM pod's boot in
+    // the nested harness takes seconds, so fewer rounds there.
+    let rounds = if vm_mode() { 6 } else { 16 };
+    for i in 0..rounds {
         let (pod, _) = h.run_pod(&format!("stop-behind-remove-{i}")).await;
         let stop = |id: &str| {
             let mut rt = h.c.runtime.clone();
