@@ -1051,6 +1051,7 @@ async fn restart_recovery_after_kill9() {
 /// running container stays running, not reported exited while it runs (kubelet would start
 /// another beside it) nor killed with its pod. Once the agent answers, exec works and the
 /// container's real exit is what its status says. Before, recovery tore such a pod down.
+/// One that refuses at once (its socket removed) can never serve, and is taken down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_pod_agent_is_kept_at_a_restart() {
     let mut h = harness().await;
@@ -1067,10 +1068,18 @@ async fn a_silent_pod_agent_is_kept_at_a_restart() {
         .create(&pod, &pcfg, h.ctr_config("created", "exit 4"))
         .await
         .unwrap();
+    // A pod whose agent lives but whose socket is gone can never answer: it is taken down.
+    let (deaf, dcfg) = h.run_pod("deaf").await;
+    let deaf_ctr = h.run(&deaf, &dcfg, "d", "exec sleep 100000").await;
     h.v.kill9();
-    let rec_path = h.v.root_dir().join("pods").join(&pod).join("pod.json");
-    let rec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&rec_path).unwrap()).unwrap();
+    let record = |id: &str| -> serde_json::Value {
+        let p = h.v.root_dir().join("pods").join(id).join("pod.json");
+        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+    };
+    let deaf_rec = record(&deaf);
+    let deaf_pid = deaf_rec["agent_pid"].as_u64().unwrap();
+    std::fs::remove_file(deaf_rec["agent_socket"].as_str().unwrap()).unwrap();
+    let rec = record(&pod);
     let pid = i32::try_from(rec["agent_pid"].as_u64().unwrap()).unwrap();
     // SAFETY: kill(2) of the pod's host process, named by its record, with a valid signal.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
@@ -1102,6 +1111,21 @@ async fn a_silent_pod_agent_is_kept_at_a_restart() {
         cri::ContainerState::ContainerCreated as i32
     );
     assert!(Path::new(&format!("/proc/{pid}")).exists(), "agent killed");
+    assert_eq!(
+        h.pod_state(&deaf).await,
+        cri::PodSandboxState::SandboxNotready as i32
+    );
+    assert_eq!(
+        h.status(&deaf_ctr).await.state,
+        cri::ContainerState::ContainerExited as i32
+    );
+    wait_for(
+        "the deaf pod's host process to go",
+        Duration::from_secs(30),
+        || !Path::new(&format!("/proc/{deaf_pid}")).exists(),
+    )
+    .await;
+    h.remove_pod(&deaf).await;
     let r = h.exec(&ctr, &["echo", "still-here"], 10).await.unwrap();
     assert_eq!(r.stdout, b"still-here\n");
     h.c.runtime

@@ -455,11 +455,17 @@ impl Cgroup {
         if period {
             let p = v1("cpu", "cpu.cfs_period_us")?;
             if let Err(e) = write(p.clone(), r.cpu_period.to_string()) {
-                if !quota {
+                if !quota || e.kind() != std::io::ErrorKind::InvalidInput {
                     return Err(e);
                 }
-                write(v1("cpu", "cpu.cfs_quota_us")?, r.cpu_quota.to_string())?;
-                write(p, r.cpu_period.to_string())?;
+                let q = v1("cpu", "cpu.cfs_quota_us")?;
+                let old = std::fs::read_to_string(&q).unwrap_or_default();
+                write(q.clone(), r.cpu_quota.to_string())?;
+                if write(p, r.cpu_period.to_string()).is_err() {
+                    // As it was: a refused update changes nothing.
+                    let _ = std::fs::write(&q, old.trim());
+                    return Err(e);
+                }
             }
         }
         if quota {

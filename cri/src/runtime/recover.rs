@@ -36,7 +36,7 @@ impl Runtime {
         }
         self.opts.cgroups.sweep(&records, &kept).await;
         let mut agent_lists: HashMap<String, Listed> = HashMap::new();
-        let mut died = Vec::new();
+        let (mut died, mut ready) = (Vec::new(), Vec::new());
         for rec in records {
             if rec.state == PodState::Creating {
                 tracing::info!(pod = %rec.id, "cleaning up pod interrupted while being created");
@@ -51,9 +51,12 @@ impl Runtime {
                 // The pid with its start time names the pod's own host process: while it
                 // lives, the pod does. One that does not answer in time (a loaded node, a
                 // VM guest slow to schedule its agent) is not killed for it: its pod stays
-                // ready, and the watchers reconnect when they need to.
-                let alive = process::is_alive(rec.agent_pid, rec.agent_start_time);
-                if alive {
+                // ready, and the watchers reconnect when they need to. One that refuses at
+                // once (its socket is gone) can never serve: it goes as a dead one does.
+                let host = self.backend(&rec).host_process();
+                let gone = if !process::is_alive(rec.agent_pid, rec.agent_start_time) {
+                    Some(format!("{host} exited while vesseld was down"))
+                } else {
                     let answered = tokio::time::timeout(Duration::from_secs(5), async {
                         let mut c = pod.client().await?;
                         c.ping(ap::PingRequest {})
@@ -61,25 +64,26 @@ impl Runtime {
                             .map_err(|s| agent_err("ping", s))
                     })
                     .await;
-                    if !matches!(answered, Ok(Ok(_))) {
-                        tracing::warn!(pod = %rec.id, pid = rec.agent_pid, "pod agent alive but not answering; the pod stays ready");
-                        pod.set_client(None).await;
-                        // Not asked again for its containers (that would wait once more).
-                        agent_lists.insert(
-                            rec.id.clone(),
-                            Listed::Unanswered("no answer to a ping in 5 s".into()),
-                        );
+                    match answered {
+                        Ok(Ok(_)) => None,
+                        Ok(Err(e)) => Some(format!("{host} does not answer: {e}")),
+                        Err(_) => {
+                            tracing::warn!(pod = %rec.id, pid = rec.agent_pid, "pod agent alive but no answer in 5 s; the pod stays ready");
+                            pod.set_client(None).await;
+                            // Not asked again for its containers (that would wait once more).
+                            agent_lists.insert(
+                                rec.id.clone(),
+                                Listed::Unanswered("no answer to a ping in 5 s".into()),
+                            );
+                            None
+                        }
                     }
-                }
-                if !alive {
-                    tracing::warn!(pod = %rec.id, "pod agent is gone; pod is not ready");
+                };
+                if let Some(why) = gone {
+                    tracing::warn!(pod = %rec.id, reason = %why, "pod agent is gone; pod is not ready");
                     pod.set_client(None).await;
                     // A failed CNI DEL is asked again by kubelet's StopPodSandbox.
                     let _ = self.teardown_pod_resources(&rec).await;
-                    let why = format!(
-                        "{} exited while vesseld was down",
-                        self.backend(&rec).host_process()
-                    );
                     let r = pod.update(|r| {
                         r.state = PodState::NotReady;
                         r.stopping = false;
@@ -89,7 +93,8 @@ impl Runtime {
                     // Its containers' leftovers go once they are read back, below.
                     died.push(pod.clone());
                 } else {
-                    self.spawn_pod_watcher(pod.clone());
+                    // Watched once its containers are known (below).
+                    ready.push(pod.clone());
                 }
             } else {
                 // Not ready: make sure nothing of it runs or stays mounted.
@@ -206,19 +211,17 @@ impl Runtime {
                 }
             }
         }
-        // A pod whose host process died while its containers were read back (its watcher
-        // ended it before they were known): nothing of it runs now.
-        let ended: Vec<(String, String)> = self
-            .pods
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .map(|p| p.record())
-            .filter(|r| r.state != PodState::Ready)
-            .map(|r| (r.id, r.reason))
-            .collect();
-        for (id, why) in ended {
-            self.pod_ended(&id, &why);
+        // Pods are watched once their containers are known, so that a death ends them all.
+        // One whose host process died meanwhile (a container's watcher saw it, before all of
+        // them were read back) is ended here.
+        for pod in ready {
+            let r = pod.record();
+            if r.state == PodState::Ready {
+                self.spawn_pod_watcher(pod);
+            } else {
+                self.pod_ended(&r.id, &r.reason);
+                died.push(pod);
+            }
         }
         for pod in died {
             self.release_orphans(&pod).await;

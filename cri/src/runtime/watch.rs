@@ -93,6 +93,9 @@ impl Runtime {
         tokio::spawn(async move {
             let id = ctr.record().id;
             let mut c = c;
+            // Doubled per failed try up to 5 s: an agent that does not answer for long (a
+            // stopped or overloaded one) is not asked five times a second per container.
+            let mut pause = Duration::from_millis(200);
             loop {
                 let waited = match c.as_mut() {
                     Some(c) => {
@@ -124,7 +127,8 @@ impl Runtime {
                             return;
                         }
                         tracing::debug!(container = %id, error = %s, "wait interrupted; retrying");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(5));
                         if let Ok(nc) = pod.client().await {
                             c = Some(nc);
                         }
