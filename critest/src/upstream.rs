@@ -76,38 +76,72 @@ pub struct StandInRegistry {
 }
 
 impl StandInRegistry {
+    /// Started on a free port. Ready when `GET /v2/` there is answered by a registry, not
+    /// when anything accepts a connection: registry.py that lost its port to another test's
+    /// listener between the probe and its bind exits, and the port then belongs to that one
+    /// (a vesseld's streaming server answered a pull with 404 once). Then it is started again
+    /// on another port.
     pub fn start(shared: &Path, images: &Path) -> Result<StandInRegistry, String> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| e.to_string())?
-            .port();
-        let child = Command::new("python3")
-            .arg(shared.join("images/registry.py"))
-            .arg(images.join("registry"))
-            .arg(port.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("starting registry.py: {e}"))?;
-        let mut r = StandInRegistry { child, port };
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(s)) = r.child.try_wait() {
-                return Err(format!("registry.py exited with {s}"));
+        let mut last = String::new();
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| e.to_string())?
+                .port();
+            let child = Command::new("python3")
+                .arg(shared.join("images/registry.py"))
+                .arg(images.join("registry"))
+                .arg(port.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("starting registry.py: {e}"))?;
+            let mut r = StandInRegistry { child, port };
+            let start = Instant::now();
+            loop {
+                if let Ok(Some(s)) = r.child.try_wait() {
+                    last = format!("registry.py on port {port} exited with {s}");
+                    break;
+                }
+                if answers_as_registry(port) {
+                    return Ok(r);
+                }
+                if start.elapsed() > Duration::from_secs(20) {
+                    return Err(format!("registry.py did not answer on {port} within 20 s"));
+                }
+                std::thread::sleep(Duration::from_millis(50));
             }
-            if start.elapsed() > Duration::from_secs(20) {
-                return Err(format!("registry.py did not listen on {port} within 20 s"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
         }
-        Ok(r)
+        Err(last)
     }
 
     /// vesseld's `[images.registries]` tables sending every critest image host here.
     pub fn mirrors_toml(&self) -> String {
         mirrors_toml(self.port)
     }
+}
+
+/// Whether `GET /v2/` on 127.0.0.1:`port` is answered 200 by a distribution registry.
+fn answers_as_registry(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /v2/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = Vec::new();
+    let _ = s.take(4096).read_to_end(&mut head);
+    let head = String::from_utf8_lossy(&head);
+    (head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"))
+        && head
+            .to_ascii_lowercase()
+            .contains("docker-distribution-api-version: registry/2.0")
 }
 
 /// vesseld's `[images.registries]` tables sending every critest image host to a registry on
@@ -460,6 +494,33 @@ pub fn judge(specs: &[SpecResult], expected: &BTreeMap<String, Expected>) -> Ver
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The stand-in registry is ready when a registry answers, not when any listener does
+    /// (a vesseld's streaming server held its port once, and answered the pulls).
+    #[test]
+    fn only_a_registry_answers_as_one() {
+        let serve = |reply: &'static str| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = l.local_addr().unwrap().port();
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                if let Ok((mut c, _)) = l.accept() {
+                    let mut buf = [0u8; 1024];
+                    let _ = c.read(&mut buf);
+                    let _ = c.write_all(reply.as_bytes());
+                }
+            });
+            port
+        };
+        let streaming = serve("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+        assert!(!answers_as_registry(streaming));
+        let other = serve("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        assert!(!answers_as_registry(other));
+        let registry = serve(
+            "HTTP/1.0 200 OK\r\nDocker-Distribution-API-Version: registry/2.0\r\nContent-Length: 2\r\n\r\n{}",
+        );
+        assert!(answers_as_registry(registry));
+    }
 
     const REPORT: &str = r#"[{"SpecReports":[
       {"LeafNodeType":"BeforeSuite","State":"passed"},
