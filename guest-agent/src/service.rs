@@ -1716,7 +1716,14 @@ impl Agent for AgentService {
         &self,
         req: Request<proto::StatsRequest>,
     ) -> Result<Response<proto::StatsResponse>, Status> {
-        Ok(Response::new(self.state.stats(&req.into_inner().id)?))
+        // The writable layer's walk reads every inode of it: off the runtime's two workers,
+        // which every other call of the pod's agent needs.
+        let state = self.state.clone();
+        let id = req.into_inner().id;
+        let s = tokio::task::spawn_blocking(move || state.stats(&id))
+            .await
+            .map_err(|e| Status::internal(format!("stats: {e}")))??;
+        Ok(Response::new(s))
     }
 
     async fn cgroup_pressure(
@@ -1734,11 +1741,21 @@ impl Agent for AgentService {
                 "cgroup path {path:?}: not a cgroup below the root without `..`"
             )));
         }
-        let (cpu, memory, io) = crate::cgroups::Cgroup::new(p).pressure();
+        let cg = crate::cgroups::Cgroup::new(p);
+        let (cpu, memory, io) = cg.pressure();
+        let counters = (!cg.dirs().is_empty()).then(|| {
+            let s = cg.stats();
+            proto::CgroupCounters {
+                cpu_usage_ns: s.cpu_usage_ns,
+                page_faults: s.page_faults,
+                major_page_faults: s.major_page_faults,
+            }
+        });
         Ok(Response::new(proto::CgroupPressureResponse {
             cpu,
             memory,
             io,
+            counters,
         }))
     }
 

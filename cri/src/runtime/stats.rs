@@ -130,16 +130,20 @@ impl Runtime {
         .await
     }
 
-    /// Pod-level stats: the sum of its running containers' (flat pods have no pause process,
-    /// and the agent's own usage is not the workload's).
+    /// Pod-level stats: its cgroup's counters (CPU time, page faults), which keep what ended
+    /// containers used, so that they never go back (crictl statsp and kubelet's metrics
+    /// take a counter that does for a reset); the sum of its running containers' gauges
+    /// (memory, processes: flat pods have no pause process, and the agent's own memory is
+    /// not the workload's).
     pub async fn pod_sandbox_stats(&self, id: &str) -> Result<cri::PodSandboxStats> {
         let pod = self.pod(id)?;
         let rec = pod.record();
         let ids = self.ctrs_of(&rec.id).into_iter().map(|c| c.record().id);
-        // The pod's pressure is its cgroup's (PSI does not add up across containers), as
-        // containerd reads its pod cgroup's: kubelet's pod cgroup on the node for a flat pod
-        // (its agent and containers), the same path in the guest for a VM pod (its
-        // containers), as its containers' figures come from there.
+        // The pod's pressure and counters are its cgroup's (PSI does not add up across
+        // containers, and a sum of counters goes back when a container ends), as containerd
+        // reads its pod cgroup's: kubelet's pod cgroup on the node for a flat pod (its agent
+        // and containers, as a containerd pod's has its pause process), the same path in the
+        // guest for a VM pod (its containers), as its containers' figures come from there.
         let pressure = async {
             let mut c = pod.client().await.ok()?;
             let path = rec.cgroup_parent.clone();
@@ -172,9 +176,18 @@ impl Runtime {
                 value: v.iter().fold(0u64, |a, b| a.saturating_add(*b)),
             })
         };
+        // An agent from before the counters (a VM image built earlier), or a pod whose
+        // cgroup is not there yet, gives none: the running containers' sum then.
+        let counter = |f: fn(&ap::CgroupCounters) -> u64| {
+            pressure
+                .counters
+                .as_ref()
+                .map(|c| cri::UInt64Value { value: f(c) })
+        };
         let cpu = cri::CpuUsage {
             timestamp: ts,
-            usage_core_nano_seconds: sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref()),
+            usage_core_nano_seconds: counter(|c| c.cpu_usage_ns)
+                .or_else(|| sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref())),
             // Only once every container with a CPU figure has its rate (a new one has none
             // until its second stats): a partial sum would read as the pod's.
             usage_nano_cores: sum(&|c| c.cpu.as_ref()?.usage_nano_cores.as_ref()).filter(|_| {
@@ -191,8 +204,10 @@ impl Runtime {
             working_set_bytes: sum(&|c| c.memory.as_ref()?.working_set_bytes.as_ref()),
             usage_bytes: sum(&|c| c.memory.as_ref()?.usage_bytes.as_ref()),
             rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref()),
-            page_faults: sum(&|c| c.memory.as_ref()?.page_faults.as_ref()),
-            major_page_faults: sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref()),
+            page_faults: counter(|c| c.page_faults)
+                .or_else(|| sum(&|c| c.memory.as_ref()?.page_faults.as_ref())),
+            major_page_faults: counter(|c| c.major_page_faults)
+                .or_else(|| sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref())),
             psi: psi(pressure.memory.as_ref()),
             ..Default::default()
         };
@@ -240,9 +255,18 @@ impl Runtime {
     }
 }
 
+/// How long one member of a stats list may take: an agent that does not answer (stopped,
+/// or swamped) leaves its pods and containers out of the list, rather than holding up the
+/// node's (kubelet asks every 10 s, with a 2 minute deadline).
+const MEMBER_STATS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How many members of a stats list are asked at once.
+const STATS_CONCURRENCY: usize = 8;
+
 /// What `stats` gives for each of `ids`, in order. One gone since it was listed (NotFound)
-/// is left out, and so is one whose stats fail otherwise, with `unavailable` told why: a
-/// list does not fail for one of its members.
+/// is left out, and so is one whose stats fail otherwise or take longer than
+/// [`MEMBER_STATS_TIMEOUT`], with `unavailable` told why: a list does not fail for one of
+/// its members. Up to [`STATS_CONCURRENCY`] are asked at once.
 async fn stats_of<T, F>(
     ids: impl IntoIterator<Item = String>,
     stats: impl Fn(String) -> F,
@@ -251,9 +275,27 @@ async fn stats_of<T, F>(
 where
     F: std::future::Future<Output = Result<T>>,
 {
+    use futures::StreamExt as _;
+    let asked = ids.into_iter().map(|id| {
+        let f = stats(id.clone());
+        async move {
+            let r = tokio::time::timeout(MEMBER_STATS_TIMEOUT, f)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(RuntimeError::DeadlineExceeded(format!(
+                        "stats of {id}: no answer in {MEMBER_STATS_TIMEOUT:?}"
+                    )))
+                });
+            (id, r)
+        }
+    });
+    let answers: Vec<(String, Result<T>)> = futures::stream::iter(asked)
+        .buffered(STATS_CONCURRENCY)
+        .collect()
+        .await;
     let mut out = Vec::new();
-    for id in ids {
-        match stats(id.clone()).await {
+    for (id, r) in answers {
+        match r {
             Ok(s) => out.push(s),
             Err(RuntimeError::NotFound(_)) => {}
             Err(e) => unavailable(&id, &e),
@@ -265,6 +307,29 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A member that never answers is left out after its bound, the others kept in order.
+    #[tokio::test(start_paused = true)]
+    async fn a_member_that_does_not_answer_is_left_out() {
+        let unavailable = std::sync::Mutex::new(Vec::new());
+        let got: Vec<String> = stats_of(
+            ["a", "slow", "gone", "b"].map(String::from),
+            |id| async move {
+                match id.as_str() {
+                    "slow" => std::future::pending().await,
+                    "gone" => Err(RuntimeError::NotFound(id)),
+                    _ => Ok(id),
+                }
+            },
+            |id, e| {
+                let late = matches!(e, RuntimeError::DeadlineExceeded(_));
+                unavailable.lock().unwrap().push((id.to_string(), late));
+            },
+        )
+        .await;
+        assert_eq!(got, ["a", "b"]);
+        assert_eq!(*unavailable.lock().unwrap(), [("slow".to_string(), true)]);
+    }
 
     #[test]
     fn psi_totals_are_nanoseconds() {

@@ -236,7 +236,7 @@ impl SandboxBackend for FlatBackend {
         if !process::is_alive(rec.agent_pid, rec.agent_start_time) {
             return None;
         }
-        netns::network_usage(&rec.netns_path)
+        netns::network_usage(&rec.netns_path, &[])
     }
 
     fn info(&self, _rec: &PodRecord) -> serde_json::Value {

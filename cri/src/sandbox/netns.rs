@@ -184,8 +184,12 @@ pub fn interface_counters(netns: &Path) -> Vec<(String, u64, u64, u64, u64)> {
 }
 
 /// A pod's `NetworkUsage` from its network namespace's counters (eth0 the default
-/// interface); `None` without a namespace of its own.
-pub fn network_usage(netns: &Path) -> Option<vessel_cri_api::v1::NetworkUsage> {
+/// interface), leaving out the interfaces named in `hidden` (a VM pod's tap, whose frames
+/// are eth0's again). `None` without a namespace of its own, or without an interface to
+/// report: kubelet reads the default interface of any `NetworkUsage` it gets, and one
+/// without it panics its stats (as a pod whose namespace went in a stop, or that has
+/// loopback only, would give).
+pub fn network_usage(netns: &Path, hidden: &[&str]) -> Option<vessel_cri_api::v1::NetworkUsage> {
     use vessel_cri_api::v1 as cri;
     if netns.as_os_str().is_empty() {
         return None;
@@ -193,6 +197,7 @@ pub fn network_usage(netns: &Path) -> Option<vessel_cri_api::v1::NetworkUsage> {
     let u = |v: u64| Some(cri::UInt64Value { value: v });
     let interfaces: Vec<cri::NetworkInterfaceUsage> = interface_counters(netns)
         .into_iter()
+        .filter(|(name, ..)| !hidden.contains(&name.as_str()))
         .map(|(name, rxb, rxe, txb, txe)| cri::NetworkInterfaceUsage {
             name,
             rx_bytes: u(rxb),
@@ -205,10 +210,10 @@ pub fn network_usage(netns: &Path) -> Option<vessel_cri_api::v1::NetworkUsage> {
         .iter()
         .find(|i| i.name == "eth0")
         .or(interfaces.first())
-        .cloned();
+        .cloned()?;
     Some(cri::NetworkUsage {
         timestamp: crate::state::now_nanos(),
-        default_interface,
+        default_interface: Some(default_interface),
         interfaces,
     })
 }
@@ -249,6 +254,16 @@ mod tests {
         // This process's own namespace, through its nsfs file.
         let own = interface_counters(Path::new("/proc/self/ns/net"));
         assert!(own.iter().all(|(n, ..)| n != "lo"));
-        assert!(network_usage(Path::new("")).is_none());
+        assert!(network_usage(Path::new(""), &[]).is_none());
+        // A namespace gone (a pod being stopped) gives none, not a usage without its
+        // default interface.
+        assert!(network_usage(Path::new("/nonexistent"), &[]).is_none());
+        if let Some(n) = network_usage(Path::new("/proc/self/ns/net"), &[]) {
+            let d = n.default_interface.expect("a default interface");
+            assert!(n.interfaces.contains(&d));
+            let all: Vec<&str> = n.interfaces.iter().map(|i| i.name.as_str()).collect();
+            let hidden = network_usage(Path::new("/proc/self/ns/net"), &all);
+            assert!(hidden.is_none(), "every interface hidden: {hidden:?}");
+        }
     }
 }

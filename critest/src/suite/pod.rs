@@ -1,6 +1,6 @@
 //! Runtime info, pod sandbox lifecycle and status, idempotence.
 
-use super::{spec, Ctx, Spec, SpecResult};
+use super::{spec, Ctx, Spec, SpecResult, Stop};
 use crate::{check, fail};
 use std::time::Duration;
 use tonic::Code;
@@ -38,6 +38,11 @@ pub(super) fn specs() -> Vec<Spec> {
             remove_with_containers
         ),
         spec!("pod", "PodSandboxStats reports the pod", pod_stats),
+        spec!(
+            "pod",
+            "PodSandboxStats: the pod's CPU time does not go back when a container ends",
+            pod_cpu_keeps_ended_containers
+        ),
         spec!(
             "pod",
             "the Stream* calls answer what the List calls do",
@@ -380,6 +385,83 @@ async fn pod_stats(c: Ctx) -> SpecResult {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// A pod's CPU time is a counter (crictl statsp takes the difference of two, kubelet exports
+/// it as `pod_cpu_usage_seconds_total`): a container that used CPU and ended still counts,
+/// as in containerd's pod cgroup (the running containers' sum went back).
+async fn pod_cpu_keeps_ended_containers(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("podcpu").await?;
+    c.run(&pod, &pcfg, "sleeper", "sleep 100000").await?;
+    // Busy for a second of its clock (however fast the node), then idle.
+    let burner = c
+        .run(
+            &pod,
+            &pcfg,
+            "burner",
+            "end=$(($(date +%s) + 2)); while [ $(date +%s) -lt $end ]; do :; done; \
+             touch /tmp/done; exec sleep 100000",
+        )
+        .await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while c.sh(&burner, "test -e /tmp/done").await?.0 != 0 {
+        check!(
+            std::time::Instant::now() < deadline,
+            "the burner did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let cl = c.c.clone();
+    let cpu = || {
+        let mut cl = cl.clone();
+        let pod = pod.clone();
+        async move {
+            let st = cl
+                .runtime
+                .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+                    pod_sandbox_id: pod,
+                })
+                .await?
+                .into_inner()
+                .stats
+                .and_then(|s| s.linux)
+                .and_then(|l| l.cpu)
+                .and_then(|u| u.usage_core_nano_seconds)
+                .map(|v| v.value);
+            Ok::<_, Stop>(st)
+        }
+    };
+    let Some(before) = cpu().await? else {
+        fail!("no pod CPU time")
+    };
+    let burned = c
+        .stats(&burner)
+        .await?
+        .and_then(|s| s.cpu)
+        .and_then(|u| u.usage_core_nano_seconds)
+        .map_or(0, |v| v.value);
+    check!(
+        before >= burned && burned > 0,
+        "pod CPU time {before} ns, the burner's {burned} ns"
+    );
+    c.stop(&burner, 0).await?;
+    let after = cpu().await?;
+    check!(
+        after.is_some_and(|a| a >= before),
+        "the pod's CPU time went from {before} ns to {after:?} when a container ended"
+    );
+    c.c.clone()
+        .runtime
+        .remove_container(cri::RemoveContainerRequest {
+            container_id: burner,
+        })
+        .await?;
+    let removed = cpu().await?;
+    check!(
+        removed.is_some_and(|a| a >= before),
+        "the pod's CPU time went from {before} ns to {removed:?} when a container was removed"
+    );
+    Ok(())
 }
 
 async fn stop_pod_twice(c: Ctx) -> SpecResult {

@@ -29,6 +29,9 @@ use vessel_images::ImageStore;
 use vessel_shim::control::Request as ControlRequest;
 use vessel_shim::podnet::PodNet;
 
+/// The tap the shim makes in a VM pod's namespace, joined to the CNI interface.
+const TAP: &str = "vessel-tap0";
+
 /// The VM backend and what it needs from the node.
 pub struct VmBackend {
     pub shim_binary: PathBuf,
@@ -138,7 +141,7 @@ impl SandboxBackend for VmBackend {
         let pod_net = attachment.as_ref().map(|_| PodNet {
             netns: rec.netns_path.clone(),
             peer: crate::cni::IFNAME.into(),
-            tap: "vessel-tap0".into(),
+            tap: TAP.into(),
         });
         let cfg = &self.cfg;
         let userns = crate::userns::of_pod(config).map_err(RuntimeError::InvalidArgument)?;
@@ -359,12 +362,13 @@ impl SandboxBackend for VmBackend {
     }
 
     /// The CNI interface's counters in the pod's namespace on the host: every frame of the
-    /// guest crosses it.
+    /// guest crosses it (and the tap, which is not counted twice). None once a stop began:
+    /// it takes the tap, eth0 and the namespace away.
     fn network_usage(&self, rec: &PodRecord) -> Option<cri::NetworkUsage> {
-        if rec.state != PodState::Ready {
+        if !rec.is_ready() {
             return None;
         }
-        netns::network_usage(&rec.netns_path)
+        netns::network_usage(&rec.netns_path, &[TAP])
     }
 
     fn info(&self, rec: &PodRecord) -> serde_json::Value {

@@ -444,7 +444,7 @@ mod tests {
             pod_net: Some(vessel_shim::podnet::PodNet {
                 netns: "/run/vessel/netns/p".into(),
                 peer: "eth0".into(),
-                tap: "vessel-tap0".into(),
+                tap: crate::sandbox::vm::TAP.into(),
             }),
             shared_dir: Some(d.path().join("shared")),
             userns: None,
