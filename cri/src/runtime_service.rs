@@ -227,15 +227,17 @@ impl RuntimeService {
     fn attach_url(&self, r: cri::AttachRequest) -> Result<cri::AttachResponse, Status> {
         let any = r.stdin || r.stdout || r.stderr;
         let (srv, c) = self.stream_target("Attach", &r.container_id, any)?;
-        // The terminal is the container's, whatever the request says (as containerd does).
-        let tty = c.config.tty;
+        // The streams are those the request asks for, as kubelet's and containerd's streaming
+        // servers expect them: `crictl attach` without `-t` to a container with a terminal
+        // opens no resize stream. The output is the container's (all on stdout with a
+        // terminal; a request's terminal takes stderr to stdout).
         let url = srv.url(ExecTarget {
             container_id: c.id,
             cmd: None,
-            tty,
+            tty: r.tty,
             stdin: r.stdin,
             stdout: r.stdout,
-            stderr: r.stderr && !tty,
+            stderr: r.stderr && !r.tty,
         });
         Ok(cri::AttachResponse { url })
     }

@@ -1340,8 +1340,11 @@ async fn forward_input<W: tokio::io::AsyncWrite + Unpin>(
 /// Runs one attach session: the container's output to the client until the container
 /// exits (then its exit code) or the client leaves; the client's stdin and resizes to the
 /// container. With `stdin_once` (and no terminal), the container's stdin closes when this
-/// client closes its stdin or leaves. A terminal's stays open, and gets no EOF character,
-/// as containerd keeps it: `kubectl run -it` tells its user to reattach after a detach.
+/// client closes its stdin or leaves, and the session goes on to the container's exit. Else
+/// a client that closes the stdin it attached with detaches: the session ends (exit code 0,
+/// a success) and the container's stdin stays open, as containerd does (`echo x | kubectl
+/// attach -i` returns; `kubectl run -it` tells its user to reattach after a detach). A
+/// terminal's gets no EOF character.
 async fn drive_attach(
     c: Arc<Container>,
     mut tap: crate::logs::Tap,
@@ -1353,11 +1356,16 @@ async fn drive_attach(
         Ok(proto::ExecOutput { msg: Some(m) })
     }
     let (tty, once) = (c.tty, c.stdin_once && !c.tty);
-    let close_container_stdin = {
+    let detached = Arc::new(tokio::sync::Notify::new());
+    let close_stdin = {
         let c = c.clone();
+        let detach = stdin.is_some() && !once;
+        let detached = detached.clone();
         move || {
             if once {
                 c.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
+            } else if detach {
+                detached.notify_one();
             }
         }
     };
@@ -1367,8 +1375,8 @@ async fn drive_attach(
             _ => None,
         };
         let w = stdin.map(|fd| tokio::fs::File::from_std(std::fs::File::from(fd)));
-        forward_input(&mut input, w, pty.as_ref(), false, &close_container_stdin).await;
-        close_container_stdin();
+        forward_input(&mut input, w, pty.as_ref(), false, &close_stdin).await;
+        close_stdin();
     });
     let send = |s: Stream, d: Vec<u8>| {
         out(match s {
@@ -1388,6 +1396,17 @@ async fn drive_attach(
                 None => break None,
             },
             e = c.wait() => break Some(e),
+            _ = detached.notified() => {
+                // What the container wrote before is the client's still.
+                while let Ok((s, d)) = tap.try_recv() {
+                    if tx.send(send(s, d)).await.is_err() {
+                        break;
+                    }
+                }
+                tracing::debug!(container = %c.id, "attach: the client closed its stdin and detached");
+                let _ = tx.send(out(exec_output::Msg::ExitCode(0))).await;
+                break None;
+            }
             _ = tx.closed() => break None,
         }
     };

@@ -956,6 +956,9 @@ async fn port_forward(
                 let w = w.clone();
                 let target = target.clone();
                 let pod = pod_id.to_string();
+                // A long session (one kubectl port-forward) carries many connections: the
+                // finished ones' tasks are let go as new ones come.
+                tasks.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
                 tasks.push(tokio::spawn(async move {
                     forward_one(&pod, target, port, (error, data), &w).await;
                 }));

@@ -42,6 +42,16 @@ pub(super) fn specs() -> Vec<Spec> {
         ),
         spec!(
             "streaming",
+            "Attach: a client whose stdin ends detaches, the container's stdin stays open",
+            attach_detach
+        ),
+        spec!(
+            "streaming",
+            "Attach without a terminal to a container with one: its output on stdout",
+            attach_tty_without_tty
+        ),
+        spec!(
+            "streaming",
             "PortForward reaches a port inside the pod",
             port_forward
         ),
@@ -338,17 +348,33 @@ async fn attach_no_stdin(c: Ctx) -> SpecResult {
     Ok(())
 }
 
-/// `kubectl run -it` (a shell with a terminal, stdin and stdin_once): a client that leaves
-/// leaves the terminal's stdin open and sends it no EOF, as containerd does, so that the
-/// `kubectl attach -it` kubectl suggests then works; a second client's `exit` ends it.
+/// `kubectl run -it` (a shell with a terminal, stdin and stdin_once): a client that closes
+/// its stdin detaches, its session ending with Success, and leaves the terminal's stdin open
+/// with no EOF, as containerd does, so that the `kubectl attach -it` kubectl suggests then
+/// works; a second client's `exit` ends it.
 async fn attach_tty(c: Ctx) -> SpecResult {
-    let (pod, pcfg) = c.run_pod("sattachtty").await?;
+    reattach(c, "sattachtty", true).await
+}
+
+/// `echo x | kubectl attach -i` to a container with stdin but not stdin_once: the client
+/// detaches when its input ends, with Success, as containerd's does (the session went on
+/// until the container exited: the client hung), and the container's stdin stays open for
+/// the next client.
+async fn attach_detach(c: Ctx) -> SpecResult {
+    reattach(c, "sattachdetach", false).await
+}
+
+/// A shell with stdin (and a terminal if `tty`), not stdin_once unless a terminal: the first
+/// client's input runs, its session ends when its stdin does, and the shell runs on; the
+/// second client's `exit` ends the shell.
+async fn reattach(c: Ctx, name: &str, tty: bool) -> SpecResult {
+    let (pod, pcfg) = c.run_pod(name).await?;
     let mut cfg = c.ctr_config("sh", "exec sh");
     cfg.stdin = true;
-    cfg.stdin_once = true;
-    cfg.tty = true;
+    cfg.stdin_once = tty;
+    cfg.tty = tty;
     let id = c.run_cfg(&pod, &pcfg, cfg).await?;
-    let session = |input: &'static [u8], limit: Duration| {
+    let session = |input: &'static [u8]| {
         let c = c.clone();
         let id = id.clone();
         async move {
@@ -359,26 +385,26 @@ async fn attach_tty(c: Ctx) -> SpecResult {
                     container_id: id,
                     stdin: true,
                     stdout: true,
-                    tty: true,
-                    ..Default::default()
+                    stderr: !tty,
+                    tty,
                 })
                 .await?
                 .into_inner();
             let o = ExecOptions {
                 stdin: Some(input.to_vec()),
                 stdout: true,
-                tty: true,
+                stderr: !tty,
+                tty,
                 ..Default::default()
             };
-            Ok::<_, Stop>(stream_client::exec(&r.url, &o, limit).await)
+            Ok::<_, Stop>(stream_client::exec(&r.url, &o, TIMEOUT).await)
         }
     };
-    // The first client types, closes its stdin, and leaves (the session would go on while
-    // the shell runs).
-    let first = session(b"touch /tmp/first\n", Duration::from_secs(3)).await?;
+    // The first client types, closes its stdin, and is detached.
+    let first = session(b"touch /tmp/first\n").await?;
     check!(
-        matches!(first, Err(stream_client::StreamClientError::Timeout(_))),
-        "the first attach ended by itself: {first:?}"
+        first.as_ref().is_ok_and(|o| o.exit_code() == Some(0)),
+        "the first attach did not end with Success when its stdin closed: {first:?}"
     );
     let st = c.c.container_status(&id).await?;
     check!(
@@ -386,13 +412,54 @@ async fn attach_tty(c: Ctx) -> SpecResult {
         "the shell ended when the first client left: {st:?}"
     );
     // 7 if the first client's line ran, 8 if it did not.
-    let second = session(b"test -e /tmp/first; exit $((7 + $?))\n", TIMEOUT).await?;
+    let second = session(b"test -e /tmp/first; exit $((7 + $?))\n").await?;
     let st = c.wait_exit(&id).await?;
     check!(
         st.exit_code == 7,
         "the second client's exit did not end the shell with 7 (8: the first client's input \
          never ran): exit {}, attach {second:?}",
         st.exit_code
+    );
+    Ok(())
+}
+
+/// `crictl attach` without `-t` to a container with a terminal: the client opens no resize
+/// stream, as its request asks for no terminal, and gets the terminal's output on stdout
+/// (the session waited for a resize stream and failed after 30 s).
+async fn attach_tty_without_tty(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("sattachnotty").await?;
+    let mut cfg = c.ctr_config(
+        "ticker",
+        "i=0; while [ $i -lt 15 ]; do echo tick; sleep 0.2; i=$((i+1)); done",
+    );
+    cfg.tty = true;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    let mut cl = c.c.clone();
+    let r = cl
+        .runtime
+        .attach(cri::AttachRequest {
+            container_id: id,
+            stdout: true,
+            stderr: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let o = ExecOptions {
+        stdout: true,
+        stderr: true,
+        ..Default::default()
+    };
+    let got = stream_client::exec(&r.url, &o, Duration::from_secs(20))
+        .await
+        .map_err(|e| Stop::Fail(format!("attach via {}: {e}", r.url)))?;
+    check!(
+        got.stdout_str().contains("tick\r\n") && got.exit_code() == Some(0),
+        "stdout {:?}, stderr {:?}, attach ended with {:?}; want the terminal's ticks, then \
+         Success",
+        got.stdout_str(),
+        String::from_utf8_lossy(&got.stderr),
+        got.error
     );
     Ok(())
 }
