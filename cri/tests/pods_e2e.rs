@@ -491,9 +491,18 @@ async fn container_events_arrive_once_per_transition() {
     let b = h.run(&pod, &pcfg, "b", "exit 3").await;
     h.wait_exit(&b, Duration::from_secs(30)).await;
     h.stop(&a, 10).await;
-    for id in [&a, &b] {
-        h.remove(id).await;
-    }
+    // Two removals of `a` at once (kubelet's and its GC's) delete it once, and say so once.
+    let rm = |id: &str| {
+        let mut c = h.c.runtime.clone();
+        let container_id = id.to_string();
+        async move {
+            c.remove_container(cri::RemoveContainerRequest { container_id })
+                .await
+        }
+    };
+    let (r1, r2) = tokio::join!(rm(&a), rm(&a));
+    assert!(r1.is_ok() && r2.is_ok(), "{r1:?} {r2:?}");
+    h.remove(&b).await;
     use cri::ContainerEventType as T;
     let mut seen: HashMap<String, Vec<i32>> = HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -1231,6 +1240,33 @@ async fn exec_sync_output_is_answered_as_it_can_be() {
         r.stdout.len(),
         r.stderr.len()
     );
+    // A call its client gives up on (no timeout of its own: the client's deadline, a
+    // restarted kubelet) takes its command with it (it ran on, waited for by nobody).
+    let given_up = tokio::time::timeout(
+        Duration::from_secs(5),
+        h.exec(&c, &["sh", "-c", "echo $$ > /tmp/p; exec sleep 300"], 0),
+    )
+    .await;
+    assert!(given_up.is_err(), "the sleep answered: {given_up:?}");
+    let started = Instant::now();
+    loop {
+        let r = h
+            .exec(
+                &c,
+                &["sh", "-c", "test -s /tmp/p && ! kill -0 $(cat /tmp/p)"],
+                10,
+            )
+            .await
+            .unwrap();
+        if r.exit_code == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the given-up command still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     h.remove_pod(&pod).await;
     h.assert_clean();
 }

@@ -534,7 +534,7 @@ impl Cgroup {
     /// process in a frozen v1 cgroup cannot die). A freeze that does not settle within
     /// [`FREEZE_WAIT`] (a task in uninterruptible sleep) is signalled anyway. Returns how
     /// many processes were signalled.
-    pub async fn signal_all(&self, sig: nix::sys::signal::Signal) -> usize {
+    pub async fn signal_all(&self, sig: impl Into<crate::signals::SigNum>) -> usize {
         let (freezer, was_frozen, froze) = self.begin_signal();
         if froze {
             let deadline = tokio::time::Instant::now() + FREEZE_WAIT;
@@ -544,11 +544,11 @@ impl Cgroup {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
         }
-        self.end_signal(sig, freezer, was_frozen, froze)
+        self.end_signal(sig.into(), freezer, was_frozen, froze)
     }
 
     /// [`Self::signal_all`] for a thread that may block.
-    pub fn signal_all_blocking(&self, sig: nix::sys::signal::Signal) -> usize {
+    pub fn signal_all_blocking(&self, sig: impl Into<crate::signals::SigNum>) -> usize {
         let (freezer, was_frozen, froze) = self.begin_signal();
         if froze {
             let deadline = std::time::Instant::now() + FREEZE_WAIT;
@@ -558,7 +558,7 @@ impl Cgroup {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
-        self.end_signal(sig, freezer, was_frozen, froze)
+        self.end_signal(sig.into(), freezer, was_frozen, froze)
     }
 
     /// The freezer, whether it was frozen already, and whether it was asked to freeze now.
@@ -571,17 +571,17 @@ impl Cgroup {
 
     fn end_signal(
         &self,
-        sig: nix::sys::signal::Signal,
+        sig: crate::signals::SigNum,
         freezer: Option<Freezer>,
         was_frozen: bool,
         froze: bool,
     ) -> usize {
         let pids = self.procs();
         for &p in &pids {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), sig);
+            let _ = crate::signals::kill(p, sig);
         }
         if let Some(f) = &freezer {
-            if froze || (was_frozen && sig == nix::sys::signal::SIGKILL) {
+            if froze || (was_frozen && sig == crate::signals::SigNum::KILL) {
                 f.thaw();
             }
         }

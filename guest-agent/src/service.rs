@@ -674,7 +674,12 @@ impl AgentState {
     }
 
     /// Sends `sig` to the init (or every process) of `c`.
-    async fn signal(c: &Arc<Container>, sig: Signal, all: bool) -> Result<(), AgentError> {
+    async fn signal(
+        c: &Arc<Container>,
+        sig: impl Into<crate::signals::SigNum>,
+        all: bool,
+    ) -> Result<(), AgentError> {
+        let sig = sig.into();
         // Not launched: no process to signal (and pid 0 would mean the agent's own group).
         if c.is_exited() || !c.launched() {
             return Ok(());
@@ -683,7 +688,7 @@ impl AgentState {
             c.cgroup.signal_all(sig).await;
         }
         let sent = if all {
-            kill(Pid::from_raw(c.pid()), sig)
+            crate::signals::kill(c.pid(), sig)
         } else {
             crate::signals::send_to_init(c, sig)
         };
@@ -1080,6 +1085,10 @@ impl AgentState {
             Ok(p) => p,
             Err(e) => return cannot_run(&e).ok_or(e),
         };
+        // A call given up while the command runs (its client went away: a probe's context
+        // ended, kubelet restarted) is dropped at an await below: the command must not run
+        // on with nobody to wait for it, as containerd kills an exec whose request ended.
+        let mut guard = KillOnDrop(Some(pid).filter(|p| *p > 0));
         let room = Arc::new(std::sync::atomic::AtomicUsize::new(EXEC_OUTPUT_CAP));
         let (out_buf, err_buf) = (Arc::default(), Arc::default());
         let out = tokio::spawn(collect(stdout, Arc::clone(&out_buf), room.clone()));
@@ -1105,9 +1114,15 @@ impl AgentState {
             helper.next().await
         };
         let exit_code = match exit {
-            Ok(HelperLine::Exit(code, _)) => code,
+            Ok(HelperLine::Exit(code, _)) => {
+                // Exited (and reaped): its pid is no longer its own.
+                guard.0 = None;
+                code
+            }
             Ok(other) => return Err(AgentError::Internal(format!("exec helper said {other:?}"))),
             Err(e) => {
+                // Whether it runs is unknown: its pid is not signalled.
+                guard.0 = None;
                 tokio::spawn(helper.wait());
                 return cannot_run(&e).ok_or(e);
             }
@@ -1292,6 +1307,18 @@ fn shell_code(msg: &str) -> Option<i32> {
         Some(126)
     } else {
         None
+    }
+}
+
+/// SIGKILLs the process it holds when dropped: an exec whose caller went away.
+struct KillOnDrop(Option<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            tracing::info!(pid, "exec: its call was given up; killing it");
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
     }
 }
 
@@ -1597,9 +1624,10 @@ impl Agent for AgentService {
     ) -> Result<Response<proto::SignalContainerResponse>, Status> {
         let req = req.into_inner();
         let c = self.state.get(&req.id)?;
+        // Any of Linux's, real-time ones included (SIGRTMIN+3 stops systemd).
         let sig = i32::try_from(req.signal)
             .ok()
-            .and_then(|s| Signal::try_from(s).ok())
+            .and_then(crate::signals::SigNum::new)
             .ok_or_else(|| AgentError::InvalidArgument(format!("bad signal {}", req.signal)))?;
         AgentState::signal(&c, sig, req.all).await?;
         Ok(Response::new(proto::SignalContainerResponse {}))

@@ -12,10 +12,41 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
 use crate::container::Container;
+
+/// A signal number as kill(2) takes it: a classic one, or a real-time one (`SIGRTMIN+3`,
+/// which systemd-based images stop with), which nix's `Signal` has not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SigNum(i32);
+
+impl SigNum {
+    pub const KILL: SigNum = SigNum(libc::SIGKILL);
+    pub const STOP: SigNum = SigNum(libc::SIGSTOP);
+
+    /// `n` where it is a signal number of Linux's (1 to 64).
+    pub fn new(n: i32) -> Option<SigNum> {
+        (1..=64).contains(&n).then_some(SigNum(n))
+    }
+
+    pub fn raw(self) -> i32 {
+        self.0
+    }
+}
+
+impl From<Signal> for SigNum {
+    fn from(s: Signal) -> SigNum {
+        SigNum(s as i32)
+    }
+}
+
+/// kill(2) of `pid` with `sig`.
+pub fn kill(pid: i32, sig: impl Into<SigNum>) -> nix::Result<()> {
+    // SAFETY: kill(2) takes any pid and signal number and touches no memory of ours.
+    let r = unsafe { libc::kill(pid, sig.into().0) };
+    nix::errno::Errno::result(r).map(drop)
+}
 
 /// How long the agent watches for a handler before giving up (the SIGKILL will come).
 const WATCH_FOR: Duration = Duration::from_secs(300);
@@ -33,8 +64,8 @@ pub struct Disposition {
 
 impl Disposition {
     /// Parses a `/proc/<pid>/status` text for `sig`; `None` if the fields are missing.
-    pub fn parse(status: &str, sig: Signal) -> Option<Disposition> {
-        let bit = 1u64 << ((sig as i32) - 1);
+    pub fn parse(status: &str, sig: impl Into<SigNum>) -> Option<Disposition> {
+        let bit = 1u64 << (sig.into().0 - 1);
         let mut ns_init = None;
         let mut caught = None;
         let mut ignored = None;
@@ -58,7 +89,7 @@ impl Disposition {
     }
 
     /// Reads it for a live process; `None` if the process is gone or the file unreadable.
-    pub fn read(proc_root: &Path, pid: i32, sig: Signal) -> Option<Disposition> {
+    pub fn read(proc_root: &Path, pid: i32, sig: SigNum) -> Option<Disposition> {
         let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("status")).ok()?;
         Disposition::parse(&text, sig)
     }
@@ -70,18 +101,18 @@ impl Disposition {
 }
 
 /// Whether `sig` is one a handler can be installed for (the rest always reach an init).
-fn catchable(sig: Signal) -> bool {
-    !matches!(sig, Signal::SIGKILL | Signal::SIGSTOP)
+fn catchable(sig: SigNum) -> bool {
+    sig != SigNum::KILL && sig != SigNum::STOP
 }
 
 /// Sends `sig` to the container's init; if the kernel would have dropped it (no handler yet),
 /// a background task sends it again once the init installs one. Errors as `kill(2)`'s.
-pub fn send_to_init(c: &Arc<Container>, sig: Signal) -> nix::Result<()> {
+pub fn send_to_init(c: &Arc<Container>, sig: SigNum) -> nix::Result<()> {
     let pid = c.pid();
     let before = catchable(sig)
         .then(|| Disposition::read(Path::new("/proc"), pid, sig))
         .flatten();
-    kill(Pid::from_raw(pid), sig)?;
+    kill(pid, sig)?;
     if before.is_some_and(Disposition::drops) {
         tracing::debug!(container = %c.id, pid, ?sig, "init has no handler yet; watching for one");
         let c = Arc::clone(c);
@@ -90,7 +121,7 @@ pub fn send_to_init(c: &Arc<Container>, sig: Signal) -> nix::Result<()> {
     Ok(())
 }
 
-async fn resend_when_caught(c: Arc<Container>, sig: Signal) {
+async fn resend_when_caught(c: Arc<Container>, sig: SigNum) {
     let deadline = tokio::time::Instant::now() + WATCH_FOR;
     let mut every = Duration::from_millis(20);
     while tokio::time::Instant::now() < deadline {
@@ -103,7 +134,7 @@ async fn resend_when_caught(c: Arc<Container>, sig: Signal) {
         };
         if now.caught {
             tracing::debug!(container = %c.id, pid = c.pid(), ?sig, "init installed a handler; sending again");
-            let _ = kill(Pid::from_raw(c.pid()), sig);
+            let _ = kill(c.pid(), sig);
             return;
         }
         if now.ignored {
@@ -148,7 +179,30 @@ mod tests {
     #[test]
     fn reads_this_process() {
         let me = i32::try_from(std::process::id()).unwrap();
-        assert!(Disposition::read(Path::new("/proc"), me, Signal::SIGTERM).is_some());
-        assert!(!catchable(Signal::SIGKILL) && catchable(Signal::SIGTERM));
+        assert!(Disposition::read(Path::new("/proc"), me, Signal::SIGTERM.into()).is_some());
+        assert!(!catchable(Signal::SIGKILL.into()) && catchable(Signal::SIGTERM.into()));
+    }
+
+    /// Real-time signals (SIGRTMIN+3 = 37, systemd's stop signal) are signals too: the
+    /// agent refused them, and the stop waited for its SIGKILL.
+    #[test]
+    fn real_time_signals() {
+        assert_eq!(SigNum::new(0), None);
+        assert_eq!(SigNum::new(65), None);
+        let rt3 = SigNum::new(37).unwrap();
+        assert!(catchable(rt3) && SigNum::new(64).is_some());
+        let caught = STATUS.replace("SigCgt:\t0000000000004002", "SigCgt:\t0000001000000000");
+        let d = Disposition::parse(&caught, rt3).unwrap();
+        assert!(d.caught && !d.drops());
+        assert!(!Disposition::parse(STATUS, rt3).unwrap().caught);
+        // Sent to a child that waits for it.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        kill(pid, rt3).unwrap();
+        let st = child.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(37));
     }
 }

@@ -871,8 +871,26 @@ impl Runtime {
                 )))
             }
         }
+        // A start that fails leaves the container Exited with StartError (128), as
+        // containerd's does, also where its pod can no longer run it: kubelet then makes the
+        // next attempt (one left Created stayed so, watched by nothing).
+        let start_failed = |e: RuntimeError| {
+            let rec = ctr.update(|r| {
+                r.state = ContainerState::Exited;
+                r.finished_at = state::now_nanos();
+                r.exit_code = 128;
+                r.reason = "StartError".into();
+                r.message = e.to_string();
+            });
+            let _ = ctr.persist(&self.dirs);
+            self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
+            e
+        };
         let pod = self.pod(&rec.pod_id)?;
-        let mut c = pod.client().await?;
+        let mut c = match pod.client().await {
+            Ok(c) => c,
+            Err(e) => return Err(start_failed(e)),
+        };
         // Stamped before the call: a process that exits at once must not finish before it started.
         let started_at = state::now_nanos();
         // The agent makes the container's processes here (earlier agents did at create and
@@ -883,17 +901,10 @@ impl Runtime {
         let pid = match started {
             Ok(r) => r.into_inner().pid,
             Err(s) => {
-                let e = agent_err(&format!("StartContainer {}", rec.id), s);
-                let rec = ctr.update(|r| {
-                    r.state = ContainerState::Exited;
-                    r.finished_at = state::now_nanos();
-                    r.exit_code = 128;
-                    r.reason = "StartError".into();
-                    r.message = e.to_string();
-                });
-                let _ = ctr.persist(&self.dirs);
-                self.emit(&rec, cri::ContainerEventType::ContainerStoppedEvent);
-                return Err(e);
+                return Err(start_failed(agent_err(
+                    &format!("StartContainer {}", rec.id),
+                    s,
+                )))
             }
         };
         let rec = ctr.update(|r| {
@@ -1013,6 +1024,17 @@ impl Runtime {
     pub(super) async fn forget_container(&self, ctr: &Ctr) -> Result<()> {
         let _op = ctr.op.lock().await;
         let rec = ctr.record();
+        // A removal behind another (kubelet's and a pod removal's, at once) finds it gone:
+        // done, and its deletion is not announced twice.
+        let listed = self
+            .ctrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&rec.id)
+            .is_some_and(|l| std::ptr::eq(Arc::as_ptr(l), ctr));
+        if !listed {
+            return Ok(());
+        }
         if let Ok(pod) = self.pod(&rec.pod_id) {
             if pod.record().state == PodState::Ready {
                 if let Ok(mut c) = pod.client().await {

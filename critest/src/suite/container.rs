@@ -12,6 +12,7 @@ pub(super) fn specs() -> Vec<Spec> {
         spec!("container", "a stop right after start reaches an init that traps SIGTERM late", stop_late_trap),
         spec!("container", "StopContainer sends the config's stop_signal, which status reports", stop_signal),
         spec!("container", "exit code and reason of a finished container", exit_codes),
+        spec!("container", "a start in a stopped pod fails and leaves the container exited with StartError", start_in_stopped_pod),
         spec!("container", "status carries metadata, image, labels, annotations and log path", status_fields),
         spec!("container", "named by image id as kubelet names it, status shows the user's image name", image_by_id),
         spec!("container", "list filters by id, state, pod and label", list_filters),
@@ -183,12 +184,71 @@ async fn stop_signal(c: Ctx) -> SpecResult {
         "exit code {}, want 7 (the USR1 trap's)",
         s.exit_code
     );
+    // A real-time one (SIGRTMIN+3, 37 as moby numbers it: what systemd-based images stop
+    // with) as well: the stop waited for its SIGKILL.
+    let mut cfg = c.ctr_config(
+        "rt",
+        "trap 'exit 8' 37; echo ready; while true; do sleep 0.1; done",
+    );
+    cfg.stop_signal = cri::Signal::Sigrtminplus3 as i32;
+    let id = c.run_cfg(&pod, &pcfg, cfg).await?;
+    c.wait_log(&c.log_path(&pcfg, "rt"), "ready", |l| {
+        l.iter().any(|l| l.content == "ready")
+    })
+    .await?;
+    let t = std::time::Instant::now();
+    c.stop(&id, 30).await?;
+    let s = c.status(&id).await?;
+    check!(
+        s.exit_code == 8 && t.elapsed() < Duration::from_secs(20),
+        "exit code {} after {:?}, want 8 (the SIGRTMIN+3 trap's) at once",
+        s.exit_code,
+        t.elapsed()
+    );
     let plain = c.run(&pod, &pcfg, "plain", "sleep 100000").await?;
     let s = c.status(&plain).await?;
     check!(
         s.stop_signal == cri::Signal::Sigterm as i32,
         "status stop_signal {:?} without one asked for (busybox has none), want SIGTERM",
         cri::Signal::try_from(s.stop_signal)
+    );
+    Ok(())
+}
+
+/// kubelet starts a container it created just before its pod was stopped: the start fails,
+/// and the container is Exited (128, StartError) as containerd leaves it, not Created for
+/// good.
+async fn start_in_stopped_pod(c: Ctx) -> SpecResult {
+    let (pod, pcfg) = c.run_pod("startstopped").await?;
+    let id = c
+        .create(&pod, &pcfg, c.ctr_config("late", "sleep 100000"))
+        .await?;
+    c.c.clone()
+        .runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await?;
+    let started =
+        c.c.clone()
+            .runtime
+            .start_container(cri::StartContainerRequest {
+                container_id: id.clone(),
+            })
+            .await;
+    check!(
+        started.is_err(),
+        "StartContainer in a stopped pod: {started:?}"
+    );
+    let s = c.status(&id).await?;
+    check!(
+        s.state == cri::ContainerState::ContainerExited as i32
+            && s.exit_code == 128
+            && s.reason == "StartError",
+        "state {}, exit code {}, reason {:?}; want exited, 128, StartError",
+        ctr_state(s.state),
+        s.exit_code,
+        s.reason
     );
     Ok(())
 }
