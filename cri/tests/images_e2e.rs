@@ -530,10 +530,26 @@ async fn bearer_token_auth() {
         ..Default::default()
     };
     assert_eq!(
-        pull(&mut c, &name, Some(creds)).await.unwrap(),
+        pull(&mut c, &name, Some(creds.clone())).await.unwrap(),
         img.id().to_string()
     );
     assert!(reg.tokens_issued() > before, "no token was issued");
+    // The token bob was given is his: a pull without credentials, or with a wrong password,
+    // while it is still valid (an hour) is refused as before (the registry's own answer),
+    // and bob's next pull is let in.
+    remove(&mut c, &name).await;
+    let e = pull(&mut c, &name, None).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "no credentials: {e}");
+    let wrong = cri::AuthConfig {
+        password: "hunter3".into(),
+        ..creds.clone()
+    };
+    let e = pull(&mut c, &name, Some(wrong)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "a wrong password: {e}");
+    assert_eq!(
+        pull(&mut c, &name, Some(creds)).await.unwrap(),
+        img.id().to_string()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1818,6 +1818,43 @@ async fn vm_handler_falls_back_to_flat_with_the_probe_reason() {
     assert!(pods.is_empty());
 }
 
+/// An image whose config lists one layer twice (a legacy builder's repeated empty layer)
+/// runs: each layer is a lower directory (or a VM pod's disk) once, at its top-most place
+/// (overlayfs refused the repeated directory: every start failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_that_repeats_a_layer_runs() {
+    let mut h = harness().await;
+    let img = testimages::repeated_layer_image();
+    let mut t = PushTarget::new(&h._reg.url(), "library/repeated");
+    t.insecure_tls = true;
+    push_image(&t, &img, Some("latest")).await.unwrap();
+    let name = format!("{}/library/repeated:latest", h._reg.host());
+    h.c.pull(&name)
+        .await
+        .expect("pull an image with a repeated layer");
+    let (pod, pcfg) = h.run_pod("repeated").await;
+    let mut cfg = h.ctr_config("r", "cat /hello; echo made > /tmp/x && cat /tmp/x");
+    cfg.image = Some(cri::ImageSpec {
+        image: name,
+        ..Default::default()
+    });
+    let id = h
+        .create(&pod, &pcfg, cfg)
+        .await
+        .expect("CreateContainer from an image with a repeated layer");
+    h.start(&id).await;
+    let s = h.wait_exit(&id, Duration::from_secs(30)).await;
+    assert_eq!(s.exit_code, 0, "{s:?}");
+    let log = h.log_of("repeated", "r");
+    wait_for("the container's output", Duration::from_secs(10), || {
+        let lines: Vec<String> = cri_log_lines(&log).into_iter().map(|l| l.2).collect();
+        lines == ["hello", "made"]
+    })
+    .await;
+    h.remove_pod(&pod).await;
+    h.assert_clean();
+}
+
 /// VM pods: image layers are EROFS disks in the pod's spare slots. A two-layer image with
 /// whiteouts and an opaque dir reads right in the guest; with 2 slots, a one-layer image
 /// more is refused while the two are in use, and fits once they are released (slot reuse).

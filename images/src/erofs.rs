@@ -246,8 +246,7 @@ impl ImageStore {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
             let hex = name.split('.').next().unwrap_or("");
-            if !keep.contains(hex) {
-                fsutil::remove_any(&e.path()).map_err(ImageError::io("remove", e.path()))?;
+            if !keep.contains(hex) && self.remove_unless_pinned(hex, &e.path())? {
                 n += 1;
             }
         }

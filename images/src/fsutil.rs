@@ -114,7 +114,10 @@ pub fn remove_any(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Bytes (allocated blocks) and inodes used below `root`, counting hard-linked inodes once.
+/// Bytes (allocated blocks) and inodes used below `root`, counting hard-linked inodes once,
+/// on `root`'s filesystem only: a directory of another (a mount point: an image volume's
+/// overlay vesseld mounted under the store) is not gone into, as its files are its
+/// filesystem's, counted again (and walked on every ImageFsInfo) otherwise.
 ///
 /// Only `root` itself failing is an error (missing: nothing used). Below it, what cannot be
 /// read is left out of the count: an entry gone since it was listed, or one a container put
@@ -127,6 +130,7 @@ pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
     let mut bytes = 0u64;
     let mut inodes = 0u64;
     let mut stack = vec![root.to_path_buf()];
+    let mut dev = None;
     while let Some(p) = stack.pop() {
         let top = p == root;
         let m = match fs::symlink_metadata(&p) {
@@ -134,6 +138,9 @@ pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
             Err(e) if top && e.kind() != io::ErrorKind::NotFound => return Err(e),
             Err(_) => continue,
         };
+        if *dev.get_or_insert(m.dev()) != m.dev() && m.is_dir() {
+            continue;
+        }
         if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
             continue;
         }
@@ -199,6 +206,38 @@ mod tests {
         assert!(bytes >= 8192);
         assert!((20..=27).contains(&inodes), "{inodes}");
         assert!(disk_usage(&d.path().join("missing")).unwrap() == (0, 0));
+    }
+
+    /// A filesystem mounted below the root (an image volume's overlay under the store) is
+    /// not counted as the root's.
+    #[test]
+    fn du_stays_on_the_roots_filesystem() {
+        use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join("a"), vec![1u8; 8192]).unwrap();
+        let m = d.path().join("m");
+        fs::create_dir(&m).unwrap();
+        let alone = disk_usage(d.path()).unwrap();
+        if let Err(e) = mount("tmpfs", &m, "tmpfs", MountFlags::empty(), None) {
+            println!("SKIP du_stays_on_the_roots_filesystem: cannot mount a tmpfs: {e}");
+            return;
+        }
+        struct Unmount<'a>(&'a Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = unmount(self.0, UnmountFlags::DETACH);
+            }
+        }
+        let _u = Unmount(&m);
+        fs::create_dir(m.join("sub")).unwrap();
+        fs::write(m.join("sub/big"), vec![1u8; 1 << 20]).unwrap();
+        let (bytes, inodes) = disk_usage(d.path()).unwrap();
+        assert!(
+            bytes < alone.0 + (1 << 20),
+            "{bytes} bytes, {} before",
+            alone.0
+        );
+        assert!(inodes <= alone.1 + 1, "{inodes} inodes, {} before", alone.1);
     }
 
     #[test]

@@ -187,17 +187,8 @@ fn import_oci(
         oci_blob(store, path, files, &desc.digest)?;
         let (manifest_desc, top) = if oci::is_index(&desc.media_type) {
             let inner: Index = read_json(store, path, &desc.digest, "index")?;
-            let chosen = inner
-                .manifests
-                .iter()
-                .find(|d| {
-                    d.platform
-                        .as_ref()
-                        .is_some_and(|p| opts.platform.matches(p))
-                        && oci::is_manifest(&d.media_type)
-                })
-                .cloned()
-                .ok_or_else(|| ImageError::NoMatchingPlatform {
+            let chosen = inner.manifest_for(&opts.platform).cloned().ok_or_else(|| {
+                ImageError::NoMatchingPlatform {
                     reference: name.clone().unwrap_or_else(|| desc.digest.to_string()),
                     platform: opts.platform.to_string(),
                     available: inner
@@ -206,7 +197,8 @@ fn import_oci(
                         .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
                         .collect::<Vec<_>>()
                         .join(", "),
-                })?;
+                }
+            })?;
             oci_blob(store, path, files, &chosen.digest)?;
             (chosen, desc.digest.clone())
         } else if oci::is_manifest(&desc.media_type) {

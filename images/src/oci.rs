@@ -143,6 +143,25 @@ pub struct Index {
     pub annotations: BTreeMap<String, String>,
 }
 
+impl Index {
+    /// The image manifest of this index for a node of platform `want`: one whose platform
+    /// is `want` exactly (its variant too, or neither has one) first, then one `want`
+    /// [matches](Platform::matches), then one that names no platform (the field is
+    /// optional: a single-image index often leaves it out, and containerd takes such an
+    /// entry), as a manifest without an index is taken.
+    pub fn manifest_for(&self, want: &Platform) -> Option<&Descriptor> {
+        let manifests = || self.manifests.iter().filter(|d| is_manifest(&d.media_type));
+        manifests()
+            .find(|d| {
+                d.platform
+                    .as_ref()
+                    .is_some_and(|p| want.matches(p) && p.variant == want.variant)
+            })
+            .or_else(|| manifests().find(|d| d.platform.as_ref().is_some_and(|p| want.matches(p))))
+            .or_else(|| manifests().find(|d| d.platform.is_none()))
+    }
+}
+
 /// An OCI image manifest or a Docker v2 schema 2 manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -247,6 +266,43 @@ mod tests {
         assert!(Platform::parse("linux/arm64").unwrap().matches(&arm));
         assert!(Platform::parse("linux").is_none());
         assert!(Platform::parse("a/b/c/d").is_none());
+    }
+
+    #[test]
+    fn an_index_entry_for_the_node() {
+        let entry = |n: &[u8], platform: Option<&str>| Descriptor {
+            platform: platform.map(|p| Platform::parse(p).unwrap()),
+            ..Descriptor::new(MT_OCI_MANIFEST, n)
+        };
+        let amd64 = Platform::parse("linux/amd64").unwrap();
+        let index = |manifests| Index {
+            schema_version: 2,
+            media_type: None,
+            manifests,
+            annotations: BTreeMap::new(),
+        };
+        let pick = |i: &Index| i.manifest_for(&amd64).map(|d| d.digest.clone());
+        // The exact platform before a variant of it, whatever the order.
+        let i = index(vec![
+            entry(b"arm", Some("linux/arm64")),
+            entry(b"v3", Some("linux/amd64/v3")),
+            entry(b"plain", Some("linux/amd64")),
+        ]);
+        assert_eq!(pick(&i), Some(Digest::of(b"plain")));
+        // A variant when that is all there is.
+        let i = index(vec![entry(b"v3", Some("linux/amd64/v3"))]);
+        assert_eq!(pick(&i), Some(Digest::of(b"v3")));
+        // An entry naming no platform, after any that names the node's.
+        let i = index(vec![entry(b"any", None)]);
+        assert_eq!(pick(&i), Some(Digest::of(b"any")));
+        let i = index(vec![
+            entry(b"any", None),
+            entry(b"plain", Some("linux/amd64")),
+        ]);
+        assert_eq!(pick(&i), Some(Digest::of(b"plain")));
+        // Another platform only: none.
+        let i = index(vec![entry(b"arm", Some("linux/arm64"))]);
+        assert_eq!(pick(&i), None);
     }
 
     #[test]

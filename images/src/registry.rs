@@ -178,11 +178,31 @@ pub struct Puller {
     auth_cache: Mutex<Option<AuthCache>>,
     /// One client per TLS setting, rebuilt when one of its files changes (rotation).
     clients: Mutex<HashMap<Tls, (FileStamps, reqwest::Client)>>,
-    tokens: Mutex<HashMap<(String, String), (String, Instant)>>,
+    /// Bearer tokens by [`token_key`]: per endpoint, scope and credentials, so that a pull
+    /// never uses a token that other credentials (or a pull with none) were given.
+    tokens: Mutex<HashMap<TokenKey, (String, Instant)>>,
     /// Endpoints that answered over HTTP when HTTPS failed, so later pulls go straight there.
     plain_http: Mutex<HashMap<String, bool>>,
     ref_locks: crate::store::KeyedLocks,
     downloads: tokio::sync::Semaphore,
+}
+
+/// A cached bearer token's key: the endpoint, the scope, and a digest of the credentials the
+/// token server was shown (none is credentials too: an anonymous token).
+type TokenKey = (String, String, String);
+
+fn token_key(ep: &Endpoint, scope: &str, creds: &Credentials) -> TokenKey {
+    let shown = [
+        creds.username.as_str(),
+        creds.password.as_str(),
+        creds.identity_token.as_str(),
+    ]
+    .join("\0");
+    (
+        ep.api.clone(),
+        scope.to_string(),
+        Digest::of(shown.as_bytes()).hex().to_string(),
+    )
 }
 
 /// A parsed auth file and what it was parsed from.
@@ -371,7 +391,7 @@ impl Puller {
             return Auth::Bearer(creds.registry_token.clone());
         }
         let t = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((tok, exp)) = t.get(&(ep.api.clone(), scope.to_string())) {
+        if let Some((tok, exp)) = t.get(&token_key(ep, scope, creds)) {
             if Instant::now() < *exp {
                 return Auth::Bearer(tok.clone());
             }
@@ -489,7 +509,7 @@ impl Puller {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(
-                (ep.api.clone(), scope.to_string()),
+                token_key(ep, scope, creds),
                 (tok.clone(), Instant::now() + life - Duration::from_secs(5)),
             );
         Ok(tok)
@@ -826,15 +846,8 @@ impl Puller {
                 reason: format!("unreadable index: {e}"),
             })?;
             let want = &self.config.platform;
-            let chosen = index
-                .manifests
-                .iter()
-                .find(|d| {
-                    d.platform.as_ref().is_some_and(|p| want.matches(p))
-                        && oci::is_manifest(&d.media_type)
-                })
-                .cloned()
-                .ok_or_else(|| ImageError::NoMatchingPlatform {
+            let chosen = index.manifest_for(want).cloned().ok_or_else(|| {
+                ImageError::NoMatchingPlatform {
                     reference: r.to_string(),
                     platform: want.to_string(),
                     available: index
@@ -843,7 +856,8 @@ impl Puller {
                         .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
                         .collect::<Vec<_>>()
                         .join(", "),
-                })?;
+                }
+            })?;
             docs.push((body, top_digest.clone()));
             let (mbody, mmt, mdigest) = self
                 .first_ok(eps, r, "manifest", |ep| {

@@ -41,6 +41,23 @@ pub struct Snapshot {
     pub layer_dirs: Vec<PathBuf>,
 }
 
+/// An image's layers, bottom-most first, each kept only at its top-most place: legacy
+/// builders repeat their empty layer, and overlayfs refuses a lower directory given twice
+/// (ELOOP), as a VM guest would a disk. The tree is the same: a layer's top-most place
+/// applies every file and whiteout it has over all that lies below, its lower places
+/// included.
+pub fn distinct_layers<T: PartialEq>(bottom_first: impl IntoIterator<Item = T>) -> Vec<T> {
+    let all: Vec<T> = bottom_first.into_iter().collect();
+    let mut out: Vec<T> = Vec::with_capacity(all.len());
+    for l in all.into_iter().rev() {
+        if !out.contains(&l) {
+            out.push(l);
+        }
+    }
+    out.reverse();
+    out
+}
+
 impl Snapshot {
     pub fn upper(&self) -> PathBuf {
         self.dir.join("upper")
@@ -245,7 +262,7 @@ impl ImageStore {
             return Err(e);
         }
         Ok(Snapshot {
-            layer_dirs: meta.layers.iter().map(|d| self.layer_path(d)).collect(),
+            layer_dirs: distinct_layers(meta.layers.iter().map(|d| self.layer_path(d))),
             meta,
             dir,
         })
@@ -269,7 +286,7 @@ impl ImageStore {
                 reason: format!("unreadable snapshot metadata: {e}"),
             })?;
         Ok(Some(Snapshot {
-            layer_dirs: meta.layers.iter().map(|d| self.layer_path(d)).collect(),
+            layer_dirs: distinct_layers(meta.layers.iter().map(|d| self.layer_path(d))),
             meta,
             dir,
         }))
@@ -329,5 +346,18 @@ impl ImageStore {
             }
         }
         used
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::distinct_layers;
+
+    #[test]
+    fn a_repeated_layer_is_kept_at_its_top_most_place() {
+        assert_eq!(distinct_layers(["a", "e", "b", "e"]), ["a", "b", "e"]);
+        assert_eq!(distinct_layers(["a", "a", "a"]), ["a"]);
+        assert_eq!(distinct_layers(["a", "b"]), ["a", "b"]);
+        assert!(distinct_layers(Vec::<u8>::new()).is_empty());
     }
 }

@@ -442,7 +442,8 @@ impl ImageStore {
             if n > 0 {
                 tracing::info!(removed = n, dir = %tmp.display(), "image store: removed interrupted downloads and unpacks");
             }
-            self.gc()?;
+            // The import lock is held here.
+            self.gc_with(|| {})?;
         }
         Ok(())
     }
@@ -620,12 +621,10 @@ impl ImageStore {
         self.unpack_layer_from(f, diff_id, lowers, image_written)
     }
 
-    /// The unpacked layer directories of an image, bottom-most first.
+    /// The unpacked layer directories of an image, bottom-most first, each once
+    /// ([`crate::snapshot::distinct_layers`]).
     pub fn layer_dirs(&self, rec: &ImageRecord) -> Vec<PathBuf> {
-        rec.layers
-            .iter()
-            .map(|l| self.layer_path(&l.diff_id))
-            .collect()
+        crate::snapshot::distinct_layers(rec.layers.iter().map(|l| self.layer_path(&l.diff_id)))
     }
 
     // ---- records ----
@@ -917,12 +916,28 @@ impl ImageStore {
     }
 
     /// Removes blobs and layers that no image record, snapshot or in-flight pull references.
+    /// Not while an import runs (`vesseld image import`, another process): it writes blobs
+    /// and layers before the record that references them, and its pins are its own; the
+    /// next RemoveImage, failed pull or start collects then.
     pub fn gc(&self) -> Result<(usize, usize)> {
+        let Some(_import) = self.try_import_lock()? else {
+            tracing::info!(
+                "image store: an import is running; garbage collection is left for later"
+            );
+            return Ok((0, 0));
+        };
+        self.gc_with(|| {})
+    }
+
+    /// [`gc`](Self::gc), with `between` run after it read what is referenced and pinned and
+    /// before it removes anything (a test's pull pinning a layer then).
+    fn gc_with(&self, between: impl FnOnce()) -> Result<(usize, usize)> {
         let _l = self.lock()?;
         let (mut blobs, mut layers) = self.referenced()?;
         let pinned = self.pinned();
         blobs.extend(pinned.iter().cloned());
         layers.extend(pinned);
+        between();
         let mut nb = 0;
         let bdir = self.root.join("blobs/sha256");
         for e in fs::read_dir(&bdir)
@@ -930,8 +945,7 @@ impl ImageStore {
             .flatten()
         {
             let name = e.file_name().to_string_lossy().to_string();
-            if !blobs.contains(&name) {
-                fsutil::remove_any(&e.path()).map_err(ImageError::io("remove", e.path()))?;
+            if !blobs.contains(&name) && self.remove_unless_pinned(&name, &e.path())? {
                 nb += 1;
             }
         }
@@ -942,11 +956,7 @@ impl ImageStore {
             .flatten()
         {
             let name = e.file_name().to_string_lossy().to_string();
-            if !layers.contains(&name) {
-                // Rename first so that a crash mid-delete never leaves a half layer under its name.
-                let tmp = fsutil::temp_path(&self.tmp_dir(), "rmlayer");
-                fs::rename(e.path(), &tmp).map_err(ImageError::io("remove", e.path()))?;
-                fsutil::remove_any(&tmp).map_err(ImageError::io("remove", &tmp))?;
+            if !layers.contains(&name) && self.remove_unless_pinned(&name, &e.path())? {
                 nl += 1;
             }
         }
@@ -961,6 +971,28 @@ impl ImageStore {
             );
         }
         Ok((nb, nl))
+    }
+
+    /// Removes `path`, a blob, layer or layer image of digest `hex` that a GC found
+    /// unreferenced, unless `hex` was pinned since: a pull pins what it reuses and then
+    /// checks that it is there, so the check for a pin and the move out of the store are
+    /// one step under the pins' lock (the removal of what was moved comes after). Moved
+    /// first, so that a crash mid-delete never leaves half a layer under its name. Whether
+    /// it was removed.
+    pub(crate) fn remove_unless_pinned(&self, hex: &str, path: &Path) -> Result<bool> {
+        let tmp = fsutil::temp_path(&self.tmp_dir(), "gc");
+        {
+            let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+            if pins.contains_key(hex) {
+                return Ok(false);
+            }
+            match fs::rename(path, &tmp) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+                r => r.map_err(ImageError::io("remove", path))?,
+            }
+        }
+        fsutil::remove_any(&tmp).map_err(ImageError::io("remove", &tmp))?;
+        Ok(true)
     }
 
     /// Bytes and inodes the store uses on disk.
@@ -1055,5 +1087,39 @@ mod tests {
         assert!(store.find(&b).unwrap().is_none());
         assert!(store.find(&a).unwrap().is_some());
         assert!(store.remove("0123456789ab", &|_| None).unwrap().is_empty());
+    }
+
+    /// A pull that pins a layer and a blob after a GC read the pins (and then finds them
+    /// there, and reuses them) keeps them: the GC checks for a pin again as it removes.
+    #[test]
+    fn gc_keeps_what_a_pull_pinned_after_it_began() {
+        let t = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(t.path()).unwrap();
+        let layer = Digest::of(b"a layer");
+        let kept = store.layer_path(&layer);
+        fs::create_dir_all(kept.join("etc")).unwrap();
+        let blob = store.put_blob("blob", b"a blob", None).unwrap();
+        let gone = Digest::of(b"another layer");
+        fs::create_dir_all(store.layer_path(&gone)).unwrap();
+        let other = store.put_blob("blob", b"another blob", None).unwrap();
+        let mut pins = None;
+        let (nb, nl) = store
+            .gc_with(|| pins = Some(store.pin([layer.hex().to_string(), blob.hex().to_string()])))
+            .unwrap();
+        assert_eq!((nb, nl), (1, 1), "only the unpinned pair goes");
+        assert!(store.has_layer(&layer) && kept.join("etc").is_dir());
+        assert!(store.has_blob(&blob));
+        assert!(!store.has_layer(&gone) && !store.has_blob(&other));
+        // Nothing of the removal is left in tmp; once unpinned, the pair goes too.
+        assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+        drop(pins);
+        // Not while an import (another process, another open store) holds its lock: what
+        // it wrote has no record yet.
+        let import = ImageStore::open(t.path()).unwrap();
+        let lock = import.import_lock().unwrap();
+        assert_eq!(store.gc().unwrap(), (0, 0));
+        assert!(store.has_layer(&layer) && store.has_blob(&blob));
+        drop(lock);
+        assert_eq!(store.gc().unwrap(), (1, 1));
     }
 }

@@ -739,6 +739,25 @@ pub fn whiteout_image() -> BuiltImage {
     )
 }
 
+/// busybox, an empty layer, a layer with `/hello` (`hello\n`), and the empty layer again:
+/// legacy Docker builders repeat their empty layer (each metadata step makes one), so one
+/// diff ID appears twice in `rootfs.diff_ids`.
+pub fn repeated_layer_image() -> BuiltImage {
+    let empty = LayerBuilder::new().finish();
+    let mut hello = LayerBuilder::new();
+    hello.file("hello", 0o644, b"hello\n");
+    image(
+        vec![
+            (busybox_rootfs().finish(), Compression::Gzip),
+            (empty.clone(), Compression::Gzip),
+            (hello.finish(), Compression::Gzip),
+            (empty, Compression::Gzip),
+        ],
+        busybox_run_config(),
+        linux("amd64", None),
+    )
+}
+
 /// busybox declaring volumes (Dockerfile `VOLUME`): `/data` (0750, owned 1000:1000, holding
 /// `seed` = `seeded\n`), `/cache/deep` (not in the image), `/covered`, and two where the
 /// runtime mounts the pod's own: `/dev/shm`, `/etc/resolv.conf`.

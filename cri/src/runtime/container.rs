@@ -713,7 +713,11 @@ impl Runtime {
             groups: user.additional_gids.clone(),
             stop_signal,
             snapshot: id.to_string(),
-            layers: image.layers.iter().map(|l| l.diff_id.to_string()).collect(),
+            // Each once: a VM pod attaches one disk per layer, and its guest's overlay takes
+            // a lower directory once.
+            layers: vessel_images::snapshot::distinct_layers(
+                image.layers.iter().map(|l| l.diff_id.to_string()),
+            ),
             volume_snapshots,
             spec: None,
         };
