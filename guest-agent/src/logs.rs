@@ -20,7 +20,8 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 /// The longest content of one log record; longer lines are split.
 pub const MAX_LINE: usize = 16 * 1024;
 
-/// How long one record may take to reach the host over vsock before it is dropped.
+/// The send timeout of a log stream to the host over vsock: how long its writer waits in one
+/// write before it says that the host is slow (it waits on; see [`stream_writer`]).
 pub const STREAM_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Which output stream a record came from.
@@ -58,11 +59,56 @@ enum Sink {
     Discard,
     /// A CRI log file on this machine.
     File { path: PathBuf, file: Option<File> },
-    /// A stream to the host that owns the file (vsock); `None` once it broke.
+    /// A stream to the host that owns the file (vsock), written by a thread of its own
+    /// ([`stream_writer`]) from this queue; `None` once the stream broke.
     Stream {
         what: String,
-        conn: Option<Box<dyn Write + Send>>,
+        queue: Option<std::sync::mpsc::SyncSender<Vec<u8>>>,
     },
+}
+
+/// How many records may wait for a stream to the host: a host that is slow for a while
+/// (its disk) holds them up to here, and only beyond does the output's pump wait.
+const STREAM_QUEUE: usize = 256;
+
+/// Sends the records of `queue` over `conn` in order, each whole, until the queue closes (the
+/// container's log is dropped) or the stream breaks. A host that takes nothing for a send
+/// timeout is waited for, not given up on: a record cut in two would garble its file, and
+/// one dropped stream lost the rest of the container's log, where the host was only slow.
+fn stream_writer(
+    what: &str,
+    mut conn: Box<dyn Write + Send>,
+    queue: std::sync::mpsc::Receiver<Vec<u8>>,
+) {
+    for rec in queue {
+        let mut off = 0;
+        let mut waited = false;
+        while off < rec.len() {
+            match conn.write(&rec[off..]) {
+                Ok(0) => {
+                    tracing::warn!(to = %what, "the host closed the container's log stream; dropping the rest");
+                    return;
+                }
+                Ok(n) => off += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if !waited {
+                        tracing::warn!(to = %what, "the host takes no log records; waiting for it");
+                        waited = true;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(to = %what, error = %e, "sending container log records; dropping the rest");
+                    return;
+                }
+            }
+        }
+    }
 }
 
 /// Raw output chunks for one attached client, with the stream they came from.
@@ -220,9 +266,16 @@ impl LogFile {
         mut conn: Box<dyn Write + Send>,
     ) -> io::Result<Arc<LogFile>> {
         conn.write_all(format!("{header}\n").as_bytes())?;
+        let what = what.into();
+        let (tx, rx) = std::sync::mpsc::sync_channel(STREAM_QUEUE);
+        let name = what.clone();
+        std::thread::Builder::new()
+            .name("log-stream".into())
+            .stack_size(128 << 10)
+            .spawn(move || stream_writer(&name, conn, rx))?;
         Ok(Self::with(Sink::Stream {
-            what: what.into(),
-            conn: Some(conn),
+            what,
+            queue: Some(tx),
         }))
     }
 
@@ -261,12 +314,12 @@ impl LogFile {
                     tracing::warn!(path = %path.display(), error = %e, "writing a container log record");
                 }
             }
-            Sink::Stream { what, conn } => {
-                let Some(c) = conn.as_mut() else { return };
-                if let Err(e) = c.write_all(&format_record(stream, partial, content)) {
-                    // A partly written record would garble the host's file: give up on it.
-                    tracing::warn!(to = %what, error = %e, "sending container log records; dropping the rest");
-                    *conn = None;
+            Sink::Stream { what, queue } => {
+                let Some(q) = queue.as_ref() else { return };
+                // Waits only while the queue is full (the host took nothing for long).
+                if q.send(format_record(stream, partial, content)).is_err() {
+                    tracing::debug!(to = %what, "the log stream broke; records dropped");
+                    *queue = None;
                 }
             }
         }
@@ -576,6 +629,38 @@ mod tests {
         assert!(chrono::DateTime::parse_from_rfc3339(p.next().unwrap()).is_ok());
         assert_eq!(p.collect::<Vec<_>>(), ["stdout", "F", "hello"]);
         assert!(lines[2].ends_with(" stderr P par"), "{}", lines[2]);
+    }
+
+    /// A host that takes nothing for longer than the send timeout is waited for: every
+    /// record arrives, whole and in order (the stream was dropped at the first timeout, and
+    /// the rest of the container's log with it).
+    #[test]
+    fn a_slow_host_gets_every_record() {
+        use std::io::{BufRead, BufReader};
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        rustix::net::sockopt::set_socket_send_buffer_size(&a, 4096).unwrap();
+        rustix::net::sockopt::set_socket_timeout(
+            &a,
+            rustix::net::sockopt::Timeout::Send,
+            Some(Duration::from_millis(20)),
+        )
+        .unwrap();
+        let log = LogFile::stream("c", "test", Box::new(a)).unwrap();
+        let line = "x".repeat(1000);
+        for i in 0..200 {
+            log.write_record(Stream::Stdout, false, format!("{i} {line}").as_bytes());
+        }
+        // The writer meets its send timeout a few times before anything is read.
+        std::thread::sleep(Duration::from_millis(300));
+        drop(log);
+        let lines: Vec<String> = BufReader::new(b).lines().map(|l| l.unwrap()).collect();
+        assert_eq!(lines.len(), 201, "{} lines", lines.len());
+        for (i, l) in lines[1..].iter().enumerate() {
+            assert!(
+                l.ends_with(&format!(" stdout F {i} {line}")),
+                "record {i}: {l:.60}"
+            );
+        }
     }
 
     #[tokio::test]
