@@ -60,6 +60,9 @@ pub struct Container {
     pub log: Arc<LogFile>,
     /// The init's pid once the container was launched (at its start); 0 before.
     pid: AtomicI32,
+    /// The init was reaped: its pid is free for another process, long before the exit is
+    /// published (the rest of the cgroup is killed and the output drained first).
+    reaped: std::sync::atomic::AtomicBool,
     pub created_at: i64,
     /// Keeps the container's stdin open (`stdin: true`): the write end of its pipe, or the
     /// pty master.
@@ -111,6 +114,7 @@ impl Container {
             cgroup,
             log,
             pid: AtomicI32::new(0),
+            reaped: std::sync::atomic::AtomicBool::new(false),
             created_at: crate::now_nanos(),
             stdin: Mutex::new(None),
             want_stdin,
@@ -132,6 +136,18 @@ impl Container {
     /// The init's pid; 0 until the container was launched.
     pub fn pid(&self) -> i32 {
         self.pid.load(Ordering::Acquire)
+    }
+
+    /// The init's pid while it may be signalled: launched, and not yet reaped (a reaped
+    /// init's pid may be another process's by now).
+    pub fn live_pid(&self) -> Option<i32> {
+        let pid = self.pid();
+        (pid != 0 && !self.reaped.load(Ordering::Acquire)).then_some(pid)
+    }
+
+    /// The reaper collected the init's exit.
+    pub fn set_reaped(&self) {
+        self.reaped.store(true, Ordering::Release);
     }
 
     /// Whether libcontainer created the container's processes (its start does that).

@@ -583,6 +583,7 @@ impl AgentState {
                 code: -1,
                 signal: 0,
             });
+            c2.set_reaped();
             // A container whose init was not its pid namespace's PID 1 (the pod's shared one,
             // the host's) leaves its other processes (children, exec sessions) running when
             // the init exits: they die with it, as runc's shim kills them all, before the exit
@@ -687,8 +688,13 @@ impl AgentState {
         if all {
             c.cgroup.signal_all(sig).await;
         }
+        // A reaped init's pid is not signalled (it may be another process's by now); what is
+        // left of the container is its cgroup's, which `all` reached.
+        let Some(pid) = c.live_pid() else {
+            return Ok(());
+        };
         let sent = if all {
-            crate::signals::kill(c.pid(), sig)
+            crate::signals::kill(pid, sig)
         } else {
             crate::signals::send_to_init(c, sig)
         };

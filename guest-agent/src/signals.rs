@@ -108,7 +108,9 @@ fn catchable(sig: SigNum) -> bool {
 /// Sends `sig` to the container's init; if the kernel would have dropped it (no handler yet),
 /// a background task sends it again once the init installs one. Errors as `kill(2)`'s.
 pub fn send_to_init(c: &Arc<Container>, sig: SigNum) -> nix::Result<()> {
-    let pid = c.pid();
+    let Some(pid) = c.live_pid() else {
+        return Err(nix::errno::Errno::ESRCH);
+    };
     let before = catchable(sig)
         .then(|| Disposition::read(Path::new("/proc"), pid, sig))
         .flatten();
@@ -129,12 +131,15 @@ async fn resend_when_caught(c: Arc<Container>, sig: SigNum) {
             _ = c.wait() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        let Some(now) = Disposition::read(Path::new("/proc"), c.pid(), sig) else {
+        let Some(pid) = c.live_pid() else {
+            return;
+        };
+        let Some(now) = Disposition::read(Path::new("/proc"), pid, sig) else {
             return;
         };
         if now.caught {
-            tracing::debug!(container = %c.id, pid = c.pid(), ?sig, "init installed a handler; sending again");
-            let _ = kill(c.pid(), sig);
+            tracing::debug!(container = %c.id, pid, ?sig, "init installed a handler; sending again");
+            let _ = kill(pid, sig);
             return;
         }
         if now.ignored {
@@ -181,6 +186,44 @@ mod tests {
         let me = i32::try_from(std::process::id()).unwrap();
         assert!(Disposition::read(Path::new("/proc"), me, Signal::SIGTERM.into()).is_some());
         assert!(!catchable(Signal::SIGKILL.into()) && catchable(Signal::SIGTERM.into()));
+    }
+
+    /// An init the reaper collected is not signalled: its pid may be another process's
+    /// before the container's exit is published (the cgroup's rest is killed first).
+    #[test]
+    fn a_reaped_init_is_not_signalled() {
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(other.id()).unwrap();
+        let c = Container::new(
+            "reaped".into(),
+            "/nonexistent".into(),
+            "/nonexistent".into(),
+            None,
+            None,
+            crate::cgroups::Cgroup::new(Path::new("vessel-unit-none/reaped")),
+            crate::logs::LogFile::open("").unwrap(),
+            false,
+            false,
+            false,
+            None,
+            None,
+        );
+        c.set_launched(pid, None);
+        c.set_reaped();
+        assert_eq!(
+            send_to_init(&c, SigNum::KILL),
+            Err(nix::errno::Errno::ESRCH)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "the pid's new owner was killed"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
     }
 
     /// Real-time signals (SIGRTMIN+3 = 37, systemd's stop signal) are signals too: the
