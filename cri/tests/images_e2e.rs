@@ -385,6 +385,34 @@ async fn multiarch_index_resolves_to_configured_platform() {
     assert_store_empty(&v);
 }
 
+/// An index entry that names no platform is taken where its image's config is the node's
+/// platform (as containerd takes it), and not where it is another's: an arm64 image was
+/// pulled on amd64 and failed at every start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_entries_without_a_platform_are_taken_by_their_config() {
+    let reg = registry(RegistryOptions::default());
+    let amd64 = testimages::platformless_index(vec![testimages::busybox_image(Compression::Gzip)]);
+    let arm64 = testimages::platformless_index(vec![testimages::arm64_image()]);
+    push_artifact(&target(&reg, "anyplat"), &amd64, Some("amd64"))
+        .await
+        .unwrap();
+    push_artifact(&target(&reg, "anyplat"), &arm64, Some("arm64"))
+        .await
+        .unwrap();
+    let v = vesseld("");
+    let mut c = v.client().await;
+    let name = format!("{}/anyplat:amd64", reg.host());
+    assert_eq!(
+        pull(&mut c, &name, None).await.unwrap(),
+        amd64.images()[0].id().to_string()
+    );
+    let e = pull(&mut c, &format!("{}/anyplat:arm64", reg.host()), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    assert!(e.message().contains("linux/arm64"), "{}", e.message());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zstd_whiteouts_and_user_fields() {
     let reg = registry(RegistryOptions::default());

@@ -505,13 +505,16 @@ impl Puller {
             });
         }
         let life = Duration::from_secs(t.expires_in.unwrap_or(60).clamp(10, 3600));
-        self.tokens
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                token_key(ep, scope, creds),
-                (tok.clone(), Instant::now() + life - Duration::from_secs(5)),
-            );
+        let now = Instant::now();
+        let mut tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        // Expired ones go: keys carry the credentials, which rotate (registry credential
+        // helpers), so the map would only grow.
+        tokens.retain(|_, (_, until)| *until > now);
+        tokens.insert(
+            token_key(ep, scope, creds),
+            (tok.clone(), now + life - Duration::from_secs(5)),
+        );
+        drop(tokens);
         Ok(tok)
     }
 
@@ -840,7 +843,8 @@ impl Puller {
         (body, mt, top_digest): (Vec<u8>, String, Digest),
     ) -> Result<PullReport> {
         let mut docs: Vec<(Vec<u8>, Digest)> = Vec::new();
-        let (manifest_body, manifest_desc) = if oci::is_index(&mt) {
+        let from_index = oci::is_index(&mt);
+        let (manifest_body, manifest_desc) = if from_index {
             let index: Index = serde_json::from_slice(&body).map_err(|e| ImageError::BadImage {
                 reference: r.to_string(),
                 reason: format!("unreadable index: {e}"),
@@ -934,6 +938,22 @@ impl Puller {
                 reference: r.to_string(),
                 reason: format!("unreadable image config: {e}"),
             })?;
+        // An index entry that named no platform is taken for the node's only if its image
+        // says so (as containerd checks it), or it fails at every start (exec format error).
+        let want = &self.config.platform;
+        let declared = Platform {
+            architecture: config.architecture.clone(),
+            os: config.os.clone(),
+            variant: None,
+            os_version: None,
+        };
+        if from_index && manifest_desc.platform.is_none() && !want.matches(&declared) {
+            return Err(ImageError::NoMatchingPlatform {
+                reference: r.to_string(),
+                platform: want.to_string(),
+                available: declared.to_string(),
+            });
+        }
         let _layer_pins = self
             .store
             .pin(config.rootfs.diff_ids.iter().map(|d| d.hex().to_string()));

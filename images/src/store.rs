@@ -442,8 +442,9 @@ impl ImageStore {
             if n > 0 {
                 tracing::info!(removed = n, dir = %tmp.display(), "image store: removed interrupted downloads and unpacks");
             }
-            // The import lock is held here.
-            self.gc_with(|| {})?;
+            // The import lock is held here; the store's is taken after it, as an import does.
+            let _l = self.lock()?;
+            self.sweep(|| {})?;
         }
         Ok(())
     }
@@ -920,19 +921,24 @@ impl ImageStore {
     /// and layers before the record that references them, and its pins are its own; the
     /// next RemoveImage, failed pull or start collects then.
     pub fn gc(&self) -> Result<(usize, usize)> {
+        // The store's lock first: two collections of this process take turns there, and do
+        // not take each other for an import (flock locks of two open files conflict within
+        // a process too). The import lock is only tried, so the import's order (its lock,
+        // then the store's) cannot deadlock with this one.
+        let _l = self.lock()?;
         let Some(_import) = self.try_import_lock()? else {
             tracing::info!(
                 "image store: an import is running; garbage collection is left for later"
             );
             return Ok((0, 0));
         };
-        self.gc_with(|| {})
+        self.sweep(|| {})
     }
 
-    /// [`gc`](Self::gc), with `between` run after it read what is referenced and pinned and
-    /// before it removes anything (a test's pull pinning a layer then).
-    fn gc_with(&self, between: impl FnOnce()) -> Result<(usize, usize)> {
-        let _l = self.lock()?;
+    /// What [`gc`](Self::gc) removes, its caller holding the store's lock; `between` runs
+    /// after it read what is referenced and pinned and before it removes anything (a test's
+    /// pull pinning a layer then).
+    fn sweep(&self, between: impl FnOnce()) -> Result<(usize, usize)> {
         let (mut blobs, mut layers) = self.referenced()?;
         let pinned = self.pinned();
         blobs.extend(pinned.iter().cloned());
@@ -1103,9 +1109,11 @@ mod tests {
         fs::create_dir_all(store.layer_path(&gone)).unwrap();
         let other = store.put_blob("blob", b"another blob", None).unwrap();
         let mut pins = None;
+        let l = store.lock().unwrap();
         let (nb, nl) = store
-            .gc_with(|| pins = Some(store.pin([layer.hex().to_string(), blob.hex().to_string()])))
+            .sweep(|| pins = Some(store.pin([layer.hex().to_string(), blob.hex().to_string()])))
             .unwrap();
+        drop(l);
         assert_eq!((nb, nl), (1, 1), "only the unpinned pair goes");
         assert!(store.has_layer(&layer) && kept.join("etc").is_dir());
         assert!(store.has_blob(&blob));
@@ -1120,6 +1128,14 @@ mod tests {
         assert_eq!(store.gc().unwrap(), (0, 0));
         assert!(store.has_layer(&layer) && store.has_blob(&blob));
         drop(lock);
-        assert_eq!(store.gc().unwrap(), (1, 1));
+        // Two collections of one process at once take turns (each took the other's import
+        // lock for an import's).
+        let again = ImageStore::open(t.path()).unwrap();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| store.gc().unwrap());
+            let b = s.spawn(|| again.gc().unwrap());
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        assert_eq!((a.0 + b.0, a.1 + b.1), (1, 1), "{a:?} {b:?}");
     }
 }

@@ -870,6 +870,32 @@ pub fn multiarch_index() -> Artifact {
     }
 }
 
+/// An index of `images` whose entries name no platform (the field is optional; tools that
+/// write a single-image index often leave it out).
+pub fn platformless_index(images: Vec<BuiltImage>) -> Artifact {
+    let index = Index {
+        schema_version: 2,
+        media_type: Some(MT_OCI_INDEX.to_string()),
+        manifests: images.iter().map(|i| i.manifest.descriptor()).collect(),
+        annotations: BTreeMap::new(),
+    };
+    Artifact::Index {
+        index: Blob::new(MT_OCI_INDEX, to_json(&index)),
+        images,
+    }
+}
+
+/// busybox's layer as a linux/arm64 image.
+pub fn arm64_image() -> BuiltImage {
+    let mut arm = LayerBuilder::new();
+    arm.file("ARCH", 0o644, ARM64_MARKER);
+    image(
+        vec![(arm.finish(), Compression::Gzip)],
+        busybox_run_config(),
+        linux("arm64", Some("v8")),
+    )
+}
+
 /// A one-layer (gzip) linux/amd64 image whose layer tries to write outside the rootfs;
 /// see [`EscapeKind`]. The escaping files contain [`ESCAPE_MARKER`].
 pub fn escape_image(kind: EscapeKind) -> BuiltImage {
