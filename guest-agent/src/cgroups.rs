@@ -658,6 +658,27 @@ impl Cgroup {
         )
     }
 
+    /// The cgroup's cumulative counters (CPU ns, page faults, major page faults), which keep
+    /// what its removed children used; None where its CPU time cannot be read (no such
+    /// cgroup, no CPU accounting). Page faults are 0 without a memory controller.
+    pub fn counters(&self) -> Option<[u64; 3]> {
+        if self.unified {
+            let d = self.v2();
+            let cpu = read_key(&d.join("cpu.stat"), "usage_usec")?.saturating_mul(1000);
+            let stat = d.join("memory.stat");
+            Some([
+                cpu,
+                read_key(&stat, "pgfault").unwrap_or(0),
+                read_key(&stat, "pgmajfault").unwrap_or(0),
+            ])
+        } else {
+            let cpu = read_u64(&self.v1("cpuacct")?.join("cpuacct.usage"))?;
+            let stat = self.v1("memory").map(|d| d.join("memory.stat"));
+            let key = |k| stat.as_ref().and_then(|s| read_key(s, k)).unwrap_or(0);
+            Some([cpu, key("total_pgfault"), key("total_pgmajfault")])
+        }
+    }
+
     /// Current resource usage.
     pub fn stats(&self) -> CgroupStats {
         let mut s = CgroupStats::default();

@@ -63,6 +63,10 @@ pub struct Container {
     /// The init was reaped: its pid is free for another process, long before the exit is
     /// published (the rest of the cgroup is killed and the output drained first).
     reaped: std::sync::atomic::AtomicBool,
+    /// A walk of the writable layer is under way ([`Container::layer_usage`]).
+    walking: std::sync::atomic::AtomicBool,
+    /// What the last walk of the writable layer found (bytes, inodes).
+    last_usage: Mutex<(u64, u64)>,
     pub created_at: i64,
     /// Keeps the container's stdin open (`stdin: true`): the write end of its pipe, or the
     /// pty master.
@@ -115,6 +119,8 @@ impl Container {
             log,
             pid: AtomicI32::new(0),
             reaped: std::sync::atomic::AtomicBool::new(false),
+            walking: std::sync::atomic::AtomicBool::new(false),
+            last_usage: Mutex::new((0, 0)),
             created_at: crate::now_nanos(),
             stdin: Mutex::new(None),
             want_stdin,
@@ -143,6 +149,19 @@ impl Container {
     pub fn live_pid(&self) -> Option<i32> {
         let pid = self.pid();
         (pid != 0 && !self.reaped.load(Ordering::Acquire)).then_some(pid)
+    }
+
+    /// The writable layer's usage by `walk`, one walk at a time: a call while one is under
+    /// way (stats asked again before a big layer's walk ended) answers what the last walk
+    /// found, rather than walking the same tree beside it.
+    pub fn layer_usage(&self, walk: impl FnOnce() -> (u64, u64)) -> (u64, u64) {
+        if self.walking.swap(true, Ordering::AcqRel) {
+            return *self.last_usage.lock().unwrap_or_else(|e| e.into_inner());
+        }
+        let u = walk();
+        *self.last_usage.lock().unwrap_or_else(|e| e.into_inner()) = u;
+        self.walking.store(false, Ordering::Release);
+        u
     }
 
     /// The reaper collected the init's exit.
@@ -277,5 +296,49 @@ impl Container {
         }
         self.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
         self.exit_tx.send_replace(Some(info));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Stats asked while a walk of the writable layer is under way get the last walk's
+    /// figures at once: walks of one layer do not pile up (kubelet asks every 10 s, and a
+    /// big layer's walk may take longer).
+    #[test]
+    fn one_walk_of_a_layer_at_a_time() {
+        let c = Container::new(
+            "walks".into(),
+            "/nonexistent".into(),
+            "/nonexistent".into(),
+            None,
+            None,
+            Cgroup::new(std::path::Path::new("vessel-unit-none/walks")),
+            LogFile::open("").unwrap(),
+            false,
+            false,
+            false,
+            None,
+            None,
+        );
+        assert_eq!(c.layer_usage(|| (1, 1)), (1, 1));
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let c = &c;
+            let walker = s.spawn(move || {
+                c.layer_usage(|| {
+                    started_tx.send(()).unwrap();
+                    go_rx.recv().unwrap();
+                    (5, 5)
+                })
+            });
+            started_rx.recv().unwrap();
+            assert_eq!(c.layer_usage(|| panic!("a second walk")), (1, 1));
+            go_tx.send(()).unwrap();
+            assert_eq!(walker.join().unwrap(), (5, 5));
+        });
+        assert_eq!(c.layer_usage(|| (7, 7)), (7, 7));
     }
 }

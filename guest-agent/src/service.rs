@@ -1152,7 +1152,7 @@ impl AgentState {
         // The moment of the cgroup figures (a CPU rate divides by it), before the layer walk.
         let timestamp = crate::now_nanos();
         let (bytes, inodes) = match &c.upperdir {
-            Some(u) => crate::rootfs::usage(u),
+            Some(u) => c.layer_usage(|| crate::rootfs::usage(u)),
             None => (0, 0),
         };
         Ok(proto::StatsResponse {
@@ -1783,7 +1783,8 @@ impl Agent for AgentService {
         &self,
         req: Request<proto::CgroupPressureRequest>,
     ) -> Result<Response<proto::CgroupPressureResponse>, Status> {
-        let path = req.into_inner().path;
+        let req = req.into_inner();
+        let path = req.path;
         let p = std::path::Path::new(&path);
         // A pod's cgroup: below the root (whose pressure is the node's), without `..`.
         let named = p
@@ -1796,12 +1797,22 @@ impl Agent for AgentService {
         }
         let cg = crate::cgroups::Cgroup::new(p);
         let (cpu, memory, io) = cg.pressure();
-        let counters = (!cg.dirs().is_empty()).then(|| {
-            let s = cg.stats();
+        // The excluded child (one name) first: what it uses meanwhile lands in the parent's
+        // reading too, never taken off twice.
+        let exclude = std::path::Path::new(&req.exclude);
+        let mut parts = exclude.components();
+        let excluded = match (parts.next(), parts.next()) {
+            (Some(std::path::Component::Normal(_)), None) => {
+                crate::cgroups::Cgroup::new(&p.join(exclude)).counters()
+            }
+            _ => None,
+        };
+        let counters = cg.counters().map(|c| {
+            let x = excluded.unwrap_or_default();
             proto::CgroupCounters {
-                cpu_usage_ns: s.cpu_usage_ns,
-                page_faults: s.page_faults,
-                major_page_faults: s.major_page_faults,
+                cpu_usage_ns: c[0].saturating_sub(x[0]),
+                page_faults: c[1].saturating_sub(x[1]),
+                major_page_faults: c[2].saturating_sub(x[2]),
             }
         });
         Ok(Response::new(proto::CgroupPressureResponse {

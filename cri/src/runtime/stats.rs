@@ -124,6 +124,7 @@ impl Runtime {
     ) -> Vec<(cri::ContainerStats, Option<u64>)> {
         stats_of(
             ids,
+            CONTAINER_STATS_TIMEOUT,
             |id| async move { self.stats_and_pids(&id).await },
             |id, e| tracing::debug!(container = %id, error = %e, "stats unavailable"),
         )
@@ -147,7 +148,16 @@ impl Runtime {
         let pressure = async {
             let mut c = pod.client().await.ok()?;
             let path = rec.cgroup_parent.clone();
-            match c.cgroup_pressure(ap::CgroupPressureRequest { path }).await {
+            // A flat pod's agent is in a leaf of the pod's cgroup: its CPU time is not the
+            // workload's (containerd's pod cgroup holds its pause process only).
+            let exclude = match rec.backend.kind() {
+                crate::state::BackendKind::Flat => crate::sandbox::cgroup::AGENT_LEAF.to_string(),
+                crate::state::BackendKind::Vm => String::new(),
+            };
+            match c
+                .cgroup_pressure(ap::CgroupPressureRequest { path, exclude })
+                .await
+            {
                 Ok(r) => Some(r.into_inner()),
                 Err(e) => {
                     // An agent from before the call (a VM image built earlier) has none.
@@ -176,18 +186,36 @@ impl Runtime {
                 value: v.iter().fold(0u64, |a, b| a.saturating_add(*b)),
             })
         };
-        // An agent from before the counters (a VM image built earlier), or a pod whose
-        // cgroup is not there yet, gives none: the running containers' sum then.
-        let counter = |f: fn(&ap::CgroupCounters) -> u64| {
-            pressure
-                .counters
-                .as_ref()
-                .map(|c| cri::UInt64Value { value: f(c) })
+        // Never lower than any the pod gave before (a reading taken between the agent's
+        // leaf and the pod's cgroup, a file that could not be read). Once the pod gave
+        // counters, a call without them gives none; an agent from before the counters (a VM
+        // image built earlier), or a pod whose cgroup is not there yet, gives the running
+        // containers' sum.
+        let counters = {
+            let mut high = pod.counters.lock().unwrap_or_else(|p| p.into_inner());
+            match (&pressure.counters, *high) {
+                (Some(c), h) => {
+                    let now = [c.cpu_usage_ns, c.page_faults, c.major_page_faults];
+                    let h = h.unwrap_or_default();
+                    let m = [now[0].max(h[0]), now[1].max(h[1]), now[2].max(h[2])];
+                    *high = Some(m);
+                    Some(Some(m))
+                }
+                (None, Some(_)) => Some(None),
+                (None, None) => None,
+            }
+        };
+        let counter = |i: usize, summed: Option<cri::UInt64Value>| match counters {
+            Some(Some(c)) => Some(cri::UInt64Value { value: c[i] }),
+            Some(None) => None,
+            None => summed,
         };
         let cpu = cri::CpuUsage {
             timestamp: ts,
-            usage_core_nano_seconds: counter(|c| c.cpu_usage_ns)
-                .or_else(|| sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref())),
+            usage_core_nano_seconds: counter(
+                0,
+                sum(&|c| c.cpu.as_ref()?.usage_core_nano_seconds.as_ref()),
+            ),
             // Only once every container with a CPU figure has its rate (a new one has none
             // until its second stats): a partial sum would read as the pod's.
             usage_nano_cores: sum(&|c| c.cpu.as_ref()?.usage_nano_cores.as_ref()).filter(|_| {
@@ -204,10 +232,8 @@ impl Runtime {
             working_set_bytes: sum(&|c| c.memory.as_ref()?.working_set_bytes.as_ref()),
             usage_bytes: sum(&|c| c.memory.as_ref()?.usage_bytes.as_ref()),
             rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref()),
-            page_faults: counter(|c| c.page_faults)
-                .or_else(|| sum(&|c| c.memory.as_ref()?.page_faults.as_ref())),
-            major_page_faults: counter(|c| c.major_page_faults)
-                .or_else(|| sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref())),
+            page_faults: counter(1, sum(&|c| c.memory.as_ref()?.page_faults.as_ref())),
+            major_page_faults: counter(2, sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref())),
             psi: psi(pressure.memory.as_ref()),
             ..Default::default()
         };
@@ -248,6 +274,7 @@ impl Runtime {
             .map(|p| p.id);
         Ok(stats_of(
             ids,
+            POD_STATS_TIMEOUT,
             |id| async move { self.pod_sandbox_stats(&id).await },
             |id, e| tracing::debug!(pod = %id, error = %e, "pod stats unavailable"),
         )
@@ -255,20 +282,25 @@ impl Runtime {
     }
 }
 
-/// How long one member of a stats list may take: an agent that does not answer (stopped,
-/// or swamped) leaves its pods and containers out of the list, rather than holding up the
-/// node's (kubelet asks every 10 s, with a 2 minute deadline).
-const MEMBER_STATS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a pod's stats may take in a list: an agent that does not answer (stopped, or
+/// swamped) leaves its pod out of the list, rather than holding up the node's (kubelet asks
+/// every 10 s, with a 2 minute deadline).
+const POD_STATS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a container's stats may take in a list, a pod's own included: well within
+/// [`POD_STATS_TIMEOUT`], so that one slow container leaves itself out, not its pod.
+const CONTAINER_STATS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// How many members of a stats list are asked at once.
 const STATS_CONCURRENCY: usize = 8;
 
 /// What `stats` gives for each of `ids`, in order. One gone since it was listed (NotFound)
-/// is left out, and so is one whose stats fail otherwise or take longer than
-/// [`MEMBER_STATS_TIMEOUT`], with `unavailable` told why: a list does not fail for one of
-/// its members. Up to [`STATS_CONCURRENCY`] are asked at once.
+/// is left out, and so is one whose stats fail otherwise or take longer than `limit`, with
+/// `unavailable` told why: a list does not fail for one of its members. Up to
+/// [`STATS_CONCURRENCY`] are asked at once, a slow one holding up none of the others.
 async fn stats_of<T, F>(
     ids: impl IntoIterator<Item = String>,
+    limit: std::time::Duration,
     stats: impl Fn(String) -> F,
     unavailable: impl Fn(&str, &RuntimeError),
 ) -> Vec<T>
@@ -276,25 +308,24 @@ where
     F: std::future::Future<Output = Result<T>>,
 {
     use futures::StreamExt as _;
-    let asked = ids.into_iter().map(|id| {
+    let asked = ids.into_iter().enumerate().map(|(i, id)| {
         let f = stats(id.clone());
         async move {
-            let r = tokio::time::timeout(MEMBER_STATS_TIMEOUT, f)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(RuntimeError::DeadlineExceeded(format!(
-                        "stats of {id}: no answer in {MEMBER_STATS_TIMEOUT:?}"
-                    )))
-                });
-            (id, r)
+            let r = tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
+                Err(RuntimeError::DeadlineExceeded(format!(
+                    "stats of {id}: no answer in {limit:?}"
+                )))
+            });
+            (i, id, r)
         }
     });
-    let answers: Vec<(String, Result<T>)> = futures::stream::iter(asked)
-        .buffered(STATS_CONCURRENCY)
+    let mut answers: Vec<(usize, String, Result<T>)> = futures::stream::iter(asked)
+        .buffer_unordered(STATS_CONCURRENCY)
         .collect()
         .await;
+    answers.sort_by_key(|(i, ..)| *i);
     let mut out = Vec::new();
-    for (id, r) in answers {
+    for (_, id, r) in answers {
         match r {
             Ok(s) => out.push(s),
             Err(RuntimeError::NotFound(_)) => {}
@@ -312,13 +343,22 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_member_that_does_not_answer_is_left_out() {
         let unavailable = std::sync::Mutex::new(Vec::new());
+        // More members than are asked at once, the slow one first: the others are not held
+        // up behind it (they answer before its bound).
+        let mut ids = vec!["slow".to_string(), "gone".to_string()];
+        ids.extend((0..20).map(|i| format!("m{i}")));
+        let start = tokio::time::Instant::now();
         let got: Vec<String> = stats_of(
-            ["a", "slow", "gone", "b"].map(String::from),
+            ids.clone(),
+            CONTAINER_STATS_TIMEOUT,
             |id| async move {
                 match id.as_str() {
                     "slow" => std::future::pending().await,
                     "gone" => Err(RuntimeError::NotFound(id)),
-                    _ => Ok(id),
+                    _ => {
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        Ok(id)
+                    }
                 }
             },
             |id, e| {
@@ -327,8 +367,15 @@ mod tests {
             },
         )
         .await;
-        assert_eq!(got, ["a", "b"]);
+        assert_eq!(got, ids[2..]);
         assert_eq!(*unavailable.lock().unwrap(), [("slow".to_string(), true)]);
+        // 20 one-second members, 8 at a time beside the slow one: 3 rounds, all within the
+        // slow one's bound (held up behind it, they took 4 s + 3 s).
+        assert!(
+            start.elapsed() <= CONTAINER_STATS_TIMEOUT,
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 /// process of its own and its containers' cgroups may have controllers (cgroup v2 allows
 /// processes only in leaves of a subtree with controllers enabled), and so that the agent's
 /// cgroup is no prefix of its containers'.
-const AGENT_LEAF: &str = "vessel-agent";
+pub const AGENT_LEAF: &str = "vessel-agent";
 
 /// The leaf a VM pod's shim (the VMM) moves to under a cgroupfs pod cgroup that is kubelet's,
 /// where kubelet may have enabled controllers for children.

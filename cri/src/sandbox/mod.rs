@@ -143,6 +143,9 @@ pub struct Pod {
     pub op: tokio::sync::Mutex<()>,
     addr: AgentAddr,
     client: tokio::sync::Mutex<Option<AgentClient<Channel>>>,
+    /// The highest cgroup counters (CPU ns, page faults, major page faults) PodSandboxStats
+    /// gave for the pod: counters it answers never go back, whatever one reading says.
+    pub counters: std::sync::Mutex<Option<[u64; 3]>>,
 }
 
 impl Pod {
@@ -152,6 +155,7 @@ impl Pod {
             op: tokio::sync::Mutex::new(()),
             addr,
             client: tokio::sync::Mutex::new(None),
+            counters: std::sync::Mutex::new(None),
         }
     }
 
