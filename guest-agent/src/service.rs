@@ -1094,7 +1094,7 @@ impl AgentState {
         // A call given up while the command runs (its client went away: a probe's context
         // ended, kubelet restarted) is dropped at an await below: the command must not run
         // on with nobody to wait for it, as containerd kills an exec whose request ended.
-        let mut guard = KillOnDrop(Some(pid).filter(|p| *p > 0));
+        let mut guard = KillOnDrop::new(pid);
         let room = Arc::new(std::sync::atomic::AtomicUsize::new(EXEC_OUTPUT_CAP));
         let (out_buf, err_buf) = (Arc::default(), Arc::default());
         let out = tokio::spawn(collect(stdout, Arc::clone(&out_buf), room.clone()));
@@ -1112,7 +1112,9 @@ impl AgentState {
                 Ok(r) => r,
                 Err(_) => {
                     timed_out = true;
-                    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    if !guard.kill() {
+                        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    }
                     helper.next().await
                 }
             }
@@ -1121,14 +1123,13 @@ impl AgentState {
         };
         let exit_code = match exit {
             Ok(HelperLine::Exit(code, _)) => {
-                // Exited (and reaped): its pid is no longer its own.
-                guard.0 = None;
+                guard.disarm();
                 code
             }
             Ok(other) => return Err(AgentError::Internal(format!("exec helper said {other:?}"))),
             Err(e) => {
-                // Whether it runs is unknown: its pid is not signalled.
-                guard.0 = None;
+                // Whether it runs is unknown: it is left as before.
+                guard.disarm();
                 tokio::spawn(helper.wait());
                 return cannot_run(&e).ok_or(e);
             }
@@ -1316,14 +1317,38 @@ fn shell_code(msg: &str) -> Option<i32> {
     }
 }
 
-/// SIGKILLs the process it holds when dropped: an exec whose caller went away.
-struct KillOnDrop(Option<i32>);
+/// An exec'd process, SIGKILLed when this is dropped armed (the call that waited for it was
+/// given up), through a pidfd opened when it started: a process that exited and was reaped
+/// meanwhile is never mistaken for another that took its pid.
+struct KillOnDrop(Option<OwnedFd>);
+
+impl KillOnDrop {
+    fn new(pid: i32) -> KillOnDrop {
+        let fd = rustix::process::Pid::from_raw(pid).and_then(|p| {
+            rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+        });
+        KillOnDrop(fd)
+    }
+
+    /// SIGKILLs it; false without a pidfd (a kernel before 5.3, or it was gone already).
+    fn kill(&self) -> bool {
+        self.0.as_ref().is_some_and(|fd| {
+            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+            true
+        })
+    }
+
+    /// It exited: nothing to kill any more.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        if let Some(pid) = self.0 {
-            tracing::info!(pid, "exec: its call was given up; killing it");
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        if self.0.is_some() {
+            tracing::info!("exec: its call was given up; killing its process");
+            self.kill();
         }
     }
 }
