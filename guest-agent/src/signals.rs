@@ -29,10 +29,6 @@ impl SigNum {
     pub fn new(n: i32) -> Option<SigNum> {
         (1..=64).contains(&n).then_some(SigNum(n))
     }
-
-    pub fn raw(self) -> i32 {
-        self.0
-    }
 }
 
 impl From<Signal> for SigNum {

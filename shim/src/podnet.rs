@@ -37,8 +37,11 @@ fn default_peer() -> String {
     "eth0".into()
 }
 
+/// The tap's name where the spec names none (vesseld names this one).
+pub const DEFAULT_TAP: &str = "vessel-tap0";
+
 fn default_tap() -> String {
-    "vessel-tap0".into()
+    DEFAULT_TAP.into()
 }
 
 /// The guest's side, ready for a virtio-net device.

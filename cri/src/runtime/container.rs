@@ -1030,13 +1030,10 @@ impl Runtime {
         let rec = ctr.record();
         // A removal behind another (kubelet's and a pod removal's, at once) finds it gone:
         // done, and its deletion is not announced twice.
-        let listed = self
-            .ctrs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&rec.id)
-            .is_some_and(|l| std::ptr::eq(Arc::as_ptr(l), ctr));
-        if !listed {
+        if !self
+            .ctr(&rec.id)
+            .is_ok_and(|listed| std::ptr::eq(Arc::as_ptr(&listed), ctr))
+        {
             return Ok(());
         }
         if let Ok(pod) = self.pod(&rec.pod_id) {

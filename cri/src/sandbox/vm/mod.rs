@@ -30,7 +30,7 @@ use vessel_shim::control::Request as ControlRequest;
 use vessel_shim::podnet::PodNet;
 
 /// The tap the shim makes in a VM pod's namespace, joined to the CNI interface.
-const TAP: &str = "vessel-tap0";
+const TAP: &str = vessel_shim::podnet::DEFAULT_TAP;
 
 /// The VM backend and what it needs from the node.
 pub struct VmBackend {
