@@ -1196,6 +1196,34 @@ async fn offline_import_oci_layout_and_docker_archive() {
         .contains(&"registry.local/extra:tag".to_string()));
     assert!(s.repo_digests.is_empty());
 
+    // An index entry that names no platform is imported only where its image's config
+    // says it runs: an arm64 image is refused on this amd64 node, as a pull refuses it.
+    let arm = testimages::platformless_index(vec![testimages::arm64_image()]);
+    let arm_tar = work.path().join("arm.oci.tar");
+    std::fs::write(
+        &arm_tar,
+        testimages::oci_layout_tar(&arm, "registry.local/arm:v1"),
+    )
+    .unwrap();
+    let (ok, out) = v.run_cli(&["image", "import", arm_tar.to_str().unwrap()]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("linux/arm64"), "{out}");
+    assert!(status(&mut c, "registry.local/arm:v1").await.is_none());
+    // ... and one whose config says linux/amd64 is imported.
+    let any = testimages::platformless_index(vec![testimages::busybox_image(Compression::Gzip)]);
+    let any_tar = work.path().join("any.oci.tar");
+    std::fs::write(
+        &any_tar,
+        testimages::oci_layout_tar(&any, "registry.local/any:v1"),
+    )
+    .unwrap();
+    let (ok, out) = v.run_cli(&["image", "import", any_tar.to_str().unwrap()]);
+    assert!(ok, "{out}");
+    let s = status(&mut c, "registry.local/any:v1")
+        .await
+        .expect("imported platform-less entry");
+    assert_eq!(s.id, any.images()[0].id().to_string());
+
     // A garbage file is refused and leaves nothing.
     let junk = work.path().join("junk.tar");
     std::fs::write(&junk, b"not a tarball at all").unwrap();

@@ -185,20 +185,11 @@ fn import_oci(
             .or_else(|| desc.annotations.get("org.opencontainers.image.ref.name"))
             .cloned();
         oci_blob(store, path, files, &desc.digest)?;
-        let (manifest_desc, top) = if oci::is_index(&desc.media_type) {
+        let reference = name.clone().unwrap_or_else(|| desc.digest.to_string());
+        let from_index = oci::is_index(&desc.media_type);
+        let (manifest_desc, top) = if from_index {
             let inner: Index = read_json(store, path, &desc.digest, "index")?;
-            let chosen = inner.manifest_for(&opts.platform).cloned().ok_or_else(|| {
-                ImageError::NoMatchingPlatform {
-                    reference: name.clone().unwrap_or_else(|| desc.digest.to_string()),
-                    platform: opts.platform.to_string(),
-                    available: inner
-                        .manifests
-                        .iter()
-                        .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                }
-            })?;
+            let chosen = inner.choose(&opts.platform, &reference)?.clone();
             oci_blob(store, path, files, &chosen.digest)?;
             (chosen, desc.digest.clone())
         } else if oci::is_manifest(&desc.media_type) {
@@ -208,6 +199,10 @@ fn import_oci(
         };
         let manifest: Manifest = read_json(store, path, &manifest_desc.digest, "manifest")?;
         oci_blob(store, path, files, &manifest.config.digest)?;
+        let config: ImageConfig = read_json(store, path, &manifest.config.digest, "image config")?;
+        if from_index {
+            config.check_index_entry(&manifest_desc, &opts.platform, &reference)?;
+        }
         for l in &manifest.layers {
             oci_blob(store, path, files, &l.digest)?;
         }
@@ -225,8 +220,7 @@ fn import_oci(
         out.push(finish(
             store,
             path,
-            manifest_desc,
-            &manifest,
+            (manifest_desc, &manifest, &config),
             &names,
             Some(&top),
         )?);
@@ -270,6 +264,8 @@ fn import_docker(
     for e in entries {
         let cfg_digest = lookup(&e.config)?;
         let cfg_bytes = store.read_blob(&cfg_digest)?;
+        let config: ImageConfig = serde_json::from_slice(&cfg_bytes)
+            .map_err(|e| bad(path, format!("unreadable image config: {e}")))?;
         let mut layers = Vec::new();
         for l in &e.layers {
             let d = lookup(l)?;
@@ -328,7 +324,13 @@ fn import_docker(
             names.push(Reference::parse(t)?);
         }
         // A docker archive has no registry digest: the manifest we made up is not one.
-        out.push(finish(store, path, mdesc, &manifest, &names, None)?);
+        out.push(finish(
+            store,
+            path,
+            (mdesc, &manifest, &config),
+            &names,
+            None,
+        )?);
     }
     if out.is_empty() {
         return Err(bad(path, "manifest.json lists no image"));
@@ -339,12 +341,10 @@ fn import_docker(
 fn finish(
     store: &ImageStore,
     path: &Path,
-    manifest_desc: Descriptor,
-    manifest: &Manifest,
+    (manifest_desc, manifest, config): (Descriptor, &Manifest, &ImageConfig),
     names: &[Reference],
     registry_digest: Option<&Digest>,
 ) -> Result<ImageRecord> {
-    let config: ImageConfig = read_json(store, path, &manifest.config.digest, "image config")?;
     if config.rootfs.diff_ids.len() != manifest.layers.len() {
         return Err(bad(
             path,
@@ -374,7 +374,7 @@ fn finish(
     let rec = ImageRecord::new(
         manifest_desc,
         manifest,
-        &config,
+        config,
         names.iter().filter_map(|r| r.repo_tag()).collect(),
         match registry_digest {
             Some(d) => names.iter().map(|r| r.repo_digest(d)).collect(),

@@ -2,6 +2,7 @@
 //! Parsing is lenient about fields we do not use and strict about the ones we do.
 
 use crate::digest::Digest;
+use crate::error::ImageError;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -160,6 +161,22 @@ impl Index {
             .or_else(|| manifests().find(|d| d.platform.as_ref().is_some_and(|p| want.matches(p))))
             .or_else(|| manifests().find(|d| d.platform.is_none()))
     }
+
+    /// [`manifest_for`](Index::manifest_for), or the error for image `reference` that
+    /// names the platforms this index offers.
+    pub fn choose(&self, want: &Platform, reference: &str) -> Result<&Descriptor, ImageError> {
+        self.manifest_for(want)
+            .ok_or_else(|| ImageError::NoMatchingPlatform {
+                reference: reference.to_string(),
+                platform: want.to_string(),
+                available: self
+                    .manifests
+                    .iter()
+                    .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
 }
 
 /// An OCI image manifest or a Docker v2 schema 2 manifest.
@@ -191,6 +208,40 @@ pub struct ImageConfig {
     pub rootfs: RootFs,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub history: Vec<serde_json::Value>,
+}
+
+impl ImageConfig {
+    /// The platform this image says it was built for.
+    pub fn platform(&self) -> Platform {
+        Platform {
+            architecture: self.architecture.clone(),
+            os: self.os.clone(),
+            variant: self.variant.clone(),
+            os_version: None,
+        }
+    }
+
+    /// Checks that this image, reached through `entry` of an index that
+    /// [chose](Index::choose) it for a node of platform `want`, runs there. An entry that
+    /// named its platform was chosen by it; one that named none only if this config
+    /// declares the node's platform (as containerd checks it), or the image would fail at
+    /// every start with an exec format error.
+    pub fn check_index_entry(
+        &self,
+        entry: &Descriptor,
+        want: &Platform,
+        reference: &str,
+    ) -> Result<(), ImageError> {
+        let declared = self.platform();
+        if entry.platform.is_none() && !want.matches(&declared) {
+            return Err(ImageError::NoMatchingPlatform {
+                reference: reference.to_string(),
+                platform: want.to_string(),
+                available: declared.to_string(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The runtime defaults an image carries (`config` in the image config).

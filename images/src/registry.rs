@@ -849,19 +849,7 @@ impl Puller {
                 reference: r.to_string(),
                 reason: format!("unreadable index: {e}"),
             })?;
-            let want = &self.config.platform;
-            let chosen = index.manifest_for(want).cloned().ok_or_else(|| {
-                ImageError::NoMatchingPlatform {
-                    reference: r.to_string(),
-                    platform: want.to_string(),
-                    available: index
-                        .manifests
-                        .iter()
-                        .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                }
-            })?;
+            let chosen = index.choose(&self.config.platform, &r.to_string())?.clone();
             docs.push((body, top_digest.clone()));
             let (mbody, mmt, mdigest) = self
                 .first_ok(eps, r, "manifest", |ep| {
@@ -938,21 +926,8 @@ impl Puller {
                 reference: r.to_string(),
                 reason: format!("unreadable image config: {e}"),
             })?;
-        // An index entry that named no platform is taken for the node's only if its image
-        // says so (as containerd checks it), or it fails at every start (exec format error).
-        let want = &self.config.platform;
-        let declared = Platform {
-            architecture: config.architecture.clone(),
-            os: config.os.clone(),
-            variant: None,
-            os_version: None,
-        };
-        if from_index && manifest_desc.platform.is_none() && !want.matches(&declared) {
-            return Err(ImageError::NoMatchingPlatform {
-                reference: r.to_string(),
-                platform: want.to_string(),
-                available: declared.to_string(),
-            });
+        if from_index {
+            config.check_index_entry(&manifest_desc, &self.config.platform, &r.to_string())?;
         }
         let _layer_pins = self
             .store
