@@ -97,6 +97,8 @@ pub struct CgroupStats {
     pub memory_usage_bytes: u64,
     pub memory_working_set_bytes: u64,
     pub memory_rss_bytes: u64,
+    /// The cgroup's memory limit; 0 where it has none.
+    pub memory_limit_bytes: u64,
     pub page_faults: u64,
     pub major_page_faults: u64,
     pub pids: u64,
@@ -679,6 +681,19 @@ impl Cgroup {
         }
     }
 
+    /// The cgroup's memory limit in bytes; 0 where it has none (`max`, or the page-rounded
+    /// near-2^63 of an unlimited v1 cgroup: anything above 2^62, as containerd and cAdvisor
+    /// read it) or no memory controller.
+    pub fn memory_limit(&self) -> u64 {
+        let limit = if self.unified {
+            read_u64(&self.v2().join("memory.max"))
+        } else {
+            self.v1("memory")
+                .and_then(|d| read_u64(&d.join("memory.limit_in_bytes")))
+        };
+        limit.filter(|&l| l <= 1 << 62).unwrap_or(0)
+    }
+
     /// Current resource usage.
     pub fn stats(&self) -> CgroupStats {
         let mut s = CgroupStats::default();
@@ -693,6 +708,7 @@ impl Cgroup {
             s.page_faults = read_key(&stat, "pgfault").unwrap_or(0);
             s.major_page_faults = read_key(&stat, "pgmajfault").unwrap_or(0);
             s.pids = read_u64(&d.join("pids.current")).unwrap_or(0);
+            s.memory_limit_bytes = self.memory_limit();
             (s.cpu_pressure, s.memory_pressure, s.io_pressure) = self.pressure();
         } else {
             if let Some(d) = self.v1("cpuacct") {
@@ -706,6 +722,7 @@ impl Cgroup {
                 s.memory_rss_bytes = read_key(&stat, "total_rss").unwrap_or(0);
                 s.page_faults = read_key(&stat, "total_pgfault").unwrap_or(0);
                 s.major_page_faults = read_key(&stat, "total_pgmajfault").unwrap_or(0);
+                s.memory_limit_bytes = self.memory_limit();
             }
             if let Some(d) = self.v1("pids") {
                 s.pids = read_u64(&d.join("pids.current")).unwrap_or(0);

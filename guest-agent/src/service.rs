@@ -1170,6 +1170,7 @@ impl AgentState {
             cpu_pressure: s.cpu_pressure,
             memory_pressure: s.memory_pressure,
             io_pressure: s.io_pressure,
+            memory_limit_bytes: s.memory_limit_bytes,
         })
     }
 }
@@ -1845,6 +1846,7 @@ impl Agent for AgentService {
             memory,
             io,
             counters,
+            memory_limit_bytes: cg.memory_limit(),
         }))
     }
 

@@ -80,8 +80,10 @@ impl Runtime {
             rss_bytes: u(s.memory_rss_bytes),
             page_faults: u(s.page_faults),
             major_page_faults: u(s.major_page_faults),
+            // What it may still use before its limit, as containerd gives it; none
+            // without a limit.
+            available_bytes: available(s.memory_limit_bytes, s.memory_working_set_bytes),
             psi: psi(s.memory_pressure.as_ref()),
-            ..Default::default()
         });
         stats.writable_layer = Some(cri::FilesystemUsage {
             timestamp: ts,
@@ -227,15 +229,20 @@ impl Runtime {
             }),
             psi: psi(pressure.cpu.as_ref()),
         };
+        let working_set = sum(&|c| c.memory.as_ref()?.working_set_bytes.as_ref());
         let memory = cri::MemoryUsage {
             timestamp: ts,
-            working_set_bytes: sum(&|c| c.memory.as_ref()?.working_set_bytes.as_ref()),
+            // The pod cgroup's limit (kubelet's, from its containers' limits) less what its
+            // containers use.
+            available_bytes: working_set
+                .as_ref()
+                .and_then(|w| available(pressure.memory_limit_bytes, w.value)),
+            working_set_bytes: working_set,
             usage_bytes: sum(&|c| c.memory.as_ref()?.usage_bytes.as_ref()),
             rss_bytes: sum(&|c| c.memory.as_ref()?.rss_bytes.as_ref()),
             page_faults: counter(1, sum(&|c| c.memory.as_ref()?.page_faults.as_ref())),
             major_page_faults: counter(2, sum(&|c| c.memory.as_ref()?.major_page_faults.as_ref())),
             psi: psi(pressure.memory.as_ref()),
-            ..Default::default()
         };
         let io = io_usage(ts, pressure.io.as_ref());
         Ok(cri::PodSandboxStats {
@@ -333,6 +340,14 @@ where
         }
     }
     out
+}
+
+/// The memory a cgroup with limit `limit` (0: none) may still use while `working_set` of it
+/// is in use: none without a limit.
+fn available(limit: u64, working_set: u64) -> Option<cri::UInt64Value> {
+    (limit > 0).then(|| cri::UInt64Value {
+        value: limit.saturating_sub(working_set),
+    })
 }
 
 #[cfg(test)]

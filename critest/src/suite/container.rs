@@ -1026,6 +1026,11 @@ async fn stats(c: Ctx) -> SpecResult {
                 "-c".into(),
                 "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; sleep 100000".into(),
             ];
+            cfg.linux.get_or_insert_with(Default::default).resources =
+                Some(cri::LinuxContainerResources {
+                    memory_limit_in_bytes: 64 << 20,
+                    ..Default::default()
+                });
         })
         .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1057,6 +1062,16 @@ async fn stats(c: Ctx) -> SpecResult {
         mem.working_set_bytes.is_some_and(|v| v.value > 0),
         "memory working_set_bytes {:?}",
         mem.working_set_bytes
+    );
+    // What the container may still use before its limit (kubelet's summary
+    // `availableBytes`), as containerd gives it: the limit less the working set.
+    let (ws, avail) = (
+        mem.working_set_bytes.map(|v| v.value),
+        mem.available_bytes.map(|v| v.value),
+    );
+    check!(
+        ws.zip(avail).is_some_and(|(w, a)| w + a == 64 << 20),
+        "memory available_bytes {avail:?} with working set {ws:?}, want 64 MiB in all"
     );
     Ok(())
 }
