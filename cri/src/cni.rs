@@ -53,6 +53,8 @@ pub enum CniError {
     },
     #[error("CNI cache {path}: {message}")]
     Cache { path: PathBuf, message: String },
+    #[error("CNI ADD of pod {pod}: network {network:?} gave the pod no IP address on {IFNAME}")]
+    NoAddress { pod: String, network: String },
 }
 
 /// A network configuration list, as loaded from `conf_dir`.
@@ -86,9 +88,22 @@ impl NetworkList {
         if name.is_empty() {
             return Err(bad("no \"name\"".into()));
         }
+        // CNI 1.1's `cniVersions` where `cniVersion` is not given: the highest we speak, as
+        // libcni picks it.
+        let listed = obj
+            .get("cniVersions")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .filter_map(|v| Some((version_key(v)?, v)))
+            .filter(|(k, _)| *k <= (1, 1, 0))
+            .max()
+            .map(|(_, v)| v);
         let cni_version = obj
             .get("cniVersion")
             .and_then(Value::as_str)
+            .or(listed)
             .unwrap_or("0.2.0")
             .to_string();
         let plugins = match obj.get("plugins") {
@@ -145,6 +160,15 @@ pub struct PodNetwork {
     /// CNI `runtimeConfig.bandwidth`, from the pod's bandwidth annotations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bandwidth: Option<Value>,
+    /// CNI `runtimeConfig.dns` (`servers`, `searches`, `options`), from the pod's DNS config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<Value>,
+    /// The pod's annotations: `runtimeConfig["io.kubernetes.cri.pod-annotations"]`.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub annotations: std::collections::BTreeMap<String, String>,
+    /// The pod's cgroup parent: `runtimeConfig.cgroupPath`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub cgroup_path: String,
 }
 
 /// What ADD was asked and answered: enough to DEL it.
@@ -214,6 +238,32 @@ pub fn guest_network(
 ) {
     use std::net::IpAddr;
     use vessel_agent::proto::{GuestInterface, GuestRoute};
+    // A 0.1/0.2 result (`ip4`, `ip6`, each with its address, gateway and routes) read as a
+    // later one, as go-cni converts it.
+    let legacy;
+    let r = if r.get("ips").is_none() && (r.get("ip4").is_some() || r.get("ip6").is_some()) {
+        let (mut ips, mut routes) = (Vec::new(), Vec::new());
+        for k in ["ip4", "ip6"] {
+            let Some(x) = r.get(k) else { continue };
+            let mut ip = serde_json::Map::new();
+            for (from, to) in [("ip", "address"), ("gateway", "gateway")] {
+                if let Some(v) = x.get(from) {
+                    ip.insert(to.into(), v.clone());
+                }
+            }
+            ips.push(Value::Object(ip));
+            routes.extend(
+                x.get("routes")
+                    .and_then(Value::as_array)
+                    .cloned()
+                    .unwrap_or_default(),
+            );
+        }
+        legacy = json!({"ips": ips, "routes": routes});
+        &legacy
+    } else {
+        r
+    };
     let ifaces = r.get("interfaces").and_then(Value::as_array);
     let in_pod = |ip: &Value| match (ip.get("interface").and_then(Value::as_u64), ifaces) {
         (Some(i), Some(ifaces)) => usize::try_from(i)
@@ -304,6 +354,13 @@ pub fn guest_network(
     (interfaces, routes)
 }
 
+/// A CNI version as (major, minor, patch).
+fn version_key(v: &str) -> Option<(u32, u32, u32)> {
+    let mut it = v.split('.').map(|p| p.parse::<u32>().ok());
+    let k = (it.next()??, it.next()??, it.next().unwrap_or(Some(0))?);
+    it.next().is_none().then_some(k)
+}
+
 /// CNI versions before 0.4.0 give DEL no `prevResult`.
 fn del_has_prev_result(version: &str) -> bool {
     !["0.1.", "0.2.", "0.3."]
@@ -312,7 +369,10 @@ fn del_has_prev_result(version: &str) -> bool {
 }
 
 impl Cni {
-    /// The node's network config: the first valid file in `conf_dir`, by name.
+    /// The node's network config: the first file in `conf_dir`, by name. One that does not
+    /// parse is an error, as go-cni makes it, not a reason to take the next: a half-written
+    /// config of the node's CNI (its installer rewriting it) must not put pods on a stale
+    /// network left behind by another.
     pub fn load(&self) -> Result<NetworkList, CniError> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&self.conf_dir)
             .map_err(|_| CniError::NoConfig(self.conf_dir.clone()))?
@@ -325,23 +385,15 @@ impl Cni {
             })
             .collect();
         files.sort();
-        let mut first_err = None;
-        for f in files {
-            let parsed = std::fs::read_to_string(&f)
-                .map_err(|e| CniError::BadConfig {
-                    path: f.clone(),
-                    message: e.to_string(),
-                })
-                .and_then(|t| NetworkList::parse(&f, &t));
-            match parsed {
-                Ok(n) => return Ok(n),
-                Err(e) => {
-                    tracing::warn!(error = %e, "skipping invalid CNI network config");
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        Err(first_err.unwrap_or_else(|| CniError::NoConfig(self.conf_dir.clone())))
+        let Some(f) = files.into_iter().next() else {
+            return Err(CniError::NoConfig(self.conf_dir.clone()));
+        };
+        std::fs::read_to_string(&f)
+            .map_err(|e| CniError::BadConfig {
+                path: f.clone(),
+                message: e.to_string(),
+            })
+            .and_then(|t| NetworkList::parse(&f, &t))
     }
 
     fn dirs_text(&self) -> String {
@@ -466,9 +518,22 @@ impl Cni {
             }
         }
         a.result = prev.unwrap_or(Value::Null);
-        if let Err(e) = self.save(&a) {
-            if self.del(&a).await.is_ok() {
-                self.forget(&a.pod.id);
+        // A pod without an address is not on the network (containerd refuses it the same
+        // way); kubelet would find it without an IP and make it again and again.
+        let saved = if result_ips(&a.result).is_empty() {
+            Err(CniError::NoAddress {
+                pod: a.pod.id.clone(),
+                network: a.network.name.clone(),
+            })
+        } else {
+            self.save(&a)
+        };
+        if let Err(e) = saved {
+            match self.del(&a).await {
+                Ok(()) => self.forget(&a.pod.id),
+                Err(d) => {
+                    tracing::warn!(pod = %a.pod.id, error = %d, "CNI DEL after a failed ADD failed; its cache entry is kept to try again");
+                }
             }
             return Err(e);
         }
@@ -544,6 +609,19 @@ impl Cni {
             if let Some(b) = a.pod.bandwidth.as_ref().filter(|_| wants("bandwidth")) {
                 runtime.insert("bandwidth".into(), b.clone());
             }
+            // What containerd's and CRI-O's CNI calls carry besides.
+            if let Some(d) = a.pod.dns.as_ref().filter(|_| wants("dns")) {
+                runtime.insert("dns".into(), d.clone());
+            }
+            if wants("io.kubernetes.cri.pod-annotations") {
+                runtime.insert(
+                    "io.kubernetes.cri.pod-annotations".into(),
+                    json!(a.pod.annotations),
+                );
+            }
+            if wants("cgroupPath") && !a.pod.cgroup_path.is_empty() {
+                runtime.insert("cgroupPath".into(), json!(a.pod.cgroup_path));
+            }
             o.remove("runtimeConfig");
             if !runtime.is_empty() {
                 o.insert("runtimeConfig".into(), Value::Object(runtime));
@@ -555,10 +633,17 @@ impl Cni {
             "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID={}",
             a.pod.namespace, a.pod.name, a.pod.id, a.pod.uid
         );
+        // A DEL after the namespace went (unpinned after a failed DEL, or a reboot emptied
+        // `/run`) names none, as containerd's does: the spec lets a plugin skip an empty
+        // CNI_NETNS, while some (host-device) fail on a path they cannot open, for good.
+        let netns = match command {
+            "DEL" if !crate::sandbox::netns::is_pinned(&a.pod.netns) => Path::new(""),
+            _ => a.pod.netns.as_path(),
+        };
         let mut cmd = tokio::process::Command::new(&binary);
         cmd.env("CNI_COMMAND", command)
             .env("CNI_CONTAINERID", &a.pod.id)
-            .env("CNI_NETNS", &a.pod.netns)
+            .env("CNI_NETNS", netns)
             .env("CNI_IFNAME", IFNAME)
             .env("CNI_PATH", path)
             .env("CNI_ARGS", args)
@@ -574,9 +659,18 @@ impl Cni {
             );
         }
         tracing::debug!(pod = %a.pod.id, plugin = %plugin, command, "running CNI plugin");
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| fail(format!("running {}: {e}", binary.display())))?;
+        // A plugin being copied in (a CNI DaemonSet's installer) is busy for a moment:
+        // tried again, as libcni does, 5 times a second apart.
+        let mut tries = 0;
+        let mut child = loop {
+            match cmd.spawn() {
+                Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 5 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                r => break r.map_err(|e| fail(format!("running {}: {e}", binary.display())))?,
+            }
+        };
         let mut input = child.stdin.take();
         let run = async {
             if let Some(mut s) = input.take() {
@@ -840,6 +934,150 @@ mod tests {
         let e = cni.ready().unwrap_err().to_string();
         assert!(e.contains("nosuchplugin"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// The first config by name decides: one that does not parse is an error, not a reason
+    /// to put pods on the next (a stale network) while the node's CNI rewrites it.
+    #[test]
+    fn an_invalid_first_config_is_an_error() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join("10-a.conflist"),
+            r#"{"cniVersion":"1.0.0","na"#,
+        )
+        .unwrap();
+        std::fs::write(
+            d.path().join("20-b.conflist"),
+            r#"{"cniVersion":"1.0.0","name":"b","plugins":[{"type":"bridge"}]}"#,
+        )
+        .unwrap();
+        let cni = Cni {
+            conf_dir: d.path().to_path_buf(),
+            bin_dirs: vec![],
+            cache_dir: d.path().join("cache"),
+        };
+        let e = cni.load().unwrap_err();
+        assert!(
+            matches!(&e, CniError::BadConfig { path, .. } if path.ends_with("10-a.conflist")),
+            "{e}"
+        );
+        std::fs::remove_file(d.path().join("10-a.conflist")).unwrap();
+        assert_eq!(cni.load().unwrap().name, "b");
+        // CNI 1.1: the highest of `cniVersions` we speak, where `cniVersion` is not given.
+        let l = NetworkList::parse(
+            Path::new("c"),
+            r#"{"cniVersions":["0.4.0","1.1.0","1.0.0","2.0.0","x"],"name":"c","type":"bridge"}"#,
+        )
+        .unwrap();
+        assert_eq!(l.cni_version, "1.1.0");
+    }
+
+    /// A 0.1/0.2 result (`ip4` with its gateway and routes) configures a VM guest as a later
+    /// one does: before, the guest's eth0 got no address while the pod reported one.
+    #[test]
+    fn a_legacy_result_configures_the_guest() {
+        let r = serde_json::json!({
+            "cniVersion": "0.2.0",
+            "ip4": {"ip": "10.1.0.2/16", "gateway": "10.1.0.1", "routes": [{"dst": "0.0.0.0/0"}]},
+            "dns": {}
+        });
+        let (ifs, routes) = guest_network(&r, "eth0");
+        assert_eq!(ifs.len(), 1);
+        assert_eq!(ifs[0].addresses, ["10.1.0.2/16"]);
+        assert_eq!(routes.len(), 1);
+        assert_eq!(
+            (routes[0].destination.as_str(), routes[0].gateway.as_str()),
+            ("0.0.0.0/0", "10.1.0.1")
+        );
+    }
+
+    /// ADD waits out a plugin that is being written (ETXTBSY, as libcni does), passes the
+    /// runtime config the plugin asks for (DNS, the pod's annotations, its cgroup), and
+    /// the version of `cniVersions`; an ADD that gives the pod no address fails and is
+    /// undone; a DEL whose namespace is gone names none.
+    #[tokio::test]
+    async fn add_waits_for_a_busy_plugin_and_passes_its_runtime_config() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let (bin, conf) = (d.path().join("bin"), d.path().join("net.d"));
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(&conf).unwrap();
+        let log = d.path().join("log");
+        std::fs::create_dir_all(&log).unwrap();
+        let plugin = bin.join("fake");
+        std::fs::write(
+            &plugin,
+            format!(
+                r#"#!/bin/sh
+l={log}
+cat > "$l/stdin-$CNI_COMMAND"
+printf '%s' "$CNI_NETNS" > "$l/netns-$CNI_COMMAND"
+if [ "$CNI_COMMAND" = ADD ] && [ ! -e "$l/noip" ]; then
+  echo '{{"cniVersion":"1.1.0","interfaces":[{{"name":"eth0","sandbox":"x"}}],"ips":[{{"address":"10.123.0.5/24","interface":0}}]}}'
+elif [ "$CNI_COMMAND" = ADD ]; then
+  echo '{{"cniVersion":"1.1.0"}}'
+fi
+"#,
+                log = log.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(
+            conf.join("10-n.conflist"),
+            r#"{"cniVersions":["1.0.0","1.1.0"],"name":"n","plugins":[{"type":"fake",
+                "capabilities":{"dns":true,"io.kubernetes.cri.pod-annotations":true,"cgroupPath":true}}]}"#,
+        )
+        .unwrap();
+        let cni = Cni {
+            conf_dir: conf,
+            bin_dirs: vec![bin],
+            cache_dir: d.path().join("cache"),
+        };
+        let pod = |id: &str| PodNetwork {
+            id: id.into(),
+            netns: d.path().join("no-such-netns"),
+            namespace: "ns".into(),
+            name: "p".into(),
+            uid: "u".into(),
+            port_mappings: vec![],
+            bandwidth: None,
+            dns: Some(json!({"servers": ["10.0.0.10"], "searches": ["svc"], "options": []})),
+            annotations: [("a".to_string(), "b".to_string())].into(),
+            cgroup_path: "/kubepods/pod-u".into(),
+        };
+        // Held open for writing, as an installer copying it in holds it.
+        let w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&plugin)
+            .unwrap();
+        let held = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            drop(w);
+        });
+        let t = std::time::Instant::now();
+        let a = cni.add(pod("p1")).await.unwrap();
+        held.join().unwrap();
+        assert!(t.elapsed() >= Duration::from_secs(1));
+        assert_eq!(a.ips(), ["10.123.0.5"]);
+        let stdin: Value =
+            serde_json::from_slice(&std::fs::read(log.join("stdin-ADD")).unwrap()).unwrap();
+        assert_eq!(stdin["cniVersion"], "1.1.0");
+        let rc = &stdin["runtimeConfig"];
+        assert_eq!(rc["dns"]["servers"], json!(["10.0.0.10"]), "{stdin}");
+        assert_eq!(rc["io.kubernetes.cri.pod-annotations"], json!({"a": "b"}));
+        assert_eq!(rc["cgroupPath"], "/kubepods/pod-u");
+        // The pod's namespace is not pinned (gone): DEL names none.
+        cni.del(&a).await.unwrap();
+        assert_eq!(std::fs::read_to_string(log.join("netns-DEL")).unwrap(), "");
+        cni.forget("p1");
+
+        std::fs::write(log.join("noip"), "").unwrap();
+        std::fs::remove_file(log.join("stdin-DEL")).unwrap();
+        let e = cni.add(pod("p2")).await.unwrap_err();
+        assert!(matches!(e, CniError::NoAddress { .. }), "{e}");
+        assert!(log.join("stdin-DEL").exists(), "the ADD was undone");
+        assert!(cni.cached("p2").is_none());
     }
 
     fn tempfile_dir() -> PathBuf {

@@ -106,7 +106,9 @@ pub fn cni_err(e: crate::cni::CniError) -> RuntimeError {
             RuntimeError::FailedPrecondition(e.to_string())
         }
         E::Timeout { .. } => RuntimeError::DeadlineExceeded(e.to_string()),
-        E::Plugin { .. } | E::Cache { .. } => RuntimeError::Internal(e.to_string()),
+        E::Plugin { .. } | E::Cache { .. } | E::NoAddress { .. } => {
+            RuntimeError::Internal(e.to_string())
+        }
     }
 }
 

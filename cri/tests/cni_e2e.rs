@@ -530,7 +530,9 @@ async fn restart_keeps_ips_and_detaches_dead_pods() {
 /// kubelet asks again) instead of dropping the cache entry, and with it the only record of
 /// what the chain holds for the pod (host-local's IP, portmap's rules). The pod stays
 /// listed; a later stop, once DEL works again, frees it all, and the removal leaves nothing.
-/// Before, both calls succeeded and the chain's allocation leaked for good.
+/// Before, both calls succeeded and the chain's allocation leaked for good. The DELs after
+/// the first name no namespace (its pin went with the first stop), as containerd's do: a
+/// plugin that cannot open a namespace it is named (host-device) failed them for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_del_fails_the_stop_and_is_asked_again() {
     let Some(cni) = test_cni() else { return };
@@ -551,6 +553,10 @@ case "$CNI_COMMAND" in
 ADD) touch "$s/held-$CNI_CONTAINERID"; echo '{{"cniVersion":"1.0.0"}}' ;;
 DEL) if [ -e "$s/fail-del" ]; then
        echo '{{"cniVersion":"1.0.0","code":11,"msg":"flaky DEL refused"}}'; exit 1
+     fi
+     # As host-device does: a namespace that is named must open (an empty one is skipped).
+     if [ -n "$CNI_NETNS" ] && [ ! -e "$CNI_NETNS" ]; then
+       echo '{{"cniVersion":"1.0.0","code":11,"msg":"failed to open netns"}}'; exit 1
      fi
      rm -f "$s/held-$CNI_CONTAINERID" ;;
 VERSION) echo '{{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}}' ;;

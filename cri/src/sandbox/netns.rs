@@ -65,6 +65,14 @@ pub fn create(path: &Path) -> Result<(), NetnsError> {
     Ok(())
 }
 
+/// Whether `path` is a pinned network namespace (an nsfs file bind-mounted there), not a
+/// pin that is gone (unpinned after a failed DEL, or a reboot emptied `/run`) or never was.
+pub fn is_pinned(path: &Path) -> bool {
+    const NSFS_MAGIC: u64 = 0x6e73_6673;
+    !path.as_os_str().is_empty()
+        && rustix::fs::statfs(path).is_ok_and(|s| s.f_type as u64 == NSFS_MAGIC)
+}
+
 /// Unmounts and removes a netns pin. Missing (or an empty path: no pin) is fine.
 pub fn unpin(path: &Path) -> Result<(), NetnsError> {
     if path.as_os_str().is_empty() {

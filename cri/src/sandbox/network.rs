@@ -29,6 +29,23 @@ pub async fn attach(cni: &Cni, pod: &Pod, config: &cri::PodSandboxConfig) -> Res
             uid: meta.uid,
             port_mappings: crate::cni::port_mappings(&config.port_mappings),
             bandwidth,
+            dns: config.dns_config.as_ref().map(|d| {
+                serde_json::json!({
+                    "servers": d.servers,
+                    "searches": d.searches,
+                    "options": d.options,
+                })
+            }),
+            annotations: config
+                .annotations
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            cgroup_path: config
+                .linux
+                .as_ref()
+                .map(|l| l.cgroup_parent.clone())
+                .unwrap_or_default(),
         })
         .await
         .map_err(cni_err)?;
