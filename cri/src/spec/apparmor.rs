@@ -25,7 +25,10 @@ pub const DEFAULT_PROFILE: &str = "vessel-default";
 
 /// vessel's default profile: everything a container normally does, without the kernel
 /// interfaces that reach beyond it (mounting, kernel tunables, raw memory, firmware, the
-/// security filesystem), and ptrace only among processes under the same profile.
+/// security filesystem), and ptrace and signals only among processes under the same profile
+/// (signals from unconfined processes too: the agent's stops, a node's admin), as
+/// containerd's default profile has them: a root container in the host's pid namespace may
+/// not signal the node's daemons.
 const DEFAULT_PROFILE_TEXT: &str = r#"abi <abi/3.0>,
 include <tunables/global>
 
@@ -36,7 +39,8 @@ profile vessel-default flags=(attach_disconnected,mediate_deleted) {
   capability,
   file,
   umount,
-  signal,
+  signal (receive) peer=unconfined,
+  signal (send,receive) peer=vessel-default,
   ptrace (read, readby, trace, tracedby) peer=vessel-default,
 
   deny mount,
@@ -221,6 +225,25 @@ mod tests {
             }),
             apparmor_profile: old.into(),
             ..Default::default()
+        }
+    }
+
+    /// The default profile compiles (where there is a parser to compile it, loaded or not)
+    /// and lets signals only in from outside the profile, not out of it.
+    #[test]
+    fn the_default_profile_compiles_and_confines_signals() {
+        assert!(DEFAULT_PROFILE_TEXT.contains("signal (receive) peer=unconfined,"));
+        assert!(!DEFAULT_PROFILE_TEXT.contains("  signal,"));
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("vessel-default");
+        std::fs::write(&p, DEFAULT_PROFILE_TEXT).unwrap();
+        match std::process::Command::new("apparmor_parser")
+            .args(["-Q", "-S"])
+            .arg(&p)
+            .output()
+        {
+            Ok(o) => assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr)),
+            Err(e) => println!("SKIP compiling the default profile: apparmor_parser: {e}"),
         }
     }
 

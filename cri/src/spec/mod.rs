@@ -854,6 +854,80 @@ mod tests {
             let ns = spec["linux"]["namespaces"].as_array().unwrap();
             assert!(ns.contains(&serde_json::json!({"type": "pid", "path": "agent"})));
         }
+        // Nor as an ambient capability, nor with ALL.
+        for caps in [
+            cri::Capability {
+                add_ambient_capabilities: vec!["sys_ptrace".into()],
+                ..Default::default()
+            },
+            cri::Capability {
+                add_capabilities: vec!["all".into()],
+                ..Default::default()
+            },
+        ] {
+            let mut cfg = cfg.clone();
+            let sc = cfg
+                .linux
+                .as_mut()
+                .unwrap()
+                .security_context
+                .as_mut()
+                .unwrap();
+            sc.capabilities = Some(caps);
+            let e = try_spec_in(&cfg, false, false).unwrap_err();
+            assert!(e.to_string().contains("CAP_SYS_PTRACE"), "{e}");
+        }
+    }
+
+    /// A dropped capability is dropped from every set, the ambient one too (the CRI API's
+    /// rule): an ambient capability that is also dropped, or not added where ALL is dropped,
+    /// is not granted.
+    #[test]
+    fn dropped_capabilities_are_not_ambient() {
+        let spec_with = |caps: cri::Capability| {
+            let cfg = cri::ContainerConfig {
+                command: vec!["sh".into()],
+                linux: Some(cri::LinuxContainerConfig {
+                    security_context: Some(cri::LinuxContainerSecurityContext {
+                        capabilities: Some(caps),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            simple_spec(&cfg, false)["process"]["capabilities"].clone()
+        };
+        let has = |caps: &serde_json::Value, set: &str, cap: &str| {
+            caps[set]
+                .as_array()
+                .is_some_and(|a| a.contains(&serde_json::json!(cap)))
+        };
+        let caps = spec_with(cri::Capability {
+            add_ambient_capabilities: vec!["NET_RAW".into(), "NET_ADMIN".into()],
+            drop_capabilities: vec!["CAP_NET_RAW".into()],
+            ..Default::default()
+        });
+        for set in [
+            "bounding",
+            "effective",
+            "permitted",
+            "inheritable",
+            "ambient",
+        ] {
+            assert!(!has(&caps, set, "CAP_NET_RAW"), "{set}: {caps}");
+        }
+        assert!(has(&caps, "ambient", "CAP_NET_ADMIN"), "{caps}");
+        let caps = spec_with(cri::Capability {
+            add_capabilities: vec!["NET_BIND_SERVICE".into()],
+            add_ambient_capabilities: vec!["NET_BIND_SERVICE".into(), "NET_ADMIN".into()],
+            drop_capabilities: vec!["ALL".into()],
+        });
+        assert_eq!(
+            caps["bounding"],
+            serde_json::json!(["CAP_NET_BIND_SERVICE"])
+        );
+        assert_eq!(caps["ambient"], serde_json::json!(["CAP_NET_BIND_SERVICE"]));
     }
 
     /// The host's cpusets (kubelet's CPU manager) are applied in a flat pod, not in a VM

@@ -98,12 +98,11 @@ pub(super) fn build(
             // host's root: a container there that may ptrace it would reach the host's files
             // through /proc/1/root. In a VM pod PID 1 is the guest's agent, inside the pod's
             // own kernel.
-            let ptrace = sc.and_then(|s| s.capabilities.as_ref()).is_some_and(|c| {
-                c.add_capabilities.iter().any(|a| {
-                    let a = a.to_ascii_uppercase();
-                    matches!(a.as_str(), "SYS_PTRACE" | "CAP_SYS_PTRACE" | "ALL")
-                })
-            });
+            // Whichever way it would get it: added, with ALL, or as an ambient capability.
+            let ptrace = super::security::capabilities(sc, false)
+                .iter()
+                .chain(&super::security::ambient_capabilities(sc))
+                .any(|c| c == "CAP_SYS_PTRACE");
             let agent_is_pid1 = !input.vm_guest && userns.is_none() && !input.pid_holder;
             if ptrace && !privileged && agent_is_pid1 {
                 return Err(invalid(

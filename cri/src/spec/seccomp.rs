@@ -7,7 +7,7 @@
 //! capability are allowed only where the container's bounding set holds it; without
 //! CAP_SYS_ADMIN, `clone` may not create namespaces and `clone3` answers ENOSYS (so that libc
 //! falls back to `clone`, whose flags a filter can see); `personality` takes only the
-//! harmless personas; `socket` refuses AF_VSOCK. io_uring is left out, as containerd 2.0
+//! harmless personas; `socket` refuses AF_ALG and AF_VSOCK. io_uring is left out, as containerd 2.0
 //! leaves it out: its requests (socket creation among them) run where no filter sees them.
 //!
 //! Argument comparisons are written with runc's meaning of SCMP_CMP_MASKED_EQ
@@ -29,6 +29,10 @@ const MAX_PROFILE: u64 = 1 << 20;
 /// `AF_VSOCK` from <sys/socket.h>.
 const AF_VSOCK: u64 = 40;
 
+/// `AF_ALG` from <sys/socket.h>: the kernel crypto API, which containerd's default profile
+/// refuses since 2026 (its sockets reached exploitable kernel code from any container).
+const AF_ALG: u64 = 38;
+
 /// The namespace flags of `clone` (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET).
 const CLONE_NS_FLAGS: u64 =
     0x0002_0000 | 0x0200_0000 | 0x0400_0000 | 0x0800_0000 | 0x1000_0000 | 0x2000_0000 | 0x4000_0000;
@@ -46,7 +50,7 @@ const ALLOWED: &[&[&str]] = &[
         "access", "chdir", "chmod", "chown", "chown32", "close", "close_range",
         "copy_file_range", "creat", "dup", "dup2", "dup3", "faccessat", "faccessat2",
         "fadvise64", "fadvise64_64", "fallocate", "fanotify_mark", "fchdir", "fchmod",
-        "fchmodat", "fchown", "fchown32", "fchownat", "fcntl", "fcntl64", "fdatasync",
+        "fchmodat", "fchmodat2", "fchown", "fchown32", "fchownat", "fcntl", "fcntl64", "fdatasync",
         "fgetxattr", "flistxattr", "flock", "fremovexattr", "fsetxattr", "fstat", "fstat64",
         "fstatat64", "fstatfs", "fstatfs64", "fsync", "ftruncate", "ftruncate64", "futimesat",
         "getcwd", "getdents", "getdents64", "getxattr", "inotify_add_watch", "inotify_init",
@@ -61,6 +65,11 @@ const ALLOWED: &[&[&str]] = &[
         "symlinkat", "sync", "sync_file_range", "syncfs", "tee", "truncate", "truncate64",
         "umask", "unlink", "unlinkat", "utime", "utimensat", "utimensat_time64", "utimes",
         "vmsplice", "write", "writev",
+        // Newer than containerd 1.7's list: glibc 2.39 implements fchmodat's
+        // AT_SYMLINK_NOFOLLOW with fchmodat2 and falls back only on ENOSYS, so an EPERM
+        // broke tar and chmod -h in current images.
+        "cachestat", "getxattrat", "listmount", "listxattrat", "removexattrat", "setxattrat",
+        "statmount",
     ],
     // Asynchronous and multiplexed I/O.
     &[
@@ -77,11 +86,13 @@ const ALLOWED: &[&[&str]] = &[
         "brk", "madvise", "membarrier", "memfd_create", "memfd_secret", "mincore", "mlock",
         "mlock2", "mlockall", "mmap", "mmap2", "mprotect", "mremap", "msync", "munlock",
         "munlockall", "munmap", "pkey_alloc", "pkey_free", "pkey_mprotect", "remap_file_pages",
+        "map_shadow_stack", "mseal",
     ],
     // Processes, threads, credentials and limits.
     &[
         "capget", "capset", "execve", "execveat", "exit", "exit_group", "fork", "futex",
-        "futex_time64", "futex_waitv", "get_robust_list", "get_thread_area", "getcpu",
+        "futex_requeue", "futex_time64", "futex_wait", "futex_waitv", "futex_wake",
+        "lsm_get_self_attr", "lsm_list_modules", "lsm_set_self_attr", "uretprobe", "get_robust_list", "get_thread_area", "getcpu",
         "getegid", "getegid32", "geteuid", "geteuid32", "getgid", "getgid32", "getgroups",
         "getgroups32", "getpgid", "getpgrp", "getpid", "getppid", "getpriority", "getrandom",
         "getresgid", "getresgid32", "getresuid", "getresuid32", "getrlimit", "getrusage",
@@ -111,7 +122,7 @@ const ALLOWED: &[&[&str]] = &[
         "time", "timer_create", "timer_delete", "timer_getoverrun", "timer_gettime",
         "timer_gettime64", "timer_settime", "timer_settime64", "times",
     ],
-    // Sockets (`socket` itself is below: not for AF_VSOCK).
+    // Sockets (`socket` itself is below: not for AF_ALG nor AF_VSOCK).
     &[
         "accept", "accept4", "bind", "connect", "getpeername", "getsockname", "getsockopt",
         "listen", "recv", "recvfrom", "recvmmsg", "recvmmsg_time64", "recvmsg", "send",
@@ -282,11 +293,17 @@ pub fn runtime_default(bounding: &[String]) -> Value {
     }
     allowed.sort_unstable();
     allowed.dedup();
-    let mut rules = vec![
-        json!({"names": allowed, "action": "SCMP_ACT_ALLOW"}),
-        json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
-               "args": [arg(0, AF_VSOCK, "SCMP_CMP_NE")]}),
-    ];
+    // Every family but AF_ALG and AF_VSOCK: ranges, one condition each (several conditions
+    // on one argument are read as "any of them" by runc).
+    let mut rules = vec![json!({"names": allowed, "action": "SCMP_ACT_ALLOW"})];
+    for (family, op) in [
+        (AF_ALG, "SCMP_CMP_LT"),
+        (AF_ALG + 1, "SCMP_CMP_EQ"),
+        (AF_VSOCK, "SCMP_CMP_GT"),
+    ] {
+        rules.push(json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
+                          "args": [arg(0, family, op)]}));
+    }
     for p in PERSONAS {
         rules.push(json!({"names": ["personality"], "action": "SCMP_ACT_ALLOW",
                           "args": [arg(0, *p, "SCMP_CMP_EQ")]}));
@@ -408,11 +425,45 @@ mod tests {
             .find(|r| r["names"] == json!(["clone3"]))
             .unwrap();
         assert_eq!(clone3["errnoRet"], libc::ENOSYS);
-        let socket = rules
+        // socket: every family but AF_ALG (38) and AF_VSOCK (40).
+        let socket: Vec<_> = rules
             .iter()
-            .find(|r| r["names"] == json!(["socket"]))
-            .unwrap();
-        assert_eq!(socket["args"][0]["op"], "SCMP_CMP_NE");
+            .filter(|r| r["names"] == json!(["socket"]))
+            .collect();
+        let allows = |family: u64| {
+            socket.iter().any(|r| {
+                let (v, op) = (r["args"][0]["value"].as_u64().unwrap(), &r["args"][0]["op"]);
+                assert_eq!(r["args"].as_array().unwrap().len(), 1, "{r}");
+                match op.as_str().unwrap() {
+                    "SCMP_CMP_LT" => family < v,
+                    "SCMP_CMP_EQ" => family == v,
+                    "SCMP_CMP_GT" => family > v,
+                    o => panic!("{o}"),
+                }
+            })
+        };
+        for (family, want) in [(1, true), (2, true), (10, true), (16, true), (17, true)] {
+            assert_eq!(allows(family), want, "family {family}");
+        }
+        for (family, want) in [(37, true), (38, false), (39, true), (40, false), (44, true)] {
+            assert_eq!(allows(family), want, "family {family}");
+        }
+        // What containerd's list gained since 1.7: refused with EPERM, glibc's fchmodat2
+        // fallback (on ENOSYS only) never ran, and tar failed.
+        for n in [
+            "fchmodat2",
+            "cachestat",
+            "futex_wait",
+            "futex_wake",
+            "futex_requeue",
+            "map_shadow_stack",
+            "mseal",
+            "statmount",
+            "listmount",
+            "lsm_get_self_attr",
+        ] {
+            assert!(allowed.iter().any(|a| a == n), "{n} not allowed");
+        }
 
         let admin = runtime_default(&caps(&["CAP_SYS_ADMIN", "CAP_SYS_TIME"]));
         let allowed = names_allowed(&admin);

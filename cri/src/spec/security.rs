@@ -74,14 +74,25 @@ pub(super) const DEFAULT_READONLY: &[&str] = &[
 
 /// The ambient capabilities a container asks for (CRI `add_ambient_capabilities`).
 pub(super) fn ambient_capabilities(sc: Option<&cri::LinuxContainerSecurityContext>) -> Vec<String> {
-    sc.and_then(|s| s.capabilities.as_ref())
-        .map(|c| {
-            c.add_ambient_capabilities
-                .iter()
-                .map(|a| norm_cap(a))
-                .collect()
-        })
-        .unwrap_or_default()
+    let Some(c) = sc.and_then(|s| s.capabilities.as_ref()) else {
+        return Vec::new();
+    };
+    // A dropped capability is dropped from every set, ambient too (as the CRI API says):
+    // one named in the drops, or every one not explicitly added where ALL is dropped.
+    let named = |list: &[String], cap: &str| list.iter().any(|x| norm_cap(x) == cap);
+    let drop_all = c
+        .drop_capabilities
+        .iter()
+        .any(|x| x.eq_ignore_ascii_case("ALL"));
+    let mut out: Vec<String> = Vec::new();
+    for a in c.add_ambient_capabilities.iter().map(|a| norm_cap(a)) {
+        let dropped =
+            named(&c.drop_capabilities, &a) || (drop_all && !named(&c.add_capabilities, &a));
+        if !dropped && !out.contains(&a) {
+            out.push(a);
+        }
+    }
+    out
 }
 
 /// `CAP_X` for `x`, `X` or `CAP_X`.
