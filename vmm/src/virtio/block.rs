@@ -254,7 +254,7 @@ impl Block {
             sector
                 .checked_mul(SECTOR_SIZE)
                 .zip(Some(len))
-                .is_some_and(|(o, l)| o + l <= sectors * SECTOR_SIZE)
+                .is_some_and(|(o, l)| o.checked_add(l).is_some_and(|e| e <= sectors * SECTOR_SIZE))
         };
         let (status, written) = match typ {
             VIRTIO_BLK_T_IN => {
@@ -543,6 +543,25 @@ mod tests {
         assert!(std::fs::read(f.path()).unwrap()[512..1024]
             .iter()
             .all(|b| *b == 1));
+    }
+
+    /// A sector whose byte offset fits in 64 bits but whose end does not is past the disk:
+    /// an I/O error, not an overflow (a panic of the vCPU thread with overflow checks on,
+    /// a wrapped range check without).
+    #[test]
+    fn a_sector_at_the_end_of_the_u64_range_is_an_io_error() {
+        let f = disk(4 * 512);
+        let dev = Block::new(f.path(), false, "big").unwrap();
+        let mut d = Driver::new(Box::new(dev), 0);
+        d.init(&[0]);
+        for sector in [u64::MAX / 512, u64::MAX / 512 - 1, 4, u64::MAX] {
+            assert_eq!(
+                read_sector(&mut d, sector).0,
+                VIRTIO_BLK_S_IOERR,
+                "{sector}"
+            );
+        }
+        assert_eq!(read_sector(&mut d, 3).0, VIRTIO_BLK_S_OK);
     }
 
     #[test]

@@ -441,14 +441,22 @@ fn serve(server: &FsServer, active: &Mutex<Option<Active>>, wake: &EventFd, stop
 /// Handles every available chain of queue `q`, then tells the driver if it wants to know.
 fn drain(server: &FsServer, a: &mut Active, q: usize) {
     let mut used = false;
+    let mut looked_again = false;
     loop {
         let Some(chain) = a.queues[q].pop_descriptor_chain(&a.view) else {
-            // Notifications were off while we worked; look again after turning them on.
+            // Notifications were off while we worked; look again after turning them on,
+            // once: a driver whose available index is bogus (more than a queue ahead) has
+            // more to pop by that index, and nothing that can be popped.
+            if looked_again {
+                break;
+            }
+            looked_again = true;
             match a.queues[q].enable_notification(&a.view) {
                 Ok(true) => continue,
                 _ => break,
             }
         };
+        looked_again = false;
         let head = chain.head_index();
         let len = match handle(server, &a.view, chain) {
             Ok(n) => n,
@@ -490,6 +498,7 @@ mod tests {
     use super::*;
     use crate::virtio::testing::{Driver, F_READ, F_WRITE};
     use std::time::Instant;
+    use vm_memory::{Bytes, GuestAddress};
 
     const REQQ: usize = 1;
 
@@ -533,6 +542,30 @@ mod tests {
         }
         assert_eq!(call(&mut drv, 1, 26, 0, &init).0, 0);
         drv
+    }
+
+    /// A driver whose available index runs more than a queue ahead of the device (nothing
+    /// can be popped, while the index says there is more) neither spins the device's
+    /// worker nor holds up a reset and the device's end: before, the worker looped for good
+    /// holding the device, and the reset (a vCPU) and the drop (the VMM's teardown) hung.
+    #[test]
+    fn a_bogus_available_index_does_not_hang_the_device() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let d = tempfile::tempdir().unwrap();
+            let mut drv = session(d.path());
+            // Queue 1's available ring is at 0x2_1000; its index at +2.
+            drv.mem
+                .write_obj(0x2000u16, GuestAddress(0x2_1002))
+                .unwrap();
+            drv.notify(1);
+            std::thread::sleep(Duration::from_millis(200));
+            drv.write_reg(0x70, 0);
+            drop(drv);
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the reset and the drop returned");
     }
 
     fn u64_at(b: &[u8], at: usize) -> u64 {

@@ -125,7 +125,8 @@ impl MmioTransport {
         let setup = !self.activated;
         match offset {
             0x14 => self.device_features_sel = v,
-            0x20 if setup => {
+            // Only before FEATURES_OK: what was checked then is what the device gets.
+            0x20 if setup && self.status & STATUS_FEATURES_OK == 0 => {
                 let shift = match self.driver_features_sel {
                     0 => 0,
                     1 => 32,
@@ -295,5 +296,70 @@ impl MmioBus {
             }
             None => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::testing::Driver;
+    use crate::virtio::DeviceError;
+
+    /// A device that offers nothing beyond VERSION_1 and records what it was activated
+    /// with.
+    struct Recorder(Arc<Mutex<Option<u64>>>);
+
+    impl VirtioDevice for Recorder {
+        fn device_type(&self) -> u32 {
+            0x7f
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16]
+        }
+        fn features(&self) -> u64 {
+            0
+        }
+        fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
+        fn activate(
+            &mut self,
+            _mem: GuestMemoryMmap,
+            _queues: Vec<Queue>,
+            acked: u64,
+            _interrupt: Arc<Interrupt>,
+        ) -> Result<(), DeviceError> {
+            *self.0.lock().unwrap() = Some(acked);
+            Ok(())
+        }
+        fn process_queue(&mut self, _index: usize) {}
+        fn reset(&mut self) {}
+    }
+
+    /// Features written after FEATURES_OK (which checked the ones written before) never
+    /// reach the device: it gets what was checked.
+    #[test]
+    fn features_written_after_features_ok_are_ignored() {
+        let acked = Arc::new(Mutex::new(None));
+        let mut d = Driver::new(Box::new(Recorder(acked.clone())), 0);
+        d.init(&[0]);
+        assert_eq!(*acked.lock().unwrap(), Some(VIRTIO_F_VERSION_1));
+        // Again, from a reset, with a feature the device never offered written late.
+        d.write_reg(0x70, 0);
+        *acked.lock().unwrap() = None;
+        d.write_reg(0x70, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
+        d.write_reg(0x24, 1);
+        d.write_reg(0x20, 1); // VERSION_1 (bit 32)
+        let ok = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK;
+        d.write_reg(0x70, ok);
+        assert_eq!(d.read_reg(0x70) & STATUS_FEATURES_OK, STATUS_FEATURES_OK);
+        d.write_reg(0x24, 0);
+        d.write_reg(0x20, 1 << 29); // EVENT_IDX, not offered
+        d.write_reg(0x30, 0);
+        d.write_reg(0x38, 16);
+        d.write_reg(0x80, 0x1_0000);
+        d.write_reg(0x90, 0x1_1000);
+        d.write_reg(0xa0, 0x1_2000);
+        d.write_reg(0x44, 1);
+        d.write_reg(0x70, ok | STATUS_DRIVER_OK);
+        assert_eq!(*acked.lock().unwrap(), Some(VIRTIO_F_VERSION_1));
     }
 }

@@ -38,6 +38,16 @@ const MAX_PKT_DATA: u32 = 64 * 1024;
 const CONN_BUF: u32 = 256 * 1024;
 /// First local port used for host-initiated connections.
 const HOST_PORT_BASE: u32 = 1 << 30;
+/// Control packets waiting for an RX buffer, at most: a guest that posts none while it
+/// sends packets that each want an answer (resets of bogus packets, credit updates) makes
+/// no more of them (Firecracker bounds its queue too).
+const MAX_CTL: usize = 1024;
+/// Connections at most, as Firecracker's muxer has: each holds a host descriptor.
+const MAX_CONNS: usize = 1024;
+/// How long a host-initiated connection waits for the guest's RESPONSE: one the guest
+/// ignores is dropped (its host client sees the stream close without an OK line). Longer
+/// than Firecracker's 2 s: a guest in the nested test harness runs ~1000x slower.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub const OP_REQUEST: u16 = 1;
 pub const OP_RESPONSE: u16 = 2;
@@ -74,6 +84,8 @@ enum State {
 struct Conn {
     stream: UnixStream,
     state: State,
+    /// When the connection was made (a host-initiated one's REQUEST).
+    since: std::time::Instant,
     peer_buf_alloc: u32,
     peer_fwd_cnt: u32,
     /// Bytes sent to the guest.
@@ -97,6 +109,7 @@ impl Conn {
         Conn {
             stream,
             state,
+            since: std::time::Instant::now(),
             peer_buf_alloc: 0,
             peer_fwd_cnt: 0,
             tx_cnt: 0,
@@ -147,7 +160,12 @@ struct Inner {
     /// Host clients that have not sent their CONNECT line yet.
     pending: Vec<(UnixStream, Vec<u8>)>,
     conns: HashMap<Key, Conn>,
+    /// At most [`MAX_CONNS`], and [`CONNECT_TIMEOUT`] (fields, for tests).
+    max_conns: usize,
+    connect_timeout: std::time::Duration,
     ctl: VecDeque<Ctl>,
+    /// Control packets dropped for want of room (logged once per burst).
+    ctl_dropped: u64,
     next_port: u32,
     active: Option<(GuestMemoryMmap, Queue, Queue, Arc<Interrupt>)>,
 }
@@ -181,7 +199,10 @@ impl Vsock {
             listener,
             pending: Vec::new(),
             conns: HashMap::new(),
+            max_conns: MAX_CONNS,
+            connect_timeout: CONNECT_TIMEOUT,
             ctl: VecDeque::new(),
+            ctl_dropped: 0,
             next_port: HOST_PORT_BASE,
             active: None,
         }));
@@ -259,6 +280,19 @@ impl VirtioDevice for Vsock {
 }
 
 impl Inner {
+    /// Queues a control packet for the guest, or drops it where [`MAX_CTL`] wait.
+    fn push_ctl(&mut self, c: Ctl) {
+        if self.ctl.len() >= MAX_CTL {
+            if self.ctl_dropped == 0 {
+                tracing::warn!("vsock: the guest takes no control packets; dropping them");
+            }
+            self.ctl_dropped += 1;
+            return;
+        }
+        self.ctl_dropped = 0;
+        self.ctl.push_back(c);
+    }
+
     /// Handles the TX queue, then fills the RX queue with what is waiting.
     fn process(&mut self) {
         let tx_used = self.process_tx();
@@ -317,7 +351,7 @@ impl Inner {
         let key = (p.dst_port, p.src_port);
         if p.src_cid != self.guest_cid || p.dst_cid != HOST_CID || p.type_ != TYPE_STREAM {
             if p.op != OP_RST {
-                self.ctl.push_back((OP_RST, p.dst_port, p.src_port, 0));
+                self.push_ctl((OP_RST, p.dst_port, p.src_port, 0));
             }
             return;
         }
@@ -327,22 +361,22 @@ impl Inner {
         }
         match p.op {
             OP_REQUEST => {
-                if self.conns.contains_key(&key) {
-                    self.ctl.push_back((OP_RST, key.0, key.1, 0));
+                if self.conns.contains_key(&key) || self.conns.len() >= self.max_conns {
+                    self.push_ctl((OP_RST, key.0, key.1, 0));
                     return;
                 }
                 let path = format!("{}_{}", self.uds.display(), p.dst_port);
-                match UnixStream::connect(&path).and_then(|s| s.set_nonblocking(true).map(|_| s)) {
+                match connect_nonblocking(Path::new(&path)) {
                     Ok(s) => {
                         let mut c = Conn::new(s, State::Established);
                         c.peer_buf_alloc = p.buf_alloc;
                         c.peer_fwd_cnt = p.fwd_cnt;
                         self.conns.insert(key, c);
-                        self.ctl.push_back((OP_RESPONSE, key.0, key.1, 0));
+                        self.push_ctl((OP_RESPONSE, key.0, key.1, 0));
                     }
                     Err(e) => {
                         tracing::debug!("vsock: guest connect to {path}: {e}");
-                        self.ctl.push_back((OP_RST, key.0, key.1, 0));
+                        self.push_ctl((OP_RST, key.0, key.1, 0));
                     }
                 }
             }
@@ -359,13 +393,26 @@ impl Inner {
                         self.close(key, true);
                     }
                 }
-                _ => self.ctl.push_back((OP_RST, key.0, key.1, 0)),
+                _ => self.push_ctl((OP_RST, key.0, key.1, 0)),
             },
             OP_RW => {
                 let Some(c) = self.conns.get_mut(&key) else {
-                    self.ctl.push_back((OP_RST, key.0, key.1, 0));
+                    self.push_ctl((OP_RST, key.0, key.1, 0));
                     return;
                 };
+                // Data before the guest accepted a host connection (it would reach the
+                // host client ahead of the OK line), or past the credit we gave (what the
+                // host has not taken yet is bounded by our buffer, plus the OK line): reset.
+                if c.state != State::Established
+                    || c.to_stream.len() + p.data.len() > CONN_BUF as usize + 64
+                {
+                    tracing::warn!(
+                        port = key.1,
+                        "vsock: the guest sent data it had no right to; resetting"
+                    );
+                    self.close(key, true);
+                    return;
+                }
                 c.to_stream.extend_from_slice(&p.data);
                 if c.flush_to_stream().is_err() {
                     self.close(key, true);
@@ -375,7 +422,7 @@ impl Inner {
             }
             OP_CREDIT_REQUEST => {
                 if self.conns.contains_key(&key) {
-                    self.ctl.push_back((OP_CREDIT_UPDATE, key.0, key.1, 0));
+                    self.push_ctl((OP_CREDIT_UPDATE, key.0, key.1, 0));
                 }
             }
             OP_CREDIT_UPDATE => {}
@@ -401,7 +448,7 @@ impl Inner {
                 }
                 self.close(key, false);
             }
-            _ => self.ctl.push_back((OP_RST, key.0, key.1, 0)),
+            _ => self.push_ctl((OP_RST, key.0, key.1, 0)),
         }
     }
 
@@ -416,7 +463,7 @@ impl Inner {
         if c.fwd_cnt.wrapping_sub(c.last_fwd_cnt_sent) >= CONN_BUF / 4
             && !self.ctl.contains(&(OP_CREDIT_UPDATE, key.0, key.1, 0))
         {
-            self.ctl.push_back((OP_CREDIT_UPDATE, key.0, key.1, 0));
+            self.push_ctl((OP_CREDIT_UPDATE, key.0, key.1, 0));
         }
     }
 
@@ -440,7 +487,7 @@ impl Inner {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
         if send_rst {
-            self.ctl.push_back((OP_RST, key.0, key.1, 0));
+            self.push_ctl((OP_RST, key.0, key.1, 0));
         }
     }
 
@@ -565,11 +612,34 @@ impl Inner {
             tracing::debug!("vsock: bad host request {line:?}");
             return;
         };
+        if self.conns.len() >= self.max_conns || self.ctl.len() >= MAX_CTL {
+            tracing::warn!(port, "vsock: too many connections; refusing a host one");
+            return;
+        }
         let local = self.next_port;
         self.next_port = self.next_port.wrapping_add(1).max(HOST_PORT_BASE);
         self.conns
             .insert((local, port), Conn::new(stream, State::Connecting));
-        self.ctl.push_back((OP_REQUEST, local, port, 0));
+        self.push_ctl((OP_REQUEST, local, port, 0));
+    }
+
+    /// Drops host-initiated connections the guest has not answered within
+    /// [`CONNECT_TIMEOUT`], resetting them on the guest's side.
+    fn expire_connecting(&mut self) {
+        let timeout = self.connect_timeout;
+        let stale: Vec<Key> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.state == State::Connecting && c.since.elapsed() > timeout)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stale {
+            tracing::debug!(
+                port = key.1,
+                "vsock: the guest did not answer a host connection"
+            );
+            self.close(key, true);
+        }
     }
 }
 
@@ -635,6 +705,7 @@ fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
             continue;
         }
         let mut g = lock(inner);
+        let mut back_off = false;
         let mut finished_pending = Vec::new();
         for (fd, t) in fds.iter().zip(what.iter()) {
             if fd.revents == 0 {
@@ -644,13 +715,23 @@ fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
                 Target::Wake => {
                     let _ = wake.read();
                 }
-                Target::Listener => {
-                    while let Ok((s, _)) = g.listener.accept() {
-                        if s.set_nonblocking(true).is_ok() {
-                            g.pending.push((s, Vec::new()));
+                Target::Listener => loop {
+                    match g.listener.accept() {
+                        Ok((s, _)) => {
+                            if s.set_nonblocking(true).is_ok() {
+                                g.pending.push((s, Vec::new()));
+                            }
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            // Out of descriptors: the listener stays readable; wait a
+                            // little rather than spin on it.
+                            tracing::warn!("vsock: accept: {e}");
+                            back_off = true;
+                            break;
                         }
                     }
-                }
+                },
                 Target::Pending(i) => {
                     let (s, line) = &mut g.pending[*i];
                     let mut b = [0u8; 64];
@@ -693,8 +774,28 @@ fn event_loop(inner: &Mutex<Inner>, wake: &EventFd, stop: &AtomicBool) {
                 g.host_connect(s, &line);
             }
         }
+        g.expire_connecting();
         g.process();
+        drop(g);
+        if back_off {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
     }
+}
+
+/// Connects to the Unix socket at `path` without waiting: a listener whose backlog is full
+/// refuses (EAGAIN) rather than holding up the vCPU thread that asked, with the device
+/// locked.
+fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+    Ok(UnixStream::from(fd))
 }
 
 enum Target {
@@ -750,7 +851,10 @@ mod tests {
 
     impl Guest {
         fn new(uds: &Path) -> Self {
-            let dev = Vsock::new(GUEST, uds).unwrap();
+            Self::with(Vsock::new(GUEST, uds).unwrap())
+        }
+
+        fn with(dev: Vsock) -> Self {
             let mut d = Driver::new(Box::new(dev), 0);
             assert_eq!(d.read_reg(0x08), VIRTIO_ID_VSOCK);
             assert_eq!(d.read_config_u64(0), GUEST);
@@ -832,6 +936,159 @@ mod tests {
             }
             assert_eq!(self.d.used(TXQ).len(), 1);
         }
+    }
+
+    /// A guest that posts no RX buffers while it sends packets that each want an answer
+    /// (to a CID that is not the host's) leaves at most MAX_CTL answers queued; before,
+    /// the queue grew without bound, by up to 256 entries a notification.
+    #[test]
+    fn unanswered_control_packets_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = Vsock::new(GUEST, &dir.path().join("v.sock")).unwrap();
+        let inner = dev.inner.clone();
+        let mut d = Driver::new(Box::new(dev), 0);
+        d.init(&[0, 1, 2]);
+        let mut h = hdr(1, 2, 0, OP_REQUEST, 0, 0);
+        h[8..16].copy_from_slice(&99u64.to_le_bytes()); // dst_cid: not the host
+        let h = d.buf(&h);
+        for _ in 0..(MAX_CTL + 200) / 8 {
+            for _ in 0..8 {
+                d.add(TXQ, &[(h, HDR, F_READ)]);
+            }
+            #[allow(clippy::cast_possible_truncation)]
+            d.notify(TXQ as u32);
+            d.used(TXQ);
+        }
+        let n = lock(&inner).ctl.len();
+        assert_eq!(n, MAX_CTL, "control packets queued");
+    }
+
+    /// The guest's data past the credit the device gave (the host client reads nothing)
+    /// resets the connection instead of growing the device's buffer without bound; data on a
+    /// host connection the guest has not accepted does too, and never reaches the host
+    /// client ahead of its OK line.
+    #[test]
+    fn data_past_the_credit_or_before_the_response_resets() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let listener = UnixListener::bind(format!("{}_5", uds.display())).unwrap();
+        let dev = Vsock::new(GUEST, &uds).unwrap();
+        let inner = dev.inner.clone();
+        let mut g = Guest::with(dev);
+        g.send(700, 5, OP_REQUEST, 0, &[]);
+        assert_eq!(g.recv().op, OP_RESPONSE);
+        let (_held, _) = listener.accept().unwrap(); // never read
+        let chunk = vec![7u8; 4096];
+        let mut reset = false;
+        for _ in 0..(2 << 20) / chunk.len() {
+            g.send(700, 5, OP_RW, 0, &chunk);
+            if lock(&inner).conns.is_empty() {
+                reset = true;
+                break;
+            }
+        }
+        assert!(reset, "2 MiB past a 256 KiB credit were taken");
+        // Credit updates may come first.
+        let mut ops = Vec::new();
+        while ops.len() < 16 && ops.last() != Some(&OP_RST) {
+            ops.push(g.recv().op);
+        }
+        assert_eq!(ops.last(), Some(&OP_RST), "{ops:?}");
+
+        // A host connection: data before the guest's RESPONSE resets it.
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 1234\n").unwrap();
+        let local = loop {
+            let p = g.recv();
+            if p.op == OP_REQUEST {
+                break p.src_port;
+            }
+        };
+        g.send(1234, local, OP_RW, 0, b"injected");
+        assert_eq!(g.recv().op, OP_RST);
+        let mut b = Vec::new();
+        host.read_to_end(&mut b).unwrap();
+        assert!(b.is_empty(), "the host client read {b:?}");
+    }
+
+    /// The guest gets a reset, not a connection, past the connection limit; a host
+    /// connection the guest never answers goes after the connect timeout (its client sees
+    /// the stream close).
+    #[test]
+    fn connections_are_bounded_and_unanswered_ones_expire() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("v.sock");
+        let listener = UnixListener::bind(format!("{}_7", uds.display())).unwrap();
+        let dev = Vsock::new(GUEST, &uds).unwrap();
+        let inner = dev.inner.clone();
+        {
+            let mut i = lock(&inner);
+            i.max_conns = 4;
+            i.connect_timeout = Duration::from_millis(300);
+        }
+        let mut g = Guest::with(dev);
+        let mut accepted = Vec::new();
+        for port in 0..6u32 {
+            g.send(800 + port, 7, OP_REQUEST, 0, &[]);
+            let p = g.recv();
+            let want = if port < 4 { OP_RESPONSE } else { OP_RST };
+            assert_eq!((p.dst_port, p.op), (800 + port, want), "connection {port}");
+            if port < 4 {
+                accepted.push(listener.accept().unwrap());
+            }
+        }
+        assert_eq!(lock(&inner).conns.len(), 4);
+        for port in 0..4u32 {
+            g.send(800 + port, 7, OP_RST, 0, &[]);
+        }
+        assert!(lock(&inner).conns.is_empty());
+
+        let mut host = UnixStream::connect(&uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 1234\n").unwrap();
+        assert_eq!(g.recv().op, OP_REQUEST);
+        let t = Instant::now();
+        let mut b = Vec::new();
+        host.read_to_end(&mut b).unwrap();
+        assert!(
+            b.is_empty() && t.elapsed() < Duration::from_secs(4),
+            "{b:?}"
+        );
+        assert_eq!(g.recv().op, OP_RST);
+        assert!(lock(&inner).conns.is_empty());
+    }
+
+    /// A guest connection to a host listener whose backlog is full is refused at once; it
+    /// held up the vCPU thread, with the device locked, until the listener took one.
+    #[test]
+    fn a_full_backlog_refuses_without_waiting() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let dir = tempfile::tempdir().unwrap();
+            let uds = dir.path().join("v.sock");
+            // A listener with a backlog of one that accepts nothing.
+            use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
+            let _listener =
+                rustix::net::socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+            let at = SocketAddrUnix::new(format!("{}_9", uds.display())).unwrap();
+            rustix::net::bind(&_listener, &at).unwrap();
+            rustix::net::listen(&_listener, 1).unwrap();
+            let mut g = Guest::new(&uds);
+            let mut refused = false;
+            for port in 0..16u32 {
+                g.send(2000 + port, 9, OP_REQUEST, 0, &[]);
+                if g.recv().op == OP_RST {
+                    refused = true;
+                    break;
+                }
+            }
+            tx.send(refused).unwrap();
+        });
+        let refused = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the guest's connections did not hang");
+        assert!(refused, "16 connections to a listener that accepts none");
     }
 
     fn read_line(s: &mut UnixStream) -> String {
