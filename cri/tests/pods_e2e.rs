@@ -3736,6 +3736,22 @@ async fn checkpoint_a_running_container() {
     assert_eq!(e.code(), Code::NotFound, "{e}");
     let e = h.checkpoint(&id, "relative.tar", 60).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    // Nor a location that is not a file the archive may replace (it replaced /dev/null).
+    let fifo = dir.path().join("fifo");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let e = h
+        .checkpoint(&id, fifo.to_str().unwrap(), 60)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(rustix::fs::stat(&fifo).is_ok_and(|s| s.st_mode & libc::S_IFMT == libc::S_IFIFO));
     if vm_mode() {
         let e = h.checkpoint(&id, location, 60).await.unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "{e}");

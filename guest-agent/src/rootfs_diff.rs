@@ -32,8 +32,11 @@ pub fn write(upper: &Path, out: &Path) -> io::Result<()> {
 
 /// Archives an overlay upper directory: directories, files and symlinks the container made
 /// or changed, with their modes, owners and times. Answers the paths it deleted from the
-/// image (overlayfs whiteouts, character devices 0:0), which are not archived. Other special
-/// files (sockets, fifos, devices) are left out.
+/// image (overlayfs whiteouts, character devices 0:0), which are not archived, and the
+/// directories it replaced whole (opaque: removed, then made again), which are archived
+/// with what they hold now: a restore removes the image's before it unpacks the diff, or the
+/// image's files would show through again. Other special files (sockets, fifos, devices)
+/// are left out.
 fn write_tar(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
     let mut b = tar::Builder::new(io::BufWriter::new(File::create(out)?));
     b.follow_symlinks(false);
@@ -61,6 +64,9 @@ fn write_tar(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
             if ft.is_char_device() && m.rdev() == 0 {
                 deleted.push(format!("/{}", name.display()));
             } else if ft.is_dir() {
+                if is_opaque(&path) {
+                    deleted.push(format!("/{}", name.display()));
+                }
                 gone(b.append_path_with_name(&path, &name))?;
                 stack.push(name);
             } else if ft.is_file() {
@@ -78,6 +84,18 @@ fn write_tar(upper: &Path, out: &Path) -> io::Result<Vec<String>> {
         .sync_all()?;
     deleted.sort();
     Ok(deleted)
+}
+
+/// Whether an upper directory is opaque: it hides the lower layers' directory of its name
+/// (`trusted.overlay.opaque`, or `user.overlay.opaque` on an overlay mounted with
+/// `userxattr`, set to `y`).
+fn is_opaque(dir: &Path) -> bool {
+    ["trusted.overlay.opaque", "user.overlay.opaque"]
+        .iter()
+        .any(|x| {
+            let mut v = [0u8; 1];
+            rustix::fs::lgetxattr(dir, *x, &mut v).is_ok_and(|n| n == 1 && v[0] == b'y')
+        })
 }
 
 /// Appends a regular file as it is now, though a running container may be writing it: the
@@ -115,5 +133,36 @@ mod tests {
             .collect();
         assert_eq!(paths, ["data", "data/f"]);
         assert!(!d.path().join(DELETED).exists());
+    }
+
+    /// A directory the container replaced whole (opaque in the upper directory) is listed
+    /// as deleted and archived with its new content; before, the image's files came back
+    /// in it at a restore.
+    #[test]
+    fn an_opaque_directory_is_listed_as_deleted() {
+        let d = tempfile::tempdir().unwrap();
+        let upper = d.path().join("upper");
+        std::fs::create_dir_all(upper.join("app/cache")).unwrap();
+        std::fs::write(upper.join("app/cache/new"), b"x").unwrap();
+        if let Err(e) = rustix::fs::lsetxattr(
+            upper.join("app/cache"),
+            "trusted.overlay.opaque",
+            b"y",
+            rustix::fs::XattrFlags::empty(),
+        ) {
+            println!("SKIP an_opaque_directory_is_listed_as_deleted: trusted xattrs: {e}");
+            return;
+        }
+        write(&upper, d.path()).unwrap();
+        let listed: Vec<String> =
+            serde_json::from_slice(&std::fs::read(d.path().join(DELETED)).unwrap()).unwrap();
+        assert_eq!(listed, ["/app/cache"]);
+        let mut a = tar::Archive::new(File::open(d.path().join(DIFF_TAR)).unwrap());
+        let paths: Vec<String> = a
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().display().to_string())
+            .collect();
+        assert_eq!(paths, ["app", "app/cache", "app/cache/new"]);
     }
 }

@@ -92,6 +92,12 @@ impl Runtime {
                 "CheckpointContainer {id}: location {location} is a directory: give the archive's file path"
             )));
         }
+        // Nor a device, a FIFO or a socket, which the archive would replace.
+        if std::fs::metadata(archive).is_ok_and(|m| !m.is_file()) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "CheckpointContainer {id}: location {location} is not a regular file: give the archive's file path"
+            )));
+        }
         let timeout = match timeout_secs {
             n if n < 0 => {
                 return Err(RuntimeError::InvalidArgument(format!(

@@ -221,17 +221,25 @@ impl Checkpoint {
         .map_err(|e| bad(source, e))
     }
 
-    /// The image the checkpointed container ran from, as the store may know it, most exact
-    /// first: its id, its digest reference, its name (a tag may have moved since).
+    /// The image the checkpointed container ran from, as the store may know it: only by
+    /// what names it exactly (an image id, a digest reference) where the archive has that,
+    /// as CRI-O restores only by its image ref; by its names otherwise. A tag may have moved
+    /// since: CRIU restoring the process onto other binaries fails obscurely, or worse.
     pub fn base_images(&self) -> impl Iterator<Item = &str> {
-        [
+        let given = [
             &self.config.rootfs_image,
             &self.config.rootfs_image_ref,
             &self.config.rootfs_image_name,
         ]
         .into_iter()
         .map(|s| s.as_str())
-        .filter(|s| !s.is_empty())
+        .filter(|s| !s.is_empty());
+        let exact = |s: &str| {
+            let hex = s.strip_prefix("sha256:").unwrap_or(s);
+            s.contains('@') || (hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+        };
+        let any_exact = given.clone().any(exact);
+        given.filter(move |s| !any_exact || exact(s))
     }
 
     /// The base image, for messages and for a container record that names no tag of it.
@@ -277,7 +285,11 @@ impl Checkpoint {
     pub fn unpack(&self, snapshot_dir: &Path, root: &Path) -> io::Result<PathBuf> {
         let images = snapshot_dir.join(IMAGES_DIR);
         std::fs::create_dir_all(&images)?;
+        // Deletions read before the diff are applied before it (vessel writes them first, in
+        // name order): a directory the container replaced whole is listed, and goes before
+        // its new content is unpacked. Ones read after it are applied after it.
         let mut deleted = Vec::new();
+        let mut diff_done = false;
         match &self.source {
             Source::Archive(archive) => {
                 let fault = |e| archive_fault("the archive", e);
@@ -292,22 +304,27 @@ impl Checkpoint {
                         }
                     } else if name == Path::new("rootfs-diff.tar") {
                         unpack_diff(&mut e, root)?;
+                        diff_done = true;
                     } else if name == Path::new("deleted.files") {
                         deleted = read_deleted(&mut e)?;
+                        if !diff_done {
+                            deleted.drain(..).try_for_each(|d| remove_in(root, &d))?;
+                        }
                     }
                 }
             }
             Source::Dir(dir) => {
                 copy_images(dir, &images)?;
+                if let Some(mut f) = layer_file(dir, "deleted.files")? {
+                    read_deleted(&mut f)?
+                        .iter()
+                        .try_for_each(|d| remove_in(root, d))?;
+                }
                 if let Some(mut f) = layer_file(dir, "rootfs-diff.tar")? {
                     unpack_diff(&mut f, root)?;
                 }
-                if let Some(mut f) = layer_file(dir, "deleted.files")? {
-                    deleted = read_deleted(&mut f)?;
-                }
             }
         }
-        // After the diff, whatever order the archive has them in.
         deleted.iter().try_for_each(|d| remove_in(root, d))?;
         if !images.join("inventory.img").is_file() {
             return Err(io::Error::new(
@@ -586,6 +603,99 @@ mod tests {
         assert_eq!(
             plain_name(Path::new("./checkpoint/a")),
             Path::new("checkpoint/a")
+        );
+    }
+
+    /// A directory the checkpointed container replaced whole is listed in `deleted.files`
+    /// (which vessel's archives hold before the diff): it goes before the diff's new
+    /// content is unpacked, so that the image's old files do not show through again.
+    #[test]
+    fn deletions_listed_before_the_diff_go_before_it() {
+        let d = tempfile::tempdir().unwrap();
+        let mut diff = tar::Builder::new(Vec::new());
+        for (name, data) in [
+            ("app/", None),
+            ("app/cache/", None),
+            ("app/cache/new", Some(b"n")),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(0o755);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
+            match data {
+                Some(b) => {
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(1);
+                    diff.append_data(&mut h, name, &b[..]).unwrap();
+                }
+                None => {
+                    h.set_entry_type(tar::EntryType::Directory);
+                    h.set_size(0);
+                    diff.append_data(&mut h, name, io::empty()).unwrap();
+                }
+            }
+        }
+        let diff = diff.into_inner().unwrap();
+        let mut a = tar::Builder::new(Vec::new());
+        let mut add = |name: &str, data: &[u8]| {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(0o600);
+            h.set_size(data.len() as u64);
+            a.append_data(&mut h, name, data).unwrap();
+        };
+        add("checkpoint/inventory.img", b"i");
+        add("deleted.files", br#"["/app/cache"]"#);
+        add("rootfs-diff.tar", &diff);
+        let archive = d.path().join("a.tar");
+        std::fs::write(&archive, a.into_inner().unwrap()).unwrap();
+        let root = d.path().join("root");
+        std::fs::create_dir_all(root.join("app/cache")).unwrap();
+        std::fs::write(root.join("app/cache/old"), "image's").unwrap();
+        let c = Checkpoint {
+            source: Source::Archive(archive),
+            config: ConfigDump::default(),
+            process: Process::default(),
+            binds: Vec::new(),
+            userns: false,
+        };
+        c.unpack(&d.path().join("snap"), &root).unwrap();
+        assert!(root.join("app/cache/new").is_file());
+        assert!(!root.join("app/cache/old").exists());
+    }
+
+    /// An archive that names its image exactly is restored onto that image only, never onto
+    /// whatever its tag names now; one that has names only is looked up by them.
+    #[test]
+    fn the_base_image_is_taken_by_its_exact_name_where_there_is_one() {
+        let id = format!("sha256:{}", "ab".repeat(32));
+        let with = |image: &str, r: &str, name: &str| Checkpoint {
+            source: Source::Archive("/a.tar".into()),
+            config: ConfigDump {
+                rootfs_image: image.into(),
+                rootfs_image_ref: r.into(),
+                rootfs_image_name: name.into(),
+                ..Default::default()
+            },
+            process: Process::default(),
+            binds: Vec::new(),
+            userns: false,
+        };
+        // vessel's: id, digest reference, tag.
+        let c = with(&id, "r.io/app@sha256:00", "r.io/app:1");
+        assert_eq!(
+            c.base_images().collect::<Vec<_>>(),
+            [id.as_str(), "r.io/app@sha256:00"]
+        );
+        // CRI-O's: the name typed, the bare id, the name.
+        let bare = "cd".repeat(32);
+        let c = with("app:1", &bare, "localhost/app:1");
+        assert_eq!(c.base_images().collect::<Vec<_>>(), [bare.as_str()]);
+        // Names only.
+        let c = with("app:1", "", "localhost/app:1");
+        assert_eq!(
+            c.base_images().collect::<Vec<_>>(),
+            ["app:1", "localhost/app:1"]
         );
     }
 
