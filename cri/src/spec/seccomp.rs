@@ -33,6 +33,9 @@ const AF_VSOCK: u64 = 40;
 /// refuses since 2026 (its sockets reached exploitable kernel code from any container).
 const AF_ALG: u64 = 38;
 
+/// `AF_MAX` of Linux 6.x: no family has this number or more.
+const AF_MAX: u64 = 46;
+
 /// The namespace flags of `clone` (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET).
 const CLONE_NS_FLAGS: u64 =
     0x0002_0000 | 0x0200_0000 | 0x0400_0000 | 0x0800_0000 | 0x1000_0000 | 0x2000_0000 | 0x4000_0000;
@@ -126,7 +129,7 @@ const ALLOWED: &[&[&str]] = &[
     &[
         "accept", "accept4", "bind", "connect", "getpeername", "getsockname", "getsockopt",
         "listen", "recv", "recvfrom", "recvmmsg", "recvmmsg_time64", "recvmsg", "send",
-        "sendmmsg", "sendmsg", "sendto", "setsockopt", "shutdown", "socketcall", "socketpair",
+        "sendmmsg", "sendmsg", "sendto", "setsockopt", "shutdown", "socketpair",
     ],
     // System V and POSIX IPC.
     &[
@@ -293,17 +296,25 @@ pub fn runtime_default(bounding: &[String]) -> Value {
     }
     allowed.sort_unstable();
     allowed.dedup();
-    // Every family but AF_ALG and AF_VSOCK: ranges, one condition each (several conditions
-    // on one argument are read as "any of them" by runc).
-    let mut rules = vec![json!({"names": allowed, "action": "SCMP_ACT_ALLOW"})];
-    for (family, op) in [
-        (AF_ALG, "SCMP_CMP_LT"),
-        (AF_ALG + 1, "SCMP_CMP_EQ"),
-        (AF_VSOCK, "SCMP_CMP_GT"),
-    ] {
+    // Every family but AF_ALG and AF_VSOCK, one condition a rule (several conditions on one
+    // argument are read as "any of them" by runc): below AF_ALG, then each known family
+    // above it by its number. The comparison is of 64 bits, while the kernel reads an int:
+    // "greater than" would let 0x1_0000_0026 through as AF_ALG.
+    let mut rules = vec![
+        json!({"names": allowed, "action": "SCMP_ACT_ALLOW"}),
+        json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
+               "args": [arg(0, AF_ALG, "SCMP_CMP_LT")]}),
+    ];
+    for family in (AF_ALG + 1..AF_MAX).filter(|f| *f != AF_VSOCK) {
         rules.push(json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
-                          "args": [arg(0, family, op)]}));
+                          "args": [arg(0, family, "SCMP_CMP_EQ")]}));
     }
+    // 32-bit socketcall carries the family where no filter can read it: ENOSYS (not the
+    // default EPERM, or runc drops the rule), as moby's and containerd's profiles now have
+    // it; a current libc makes the direct socket calls (Linux 4.3+), which the rules above
+    // see.
+    rules.push(json!({"names": ["socketcall"], "action": "SCMP_ACT_ERRNO",
+                      "errnoRet": libc::ENOSYS}));
     for p in PERSONAS {
         rules.push(json!({"names": ["personality"], "action": "SCMP_ACT_ALLOW",
                           "args": [arg(0, *p, "SCMP_CMP_EQ")]}));
@@ -337,8 +348,10 @@ fn refuse_vsock(filter: &mut Value) {
         return;
     };
     if allows_by_default {
+        // The low 32 bits, which the kernel reads: 0x1_0000_0028 is AF_VSOCK too.
         rules.push(json!({"names": ["socket"], "action": "SCMP_ACT_ERRNO",
-            "errnoRet": libc::EPERM, "args": [arg(0, AF_VSOCK, "SCMP_CMP_EQ")]}));
+            "errnoRet": libc::EPERM, "args": [{"index": 0, "value": 0xffff_ffffu64,
+            "valueTwo": AF_VSOCK, "op": "SCMP_CMP_MASKED_EQ"}]}));
         return;
     }
     let mut split = Vec::new();
@@ -356,8 +369,14 @@ fn refuse_vsock(filter: &mut Value) {
         let before = names.len();
         names.retain(|n| n != "socket");
         if names.len() != before {
+            // Every family below AF_VSOCK, and each above it by its number ("not equal"
+            // compares 64 bits: 0x1_0000_0028 would pass as AF_VSOCK).
             split.push(json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
-                              "args": [arg(0, AF_VSOCK, "SCMP_CMP_NE")]}));
+                              "args": [arg(0, AF_VSOCK, "SCMP_CMP_LT")]}));
+            for family in AF_VSOCK + 1..AF_MAX {
+                split.push(json!({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
+                                  "args": [arg(0, family, "SCMP_CMP_EQ")]}));
+            }
         }
     }
     rules.extend(split);
@@ -437,7 +456,6 @@ mod tests {
                 match op.as_str().unwrap() {
                     "SCMP_CMP_LT" => family < v,
                     "SCMP_CMP_EQ" => family == v,
-                    "SCMP_CMP_GT" => family > v,
                     o => panic!("{o}"),
                 }
             })
@@ -448,6 +466,16 @@ mod tests {
         for (family, want) in [(37, true), (38, false), (39, true), (40, false), (44, true)] {
             assert_eq!(allows(family), want, "family {family}");
         }
+        // The kernel reads an int: high bits must not carry AF_ALG or AF_VSOCK past a rule.
+        for family in [(1 << 32) | 38, (1 << 32) | 40, u64::MAX] {
+            assert!(!allows(family), "family {family:#x}");
+        }
+        let socketcall = rules
+            .iter()
+            .find(|r| r["names"] == json!(["socketcall"]))
+            .unwrap();
+        assert_eq!(socketcall["errnoRet"], libc::ENOSYS);
+        assert!(!allowed.iter().any(|a| a == "socketcall"));
         // What containerd's list gained since 1.7: refused with EPERM, glibc's fchmodat2
         // fallback (on ENOSYS only) never ran, and tar failed.
         for n in [
@@ -523,7 +551,9 @@ mod tests {
         let rules = guest["syscalls"].as_array().unwrap();
         assert_eq!(rules.len(), 2);
         assert_eq!(rules[1]["action"], "SCMP_ACT_ERRNO");
-        assert_eq!(rules[1]["args"][0]["op"], "SCMP_CMP_EQ");
+        assert_eq!(rules[1]["args"][0]["op"], "SCMP_CMP_MASKED_EQ");
+        assert_eq!(rules[1]["args"][0]["value"], 0xffff_ffffu64);
+        assert_eq!(rules[1]["args"][0]["valueTwo"], AF_VSOCK);
         // An allow-list that allows socket outright: socket moves to a rule without vsock.
         let p = d.path().join("allow.json");
         std::fs::write(&p, r#"{"defaultAction":"SCMP_ACT_ERRNO","syscalls":[{"names":["read","socket"],"action":"SCMP_ACT_ALLOW"}]}"#).unwrap();
@@ -532,7 +562,13 @@ mod tests {
         let rules = guest["syscalls"].as_array().unwrap();
         assert_eq!(rules[0]["names"], json!(["read"]));
         assert_eq!(rules[1]["names"], json!(["socket"]));
-        assert_eq!(rules[1]["args"][0]["op"], "SCMP_CMP_NE");
+        assert_eq!(rules[1]["args"][0]["op"], "SCMP_CMP_LT");
+        assert_eq!(rules[1]["args"][0]["value"], AF_VSOCK);
+        let eq: Vec<u64> = rules[2..]
+            .iter()
+            .map(|r| r["args"][0]["value"].as_u64().unwrap())
+            .collect();
+        assert_eq!(eq, (41..46).collect::<Vec<_>>());
         // RuntimeDefault refuses vsock on its own.
         let rd = sc(ProfileType::RuntimeDefault, "");
         assert_eq!(

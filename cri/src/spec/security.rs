@@ -74,21 +74,17 @@ pub(super) const DEFAULT_READONLY: &[&str] = &[
 
 /// The ambient capabilities a container asks for (CRI `add_ambient_capabilities`).
 pub(super) fn ambient_capabilities(sc: Option<&cri::LinuxContainerSecurityContext>) -> Vec<String> {
-    let Some(c) = sc.and_then(|s| s.capabilities.as_ref()) else {
-        return Vec::new();
-    };
-    // A dropped capability is dropped from every set, ambient too (as the CRI API says):
-    // one named in the drops, or every one not explicitly added where ALL is dropped.
-    let named = |list: &[String], cap: &str| list.iter().any(|x| norm_cap(x) == cap);
-    let drop_all = c
-        .drop_capabilities
-        .iter()
-        .any(|x| x.eq_ignore_ascii_case("ALL"));
+    // Added to every set after the drops (the CRI API: an ambient capability "gets added to
+    // all sets"): "drop ALL, ambient NET_BIND_SERVICE" is how a non-root container keeps
+    // only what it needs.
     let mut out: Vec<String> = Vec::new();
-    for a in c.add_ambient_capabilities.iter().map(|a| norm_cap(a)) {
-        let dropped =
-            named(&c.drop_capabilities, &a) || (drop_all && !named(&c.add_capabilities, &a));
-        if !dropped && !out.contains(&a) {
+    for a in sc
+        .and_then(|s| s.capabilities.as_ref())
+        .into_iter()
+        .flat_map(|c| c.add_ambient_capabilities.iter())
+    {
+        let a = norm_cap(a);
+        if !out.contains(&a) {
             out.push(a);
         }
     }
