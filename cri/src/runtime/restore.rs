@@ -71,6 +71,19 @@ impl std::fmt::Display for Source {
 type Dumps = (Option<Vec<u8>>, Option<Vec<u8>>);
 
 /// An archive's `config.dump` and `spec.dump`, from its entries.
+/// `deleted.files` of an archive's entries, if it has one (none: nothing deleted).
+fn deleted_in<'a, R: 'a + io::Read>(
+    entries: io::Result<tar::Entries<'a, R>>,
+) -> io::Result<Vec<String>> {
+    for e in entries? {
+        let mut e = e?;
+        if plain_name(&e.path()?) == Path::new("deleted.files") {
+            return read_deleted(&mut e);
+        }
+    }
+    Ok(Vec::new())
+}
+
 fn pick_dumps<'a, R: 'a + io::Read>(entries: io::Result<tar::Entries<'a, R>>) -> io::Result<Dumps> {
     let (mut config, mut spec) = (None, None);
     for e in entries? {
@@ -285,14 +298,20 @@ impl Checkpoint {
     pub fn unpack(&self, snapshot_dir: &Path, root: &Path) -> io::Result<PathBuf> {
         let images = snapshot_dir.join(IMAGES_DIR);
         std::fs::create_dir_all(&images)?;
-        // Deletions read before the diff are applied before it (vessel writes them first, in
-        // name order): a directory the container replaced whole is listed, and goes before
-        // its new content is unpacked. Ones read after it are applied after it.
-        let mut deleted = Vec::new();
-        let mut diff_done = false;
+        // The deletions go before the diff, wherever the archive has them: a directory the
+        // container replaced whole is listed (opaque in its upper directory, as CRI-O lists it
+        // too) and goes before its new content is unpacked; a path that was only deleted is
+        // not in the diff, whichever order.
         match &self.source {
             Source::Archive(archive) => {
                 let fault = |e| archive_fault("the archive", e);
+                let deleted = match open_archive(archive)? {
+                    // Seeks past the CRIU images, as the dumps are read.
+                    Opened::Plain(f) => deleted_in(tar::Archive::new(f).entries_with_seek()),
+                    Opened::Compressed(r) => deleted_in(tar::Archive::new(r).entries()),
+                }
+                .map_err(fault)?;
+                deleted.iter().try_for_each(|d| remove_in(root, d))?;
                 let mut a = tar::Archive::new(open_archive(archive)?.reader());
                 for e in a.entries().map_err(fault)? {
                     let mut e = e.map_err(fault)?;
@@ -304,12 +323,6 @@ impl Checkpoint {
                         }
                     } else if name == Path::new("rootfs-diff.tar") {
                         unpack_diff(&mut e, root)?;
-                        diff_done = true;
-                    } else if name == Path::new("deleted.files") {
-                        deleted = read_deleted(&mut e)?;
-                        if !diff_done {
-                            deleted.drain(..).try_for_each(|d| remove_in(root, &d))?;
-                        }
                     }
                 }
             }
@@ -325,7 +338,6 @@ impl Checkpoint {
                 }
             }
         }
-        deleted.iter().try_for_each(|d| remove_in(root, d))?;
         if !images.join("inventory.img").is_file() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -606,9 +618,10 @@ mod tests {
         );
     }
 
-    /// A directory the checkpointed container replaced whole is listed in `deleted.files`
-    /// (which vessel's archives hold before the diff): it goes before the diff's new
-    /// content is unpacked, so that the image's old files do not show through again.
+    /// A directory the checkpointed container replaced whole is listed in `deleted.files`:
+    /// it goes before the diff's new content is unpacked, wherever the archive has the list
+    /// (vessel's before the diff, CRI-O's after it), so that the image's old files do not
+    /// show through again, nor the new ones go.
     #[test]
     fn deletions_listed_before_the_diff_go_before_it() {
         let d = tempfile::tempdir().unwrap();
@@ -647,21 +660,36 @@ mod tests {
         add("checkpoint/inventory.img", b"i");
         add("deleted.files", br#"["/app/cache"]"#);
         add("rootfs-diff.tar", &diff);
-        let archive = d.path().join("a.tar");
-        std::fs::write(&archive, a.into_inner().unwrap()).unwrap();
-        let root = d.path().join("root");
-        std::fs::create_dir_all(root.join("app/cache")).unwrap();
-        std::fs::write(root.join("app/cache/old"), "image's").unwrap();
-        let c = Checkpoint {
-            source: Source::Archive(archive),
-            config: ConfigDump::default(),
-            process: Process::default(),
-            binds: Vec::new(),
-            userns: false,
+        let all = a.into_inner().unwrap();
+        // CRI-O's order too: the diff, then the list.
+        let mut b = tar::Builder::new(Vec::new());
+        let mut add = |name: &str, data: &[u8]| {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(0o600);
+            h.set_size(data.len() as u64);
+            b.append_data(&mut h, name, data).unwrap();
         };
-        c.unpack(&d.path().join("snap"), &root).unwrap();
-        assert!(root.join("app/cache/new").is_file());
-        assert!(!root.join("app/cache/old").exists());
+        add("checkpoint/inventory.img", b"i");
+        add("rootfs-diff.tar", &diff);
+        add("deleted.files", br#"["/app/cache"]"#);
+        let crio = b.into_inner().unwrap();
+        for (n, bytes) in [all, crio].into_iter().enumerate() {
+            let archive = d.path().join(format!("a{n}.tar"));
+            std::fs::write(&archive, bytes).unwrap();
+            let root = d.path().join(format!("root{n}"));
+            std::fs::create_dir_all(root.join("app/cache")).unwrap();
+            std::fs::write(root.join("app/cache/old"), "image's").unwrap();
+            let c = Checkpoint {
+                source: Source::Archive(archive),
+                config: ConfigDump::default(),
+                process: Process::default(),
+                binds: Vec::new(),
+                userns: false,
+            };
+            c.unpack(&d.path().join(format!("snap{n}")), &root).unwrap();
+            assert!(root.join("app/cache/new").is_file(), "archive {n}");
+            assert!(!root.join("app/cache/old").exists(), "archive {n}");
+        }
     }
 
     /// An archive that names its image exactly is restored onto that image only, never onto
