@@ -88,22 +88,31 @@ impl NetworkList {
         if name.is_empty() {
             return Err(bad("no \"name\"".into()));
         }
-        // CNI 1.1's `cniVersions` where `cniVersion` is not given: the highest we speak, as
-        // libcni picks it.
-        let listed = obj
+        // CNI 1.1's `cniVersions`: the highest we speak of them and `cniVersion`, as libcni
+        // picks it; an entry that is not a version makes the config invalid.
+        let mut versions: Vec<&str> = obj
+            .get("cniVersion")
+            .and_then(Value::as_str)
+            .into_iter()
+            .collect();
+        for v in obj
             .get("cniVersions")
             .and_then(Value::as_array)
             .into_iter()
             .flatten()
-            .filter_map(Value::as_str)
-            .filter_map(|v| Some((version_key(v)?, v)))
+        {
+            match v.as_str().filter(|v| version_key(v).is_some()) {
+                Some(v) => versions.push(v),
+                None => return Err(bad(format!("\"cniVersions\" has {v}, not a version"))),
+            }
+        }
+        let cni_version = versions
+            .iter()
+            .filter_map(|v| Some((version_key(v)?, *v)))
             .filter(|(k, _)| *k <= (1, 1, 0))
             .max()
-            .map(|(_, v)| v);
-        let cni_version = obj
-            .get("cniVersion")
-            .and_then(Value::as_str)
-            .or(listed)
+            .map(|(_, v)| v)
+            .or_else(|| obj.get("cniVersion").and_then(Value::as_str))
             .unwrap_or("0.2.0")
             .to_string();
         let plugins = match obj.get("plugins") {
@@ -966,10 +975,22 @@ mod tests {
         // CNI 1.1: the highest of `cniVersions` we speak, where `cniVersion` is not given.
         let l = NetworkList::parse(
             Path::new("c"),
-            r#"{"cniVersions":["0.4.0","1.1.0","1.0.0","2.0.0","x"],"name":"c","type":"bridge"}"#,
+            r#"{"cniVersions":["0.4.0","1.1.0","1.0.0","2.0.0"],"name":"c","type":"bridge"}"#,
         )
         .unwrap();
         assert_eq!(l.cni_version, "1.1.0");
+        // With `cniVersion` among the candidates; a bad entry is a bad config.
+        let l = NetworkList::parse(
+            Path::new("c"),
+            r#"{"cniVersion":"0.4.0","cniVersions":["1.0.0"],"name":"c","type":"bridge"}"#,
+        )
+        .unwrap();
+        assert_eq!(l.cni_version, "1.0.0");
+        assert!(NetworkList::parse(
+            Path::new("c"),
+            r#"{"cniVersions":["1.0.0","x"],"name":"c","type":"bridge"}"#,
+        )
+        .is_err());
     }
 
     /// A 0.1/0.2 result (`ip4` with its gateway and routes) configures a VM guest as a later
