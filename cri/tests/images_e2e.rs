@@ -1209,6 +1209,33 @@ async fn offline_import_oci_layout_and_docker_archive() {
     assert!(!ok, "{out}");
     assert!(out.contains("linux/arm64"), "{out}");
     assert!(status(&mut c, "registry.local/arm:v1").await.is_none());
+    // Nor listed by the layout's index.json itself (docker 25's, skopeo's shape), nor in a
+    // docker archive, where only its config says what it is.
+    let arm_img = testimages::arm64_image();
+    let direct = work.path().join("arm-direct.oci.tar");
+    std::fs::write(
+        &direct,
+        testimages::oci_layout_tar(
+            &testimages::Artifact::Image(arm_img.clone()),
+            "registry.local/arm:direct",
+        ),
+    )
+    .unwrap();
+    let docker = work.path().join("arm.docker.tar");
+    std::fs::write(
+        &docker,
+        testimages::docker_archive_tar(&arm_img, &["registry.local/arm:docker"]),
+    )
+    .unwrap();
+    for (file, name) in [
+        (&direct, "registry.local/arm:direct"),
+        (&docker, "registry.local/arm:docker"),
+    ] {
+        let (ok, out) = v.run_cli(&["image", "import", file.to_str().unwrap()]);
+        assert!(!ok, "{out}");
+        assert!(out.contains("linux/arm64"), "{out}");
+        assert!(status(&mut c, name).await.is_none(), "{name}");
+    }
     // ... and one whose config says linux/amd64 is imported.
     let any = testimages::platformless_index(vec![testimages::busybox_image(Compression::Gzip)]);
     let any_tar = work.path().join("any.oci.tar");

@@ -186,8 +186,7 @@ fn import_oci(
             .cloned();
         oci_blob(store, path, files, &desc.digest)?;
         let reference = name.clone().unwrap_or_else(|| desc.digest.to_string());
-        let from_index = oci::is_index(&desc.media_type);
-        let (manifest_desc, top) = if from_index {
+        let (manifest_desc, top) = if oci::is_index(&desc.media_type) {
             let inner: Index = read_json(store, path, &desc.digest, "index")?;
             let chosen = inner.choose(&opts.platform, &reference)?.clone();
             oci_blob(store, path, files, &chosen.digest)?;
@@ -200,9 +199,9 @@ fn import_oci(
         let manifest: Manifest = read_json(store, path, &manifest_desc.digest, "manifest")?;
         oci_blob(store, path, files, &manifest.config.digest)?;
         let config: ImageConfig = read_json(store, path, &manifest.config.digest, "image config")?;
-        if from_index {
-            config.check_index_entry(&manifest_desc, &opts.platform, &reference)?;
-        }
+        // An index's choice, or a manifest the layout lists itself (docker 25's and skopeo's
+        // shape): either way, one for the node's platform.
+        config.check_index_entry(&manifest_desc, &opts.platform, &reference)?;
         for l in &manifest.layers {
             oci_blob(store, path, files, &l.digest)?;
         }
@@ -316,6 +315,12 @@ fn import_docker(
             annotations: Default::default(),
             urls: vec![],
         };
+        let reference = e.repo_tags.as_ref().and_then(|t| t.first()).cloned();
+        config.check_index_entry(
+            &mdesc,
+            &opts.platform,
+            reference.as_deref().unwrap_or(&e.config),
+        )?;
         let mut names = Vec::new();
         for t in e.repo_tags.unwrap_or_default() {
             names.push(Reference::parse(&t)?);

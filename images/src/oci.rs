@@ -221,19 +221,22 @@ impl ImageConfig {
         }
     }
 
-    /// Checks that this image, reached through `entry` of an index that
-    /// [chose](Index::choose) it for a node of platform `want`, runs there. An entry that
-    /// named its platform was chosen by it; one that named none only if this config
-    /// declares the node's platform (as containerd checks it), or the image would fail at
-    /// every start with an exec format error.
+    /// Checks that this image, reached through `entry` (of an index that
+    /// [chose](Index::choose) it, an OCI layout's `index.json`, or one made up for a docker
+    /// archive), runs on a node of platform `want`: by the platform the entry names, else
+    /// the one this config declares (as containerd checks an entry that names none), or
+    /// the image would fail at every start with an exec format error.
     pub fn check_index_entry(
         &self,
         entry: &Descriptor,
         want: &Platform,
         reference: &str,
     ) -> Result<(), ImageError> {
-        let declared = self.platform();
-        if entry.platform.is_none() && !want.matches(&declared) {
+        // What the entry names, else what the config declares (a config that declares
+        // nothing is taken at its word).
+        let declared = entry.platform.clone().unwrap_or_else(|| self.platform());
+        let unknown = declared.os.is_empty() || declared.architecture.is_empty();
+        if !unknown && !want.matches(&declared) {
             return Err(ImageError::NoMatchingPlatform {
                 reference: reference.to_string(),
                 platform: want.to_string(),
