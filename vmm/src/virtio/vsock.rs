@@ -38,9 +38,8 @@ const MAX_PKT_DATA: u32 = 64 * 1024;
 const CONN_BUF: u32 = 256 * 1024;
 /// First local port used for host-initiated connections.
 const HOST_PORT_BASE: u32 = 1 << 30;
-/// Control packets waiting for an RX buffer, at most: a guest that posts none while it
-/// sends packets that each want an answer (resets of bogus packets, credit updates) makes
-/// no more of them (Firecracker bounds its queue too).
+/// Resets waiting for an RX buffer, at most: a guest that posts none while it sends packets
+/// that each want one makes no more of them (Firecracker bounds its queue too).
 const MAX_CTL: usize = 1024;
 /// Connections at most, as Firecracker's muxer has: each holds a host descriptor.
 const MAX_CONNS: usize = 1024;
@@ -280,9 +279,12 @@ impl VirtioDevice for Vsock {
 }
 
 impl Inner {
-    /// Queues a control packet for the guest, or drops it where [`MAX_CTL`] wait.
+    /// Queues a control packet for the guest. A reset is dropped where [`MAX_CTL`] wait
+    /// (the answers to packets that want one, which a guest can send without end); what a
+    /// connection needs (its RESPONSE, credit updates: at most one queued each, and
+    /// connections are bounded) is always queued.
     fn push_ctl(&mut self, c: Ctl) {
-        if self.ctl.len() >= MAX_CTL {
+        if c.0 == OP_RST && self.ctl.len() >= MAX_CTL {
             if self.ctl_dropped == 0 {
                 tracing::warn!("vsock: the guest takes no control packets; dropping them");
             }
@@ -421,8 +423,9 @@ impl Inner {
                 self.credit_update_if_due(key);
             }
             OP_CREDIT_REQUEST => {
-                if self.conns.contains_key(&key) {
-                    self.push_ctl((OP_CREDIT_UPDATE, key.0, key.1, 0));
+                let update = (OP_CREDIT_UPDATE, key.0, key.1, 0);
+                if self.conns.contains_key(&key) && !self.ctl.contains(&update) {
+                    self.push_ctl(update);
                 }
             }
             OP_CREDIT_UPDATE => {}
