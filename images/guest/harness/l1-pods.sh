@@ -116,6 +116,15 @@ kill -KILL $vpid 2>/dev/null
 if [ "$fail" != 0 ] || [ "$pass" = 0 ]; then
   echo "l1-pods: the last 80 lines of vesseld's log:"; tail -n 80 "$STATE/vesseld.log"
 fi
+# Where L1's time went: each CRI method's calls, median and largest latency (vesseld's
+# metrics lines), so that a slower run says which operations grew.
+echo "l1-pods: CRI latencies in L1 (method calls median_ms max_ms):"
+sed -n 's/.*CRI call done method=\([A-Za-z]*\) .*took_us=\([0-9]*\).*/\1 \2/p' "$STATE/vesseld.log" |
+  sort -k1,1 -k2,2n | awk '
+    function flush() { if (n) printf "  %s %d %.1f %.1f\n", m, n, v[int((n+1)/2)]/1000, v[n]/1000 }
+    $1 != m { flush(); m = $1; n = 0 }
+    { v[++n] = $2 }
+    END { flush() }'
 # The jailed VMMs' seccomp allow-lists refused nothing the suite made them do (each refusal
 # is an audit record of the kernel's: the lists are installed with SECCOMP_FILTER_FLAG_LOG).
 kill $kmsg 2>/dev/null
