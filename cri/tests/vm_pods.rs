@@ -5,10 +5,11 @@
 //!
 //! * KVM usable here (real hardware virtualisation): both suites run directly.
 //! * Otherwise they run inside the nested VM harness (QEMU/TCG L1 with nested SVM:
-//!   `scripts/vm-harness.sh pods`), where L1's KVM is usable: two L1s at once, one with
-//!   vessel-critest and pods_e2e, one with cni_e2e and upstream critest; after the second, a
-//!   third runs vessel-critest and upstream critest against flat pods there, as the only run
-//!   of flat pods on cgroup v2 and with AppArmor (L1 has both; the CI host neither).
+//!   `scripts/vm-harness.sh pods`), where L1's KVM is usable: five L1 runs, two at once,
+//!   longest first: cni_e2e then upstream critest, pods_e2e, flat pods (vessel-critest and
+//!   upstream critest's specs the CI host cannot test, as the only run of flat pods on
+//!   cgroup v2 and with AppArmor: L1 has both, the CI host neither), and vessel-critest
+//!   against VM pods in two halves.
 //!
 //! Runs when the guest kernel is already in the build cache, QEMU is installed (nested case)
 //! and we are root; otherwise it prints `SKIP vm_pods: <reason>`. `VESSEL_VM_HARNESS=1`
@@ -266,9 +267,10 @@ fn run_nested(
             env.push_str(&format!(" {k}={v}"));
         }
     }
-    // Two L1s at once, one core each (the emulated L1 is single-threaded): vessel-critest
-    // and pods_e2e in one, cni_e2e and upstream critest in the other, each in its own work
-    // directory, about 10 minutes instead of 20 one after the other.
+    // L1 runs, two at once (one core each: the emulated L1 is single-threaded), each no
+    // longer than ~17 minutes here, so that the harness's one retry of an L1 that hung (QEMU's
+    // lost wake-up) costs one short run, not the whole suite: vessel-critest against VM pods
+    // in two halves, pods_e2e, cni_e2e then upstream critest, and flat pods.
     let suite_extra = format!("{env} /vessel/bin/{pods_name} --test-threads 1 {e2e_filter}");
     let suite_add = e2e.pods.display().to_string();
     let mut other_extra = format!("{env} /vessel/bin/{cni_name} --test-threads 1 {e2e_filter}");
@@ -322,14 +324,17 @@ fn run_nested(
         guest_image(root, bindir, format);
     }
     let work = std::env::var("VESSEL_HARNESS_WORK").unwrap_or("/var/tmp/vessel-harness".into());
-    let harness = |run: L1Run<'_>| {
+    let harness = |run: &L1Run<'_>, work: &str, timeout: u64| {
         let mut cmd = Command::new("bash");
         cmd.arg(root.join("scripts/vm-harness.sh"))
             .arg("pods")
-            .env("VESSEL_HARNESS_WORK", run.work)
+            .env("VESSEL_HARNESS_WORK", format!("{work}{}", run.dir))
             .env("VESSEL_PODS_BINDIR", bindir)
             .env("VESSEL_PODS_HANDLER", run.handler)
-            .env("VESSEL_PODS_SUITE", if run.suite { "1" } else { "0" })
+            .env(
+                "VESSEL_PODS_SUITE",
+                if run.focus.is_some() { "1" } else { "0" },
+            )
             .env("VESSEL_PODS_ADD", run.add)
             .env("VESSEL_PODS_ADD_DIRS", run.add_dirs)
             .env("VESSEL_PODS_EXTRA", run.extra)
@@ -337,62 +342,67 @@ fn run_nested(
             .env("VESSEL_PODS_CONFIG", "boot_timeout_secs = 60\n")
             // Below nextest's limit for this test, so that a slow or stuck L1 is stopped by
             // the harness, which then prints L1's console (nextest's kill would lose it).
-            .env("VESSEL_HARNESS_TIMEOUT", run.timeout.to_string())
+            .env("VESSEL_HARNESS_TIMEOUT", timeout.to_string())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
-        if !focus.is_empty() {
-            cmd.env("VESSEL_PODS_FOCUS", focus);
+        if let Some(f) = run.focus.as_deref().filter(|f| !f.is_empty()) {
+            cmd.env("VESSEL_PODS_FOCUS", f);
         }
         cmd.spawn()
             .expect("running scripts/vm-harness.sh pods")
             .wait_with_output()
     };
-    // Each L1 attempt's watchdog (the harness retries an L1 that hung, once); the third run
-    // gets what is left of HARNESS_BUDGET after the second, split between its two attempts,
-    // so that the chain stays below nextest's limit for this test.
+    // Each L1 attempt's watchdog (the harness retries an L1 that hung, once), at most what
+    // is left of HARNESS_BUDGET, so that the runs stay below nextest's limit for this test.
     let timeout = std::env::var("VESSEL_HARNESS_TIMEOUT")
         .ok()
         .and_then(|t| t.parse().ok())
-        .unwrap_or(2400u64);
+        .unwrap_or(1500u64);
+    let halves = critest_halves(bindir, &focus);
+    let mut jobs: Vec<L1Run<'_>> = vec![
+        L1Run::new(
+            "cni_e2e and upstream critest",
+            "-b",
+            "vm",
+            None,
+            &other_add,
+            &other_extra,
+        )
+        .dirs(&add_dirs),
+        L1Run::new("pods_e2e", "-d", "vm", None, &suite_add, &suite_extra),
+        L1Run::new(
+            "flat pods",
+            "-c",
+            "flat",
+            Some(focus.to_string()),
+            &flat_add,
+            &flat_extra,
+        )
+        .dirs(&add_dirs),
+    ];
+    // The longer half first: the queue goes longest first.
+    for (i, half) in halves.into_iter().enumerate().rev() {
+        let (name, dir) = [("vessel-critest 1", ""), ("vessel-critest 2", "-e")][i];
+        jobs.push(L1Run::new(name, dir, "vm", Some(half), "", "true"));
+    }
+    let queue = std::sync::Mutex::new(std::collections::VecDeque::from(jobs));
     let t0 = std::time::Instant::now();
     // Each run's pipes are read while the others run: a run whose pipe fills while another
     // is waited for would stall.
-    let outs: Vec<_> = std::thread::scope(|s| {
-        let first = s.spawn(|| {
-            let out = harness(L1Run {
-                work: work.clone(),
-                handler: "vm",
-                suite: true,
-                add: &suite_add,
-                add_dirs: "",
-                extra: &suite_extra,
-                timeout,
-            });
-            vec![("1", out)]
-        });
-        let then = s.spawn(|| {
-            let second = harness(L1Run {
-                work: format!("{work}-b"),
-                handler: "vm",
-                suite: false,
-                add: &other_add,
-                add_dirs: &add_dirs,
-                extra: &other_extra,
-                timeout,
-            });
-            let left = HARNESS_BUDGET.saturating_sub(t0.elapsed().as_secs()) / 2;
-            let third = harness(L1Run {
-                work: format!("{work}-c"),
-                handler: "flat",
-                suite: true,
-                add: &flat_add,
-                add_dirs: &add_dirs,
-                extra: &flat_extra,
-                timeout: left.clamp(300, timeout),
-            });
-            vec![("2", second), ("3 (flat pods)", third)]
-        });
-        [first, then]
+    let outs: Vec<(String, std::io::Result<std::process::Output>)> = std::thread::scope(|s| {
+        let worker = || {
+            let mut done = Vec::new();
+            loop {
+                let Some(job) = queue.lock().unwrap().pop_front() else {
+                    return done;
+                };
+                let left = HARNESS_BUDGET.saturating_sub(t0.elapsed().as_secs());
+                let out = harness(&job, &work, left.clamp(300, timeout));
+                done.push((job.name.to_string(), out));
+            }
+        };
+        let workers = [s.spawn(worker), s.spawn(worker)];
+        workers
             .into_iter()
             .flat_map(|w| w.join().expect("a harness thread"))
             .collect()
@@ -409,17 +419,77 @@ fn run_nested(
     (stdout, all_ok)
 }
 
-/// One `scripts/vm-harness.sh pods` run: its work directory, the pods' handler, whether
-/// vessel-critest runs, the files and directories staged into L1, the command run after the
-/// suite, and the watchdog of each L1 attempt (seconds).
+/// One `scripts/vm-harness.sh pods` run: its name, its work directory's suffix, the pods'
+/// handler, vessel-critest's focus (None: no vessel-critest; "": every spec), the files and
+/// directories staged into L1, and the command run after the suite.
 struct L1Run<'a> {
-    work: String,
+    name: &'a str,
+    dir: &'a str,
     handler: &'a str,
-    suite: bool,
+    focus: Option<String>,
     add: &'a str,
     add_dirs: &'a str,
     extra: &'a str,
-    timeout: u64,
+}
+
+impl<'a> L1Run<'a> {
+    fn new(
+        name: &'a str,
+        dir: &'a str,
+        handler: &'a str,
+        focus: Option<String>,
+        add: &'a str,
+        extra: &'a str,
+    ) -> Self {
+        L1Run {
+            name,
+            dir,
+            handler,
+            focus,
+            add,
+            add_dirs: "",
+            extra,
+        }
+    }
+
+    fn dirs(mut self, add_dirs: &'a str) -> Self {
+        self.add_dirs = add_dirs;
+        self
+    }
+}
+
+/// vessel-critest's spec groups in the second of the two L1 runs that share its VM pod specs
+/// (about half of their time); the first runs every other group.
+const SECOND_HALF: &[&str] = &["volume", "network", "security", "streaming"];
+
+/// The `--focus` of each L1 run of vessel-critest against VM pods: the user's focus, in one
+/// run, or the suite in two halves by spec group. The halves are checked against the suite's
+/// own list, so that a new group is never left out of both.
+fn critest_halves(bindir: &Path, focus: &str) -> Vec<String> {
+    if !focus.is_empty() {
+        return vec![focus.to_string()];
+    }
+    let out = Command::new(bindir.join("vessel-critest"))
+        .args(["--endpoint", "unix:///nonexistent", "--list", "--vm"])
+        .output()
+        .expect("vessel-critest --list");
+    assert!(out.status.success(), "vessel-critest --list failed");
+    let groups: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix('[')?.split_once(']'))
+        .map(|(g, _)| g.to_string())
+        .collect();
+    assert!(
+        SECOND_HALF.iter().all(|g| groups.contains(*g)),
+        "vessel-critest lists the groups {groups:?}, not all of {SECOND_HALF:?}"
+    );
+    let first: Vec<&str> = groups
+        .iter()
+        .map(String::as_str)
+        .filter(|g| !SECOND_HALF.contains(g))
+        .collect();
+    let regex = |gs: &[&str]| format!("^\\[({})\\]", gs.join("|"));
+    vec![regex(&first), regex(SECOND_HALF)]
 }
 
 /// On a host with real KVM: vesseld here, critest and pods_e2e against it.
@@ -527,4 +597,36 @@ fn check(stdout: &str, harness_ok: bool) {
         "known failures now pass; remove them from KNOWN_FAILURES: {fixed:?}"
     );
     let _ = harness_ok; // known failures make the harness exit non-zero; judged above
+}
+
+/// The two halves of vessel-critest's VM pod specs (two L1 runs) select every spec once.
+#[test]
+fn critest_halves_cover_the_suite() {
+    let bindir = Path::new(env!("CARGO_BIN_EXE_vesseld")).parent().unwrap();
+    if !bindir.join("vessel-critest").is_file() {
+        println!("SKIP critest_halves_cover_the_suite: no vessel-critest (cargo build --workspace --bins)");
+        return;
+    }
+    let list = |focus: Option<&str>| -> Vec<String> {
+        let mut c = Command::new(bindir.join("vessel-critest"));
+        c.args(["--endpoint", "unix:///nonexistent", "--list", "--vm"]);
+        if let Some(f) = focus {
+            c.args(["--focus", f]);
+        }
+        let out = c.output().expect("vessel-critest --list");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let halves = critest_halves(bindir, "");
+    assert_eq!(halves.len(), 2);
+    let (a, b) = (list(Some(&halves[0])), list(Some(&halves[1])));
+    assert!(!a.is_empty() && !b.is_empty(), "{halves:?}");
+    let mut both: Vec<String> = a.into_iter().chain(b).collect();
+    both.sort();
+    let mut all = list(None);
+    all.sort();
+    assert_eq!(both, all, "{halves:?}");
+    assert_eq!(critest_halves(bindir, "x"), vec!["x".to_string()]);
 }
