@@ -358,7 +358,7 @@ fn run_nested(
         .ok()
         .and_then(|t| t.parse().ok())
         .unwrap_or(1500u64);
-    let halves = critest_halves(bindir, &focus);
+    let halves = critest_halves(bindir, focus);
     let mut jobs: Vec<L1Run<'_>> = vec![
         L1Run::new(
             "cni_e2e and upstream critest",
