@@ -472,13 +472,8 @@ fn critest_halves(bindir: &Path, focus: &str) -> Vec<String> {
     if !focus.is_empty() {
         return vec![focus.to_string()];
     }
-    let out = Command::new(bindir.join("vessel-critest"))
-        .args(["--endpoint", "unix:///nonexistent", "--list", "--vm"])
-        .output()
-        .expect("vessel-critest --list");
-    assert!(out.status.success(), "vessel-critest --list failed");
-    let groups: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
+    let groups: std::collections::BTreeSet<String> = critest_list(bindir, None)
+        .iter()
         .filter_map(|l| l.strip_prefix('[')?.split_once(']'))
         .map(|(g, _)| g.to_string())
         .collect();
@@ -493,6 +488,21 @@ fn critest_halves(bindir: &Path, focus: &str) -> Vec<String> {
         .collect();
     let regex = |gs: &[&str]| format!("^\\[({})\\]", gs.join("|"));
     vec![regex(&first), regex(SECOND_HALF)]
+}
+
+/// The VM pod specs `vessel-critest --list` names (those `focus` selects, where given).
+fn critest_list(bindir: &Path, focus: Option<&str>) -> Vec<String> {
+    let mut c = Command::new(bindir.join("vessel-critest"));
+    c.args(["--endpoint", "unix:///nonexistent", "--list", "--vm"]);
+    if let Some(f) = focus {
+        c.args(["--focus", f]);
+    }
+    let out = c.output().expect("vessel-critest --list");
+    assert!(out.status.success(), "vessel-critest --list failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
 }
 
 /// On a host with real KVM: vesseld here, critest and pods_e2e against it.
@@ -560,7 +570,7 @@ fn check(stdout: &str, harness_ok: bool) {
         .lines()
         .filter_map(|l| l.strip_prefix("PASS "))
         .collect();
-    // Each L1 run (three in the nested harness; one directly) ends its extra command with PASS
+    // Each L1 run (five in the nested harness; one directly) ends its extra command with PASS
     // or FAIL: the last such line of each run's output (the harness retries an L1 that hung,
     // and both attempts print) must be PASS.
     let runs: Vec<&str> = stdout.split("vm_pods: L1 run ").collect();
@@ -610,18 +620,7 @@ fn critest_halves_cover_the_suite() {
         println!("SKIP critest_halves_cover_the_suite: no vessel-critest (cargo build --workspace --bins)");
         return;
     }
-    let list = |focus: Option<&str>| -> Vec<String> {
-        let mut c = Command::new(bindir.join("vessel-critest"));
-        c.args(["--endpoint", "unix:///nonexistent", "--list", "--vm"]);
-        if let Some(f) = focus {
-            c.args(["--focus", f]);
-        }
-        let out = c.output().expect("vessel-critest --list");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_string)
-            .collect()
-    };
+    let list = |focus: Option<&str>| critest_list(bindir, focus);
     let halves = critest_halves(bindir, "");
     assert_eq!(halves.len(), 2);
     let (a, b) = (list(Some(&halves[0])), list(Some(&halves[1])));
