@@ -1,7 +1,7 @@
 //! The VM test suite (images/guest/harness/l1-tests.sh) from `cargo test`.
 //!
 //! * KVM usable here (real hardware virtualisation): `scripts/vm-harness.sh direct`.
-//! * Otherwise the nested harness (QEMU/TCG L1 with nested SVM, ~40 s): `scripts/vm-harness.sh`.
+//! * Otherwise the nested harness (QEMU/TCG L1 with nested SVM, ~130 s on 2026-11-29): `scripts/vm-harness.sh`.
 //!
 //! It runs when the guest kernel is already in the build cache (building it takes 5-20 minutes,
 //! more than a test may), QEMU is installed and we are root; otherwise it prints
@@ -74,7 +74,7 @@ fn vm_suite() {
         .env("VESSEL_PROFILE", "debug")
         .env(
             "VESSEL_HARNESS_TIMEOUT",
-            std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("100".into()),
+            std::env::var("VESSEL_HARNESS_TIMEOUT").unwrap_or("240".into()),
         )
         .output()
         .expect("running scripts/vm-harness.sh");
