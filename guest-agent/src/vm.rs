@@ -109,6 +109,8 @@ fn run() -> Result<(), VmError> {
             let _ = nix::mount::umount("/proc");
             return switch_root_and_reexec();
         }
+        // The agent runs from the pod's root: kernel boot is over (timed by the VMM).
+        console("vessel-event: agent-start");
     }
     let level = kernel_param("vessel.log").unwrap_or_else(|| "warn".into());
     crate::flat::init_logging(&level);

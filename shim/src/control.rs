@@ -116,6 +116,18 @@ pub struct Reply {
     pub pid: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub known: Option<bool>,
+    /// `wait_event`: the guest's events so far, each with how long before the answer it
+    /// came (vesseld logs where a pod's boot went: kernel, agent start-up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<Vec<GuestEvent>>,
+}
+
+/// A `vessel-event:` line the guest printed, `ago_us` microseconds before the answer that
+/// carries it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestEvent {
+    pub name: String,
+    pub ago_us: u64,
 }
 
 impl Reply {
@@ -205,7 +217,24 @@ impl Server {
                 };
                 let timeout = std::time::Duration::from_millis(timeout_ms).min(MAX_WAIT);
                 match run.wait_event(&name, timeout) {
-                    Ok(()) => reply(Reply::ok()),
+                    Ok(()) => {
+                        let now = std::time::Instant::now();
+                        let events = run
+                            .events()
+                            .into_iter()
+                            .map(|(name, at)| GuestEvent {
+                                name,
+                                ago_us: u64::try_from(
+                                    now.saturating_duration_since(at).as_micros(),
+                                )
+                                .unwrap_or(u64::MAX),
+                            })
+                            .collect();
+                        reply(Reply {
+                            events: Some(events),
+                            ..Reply::ok()
+                        })
+                    }
                     Err(e) => err(format!("wait_event {name:?}: {e}")),
                 }
             }

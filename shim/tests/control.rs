@@ -469,6 +469,13 @@ fn wait_event_answers_when_the_guest_reports_it() {
     let a = waiting.join().unwrap();
     assert!(ok(&a), "{a}");
     assert!(started.elapsed() < Duration::from_secs(5));
+    // The answer says when each of the guest's events came, before it.
+    let ev = &a["events"][0];
+    assert_eq!(ev["name"], "agent-serving", "{a}");
+    assert!(
+        ev["ago_us"].as_u64().is_some_and(|us| us < 5_000_000),
+        "{a}"
+    );
     t.join().unwrap();
     // Seen already: at once; another name times out, and names the event.
     let a = wait_event(&mut c, "agent-serving", 0);

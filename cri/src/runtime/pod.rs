@@ -127,10 +127,14 @@ impl Runtime {
             return Err(e);
         }
         let pod = self.pod_object(rec);
+        // Each step's end at debug level, with the time since the record was saved.
+        let t = std::time::Instant::now();
+        let step = |what: &str| tracing::debug!(pod = %id, step = what, ms = t.elapsed().as_secs_f64() * 1e3, "starting the pod sandbox");
         // The host process goes into the pod's cgroup unit (systemd driver) before any
         // container can start beneath it; a flat pod's agent moves on into a leaf.
         let setup = match backend.start(&pod, &config).await {
             Ok(()) => {
+                step("backend-started");
                 // The agent may be older than vesseld (a VM image built before, or
                 // `runtime.agent_binary`): what it keeps is what it says it keeps.
                 let features = agent_features(&pod).await;
@@ -141,6 +145,7 @@ impl Runtime {
                     r.shared_shm = shm;
                     r.pid_holder = holder;
                 });
+                step("features");
                 let adopted = self
                     .opts
                     .cgroups
@@ -152,6 +157,7 @@ impl Runtime {
         };
         match setup {
             Ok(()) => {
+                step("adopted-saved");
                 self.pods
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

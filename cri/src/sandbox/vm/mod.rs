@@ -132,11 +132,15 @@ impl SandboxBackend for VmBackend {
         let rec = pod.record();
         let v = vm_of(&rec);
         let fail = |e: VmError| internal(format!("pod {}", rec.id))(e);
+        // Each step's end at debug level, with the time since the start began.
+        let (t, id) = (std::time::Instant::now(), rec.id.clone());
+        let step = |what: &str| tracing::debug!(pod = %id, step = what, ms = t.elapsed().as_secs_f64() * 1e3, "starting the VM pod");
         super::create_log_directory(&rec, config)?;
         let shared_dir =
             volumes::create_share(&v.dir).map_err(internal(format!("pod {}", rec.id)))?;
         netns::create(&rec.netns_path).map_err(internal(format!("pod {}", rec.id)))?;
         network::attach(&self.cni, pod, config).await?;
+        step("network");
         let attachment = self.cni.cached(&rec.id);
         let pod_net = attachment.as_ref().map(|_| PodNet {
             netns: rec.netns_path.clone(),
@@ -170,6 +174,7 @@ impl SandboxBackend for VmBackend {
             r.agent_start_time = launched.start_time;
         });
         super::save(&self.dirs, &rec)?;
+        step("shim-spawned");
         let mut c = shim::wait_for_agent(&v.dir, &launched, launch.boot_timeout)
             .await
             .map_err(|e| match e {
@@ -179,6 +184,7 @@ impl SandboxBackend for VmBackend {
                 e => fail(e),
             })?;
         crate::metrics::get().record_vm_boot(boot_started.elapsed());
+        step("agent-connected");
         let (interfaces, routes) = attachment
             .map(|a| crate::cni::guest_network(&a.result, crate::cni::IFNAME))
             .unwrap_or_default();
@@ -191,6 +197,7 @@ impl SandboxBackend for VmBackend {
         })
         .await
         .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        step("sandbox-configured");
         // In a pod with its own user namespace, the pod's files are its root's.
         let (uid, gid) = userns
             .as_ref()
@@ -214,6 +221,7 @@ impl SandboxBackend for VmBackend {
         })
         .await
         .map_err(|s| agent_err(&format!("pod {}", rec.id), s))?;
+        step("files-written");
         pod.set_client(Some(c)).await;
         pod.update(|r| r.state = PodState::Ready);
         Ok(())

@@ -315,7 +315,16 @@ async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Res
             timeout_ms: u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
         };
         match c.call(&req, None) {
-            Ok(r) if r.ok => Ok(()),
+            Ok(r) if r.ok => {
+                // Where the boot went, from the guest's events (`ms`: since we began to wait,
+                // just after the shim was spawned).
+                let at = start.elapsed().as_secs_f64() * 1e3;
+                for e in r.events.unwrap_or_default() {
+                    let ms = at - e.ago_us as f64 / 1e3;
+                    tracing::debug!(event = %e.name, ms, "guest boot event");
+                }
+                Ok(())
+            }
             Ok(r) => Err(r.error.unwrap_or_else(|| "refused".into())),
             Err(e) => Err(e.to_string()),
         }
