@@ -358,6 +358,7 @@ pub fn guest_network(
         vec![GuestInterface {
             name: ifname.to_string(),
             addresses: addrs.iter().map(|(a, n, _)| format!("{a}/{n}")).collect(),
+            ..Default::default()
         }]
     };
     (interfaces, routes)

@@ -82,8 +82,12 @@ pub const FEATURE_POD_SHM: &str = "pod-shm";
 /// ([`userns::create_pid_holder`]), not the agent's own (whose root is the host's).
 pub const FEATURE_PID_HOLDER: &str = "pid-holder";
 
+/// ConfigureSandbox sets an interface's MAC and MTU (`GuestInterface.mac`, `.mtu`): a VM pod's
+/// eth0 gets them from the agent, not from the virtio-net device.
+pub const FEATURE_LINK_ADDR: &str = "link-addr";
+
 /// What this agent answers in `PingResponse.features`.
-pub const FEATURES: &[&str] = &[FEATURE_POD_SHM, FEATURE_PID_HOLDER];
+pub const FEATURES: &[&str] = &[FEATURE_POD_SHM, FEATURE_PID_HOLDER, FEATURE_LINK_ADDR];
 
 /// Nanoseconds since the Unix epoch, now.
 pub fn now_nanos() -> i64 {

@@ -78,6 +78,40 @@ pub fn new_address(index: u32, addr: &IpAddr, prefix: u8) -> Vec<u8> {
         .finish()
 }
 
+const IFLA_ADDRESS: u16 = 1;
+const IFLA_MTU: u16 = 4;
+
+/// `RTM_NEWLINK` (set) for interface `index`: its MAC and/or MTU (`None`: left as is).
+pub fn set_link(index: u32, mac: Option<[u8; 6]>, mtu: Option<u32>) -> Vec<u8> {
+    // struct ifinfomsg: family, pad, type (u16), index (i32), flags, change.
+    let mut fixed = vec![0u8; 4];
+    fixed.extend_from_slice(&index.to_ne_bytes());
+    fixed.extend_from_slice(&[0u8; 8]);
+    let mut m = Msg::new(libc::RTM_NEWLINK, 0, &fixed);
+    if let Some(mac) = mac {
+        m = m.attr(IFLA_ADDRESS, &mac);
+    }
+    if let Some(mtu) = mtu {
+        m = m.attr(IFLA_MTU, &mtu.to_ne_bytes());
+    }
+    m.finish()
+}
+
+/// "aa:bb:cc:dd:ee:ff" as bytes.
+fn parse_mac(s: &str) -> Result<[u8; 6], AgentError> {
+    let bad = || AgentError::InvalidArgument(format!("bad MAC address {s:?}"));
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        let p = parts.next().filter(|p| p.len() == 2).ok_or_else(bad)?;
+        *b = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok(mac)
+}
+
 /// `RTM_NEWROUTE` for `dst/len` via `gateway` (or on-link) out of interface `index`.
 pub fn new_route(index: u32, dst: &IpAddr, len: u8, gateway: Option<&IpAddr>) -> Vec<u8> {
     let scope = if gateway.is_some() {
@@ -144,6 +178,9 @@ pub fn validate(interfaces: &[GuestInterface], routes: &[GuestRoute]) -> Result<
     for a in interfaces.iter().flat_map(|i| &i.addresses) {
         parse_cidr(a)?;
     }
+    for i in interfaces.iter().filter(|i| !i.mac.is_empty()) {
+        parse_mac(&i.mac)?;
+    }
     for r in routes {
         gateway_of(r)?;
     }
@@ -177,6 +214,19 @@ pub fn configure(interfaces: &[GuestInterface], routes: &[GuestRoute]) -> Result
     let nl = Socket::open().map_err(|e| AgentError::internal("netlink socket", e))?;
     for i in interfaces {
         let index = index_of(&i.name)?;
+        let mac = Some(i.mac.as_str())
+            .filter(|m| !m.is_empty())
+            .map(parse_mac)
+            .transpose()?;
+        let mtu = Some(i.mtu).filter(|m| *m != 0);
+        if mac.is_some() || mtu.is_some() {
+            nl.request(&set_link(index, mac, mtu)).map_err(|e| {
+                AgentError::internal(
+                    format!("setting {}'s MAC {:?} and MTU {}", i.name, i.mac, i.mtu),
+                    e,
+                )
+            })?;
+        }
         crate::flat::link_up(&i.name)
             .map_err(|e| AgentError::internal(format!("bringing up {}", i.name), e))?;
         for a in &i.addresses {
@@ -214,6 +264,35 @@ mod tests {
     /// In a network namespace of its own (a thread's), on a veth `eth0`: addresses, the
     /// on-link route to a gateway outside the prefix, the default route, as `ip` shows them.
     #[test]
+    fn a_link_message_carries_the_mac_and_mtu() {
+        let m = set_link(7, Some([2, 0x42, 0xa, 0x59, 0, 5]), Some(1400));
+        assert_eq!(
+            u32::from_ne_bytes(m[..4].try_into().unwrap()) as usize,
+            m.len()
+        );
+        assert_eq!(
+            u16::from_ne_bytes(m[4..6].try_into().unwrap()),
+            libc::RTM_NEWLINK
+        );
+        // struct ifinfomsg after the 16-byte header: family, pad, type, then index 7.
+        assert_eq!(&m[16..20], &[0, 0, 0, 0]);
+        assert_eq!(i32::from_ne_bytes(m[20..24].try_into().unwrap()), 7);
+        assert_eq!(&m[24..32], &[0u8; 8]);
+        // IFLA_ADDRESS (6 bytes, padded to 8), then IFLA_MTU.
+        assert_eq!(u16::from_ne_bytes(m[32..34].try_into().unwrap()), 10);
+        assert_eq!(
+            u16::from_ne_bytes(m[34..36].try_into().unwrap()),
+            IFLA_ADDRESS
+        );
+        assert_eq!(&m[36..42], &[2, 0x42, 0xa, 0x59, 0, 5]);
+        assert_eq!(u16::from_ne_bytes(m[46..48].try_into().unwrap()), IFLA_MTU);
+        assert_eq!(u32::from_ne_bytes(m[48..52].try_into().unwrap()), 1400);
+        assert_eq!(m.len(), 52);
+        // Neither: an empty request (nothing to change).
+        assert_eq!(set_link(7, None, None).len(), 32);
+    }
+
+    #[test]
     fn configures_a_real_interface() {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || Command::new("ip").arg("-V").output().is_err() {
@@ -237,6 +316,8 @@ mod tests {
             let iface = GuestInterface {
                 name: "eth0".into(),
                 addresses: vec!["10.89.0.5/32".into(), "fd00:89::5/64".into()],
+                mac: "02:42:0a:59:00:05".into(),
+                mtu: 1400,
             };
             let route = |d: &str, g: &str| GuestRoute {
                 destination: d.into(),
@@ -265,6 +346,9 @@ mod tests {
         .unwrap();
         let (addrs, v4, v6) = out;
         assert!(addrs.contains("inet 10.89.0.5/32"), "{addrs}");
+        // The MAC and MTU the request gave, set before the interface came up.
+        assert!(addrs.contains("mtu 1400"), "{addrs}");
+        assert!(addrs.contains("link/ether 02:42:0a:59:00:05"), "{addrs}");
         assert!(
             addrs.contains("inet6 fd00:89::5/64 scope global nodad"),
             "{addrs}"
@@ -278,6 +362,20 @@ mod tests {
             interface: "eth0".into(),
         };
         assert!(validate(&[], &[bad]).is_err());
+        let mac = |m: &str| GuestInterface {
+            name: "eth0".into(),
+            mac: m.into(),
+            ..Default::default()
+        };
+        assert!(validate(&[mac("02:42:0a:59:00:05")], &[]).is_ok());
+        for m in [
+            "02:42:0a:59:00",
+            "02:42:0a:59:00:05:06",
+            "zz:42:0a:59:00:05",
+            "2:42:0a:59:00:05",
+        ] {
+            assert!(validate(&[mac(m)], &[]).is_err(), "{m}");
+        }
     }
 
     #[test]

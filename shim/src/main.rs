@@ -269,8 +269,9 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
         let queues = usize::from(cfg.vm.vcpus).clamp(1, vessel_vmm::virtio::net::MAX_QUEUE_PAIRS);
         match vessel_shim::podnet::plug(net, queues) {
             Ok(p) => {
-                tracing::info!(netns = %net.netns.display(), tap = %net.tap, mac = %p.mac_string(), mtu = p.mtu, queues, "pod network plugged");
-                let mac = p.mac_string();
+                let mac = p.peer.map(|p| p.mac_string());
+                let mtu = p.peer.map(|p| p.mtu);
+                tracing::info!(netns = %net.netns.display(), tap = %net.tap, ?mac, ?mtu, queues, deferred = net.deferred, "pod network plugged");
                 // The VM takes the tap fds over (spec `tap_fd`, `queue_fds`); it is the first
                 // interface.
                 let mut fds = p.taps.into_iter().map(std::os::fd::IntoRawFd::into_raw_fd);
@@ -280,8 +281,8 @@ fn run(spec: &std::path::Path, timeout: Option<f64>) -> Result<i32> {
                         tap: None,
                         tap_fd: fds.next(),
                         queue_fds: fds.collect(),
-                        mac: Some(mac),
-                        mtu: Some(p.mtu),
+                        mac,
+                        mtu,
                     },
                 );
             }

@@ -1,10 +1,13 @@
-//! A VM pod on its pod network: the shim creates a tap in the pod's network namespace (where
-//! CNI already put the pod's interface, `eth0`) and joins the two with tc: everything arriving
-//! on `eth0` is redirected to the tap's egress (into the guest), and everything the guest sends
-//! out of the tap to `eth0`'s egress. Any CNI plugin works unmodified: the interface keeps its
-//! addresses and routes for CNI's own use, and the guest's eth0 gets its MAC and MTU, so that
-//! the network sees one endpoint. The tap is not persistent: it goes when the shim's last fd
-//! closes, so a killed shim leaves no tap; the filters on `eth0` go with the veth at CNI DEL.
+//! A VM pod on its pod network: the shim creates a tap in the pod's network namespace, and the
+//! tap is joined to the pod's CNI interface (`eth0`) with tc: everything arriving on `eth0` is
+//! redirected to the tap's egress (into the guest), and everything the guest sends out of the
+//! tap to `eth0`'s egress. Any CNI plugin works unmodified: the interface keeps its addresses
+//! and routes for CNI's own use, and the guest's eth0 gets its MAC and MTU, so that the network
+//! sees one endpoint. Either the shim does it all at start, CNI having run ([`plug`]), or, as
+//! vesseld does, the shim makes the tap and boots while CNI runs, and vesseld then joins the
+//! two ([`connect`]) and has the guest agent set eth0's MAC and MTU (`deferred`). The tap is
+//! not persistent: it goes when the shim's last fd closes, so a killed shim leaves no tap; the
+//! filters on `eth0` go with the veth at CNI DEL.
 //!
 //! tc is spoken over rtnetlink directly (an ingress qdisc on each side and a u32 filter that
 //! matches everything, with a mirred egress-redirect action), as `tc qdisc add dev X ingress;
@@ -31,6 +34,11 @@ pub struct PodNet {
     /// The tap's name in that namespace.
     #[serde(default = "default_tap")]
     pub tap: String,
+    /// The shim makes the tap only, and boots: vesseld runs CNI meanwhile, then connects the
+    /// tap to `peer` itself ([`connect`]), and the guest agent gives the guest's eth0 the
+    /// peer's MAC and MTU. Without it the peer must exist when the shim starts.
+    #[serde(default)]
+    pub deferred: bool,
 }
 
 fn default_peer() -> String {
@@ -49,12 +57,18 @@ fn default_tap() -> String {
 pub struct Plugged {
     /// The tap's queues: one, or one per queue pair of a multiqueue device.
     pub taps: Vec<OwnedFd>,
-    /// The CNI interface's MAC, for the guest's eth0.
+    /// The CNI interface's MAC and MTU, for the guest's eth0 (none when deferred).
+    pub peer: Option<Peer>,
+}
+
+/// What the guest's eth0 takes from the CNI interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
     pub mac: [u8; 6],
     pub mtu: u16,
 }
 
-impl Plugged {
+impl Peer {
     pub fn mac_string(&self) -> String {
         let m = self.mac;
         format!(
@@ -83,13 +97,49 @@ pub enum PodNetError {
 }
 
 /// Creates the tap in `net.netns`, with `queues` queues (`IFF_MULTI_QUEUE` for more than
-/// one), and connects it to `net.peer`. Runs on a thread of its own that joins the namespace;
-/// the rest of the shim stays where it is.
+/// one), and connects it to `net.peer` unless `net.deferred`. Runs on a thread of its own that
+/// joins the namespace; the rest of the shim stays where it is.
 pub fn plug(net: &PodNet, queues: usize) -> Result<Plugged, PodNetError> {
     let net = net.clone();
+    in_netns_thread(move || {
+        enter_netns(&net.netns)?;
+        let ctl = ifctl_socket().map_err(iface(&net.tap))?;
+        let taps = vessel_vmm::virtio::net::create_tap_queues(&net.tap, queues).map_err(|e| {
+            PodNetError::Tap {
+                name: net.tap.clone(),
+                detail: e.to_string(),
+            }
+        })?;
+        set_up(&ctl, &net.tap).map_err(iface(&net.tap))?;
+        let peer = if net.deferred {
+            None
+        } else {
+            Some(connect_here(&net)?)
+        };
+        Ok(Plugged {
+            taps: taps.into_iter().map(OwnedFd::from).collect(),
+            peer,
+        })
+    })
+}
+
+/// Connects the tap a deferred [`plug`] made (it must exist) to `net.peer`: the tap takes the
+/// peer's MTU, and tc redirects each one's ingress to the other's egress. Answers the peer's
+/// MAC and MTU, for the guest's eth0. Runs on a thread of its own that joins the namespace.
+pub fn connect(net: &PodNet) -> Result<Peer, PodNetError> {
+    let net = net.clone();
+    in_netns_thread(move || {
+        enter_netns(&net.netns)?;
+        connect_here(&net)
+    })
+}
+
+fn in_netns_thread<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, PodNetError> + Send + 'static,
+) -> Result<T, PodNetError> {
     let t = std::thread::Builder::new()
         .name("pod-net".into())
-        .spawn(move || plug_here(&net, queues))
+        .spawn(f)
         .map_err(|source| PodNetError::Tap {
             name: String::new(),
             detail: format!("thread: {source}"),
@@ -102,24 +152,18 @@ pub fn plug(net: &PodNet, queues: usize) -> Result<Plugged, PodNetError> {
     })
 }
 
-fn plug_here(net: &PodNet, queues: usize) -> Result<Plugged, PodNetError> {
-    enter_netns(&net.netns)?;
-    let iface = |name: &str| {
-        let name = name.to_string();
-        move |source| PodNetError::Interface { name, source }
-    };
+fn iface(name: &str) -> impl FnOnce(std::io::Error) -> PodNetError {
+    let name = name.to_string();
+    move |source| PodNetError::Interface { name, source }
+}
+
+/// [`connect`], on a thread already in the pod's namespace.
+fn connect_here(net: &PodNet) -> Result<Peer, PodNetError> {
     let ctl = ifctl_socket().map_err(iface(&net.peer))?;
     let peer = index_of(&net.peer).map_err(iface(&net.peer))?;
     let mac = hwaddr(&ctl, &net.peer).map_err(iface(&net.peer))?;
     let mtu = get_mtu(&ctl, &net.peer).map_err(iface(&net.peer))?;
-    let taps = vessel_vmm::virtio::net::create_tap_queues(&net.tap, queues).map_err(|e| {
-        PodNetError::Tap {
-            name: net.tap.clone(),
-            detail: e.to_string(),
-        }
-    })?;
     set_mtu(&ctl, &net.tap, mtu).map_err(iface(&net.tap))?;
-    set_up(&ctl, &net.tap).map_err(iface(&net.tap))?;
     let tap_index = index_of(&net.tap).map_err(iface(&net.tap))?;
     let nl = Socket::open().map_err(|source| PodNetError::Tc {
         op: "netlink socket".into(),
@@ -143,11 +187,7 @@ fn plug_here(net: &PodNet, queues: usize) -> Result<Plugged, PodNetError> {
         nl.request(&add_redirect(from, to))
             .map_err(op(&format!("add u32 redirect to {to_name}")))?;
     }
-    Ok(Plugged {
-        taps: taps.into_iter().map(OwnedFd::from).collect(),
-        mac,
-        mtu,
-    })
+    Ok(Peer { mac, mtu })
 }
 
 fn ignore_missing(e: std::io::Error) -> std::io::Result<()> {
@@ -377,6 +417,7 @@ mod tests {
     fn spec_defaults() {
         let n: PodNet = serde_json::from_str(r#"{"netns": "/run/vessel/netns/p"}"#).unwrap();
         assert_eq!((n.peer.as_str(), n.tap.as_str()), ("eth0", "vessel-tap0"));
+        assert!(!n.deferred);
         assert!(serde_json::from_str::<PodNet>(r#"{"netns": "/x", "bogus": 1}"#).is_err());
     }
 }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use vessel_shim::podnet::{plug, PodNet};
+use vessel_shim::podnet::{connect, plug, PodNet};
 use vessel_vmm::virtio::net::NET_HDR_LEN;
 
 const ETHERTYPE: u16 = 0x88b5; // IEEE local experimental
@@ -191,11 +191,13 @@ fn podnet() {
         netns: PathBuf::from(format!("/run/netns/{}", pod.ns)),
         peer: "eth0".into(),
         tap: "vessel-tap0".into(),
+        deferred: false,
     };
     let plugged = plug(&net, 1).expect("plugging the tap");
     assert_eq!(plugged.taps.len(), 1);
-    assert_eq!(plugged.mtu, 1400);
-    assert_eq!(plugged.mac_string(), mac);
+    let peer = plugged.peer.expect("the peer, when not deferred");
+    assert_eq!(peer.mtu, 1400);
+    assert_eq!(peer.mac_string(), mac);
     let filters = Command::new("ip")
         .args([
             "netns", "exec", &pod.ns, "tc", "filter", "show", "dev", "eth0", "ingress",
@@ -223,4 +225,24 @@ fn podnet() {
         !links.contains("vessel-tap0"),
         "the tap outlived its fd: {links}"
     );
+
+    // Deferred (vesseld runs CNI while the guest boots): the tap first, not yet connected;
+    // connect then gives it the peer's MTU and the redirects, and answers the peer's MAC.
+    let deferred = PodNet {
+        deferred: true,
+        ..net.clone()
+    };
+    let tap_only = plug(&deferred, 1).expect("a deferred plug");
+    assert!(tap_only.peer.is_none());
+    let shown = ip(&["-n", &pod.ns, "link", "show", "vessel-tap0"]);
+    assert!(shown.contains(",UP"), "{shown}");
+    let peer = connect(&deferred).expect("connecting the tap");
+    assert_eq!((peer.mac_string(), peer.mtu), (mac.clone(), 1400));
+    let shown = ip(&["-n", &pod.ns, "link", "show", "vessel-tap0"]);
+    assert!(shown.contains("mtu 1400"), "{shown}");
+    frames_both_ways(&tap_only.taps, 0, &host);
+    drop(tap_only);
+    // A tap that is gone cannot be connected: a clear error, not a panic.
+    let e = connect(&deferred).expect_err("connecting a tap that is gone");
+    assert!(e.to_string().contains("vessel-tap0"), "{e}");
 }

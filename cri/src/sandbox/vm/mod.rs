@@ -132,6 +132,13 @@ impl SandboxBackend for VmBackend {
         let rec = pod.record();
         let v = vm_of(&rec);
         let fail = |e: VmError| internal(format!("pod {}", rec.id))(e);
+        // A VM that did not come up in time is DeadlineExceeded.
+        let timed_out = |e: VmError| match e {
+            VmError::BootTimeout { .. } | VmError::NoControl { .. } => {
+                RuntimeError::DeadlineExceeded(format!("pod {}: {e}", rec.id))
+            }
+            e => fail(e),
+        };
         // Each step's end at debug level, with the time since the start began.
         let (t, id) = (std::time::Instant::now(), rec.id.clone());
         let step = |what: &str| tracing::debug!(pod = %id, step = what, ms = t.elapsed().as_secs_f64() * 1e3, "starting the VM pod");
@@ -139,13 +146,21 @@ impl SandboxBackend for VmBackend {
         let shared_dir =
             volumes::create_share(&v.dir).map_err(internal(format!("pod {}", rec.id)))?;
         netns::create(&rec.netns_path).map_err(internal(format!("pod {}", rec.id)))?;
-        network::attach(&self.cni, pod, config).await?;
-        step("network");
-        let attachment = self.cni.cached(&rec.id);
-        let pod_net = attachment.as_ref().map(|_| PodNet {
+        // CNI runs while the guest boots: the shim makes its tap in the pod's netns and boots,
+        // and once ADD is done the tap is connected to CNI's interface (below). Without a CNI
+        // network the pod has loopback only, and no tap.
+        // A CNI configuration that cannot work (a plugin missing) fails the pod here, before a
+        // VM boots for nothing: ADD would fail the same way.
+        let on_cni = match self.cni.ready() {
+            Ok(_) => true,
+            Err(crate::cni::CniError::NoConfig(_)) => false,
+            Err(e) => return Err(crate::errors::cni_err(e)),
+        };
+        let pod_net = on_cni.then(|| PodNet {
             netns: rec.netns_path.clone(),
             peer: crate::cni::IFNAME.into(),
             tap: TAP.into(),
+            deferred: true,
         });
         let cfg = &self.cfg;
         let userns = crate::userns::of_pod(config).map_err(RuntimeError::InvalidArgument)?;
@@ -161,7 +176,7 @@ impl SandboxBackend for VmBackend {
             seccomp: cfg.seccomp,
             boot_timeout: Duration::from_secs(cfg.boot_timeout_secs),
             log_level: &self.log_level,
-            pod_net,
+            pod_net: pod_net.clone(),
             shared_dir: Some(shared_dir),
             log_token: &v.log_token,
             userns: userns.as_ref(),
@@ -175,19 +190,72 @@ impl SandboxBackend for VmBackend {
         });
         super::save(&self.dirs, &rec)?;
         step("shim-spawned");
-        let mut c = shim::wait_for_agent(&v.dir, &launched, launch.boot_timeout)
+        network::attach(&self.cni, pod, config).await?;
+        step("network");
+        let attachment = self.cni.cached(&rec.id);
+        if attachment.is_some() && pod_net.is_none() {
+            return Err(RuntimeError::Unavailable(format!(
+                "pod {}: a CNI network was configured while the pod started, after its VM \
+                 was made without a network interface; run it again",
+                rec.id
+            )));
+        }
+        // The guest's eth0 takes the CNI interface's MAC and MTU (ConfigureSandbox, below).
+        let peer = match (&pod_net, &attachment) {
+            (Some(net), Some(_)) => {
+                shim::wait_for_control(&v.dir, &launched, launch.boot_timeout)
+                    .await
+                    .map_err(timed_out)?;
+                let net = net.clone();
+                let peer = tokio::task::spawn_blocking(move || vessel_shim::podnet::connect(&net))
+                    .await
+                    .map_err(internal(format!("pod {}: the tap", rec.id)))?
+                    .map_err(|e| {
+                        RuntimeError::Internal(format!(
+                            "pod {}: connecting the VM's tap to the pod network: {e}",
+                            rec.id
+                        ))
+                    })?;
+                step("tap-connected");
+                Some(peer)
+            }
+            _ => None,
+        };
+        let (mut c, features) = shim::wait_for_agent(&v.dir, &launched, launch.boot_timeout)
             .await
-            .map_err(|e| match e {
-                VmError::BootTimeout { .. } => {
-                    RuntimeError::DeadlineExceeded(format!("pod {}: {e}", rec.id))
-                }
-                e => fail(e),
-            })?;
+            .map_err(timed_out)?;
+        if peer.is_some()
+            && !features
+                .iter()
+                .any(|f| f == vessel_agent::FEATURE_LINK_ADDR)
+        {
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "pod {}: the guest agent is older than vesseld: it cannot give the guest's \
+                 eth0 the pod network's MAC and MTU (rebuild the guest image with this \
+                 vessel-agent)",
+                rec.id
+            )));
+        }
         crate::metrics::get().record_vm_boot(boot_started.elapsed());
         step("agent-connected");
-        let (interfaces, routes) = attachment
+        let (mut interfaces, routes) = attachment
             .map(|a| crate::cni::guest_network(&a.result, crate::cni::IFNAME))
             .unwrap_or_default();
+        if let Some(peer) = peer {
+            if !interfaces.iter().any(|i| i.name == crate::cni::IFNAME) {
+                interfaces.push(ap::GuestInterface {
+                    name: crate::cni::IFNAME.into(),
+                    ..Default::default()
+                });
+            }
+            for i in interfaces
+                .iter_mut()
+                .filter(|i| i.name == crate::cni::IFNAME)
+            {
+                i.mac = peer.mac_string();
+                i.mtu = u32::from(peer.mtu);
+            }
+        }
         c.configure_sandbox(ap::ConfigureSandboxRequest {
             hostname: rec.hostname.clone(),
             sysctls: super::net_sysctls(config),

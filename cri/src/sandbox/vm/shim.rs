@@ -30,6 +30,10 @@ pub enum VmError {
     ShimExited { status: String, detail: String },
     #[error("the guest agent did not answer within {timeout:?} of the VM's start: {detail}")]
     BootTimeout { timeout: Duration, detail: String },
+    #[error(
+        "the VM shim did not bind its control socket within {timeout:?} of its start: {detail}"
+    )]
+    NoControl { timeout: Duration, detail: String },
     #[error("VM shim control {op}: {detail}")]
     Control { op: String, detail: String },
 }
@@ -89,6 +93,8 @@ impl VmPaths {
 pub struct Launched {
     pub pid: u32,
     pub start_time: u64,
+    /// When it was spawned (boot timing).
+    pub at: Instant,
 }
 
 /// The shim spec for a pod (docs/vm-pods.md), as the shim's own types.
@@ -222,7 +228,11 @@ pub fn spawn(spec: &LaunchSpec<'_>) -> Result<Launched, VmError> {
     // The Child is dropped without waiting: vesseld reaps the shim by pid (process::reap).
     drop(child);
     let start_time = process::process_start_time(pid).unwrap_or(0);
-    Ok(Launched { pid, start_time })
+    Ok(Launched {
+        pid,
+        start_time,
+        at: Instant::now(),
+    })
 }
 
 /// Connects to the guest agent once it serves, until `timeout` or the shim exits.
@@ -236,7 +246,7 @@ pub async fn wait_for_agent(
     dir: &Path,
     shim: &Launched,
     timeout: Duration,
-) -> Result<AgentClient<Channel>, VmError> {
+) -> Result<(AgentClient<Channel>, Vec<String>), VmError> {
     let p = VmPaths::new(dir);
     let start = Instant::now();
     let mut last = String::from("not tried");
@@ -266,7 +276,7 @@ pub async fn wait_for_agent(
             .await
             {
                 Ok(mut c) => match c.ping(vessel_agent::proto::PingRequest {}).await {
-                    Ok(_) => return Ok(c),
+                    Ok(r) => return Ok((c, r.into_inner().features)),
                     Err(s) => last = format!("ping: {}", s.message()),
                 },
                 Err(e) => last = e.to_string(),
@@ -288,12 +298,33 @@ fn shim_gone(shim: &Launched) -> bool {
     !process::is_alive(shim.pid, shim.start_time)
 }
 
-/// Waits, through the shim's control socket, until the guest agent serves: `Ok` when it
-/// does, an error when the shim exits first, cannot be asked, or `timeout` passes.
-async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Result<(), String> {
-    use vessel_shim::control::{Client, Request};
+/// Waits until the shim has bound its control socket, which it does after it made the pod's
+/// tap and before it builds the VM: an error when the shim exits first or `timeout` passes.
+pub async fn wait_for_control(
+    dir: &Path,
+    shim: &Launched,
+    timeout: Duration,
+) -> Result<(), VmError> {
+    let p = VmPaths::new(dir);
+    control_socket(&p.control, shim, timeout)
+        .await
+        .map_err(|e| {
+            if shim_gone(shim) {
+                VmError::ShimExited {
+                    status: "exited".into(),
+                    detail: process::log_tail(&p.shim_log, 6),
+                }
+            } else {
+                VmError::NoControl {
+                    timeout,
+                    detail: format!("{e}; shim log: {}", process::log_tail(&p.shim_log, 4)),
+                }
+            }
+        })
+}
+
+async fn control_socket(ctl: &Path, shim: &Launched, timeout: Duration) -> Result<(), String> {
     let start = Instant::now();
-    // The shim binds its control socket before it builds the VM.
     while !ctl.exists() {
         if shim_gone(shim) {
             return Err("the shim exited".into());
@@ -303,8 +334,18 @@ async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Res
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    Ok(())
+}
+
+/// Waits, through the shim's control socket, until the guest agent serves: `Ok` when it
+/// does, an error when the shim exits first, cannot be asked, or `timeout` passes.
+async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Result<(), String> {
+    use vessel_shim::control::{Client, Request};
+    let start = Instant::now();
+    control_socket(ctl, shim, timeout).await?;
     let left = timeout.saturating_sub(start.elapsed());
     let ctl = ctl.to_path_buf();
+    let spawned = shim.at;
     tokio::task::spawn_blocking(move || {
         let mut c = Client::connect(&ctl).map_err(|e| e.to_string())?;
         // The shim answers by `left`; a shim that hangs must not hold us much longer.
@@ -316,9 +357,9 @@ async fn wait_for_serving(ctl: &Path, shim: &Launched, timeout: Duration) -> Res
         };
         match c.call(&req, None) {
             Ok(r) if r.ok => {
-                // Where the boot went, from the guest's events (`ms`: since we began to wait,
-                // just after the shim was spawned).
-                let at = start.elapsed().as_secs_f64() * 1e3;
+                // Where the boot went, from the guest's events (`ms`: since the shim was
+                // spawned).
+                let at = spawned.elapsed().as_secs_f64() * 1e3;
                 for e in r.events.unwrap_or_default() {
                     let ms = at - e.ago_us as f64 / 1e3;
                     tracing::debug!(event = %e.name, ms, "guest boot event");
@@ -454,6 +495,7 @@ mod tests {
                 netns: "/run/vessel/netns/p".into(),
                 peer: "eth0".into(),
                 tap: crate::sandbox::vm::TAP.into(),
+                deferred: true,
             }),
             shared_dir: Some(d.path().join("shared")),
             userns: None,
@@ -463,7 +505,9 @@ mod tests {
         .unwrap();
         assert_eq!(s["pod_net"]["netns"], "/run/vessel/netns/p");
         let back = vessel_shim::Spec::from_value(s.clone()).unwrap();
-        assert_eq!(back.shim.pod_net.unwrap().peer, "eth0");
+        let net = back.shim.pod_net.unwrap();
+        assert_eq!(net.peer, "eth0");
+        assert!(net.deferred);
         assert_eq!(s["spare_disks"], 4);
         assert_eq!(s["shared_dirs"][0]["tag"], "vessel");
         assert_eq!(s["log_port"], LOG_PORT);
